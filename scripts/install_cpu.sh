@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds the CPU test environment from this project's own files, on a fresh machine:
+#   .venv/                 torch 2.13.0 (CPU build), the pinned packages of requirements/cpu-common.txt, this project
+#   .deps/sglang-<ver>/    one folder per supported SGLang release: sglang --no-deps plus the versions it pins
+# The SGLang release in use is chosen by putting its folder first on PYTHONPATH (scripts/env.sh does that).
+# torch must be installed first and everything SGLang-related with --no-deps: a plain `torch` requirement
+# would pull the multi-GB CUDA build. Idempotent: a finished step is skipped on the next run.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+RELEASES=${SGLANG_RELEASES:-"0.5.23 0.5.17"}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install -q)
+if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0+cpu')" 2>/dev/null; then
+  "${PIP[@]}" torch==2.13.0
+fi
+if [ ! -f .venv/.common-installed ] || ! cmp -s requirements/cpu-common.txt .venv/.common-installed; then
+  "${PIP[@]}" -r requirements/cpu-common.txt
+  "${PIP[@]}" --no-deps torchvision==0.28.0 triton==3.9.0
+  SP=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  cp scripts/cpu_torchvision_fix.py "$SP/_sglang_p2p_cpu_torchvision_fix.py"
+  echo "import _sglang_p2p_cpu_torchvision_fix as m; m.install()" > "$SP/_sglang_p2p_cpu_torchvision_fix.pth"
+  cp requirements/cpu-common.txt .venv/.common-installed
+fi
+for v in $RELEASES; do
+  d=.deps/sglang-$v
+  if [ ! -f "$d/.installed" ] || ! cmp -s "requirements/sglang-$v.txt" "$d/.installed"; then
+    rm -rf "$d"
+    "${PIP[@]}" --no-deps --target "$d" -r "requirements/sglang-$v.txt"
+    cp "requirements/sglang-$v.txt" "$d/.installed"
+  fi
+done
+# the project itself (editable, so the sglang.srt.plugins entry point is registered)
+"${PIP[@]}" --no-deps --no-build-isolation -e .
+echo "CPU environment ready: .venv + .deps/sglang-{${RELEASES// /,}}"
