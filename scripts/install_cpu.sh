@@ -36,6 +36,20 @@ for v in $RELEASES; do
     cp "requirements/sglang-$v.txt" "$d/.installed"
   fi
 done
+# Extra tool sets (LB bench peers, benchmark drivers, Mooncake): requirements/extra-*.txt, resolved against
+# torch 2.13.0 and the common pins so nothing upgrades torch to a CUDA build; *-nodeps.txt go in with --no-deps.
+echo "torch==2.13.0" > .venv/constraints.txt
+grep -v '^#' requirements/cpu-common.txt >> .venv/constraints.txt
+for f in requirements/extra-*.txt; do
+  [ -e "$f" ] || continue
+  stamp=.venv/.$(basename "$f").installed
+  cmp -s "$f" "$stamp" 2>/dev/null && continue
+  case "$f" in
+    *-nodeps.txt) "${PIP[@]}" --no-deps -r "$f" ;;
+    *) "${PIP[@]}" -c .venv/constraints.txt -r "$f" ;;
+  esac
+  cp "$f" "$stamp"
+done
 # the project itself (editable, so the sglang.srt.plugins entry point is registered)
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 echo "CPU environment ready: .venv + .deps/sglang-{${RELEASES// /,}}"

@@ -1,0 +1,673 @@
+"""SGLang adapter of the p2pnccl backend: KV manager, sender, receiver and bootstrap server.
+
+Shaped like SGLang's Mooncake backend (`disaggregation/mooncake/conn.py`): the Common classes do bootstrap,
+rank mapping, heartbeat and timeouts; this module adds one control thread per role on the manager's PULL
+socket, prefill transfer queues sharded by decode peer (so one peer's chunks stay ordered), and translates
+SGLang's calls into engine calls. The data path lives in `engine/` and imports nothing from SGLang.
+
+Protocol (all on the ordered control channel, see engine/messages.py):
+  decode -> prefill: PeerRegister once per pair, RoomMetadata per request, SGLang's ABORT frames;
+  prefill -> decode: CommInit + ChunkHeader before each chunk's bytes on the pair channel, AuxData (host
+  rows), then Status. The decode applies a prefill's Success only after its own receives of every chunk
+  announced before it (engine/arrivals.py), and after the aux row, so SGLang's metadata gate passes.
+
+Release differences (SGLang 0.5.17 vs 0.5.23) are absorbed here: both have the Common manager state,
+`update_status`, `record_failure`, `_prepare_send_indices`, the timeouts and the heartbeat; everything else
+(status messages, polling, failure exceptions) is implemented here once for both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import zmq
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+    KVTransferError,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from sglang_p2p_backend.engine import messages as wire
+from sglang_p2p_backend.engine.arrivals import ArrivalTracker
+from sglang_p2p_backend.engine.config import EngineConfig
+from sglang_p2p_backend.engine.control import ControlChannel, ControlError
+from sglang_p2p_backend.engine.memory import page_views, regions_from_lists
+from sglang_p2p_backend.engine.pipeline import PairReceiver, PairSender
+from sglang_p2p_backend.engine.plan import PlanError
+from sglang_p2p_backend.engine.staging import StagingPool
+from sglang_p2p_backend.engine.transport import two_sided_transport
+from sglang_p2p_backend.engine.transport.base import TransportError
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+
+
+def _ids(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype=np.int32)
+
+
+@dataclass
+class TransferInfo:
+    """One decode rank's destinations for one room (prefill side). Field names follow Mooncake's, which
+    Common code reads (`endpoint`, `dst_port`, `is_dummy`, `required_dst_info_num`)."""
+
+    session: str
+    room: int
+    dst_kv_indices: np.ndarray
+    dst_aux_index: int
+    dst_state_indices: List[np.ndarray]
+    required_dst_info_num: int
+    decode_prefix_len: int
+    is_dummy: bool
+
+    @property
+    def endpoint(self) -> str:
+        return self.session.rsplit(":", 1)[0]
+
+    @property
+    def dst_port(self) -> int:
+        return int(self.session.rsplit(":", 1)[1])
+
+
+@dataclass
+class TransferTask:
+    room: int
+    kv_indices: np.ndarray
+    index_slice: slice
+    is_last: bool
+    aux_index: Optional[int]
+    state_indices: Optional[list]
+    wait_event: Any = None
+
+
+@dataclass
+class _ResetPeer:
+    """Queued behind a peer's earlier chunks: drop its pair channel (the decode rank re-registered)."""
+
+    session: str
+
+
+@dataclass
+class _Shard:
+    queue: "queue.SimpleQueue[object]" = field(default_factory=queue.SimpleQueue)
+    thread: Optional[threading.Thread] = None
+
+
+class P2pNcclKVManager(CommonKVManager):
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: Optional[bool] = False,
+        **kwargs: Any,
+    ):
+        self.config = EngineConfig.from_env()
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self.session = f"{self.local_ip}:{self.rank_port}"
+        self.hostname = socket.gethostname()
+        self.prefill_rank = self.attn_tp_rank * (self.pp_size * self.attn_cp_size) + (
+            self.pp_rank * self.attn_cp_size + self.attn_cp_rank
+        )
+        self.device = self._kv_device(args)
+        self.kv_regions = regions_from_lists(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
+        self.state_regions = [
+            regions_from_lists(p, n, i)
+            for p, n, i in zip(
+                getattr(args, "state_data_ptrs", []) or [],
+                getattr(args, "state_data_lens", []) or [],
+                getattr(args, "state_item_lens", []) or [],
+            )
+        ]
+        self.views = [page_views(self.kv_regions, self.device)] + [
+            page_views(r, self.device) for r in self.state_regions
+        ]
+        self.transport = two_sided_transport(self.config.transport, self.device, self.local_ip, self.config.io_timeout)
+        self.staging = StagingPool(self.transport.alloc_staging, self.config.slot_bytes, self.config.staging_slots)
+        self.control = ControlChannel()
+        self._stop = threading.Event()
+        self._threads: List[threading.Thread] = []
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self._init_prefill()
+        else:
+            self._init_decode()
+
+    # ------------------------------------------------------------------ common
+    def _kv_device(self, args: KVArgs) -> torch.device:
+        if self.config.transport != "tcp" and torch.cuda.is_available():
+            return torch.device("cuda", int(getattr(args, "gpu_id", 0) or 0))
+        return torch.device("cpu")
+
+    def _spawn(self, target, name: str, *a) -> threading.Thread:
+        t = threading.Thread(target=target, args=a, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def _control_loop(self, handle) -> None:
+        poller = zmq.Poller()
+        poller.register(self.server_socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(_POLL_MS):
+                continue
+            frames = self.server_socket.recv_multipart()
+            try:
+                handle(frames)
+            except Exception:
+                logger.exception("p2pnccl control thread: error handling a message")
+
+    def close(self) -> None:
+        """Stop this manager's threads and release its channels, staging and sockets (tests, shutdown)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        # unblock anything waiting on a peer first (pending accepts, staging waits), then stop the threads
+        self.transport.close()
+        self.staging.close()
+        if self.disaggregation_mode == DisaggregationMode.PREFILL:
+            for shard in self.shards:
+                shard.queue.put(None)
+            for t in self._threads:
+                t.join(timeout=5)
+            for sender in list(self.senders.values()):
+                sender.close()
+        else:
+            for receiver in list(self.receivers.values()):
+                receiver.close()
+            for t in self._threads:
+                t.join(timeout=5)
+        self.control.close()
+
+    # ------------------------------------------------------------------ prefill
+    def _init_prefill(self) -> None:
+        self.decode_peers: Dict[str, wire.PeerRegister] = {}
+        self.rejected_peers: Dict[str, str] = {}
+        self.senders: Dict[str, PairSender] = {}
+        self.shards = [_Shard() for _ in range(self.config.workers)]
+        for i, shard in enumerate(self.shards):
+            shard.thread = self._spawn(self._transfer_worker, f"p2p-transfer-{i}", shard)
+        self._spawn(self._control_loop, "p2p-prefill-control", self._handle_prefill_frames)
+
+    def _handle_prefill_frames(self, frames: List[bytes]) -> None:
+        msg = wire.decode(frames)
+        if msg is None:
+            if frames and frames[0] == b"ABORT":
+                self._on_decode_abort(frames)
+            return
+        if isinstance(msg, wire.PeerRegister):
+            self._on_register(msg)
+        elif isinstance(msg, wire.RoomMetadata):
+            self._on_metadata(msg)
+
+    def _check_peer(self, reg: wire.PeerRegister) -> Optional[str]:
+        args = self.kv_args
+        if reg.page_size != args.page_size:
+            return f"page size differs: prefill --page-size {args.page_size}, decode {reg.page_size}; launch both with the same --page-size"
+        if reg.kv_dtype != str(args.kv_cache_dtype_str):
+            return f"KV cache dtype differs: prefill {args.kv_cache_dtype_str}, decode {reg.kv_dtype}; launch both with the same --kv-cache-dtype"
+        if list(reg.kv_item_lens) != [r.item_len for r in self.kv_regions]:
+            return (
+                f"KV layout differs: prefill has {len(self.kv_regions)} regions of "
+                f"{sorted({r.item_len for r in self.kv_regions})} bytes per page, decode {len(reg.kv_item_lens)} of "
+                f"{sorted(set(reg.kv_item_lens))}; prefill and decode must run the same model, TP and page size"
+            )
+        if [list(x) for x in reg.state_item_lens] != [[r.item_len for r in comp] for comp in self.state_regions]:
+            return "state component layout differs between prefill and decode (same model and TP needed)"
+        return None
+
+    def _on_register(self, reg: wire.PeerRegister) -> None:
+        problem = self._check_peer(reg)
+        if problem:
+            logger.error("p2pnccl: decode rank %s rejected: %s", reg.session, problem)
+            self.rejected_peers[reg.session] = problem
+            self.decode_peers.pop(reg.session, None)
+            return
+        self.rejected_peers.pop(reg.session, None)
+        self.decode_peers[reg.session] = reg
+        # a re-registration means the decode rank restarted: its old pair channel is gone; the owning worker
+        # creates a fresh one on its next chunk
+        self._shard_of(reg.session).queue.put(_ResetPeer(reg.session))
+
+    def _on_metadata(self, msg: wire.RoomMetadata) -> None:
+        room = msg.room
+        problem = self.rejected_peers.get(msg.session)
+        info = TransferInfo(
+            session=msg.session,
+            room=room,
+            dst_kv_indices=_ids(msg.kv_ids),
+            dst_aux_index=msg.aux_index,
+            dst_state_indices=[_ids(x) for x in msg.state_ids],
+            required_dst_info_num=msg.required_dst_info_num,
+            decode_prefix_len=msg.decode_prefix_len,
+            is_dummy=msg.is_dummy,
+        )
+        infos = self.transfer_infos.setdefault(room, {})
+        infos[msg.session] = info
+        if problem:
+            self._fail_room(room, f"decode rank {msg.session} rejected: {problem}")
+            return
+        if not msg.is_dummy and msg.session not in self.decode_peers:
+            self._fail_room(room, f"decode rank {msg.session} sent metadata before registering")
+            return
+        if len(infos) == msg.required_dst_info_num:
+            self.resolve_kv_replica_factor(infos)
+            self.req_to_decode_prefix_len[room] = msg.decode_prefix_len
+            self.update_status(room, KVPoll.WaitingForInput)
+
+    def _on_decode_abort(self, frames: List[bytes]) -> None:
+        try:
+            room = int(frames[1])
+            who = f"{frames[2].decode()}:{frames[3].decode()}"
+        except (IndexError, ValueError):
+            logger.warning("p2pnccl: malformed ABORT frames %r", frames[:4])
+            return
+        if room in self.request_status:
+            self.record_failure(room, f"Aborted by decode rank {who}")
+            self.update_status(room, KVPoll.Failed)
+
+    def _fail_room(self, room: int, reason: str) -> None:
+        """Fail `room` here and tell every real decode rank of it (once)."""
+        already = self.request_status.get(room) == KVPoll.Failed
+        with self.failure_lock:
+            self.failure_records.setdefault(room, reason)
+        self.update_status(room, KVPoll.Failed)
+        if not already:
+            self._notify_decode(room, KVPoll.Failed, reason)
+
+    def _notify_decode(self, room: int, status: int, reason: str = "") -> None:
+        for info in list((self.transfer_infos.get(room) or {}).values()):
+            if info.is_dummy:
+                continue
+            try:
+                self.control.send(info.session, wire.Status(self.session, room, self.prefill_rank, int(status), reason))
+            except ControlError as e:
+                logger.warning("p2pnccl: room %s: %s", room, e)
+
+    def notify_aborted(self, room: int) -> None:
+        self._notify_decode(room, KVPoll.Failed, "Aborted on prefill by AbortReq")
+
+    def _shard_of(self, session: str) -> _Shard:
+        return self.shards[sum(session.encode()) % len(self.shards)]
+
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: npt.NDArray[np.int32],
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: Optional[int] = None,
+        state_indices: Optional[List] = None,
+        num_kv_tokens: Optional[int] = None,
+        *,
+        wait_event: Any = None,
+        **_: Any,
+    ) -> None:
+        status = self.request_status.get(bootstrap_room)
+        if status is None or status == KVPoll.Failed:
+            return
+        infos = self.transfer_infos.get(bootstrap_room)
+        if not infos:
+            return
+        task = TransferTask(
+            bootstrap_room,
+            np.array(kv_indices, dtype=np.int32, copy=True),
+            index_slice,
+            is_last_chunk,
+            aux_index,
+            state_indices,
+            wait_event,
+        )
+        real = sorted(s for s, i in infos.items() if not i.is_dummy)
+        self._shard_of(real[0] if real else "").queue.put(task)
+
+    def _transfer_worker(self, shard: _Shard) -> None:
+        while True:
+            task = shard.queue.get()
+            if task is None:
+                return
+            if isinstance(task, _ResetPeer):
+                sender = self.senders.pop(task.session, None)
+                if sender is not None:
+                    sender.close()
+                continue
+            try:
+                self._process(task)
+            except Exception as e:  # anything unexpected still ends the room with a reason
+                logger.exception("p2pnccl: transfer of room %s failed", task.room)
+                self._fail_room(task.room, f"prefill transfer error: {e!r}")
+
+    def _pair_sender(self, session: str) -> PairSender:
+        sender = self.senders.get(session)
+        if sender is None:
+            sender = self.senders[session] = PairSender(
+                transport=self.transport,
+                staging=self.staging,
+                views=self.views,
+                local_session=self.session,
+                control=lambda m, s=session: self.control.send(s, m),
+                connect_timeout=self.config.connect_timeout,
+                io_timeout=self.config.io_timeout,
+            )
+        return sender
+
+    def _process(self, task: TransferTask) -> None:
+        room = task.room
+        if task.wait_event is not None:
+            task.wait_event.synchronize()
+        infos = self.transfer_infos.get(room)
+        if infos is None or self.request_status.get(room) in (None, KVPoll.Failed):
+            return
+        alive = lambda: self.request_status.get(room) not in (None, KVPoll.Failed)  # noqa: E731
+        for session, info in list(infos.items()):
+            if info.is_dummy:
+                continue
+            if not alive():
+                return
+            src, dst = [task.kv_indices], [info.dst_kv_indices[task.index_slice]]
+            if task.is_last and task.state_indices:
+                for c, ids in enumerate(task.state_indices):
+                    if ids is not None and c < len(info.dst_state_indices):
+                        src.append(np.asarray(ids, dtype=np.int32).reshape(-1))
+                        dst.append(info.dst_state_indices[c])
+            try:
+                self._pair_sender(session).send(room, self.prefill_rank, src, dst, keep_going=alive)
+                if task.is_last and alive():
+                    self._send_aux(session, room, task.aux_index, info.dst_aux_index)
+            except (TransportError, ControlError, PlanError) as e:
+                self._fail_room(room, f"KV transfer to decode rank {session} failed: {e}")
+                return
+        if task.is_last and alive():
+            self._notify_decode(room, KVPoll.Success)
+            self.update_status(room, KVPoll.Success)
+
+    def _send_aux(self, session: str, room: int, src_index: Optional[int], dst_index: int) -> None:
+        if src_index is None:
+            return
+        peer = self.decode_peers[session]
+        args = self.kv_args
+        rows = []
+        # copy the common prefix of the aux buffer lists, as SGLang's check_peer_aux_buffer_count allows
+        for ptr, item_len, dst_len in zip(args.aux_data_ptrs, args.aux_item_lens, peer.aux_item_lens):
+            n = min(item_len, dst_len)
+            rows.append(ctypes.string_at(ptr + item_len * src_index, n))
+        self.control.send(session, wire.AuxData(room, dst_index, rows))
+
+    # ------------------------------------------------------------------ decode
+    def _init_decode(self) -> None:
+        self.receivers: Dict[str, PairReceiver] = {}
+        self.live_rooms: set = set()
+        self.incompatible_prefills: Dict[str, str] = {}
+        self.arrivals = ArrivalTracker(self._apply_prefill_final)
+        self._spawn(self._control_loop, "p2p-decode-control", self._handle_decode_frames)
+        self._start_heartbeat_checker_thread()
+
+    def registration(self) -> wire.PeerRegister:
+        args = self.kv_args
+        return wire.PeerRegister(
+            session=self.session,
+            hostname=self.hostname,
+            engine_rank=int(args.engine_rank),
+            attn_tp_size=int(self.attn_tp_size),
+            page_size=int(args.page_size),
+            kv_dtype=str(args.kv_cache_dtype_str),
+            kv_ptrs=[int(p) for p in args.kv_data_ptrs],
+            kv_item_lens=[int(x) for x in args.kv_item_lens],
+            aux_ptrs=[int(p) for p in args.aux_data_ptrs],
+            aux_item_lens=[int(x) for x in args.aux_item_lens],
+            state_ptrs=[[r.ptr for r in comp] for comp in self.state_regions],
+            state_item_lens=[[r.item_len for r in comp] for comp in self.state_regions],
+            transports=[self.transport.name],
+        )
+
+    def _receiver(self, session: str) -> PairReceiver:
+        receiver = self.receivers.get(session)
+        if receiver is None:
+            receiver = self.receivers[session] = PairReceiver(
+                transport=self.transport,
+                staging=self.staging,
+                views=self.views,
+                peer_session=session,
+                wanted=self.room_wanted,
+                on_chunk=self.arrivals.landed,
+                connect_timeout=self.config.connect_timeout,
+                io_timeout=self.config.io_timeout,
+            )
+        return receiver
+
+    def room_wanted(self, room: int) -> bool:
+        return room in self.live_rooms and self.request_status.get(room) not in (None, KVPoll.Failed)
+
+    def forget_room(self, room: int) -> None:
+        self.live_rooms.discard(room)
+        self.arrivals.forget(room)
+
+    def _handle_decode_frames(self, frames: List[bytes]) -> None:
+        msg = wire.decode(frames)
+        if msg is None:
+            return  # e.g. ABORT_ACK frames of other backends' protocol: nothing to do
+        if isinstance(msg, wire.CommInit):
+            self._receiver(msg.session).submit(msg)
+        elif isinstance(msg, wire.ChunkHeader):
+            self.arrivals.announce(msg.room, msg.prefill_rank, msg.session)
+            self._receiver(msg.session).submit(msg)
+        elif isinstance(msg, wire.AuxData):
+            self._write_aux(msg)
+        elif isinstance(msg, wire.Status):
+            self.arrivals.final(msg.room, msg.prefill_rank, msg.status == KVPoll.Success, msg.reason)
+
+    def _write_aux(self, msg: wire.AuxData) -> None:
+        if not self.room_wanted(msg.room):
+            return
+        args = self.kv_args
+        for ptr, item_len, row in zip(args.aux_data_ptrs, args.aux_item_lens, msg.rows):
+            ctypes.memmove(ptr + item_len * msg.aux_index, row, min(len(row), item_len))
+
+    def _apply_prefill_final(self, room: int, prefill_rank: int, success: bool, reason: str) -> None:
+        if room not in self.request_status:
+            return
+        if not success:
+            self.record_failure(room, reason or "Failed to get kvcache from prefill instance, it might be dead")
+            self.update_status(room, KVPoll.Failed)
+            return
+        done = self.prefill_response_tracker[room]
+        done.add(prefill_rank)
+        if len(done) >= self.required_prefill_response_num_table.get(room, 1):
+            self.update_status(room, KVPoll.Success)
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Common's check, plus what p2pnccl cannot do; a mismatch fails the requests instead of raising
+        into the decode scheduler."""
+        if bootstrap_addr in self.incompatible_prefills:
+            self._fail_rooms_of(bootstrap_addr, self.incompatible_prefills[bootstrap_addr])
+            return False
+        try:
+            ok = super().try_ensure_parallel_info(bootstrap_addr)
+        except RuntimeError as e:
+            return self._mark_incompatible(bootstrap_addr, str(e))
+        info = self.prefill_info_table.get(bootstrap_addr) if ok else None
+        if info is not None and not self.is_mla_backend and info.attn_tp_size != self.attn_tp_size:
+            self.prefill_info_table.pop(bootstrap_addr, None)
+            return self._mark_incompatible(
+                bootstrap_addr,
+                f"p2pnccl does not slice MHA heads: prefill attention TP is {info.attn_tp_size} but decode "
+                f"attention TP is {self.attn_tp_size}; launch both with the same --tp (or --disaggregation-"
+                f"transfer-backend mooncake, which slices heads)",
+            )
+        return ok
+
+    def _mark_incompatible(self, bootstrap_addr: str, reason: str) -> bool:
+        logger.error("p2pnccl: prefill %s cannot serve this decode: %s", bootstrap_addr, reason)
+        self.incompatible_prefills[bootstrap_addr] = reason
+        self._fail_rooms_of(bootstrap_addr, reason)
+        return False
+
+    def _fail_rooms_of(self, bootstrap_addr: str, reason: str) -> None:
+        for room in list(self.addr_to_rooms_tracker.get(bootstrap_addr, ())):
+            if self.request_status.get(room) not in (None, KVPoll.Success, KVPoll.Failed):
+                self.record_failure(room, reason)
+                self.update_status(room, KVPoll.Failed)
+
+
+def _raise_failure(obj, mgr: P2pNcclKVManager) -> None:
+    if obj.conclude_state is None:
+        obj.conclude_state = KVPoll.Failed
+    obj.clear()
+    with mgr.failure_lock:
+        reason = mgr.failure_records.pop(obj.bootstrap_room, None)
+    propagated = reason is None
+    raise KVTransferError(
+        obj.bootstrap_room, reason or "Failed due to an unknown reason from another rank", is_from_another_rank=propagated
+    )
+
+
+class P2pNcclKVSender(CommonKVSender):
+    def __init__(self, mgr: P2pNcclKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any, **kwargs: Any):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+        if getattr(self, "init_time", None) is None:
+            self.init_time = time.time()
+
+    def send(self, kv_indices: npt.NDArray[np.int32], state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None, **kwargs: Any):
+        if self.conclude_state is not None:
+            return
+        kv_indices, index_slice, is_last, skip = self._prepare_send_indices(kv_indices, state_indices)
+        if skip:
+            return
+        wait_event = kwargs.get("wait_event") or getattr(self, "_early_send_wait_event", None)
+        self.kv_mgr.add_transfer_request(
+            self.bootstrap_room,
+            kv_indices,
+            index_slice,
+            is_last,
+            aux_index=self.aux_index if is_last else None,
+            state_indices=state_indices if is_last else None,
+            num_kv_tokens=num_kv_tokens,
+            wait_event=wait_event,
+        )
+        self._record_transfer_indices(kv_indices, state_indices)
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        status = self.kv_mgr.request_status.get(self.bootstrap_room, KVPoll.Failed)
+        if status in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = status
+        elif status == KVPoll.Bootstrapping:
+            timed_out = self._check_bootstrap_timeout()
+            if timed_out is not None:
+                return timed_out
+        return status
+
+    def failure_exception(self):
+        _raise_failure(self, self.kv_mgr)
+
+    def abort(self):
+        super().abort()
+        self.kv_mgr.notify_aborted(self.bootstrap_room)
+
+
+class P2pNcclKVReceiver(CommonKVReceiver):
+    def __init__(self, mgr: P2pNcclKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None, **kwargs: Any):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, **kwargs)
+        reason = mgr.incompatible_prefills.get(bootstrap_addr)
+        if reason:
+            mgr.record_failure(bootstrap_room, reason)
+            mgr.update_status(bootstrap_room, KVPoll.Failed)
+
+    def _register_kv_args(self) -> bool:
+        reg = self.kv_mgr.registration()
+        for info in self.bootstrap_infos:
+            endpoint = f"{info['rank_ip']}:{info['rank_port']}"
+            try:
+                self.kv_mgr.control.send(endpoint, reg)
+            except ControlError as e:
+                self.kv_mgr.record_failure(self.bootstrap_room, f"registering with prefill rank {endpoint} failed: {e}")
+                self.conclude_state = KVPoll.Failed
+                self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+                return False
+        return True
+
+    def send_metadata(
+        self,
+        kv_indices: npt.NDArray[np.int32],
+        aux_index: Optional[int] = None,
+        state_indices: Optional[List] = None,
+        decode_prefix_len: Optional[int] = None,
+        destination: Any = None,
+        device_kv_indices: Any = None,
+        **kwargs: Any,
+    ):
+        if destination is not None and getattr(destination, "value", destination) != "device":
+            raise NotImplementedError("p2pnccl receives into device KV pages only (no decode host receive)")
+        mgr: P2pNcclKVManager = self.kv_mgr
+        room = self.bootstrap_room
+        if getattr(self, "bootstrap_infos", None) is None:
+            mgr.record_failure(room, f"Could not fetch prefill parallel info from bootstrap_addr: {self.bootstrap_addr}")
+            mgr.update_status(room, KVPoll.Failed)
+            return
+        mgr.live_rooms.add(room)
+        ids = np.asarray(kv_indices, dtype=np.int32).tobytes()
+        states = [np.asarray(s if s is not None else [], dtype=np.int32).reshape(-1).tobytes() for s in (state_indices or [])]
+        for info in self.bootstrap_infos:
+            dummy = bool(info.get("is_dummy", False))
+            msg = wire.RoomMetadata(
+                session=mgr.session,
+                room=room,
+                kv_ids=b"" if dummy else ids,
+                aux_index=-1 if dummy or aux_index is None else int(aux_index),
+                state_ids=[] if dummy else states,
+                required_dst_info_num=int(self.required_dst_info_num),
+                decode_prefix_len=int(decode_prefix_len or 0),
+                is_dummy=dummy,
+            )
+            endpoint = f"{info['rank_ip']}:{info['rank_port']}"
+            try:
+                mgr.control.send(endpoint, msg)
+            except ControlError as e:
+                mgr.record_failure(room, f"send_metadata to prefill rank {endpoint} failed: {e}")
+                self.conclude_state = KVPoll.Failed
+                mgr.update_status(room, KVPoll.Failed)
+                return
+        self.init_time = time.time()
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        status = self.kv_mgr.request_status.get(self.bootstrap_room, KVPoll.Failed)
+        if status in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = status
+        elif status == KVPoll.WaitingForInput:
+            timed_out = self._check_waiting_timeout()
+            if timed_out is not None:
+                return timed_out
+        return status
+
+    def failure_exception(self):
+        _raise_failure(self, self.kv_mgr)
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.forget_room(self.bootstrap_room)
+
+    def abort(self):
+        super().abort()
+        self.kv_mgr.forget_room(self.bootstrap_room)
+
+
+class P2pNcclKVBootstrapServer(CommonKVBootstrapServer):
+    pass

@@ -1,0 +1,70 @@
+"""Pack a chunk's scattered pages into staging (prefill) and unpack staging into destination pages (decode).
+
+The layout is `plan.staging_blocks`. A segment whose ids are consecutive is one slice copy per region;
+otherwise one `index_select` / `index_copy_` per region. On CUDA these run on the caller's current stream
+(the pair channel's), so they order with the channel's send/recv.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .plan import Chunk, is_contiguous, staging_blocks
+
+GroupViews = Sequence[Sequence[torch.Tensor]]  # [group][region] -> (num_items, item_len) uint8 view
+
+
+class _Ids:
+    """Per-segment id selection, converted to a device index tensor only when not a plain slice."""
+
+    def __init__(self, ids: np.ndarray, device: torch.device):
+        self.ids = ids
+        self.device = device
+        self._cache: dict[tuple[int, int], object] = {}
+
+    def select(self, lo: int, hi: int):
+        key = (lo, hi)
+        sel = self._cache.get(key)
+        if sel is None:
+            part = self.ids[lo:hi]
+            if is_contiguous(part):
+                sel = slice(int(part[0]), int(part[-1]) + 1)
+            else:
+                sel = torch.from_numpy(np.ascontiguousarray(part, dtype=np.int64)).to(self.device, non_blocking=True)
+            self._cache[key] = sel
+        return sel
+
+
+def _item_lens(views: GroupViews) -> list[list[int]]:
+    return [[int(v.shape[1]) for v in regions] for regions in views]
+
+
+def gather_chunk(chunk: Chunk, views: GroupViews, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
+    """Copy the chunk's pages from the regions in `views` (ids per group) into `staging[:chunk.nbytes]`."""
+    device = staging.device
+    sel = [_Ids(i, device) for i in ids]
+    for seg, r, off, nbytes in staging_blocks(chunk, _item_lens(views)):
+        src = views[seg.group][r]
+        out = staging[off : off + nbytes].view(seg.hi - seg.lo, src.shape[1])
+        s = sel[seg.group].select(seg.lo, seg.hi)
+        if isinstance(s, slice):
+            out.copy_(src[s], non_blocking=True)
+        else:
+            torch.index_select(src, 0, s, out=out)
+
+
+def scatter_chunk(chunk: Chunk, views: GroupViews, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
+    """Copy `staging[:chunk.nbytes]` into the destination pages (ids per group) of the regions in `views`."""
+    device = staging.device
+    sel = [_Ids(i, device) for i in ids]
+    for seg, r, off, nbytes in staging_blocks(chunk, _item_lens(views)):
+        dst = views[seg.group][r]
+        block = staging[off : off + nbytes].view(seg.hi - seg.lo, dst.shape[1])
+        s = sel[seg.group].select(seg.lo, seg.hi)
+        if isinstance(s, slice):
+            dst[s].copy_(block, non_blocking=True)
+        else:
+            dst.index_copy_(0, s, block)

@@ -1,0 +1,260 @@
+"""The two-sided data path of one (prefill rank, decode rank) pair: gather -> send on prefill, recv -> scatter
+on decode, chunk by chunk in the order the control channel announced them.
+
+`PairSender` runs on the prefill's transfer worker that owns the peer (so its chunks stay ordered). The
+channel is created on first use: the prefill makes a unique id, announces it with `CommInit`, and both ranks
+join. Before each chunk's data the prefill sends a `ChunkHeader` carrying the destination ids, so the decode
+needs no per-request state beyond "is this room still wanted".
+
+`PairReceiver` is the decode's thread for one prefill peer. It receives every announced chunk even when the
+room was aborted meanwhile (then it discards the bytes instead of scattering), so the channel stays in step.
+A broken channel fails the rooms whose chunks it carried and is dropped; the prefill's next request makes a
+new one (a higher `generation`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from contextlib import nullcontext
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .gather import GroupViews, gather_chunk, scatter_chunk
+from .messages import ChunkHeader, ChunkSegment, CommInit, Message
+from .plan import Chunk, Segment, plan_chunks
+from .staging import StagingPool
+from .transport.base import PairComm, TransportError, TwoSidedTransport
+
+logger = logging.getLogger(__name__)
+
+
+def _stream_ctx(comm: Optional[PairComm]):
+    if comm is not None and comm.stream is not None:
+        return torch.cuda.stream(comm.stream)
+    return nullcontext()
+
+
+def _sync(comm: Optional[PairComm]) -> None:
+    if comm is not None and comm.stream is not None:
+        comm.stream.synchronize()
+
+
+def item_lens_of(views: GroupViews) -> list[list[int]]:
+    return [[int(v.shape[1]) for v in regions] for regions in views]
+
+
+class PairSender:
+    """Prefill side of one pair channel. Not thread-safe: one transfer worker owns it."""
+
+    def __init__(
+        self,
+        *,
+        transport: TwoSidedTransport,
+        staging: StagingPool,
+        views: GroupViews,
+        local_session: str,
+        control: Callable[[Message], None],
+        connect_timeout: float,
+        io_timeout: float,
+    ):
+        self.transport = transport
+        self.staging = staging
+        self.views = views
+        self.item_lens = item_lens_of(views)
+        self.local_session = local_session
+        self.control = control
+        self.connect_timeout = connect_timeout
+        self.io_timeout = io_timeout
+        self.comm: Optional[PairComm] = None
+        self.generation = 0
+
+    def _ensure_comm(self) -> PairComm:
+        if self.comm is None:
+            self.generation += 1
+            uid = self.transport.new_unique_id()
+            self.control(CommInit(self.local_session, self.transport.name, uid, self.generation))
+            self.comm = self.transport.connect(uid, 0, self.connect_timeout)
+        return self.comm
+
+    def send(
+        self,
+        room: int,
+        prefill_rank: int,
+        src_ids: Sequence[np.ndarray],
+        dst_ids: Sequence[np.ndarray],
+        keep_going: Callable[[], bool] = lambda: True,
+    ) -> int:
+        """Move `src_ids[g]` of every group to the peer's `dst_ids[g]`; returns bytes sent. Stops between
+        chunks once `keep_going()` is False (aborted room). Raises TransportError; the channel is then dropped."""
+        for g, (s, d) in enumerate(zip(src_ids, dst_ids)):
+            if len(s) != len(d):
+                raise TransportError(
+                    f"room {room}: group {g} has {len(s)} source ids but the decode published {len(d)} destinations"
+                )
+        chunks = plan_chunks(self.item_lens, [len(s) for s in src_ids], self.staging.slot_bytes)
+        sent = 0
+        for chunk in chunks:
+            if not keep_going():
+                break
+            sent += self._send_chunk(room, prefill_rank, chunk, src_ids, dst_ids)
+        return sent
+
+    def _send_chunk(self, room: int, prefill_rank: int, chunk: Chunk, src_ids, dst_ids) -> int:
+        try:
+            comm = self._ensure_comm()
+            buf = self.staging.acquire(self.io_timeout)
+            try:
+                with _stream_ctx(comm):
+                    gather_chunk(chunk, self.views, src_ids, buf)
+                    segments = [_segment_msg(seg, dst_ids) for seg in chunk.segments]
+                    self.control(
+                        ChunkHeader(self.local_session, self.generation, room, prefill_rank, chunk.nbytes, segments)
+                    )
+                    comm.send(buf[: chunk.nbytes]).wait(self.io_timeout)
+            finally:
+                self.staging.release(buf)
+        except TransportError:
+            self.reset()
+            raise
+        return chunk.nbytes
+
+    def reset(self) -> None:
+        if self.comm is not None:
+            self.comm.abort()
+            self.comm = None
+
+    close = reset
+
+
+def _segment_msg(seg: Segment, dst_ids: Sequence[np.ndarray]) -> ChunkSegment:
+    ids = np.ascontiguousarray(dst_ids[seg.group][seg.lo : seg.hi], dtype=np.int32)
+    return ChunkSegment(seg.group, seg.region_lo, seg.region_hi, ids.tobytes())
+
+
+def chunk_from_header(header: ChunkHeader, item_lens: Sequence[Sequence[int]]) -> tuple[Chunk, list[np.ndarray]]:
+    """Rebuild the chunk layout and destination ids from a header (ids local to each segment)."""
+    segs, ids = [], []
+    nbytes = 0
+    for s in header.segments:
+        d = np.frombuffer(s.dst_ids, dtype=np.int32)
+        if s.group >= len(item_lens) or not (0 <= s.region_lo <= s.region_hi <= len(item_lens[s.group])):
+            raise TransportError(f"room {header.room}: chunk names regions this decode rank does not have")
+        segs.append(Segment(len(ids), s.region_lo, s.region_hi, 0, d.size))
+        ids.append((s.group, d))
+        nbytes += d.size * sum(item_lens[s.group][s.region_lo : s.region_hi])
+    if nbytes != header.nbytes:
+        raise TransportError(
+            f"room {header.room}: chunk of {header.nbytes} bytes does not match this decode rank's layout "
+            f"({nbytes} bytes): prefill and decode KV layouts differ"
+        )
+    return Chunk(tuple(segs), nbytes), ids
+
+
+ChunkDone = Callable[[int, int, Optional[str]], None]  # (room, prefill_rank, error or None)
+
+
+class PairReceiver:
+    """Decode side of one prefill peer: a thread that joins its channels and receives announced chunks."""
+
+    def __init__(
+        self,
+        *,
+        transport: TwoSidedTransport,
+        staging: StagingPool,
+        views: GroupViews,
+        peer_session: str,
+        wanted: Callable[[int], bool],
+        on_chunk: ChunkDone,
+        connect_timeout: float,
+        io_timeout: float,
+    ):
+        self.transport = transport
+        self.staging = staging
+        self.views = views
+        self.item_lens = item_lens_of(views)
+        self.peer_session = peer_session
+        self.wanted = wanted
+        self.on_chunk = on_chunk
+        self.connect_timeout = connect_timeout
+        self.io_timeout = io_timeout
+        self.comm: Optional[PairComm] = None
+        self.generation = 0
+        self.broken_reason = ""
+        self._queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"p2p-recv-{peer_session}", daemon=True)
+        self._thread.start()
+
+    def submit(self, item: object) -> None:
+        """Queue a CommInit, a ChunkHeader, or a callable to run once everything before it was handled."""
+        self._queue.put(item)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._drop("receiver closed")
+
+    def _drop(self, reason: str) -> None:
+        if self.comm is not None:
+            self.comm.abort()
+            self.comm = None
+        self.broken_reason = reason
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                if isinstance(item, CommInit):
+                    self._join(item)
+                elif isinstance(item, ChunkHeader):
+                    self._receive(item)
+                else:
+                    item()
+            except Exception:  # a bug here must not kill the peer's thread silently
+                logger.exception("p2p receiver for %s: unexpected error", self.peer_session)
+
+    def _join(self, msg: CommInit) -> None:
+        self._drop("replaced by a new pair channel")
+        self.generation = msg.generation
+        try:
+            self.comm = self.transport.connect(msg.unique_id, 1, self.connect_timeout)
+            self.broken_reason = ""
+        except TransportError as e:
+            self.broken_reason = f"could not join the pair channel of prefill {self.peer_session}: {e}"
+            logger.warning(self.broken_reason)
+
+    def _receive(self, header: ChunkHeader) -> None:
+        if self.comm is None or header.generation != self.generation:
+            reason = self.broken_reason or f"no pair channel with prefill {self.peer_session}"
+            self.on_chunk(header.room, header.prefill_rank, reason)
+            return
+        comm = self.comm
+        try:
+            chunk, ids = chunk_from_header(header, self.item_lens)
+        except TransportError as e:
+            # the bytes still come: receive them into staging and drop them, so the channel stays in step
+            chunk, ids = None, []
+            layout_error = str(e)
+        else:
+            layout_error = None
+        try:
+            buf = self.staging.acquire(self.io_timeout)
+            try:
+                with _stream_ctx(comm):
+                    comm.recv(buf[: header.nbytes]).wait(self.io_timeout)
+                    if chunk is not None and self.wanted(header.room):
+                        views = [self.views[g] for g, _ in ids]
+                        scatter_chunk(chunk, views, [d for _, d in ids], buf)
+                    _sync(comm)
+            finally:
+                self.staging.release(buf)
+        except TransportError as e:
+            self._drop(f"pair channel with prefill {self.peer_session} broke: {e}")
+            self.on_chunk(header.room, header.prefill_rank, self.broken_reason)
+            return
+        self.on_chunk(header.room, header.prefill_rank, layout_error)

@@ -1,0 +1,71 @@
+"""A bounded pool of staging buffers: back-pressure instead of dropping KV when space is short.
+
+Chunks are planned to fit one slot; a sender or receiver that finds every slot busy waits for one (the
+transfer slows down, nothing is dropped). A wait past `timeout` raises, so a stuck peer surfaces as a
+failed room with a reason rather than a hang. Slots are allocated once, at first use.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+from .transport.base import TransportError
+
+
+class StagingPool:
+    def __init__(self, alloc: Callable[[int], torch.Tensor], slot_bytes: int, num_slots: int):
+        if slot_bytes <= 0 or num_slots <= 0:
+            raise ValueError(f"staging needs positive sizes, got {num_slots} slots of {slot_bytes} bytes")
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self._alloc = alloc
+        self._free: list[torch.Tensor] = []
+        self._created = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def acquire(self, timeout: float) -> torch.Tensor:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise TransportError("staging pool closed")
+                if self._free:
+                    return self._free.pop()
+                if self._created < self.num_slots:
+                    self._created += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportError(
+                        f"no staging slot free for {timeout:.0f}s ({self.num_slots} x {self.slot_bytes >> 20} MiB "
+                        f"busy); raise SGLANG_P2P_STAGING_MB or check the peer"
+                    )
+                self._cond.wait(left)
+        try:
+            return self._alloc(self.slot_bytes)
+        except BaseException:
+            with self._cond:
+                self._created -= 1
+                self._cond.notify()
+            raise
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return self._created - len(self._free)
+
+    def close(self, wait: Optional[float] = None) -> None:
+        with self._cond:
+            self._closed = True
+            self._free.clear()
+            self._cond.notify_all()

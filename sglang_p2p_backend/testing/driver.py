@@ -1,0 +1,317 @@
+"""Drive the p2pnccl backend through SGLang's own classes the way SGLang's schedulers do, one process per role.
+
+`python -m sglang_p2p_backend.testing.driver --role prefill|decode --plan PLAN.json --out RESULT.json`
+
+The plan (shared by both processes) names the pool layout, the requests (room, prompt tokens, chunking,
+decode prefix) and optional faults. The prefill process also runs the bootstrap server, as SGLang's prefill
+main process does. Each role builds its manager with `get_kv_class(TransferBackend("p2pnccl"), ...)` after
+SGLang's plugin loader ran, then polls all its requests in one loop with the scheduler's state machine
+(sglang-interface.md §2): prefill: Bootstrapping -> WaitingForInput -> init -> send chunks -> Success |
+Failed; decode: ensure prefill info -> init -> WaitingForInput -> send_metadata -> Success (after the aux
+metadata gate) | Failed. The decode checks every destination page byte for byte, that no other page changed,
+and the aux row. Both report leftovers (rooms, staging, threads) after the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from . import runtime
+from .pools import HostPools, PoolSpec
+
+FIRST_TOKEN = 4242
+
+
+@dataclass
+class Req:
+    room: int
+    tokens: int
+    chunk_pages: int
+    prefix: int = 0  # decode prefix tokens (page aligned)
+    handle: Any = None
+    phase: str = "new"
+    pages: Optional[np.ndarray] = None
+    aux: int = -1
+    state_slot: int = -1
+    sent: int = 0
+    started: float = 0.0
+    result: dict = field(default_factory=dict)
+
+
+def _requests(plan: dict) -> list[Req]:
+    return [Req(r["room"], r["tokens"], r.get("chunk_pages", 1 << 30), r.get("prefix", 0)) for r in plan["requests"]]
+
+
+class Role:
+    def __init__(self, role: str, plan: dict):
+        self.role = role
+        self.plan = plan
+        self.spec = PoolSpec(**plan["pool"])
+        self.seed = int(plan.get("seed", 0))
+        self.faults = plan.get("faults", {}).get(role, {})
+        self.host = plan.get("host", "127.0.0.1")
+        self.bootstrap_port = int(plan["bootstrap_port"])
+        self.bootstrap_addr = f"{self.host}:{self.bootstrap_port}"
+        self.server_args = runtime.setup(
+            role,
+            host=self.host,
+            bootstrap_port=self.bootstrap_port,
+            dist_port=int(plan["dist_ports"][role]),
+            page_size=self.spec.page_size,
+        )
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
+
+        self.KVPoll = KVPoll
+        backend = TransferBackend("p2pnccl")
+        self.cls = {t: get_kv_class(backend, t) for t in KVClassType}
+        self.pools = HostPools.allocate(self.spec)
+        self.meta = runtime.metadata_buffers(64)
+        self.bootstrap = None
+        if role == "prefill":
+            self.bootstrap = self.cls[KVClassType.BOOTSTRAP_SERVER](host=self.host, port=self.bootstrap_port)
+        args = self.cls[KVClassType.KVARGS]()
+        args.engine_rank = 0
+        args.pp_rank = 0
+        args.system_dp_rank = 0
+        args.gpu_id = 0
+        args.page_size = self.spec.page_size
+        # what the model runner reports for the pool (bf16 KV for a bf16 model unless --kv-cache-dtype says else)
+        args.kv_cache_dtype_str = plan.get("kv_dtype", {}).get(role, "bfloat16")
+        args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = self.pools.kv_lists()
+        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
+        args.state_data_ptrs, args.state_data_lens, args.state_item_lens = self.pools.state_lists()
+        args.state_types = ["MAMBA"] if self.spec.state_slots else []
+        args.kv_layer_ids = []
+        args.num_draft_entries = 0
+        args.ib_device = None
+        args.prefill_start_layer = 0
+        if role == "prefill" and self.spec.layout == "mha":
+            args.kv_head_num = self.spec.kv_heads
+            args.total_kv_head_num = self.spec.kv_heads
+        mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+        self.mgr = self.cls[KVClassType.MANAGER](args, mode, self.server_args, self.spec.layout == "mla")
+        self.rng = np.random.default_rng(self.seed + (1 if role == "decode" else 2))
+        self.free_pages = list(self.rng.permutation(np.arange(1, self.spec.num_pages)))
+        self.free_aux = list(range(1, 64))
+        self.free_slots = list(range(self.spec.state_slots))
+        self.used_pages: set[int] = set()
+        self.used_slots: set[int] = set()
+
+    # ------------------------------------------------------------------ helpers
+    def take_pages(self, n: int) -> np.ndarray:
+        if n > len(self.free_pages):
+            raise RuntimeError(f"pool of {self.spec.num_pages} pages too small for the plan")
+        pages = np.array([self.free_pages.pop() for _ in range(n)], dtype=np.int32)
+        self.used_pages.update(int(p) for p in pages)
+        return pages
+
+    def finish(self, req: Req, ok: bool, reason: str = "") -> None:
+        req.phase = "done"
+        req.result.update(status="Success" if ok else "Failed", reason=reason, seconds=time.monotonic() - req.started)
+
+    def fail(self, req: Req) -> None:
+        try:
+            req.handle.failure_exception()
+            self.finish(req, False, "failure_exception() did not raise")
+        except Exception as e:  # KVTransferError: what the scheduler appends to the abort message
+            self.finish(req, False, f"{type(e).__name__}: {e}")
+
+    def leftovers(self) -> dict:
+        m = self.mgr
+        out = {
+            "request_status": sorted(m.request_status),
+            "staging_in_use": m.staging.in_use,
+            "failure_records": sorted(m.failure_records),
+        }
+        if self.role == "prefill":
+            out["transfer_infos"] = sorted(m.transfer_infos)
+            out["req_to_decode_prefix_len"] = sorted(m.req_to_decode_prefix_len)
+        else:
+            out["arrivals_pending"] = m.arrivals.pending()
+            out["live_rooms"] = sorted(m.live_rooms)
+        return out
+
+    # ------------------------------------------------------------------ prefill
+    def step_prefill(self, req: Req, now: float) -> None:
+        P = self.KVPoll
+        if req.phase == "new":
+            req.handle = self.cls_sender(req)
+            req.phase, req.started = "bootstrap", now
+            return
+        status = req.handle.poll()
+        if status == P.Failed:
+            self.fail(req)
+            return
+        if req.phase == "bootstrap":
+            if status == P.WaitingForInput:
+                prefix = req.handle.pop_decode_prefix_len()
+                first = prefix // self.spec.page_size
+                total = math.ceil(req.tokens / self.spec.page_size)
+                req.pages = self.take_pages(total - first)
+                self.pools.fill(self.seed, req.room, req.pages, first, total)
+                req.aux = self.free_aux.pop()
+                self.meta.output_ids[req.aux][0] = FIRST_TOKEN
+                self.meta.bootstrap_room[req.aux][0] = req.room
+                if self.spec.state_slots:
+                    req.state_slot = self.free_slots.pop()
+                    self.used_slots.add(req.state_slot)
+                    self.pools.fill_state(self.seed, req.room, req.state_slot)
+                req.handle.init(len(req.pages), req.aux)
+                req.phase = "send"
+            elif status != P.Bootstrapping:
+                raise RuntimeError(f"unexpected poll state {status} during bootstrap (SGLang raises here too)")
+            return
+        if req.phase == "send":
+            n = min(req.chunk_pages, len(req.pages) - req.sent)
+            last = req.sent + n == len(req.pages)
+            state = [np.array([req.state_slot], dtype=np.int32)] if last and self.spec.state_slots else None
+            req.handle.send(req.pages[req.sent : req.sent + n], state)
+            req.sent += n
+            delay = float(self.faults.get("chunk_delay_s", 0))
+            if delay and not last:
+                time.sleep(delay)
+            if "exit_after_chunks" in self.faults and req.sent >= self.faults["exit_after_chunks"] * req.chunk_pages:
+                time.sleep(0.3)
+                os._exit(17)
+            if last:
+                req.phase = "inflight"
+            return
+        if status == P.Success:
+            req.handle.clear()
+            req.result["bytes"] = req.handle.get_transfer_metric().transfer_total_bytes
+            self.finish(req, True)
+
+    def cls_sender(self, req: Req):
+        from sglang.srt.disaggregation.utils import KVClassType
+
+        cls = self.cls[KVClassType.SENDER]
+        return cls(mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=req.room, **runtime.sender_kwargs(cls))
+
+    # ------------------------------------------------------------------ decode
+    def step_decode(self, req: Req, now: float) -> None:
+        from sglang.srt.disaggregation.utils import KVClassType
+
+        P = self.KVPoll
+        if req.phase == "new":
+            req.handle = self.cls[KVClassType.RECEIVER](mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=req.room)
+            req.phase, req.started = "ensure", now
+            req.result["ensure_tries"] = 0
+            return
+        if req.phase == "ensure":
+            if req.handle.poll() == P.Failed:
+                self.fail(req)
+                return
+            if self.mgr.try_ensure_parallel_info(self.bootstrap_addr):
+                req.handle.init(0)
+                req.phase = "handshake"
+            else:
+                req.result["ensure_tries"] += 1
+                if req.result["ensure_tries"] >= 15:  # the scheduler's _max_ensure_retries
+                    req.handle.abort()
+            return
+        status = req.handle.poll()
+        if status == P.Failed:
+            self.fail(req)
+            return
+        if req.phase == "handshake":
+            if status == P.WaitingForInput:
+                first = req.prefix // self.spec.page_size
+                total = math.ceil(req.tokens / self.spec.page_size)
+                req.pages = self.take_pages(total - first)
+                req.aux = self.free_aux.pop()
+                self.meta.bootstrap_room[req.aux][0] = 0
+                state = None
+                if self.spec.state_slots:
+                    req.state_slot = self.free_slots.pop()
+                    self.used_slots.add(req.state_slot)
+                    state = [np.array([req.state_slot], dtype=np.int32)]
+                req.handle.send_metadata(req.pages, req.aux, state, decode_prefix_len=req.prefix)
+                req.phase, req.result["metadata_at"] = "transfer", now
+            elif status != P.Bootstrapping:
+                raise ValueError(f"Unexpected poll case {status} (SGLang raises here too)")
+            return
+        if "abort_after_s" in self.faults and now - req.result["metadata_at"] >= self.faults["abort_after_s"]:
+            req.handle.abort()
+            return
+        if "exit_after_s" in self.faults and now - req.result["metadata_at"] >= self.faults["exit_after_s"]:
+            os._exit(17)
+        # SGLang's metadata gate: Success counts only once the aux row's bootstrap_room landed
+        if status == P.Success and int(self.meta.bootstrap_room[req.aux][0]) != 0:
+            self.verify(req)
+            req.handle.clear()
+            self.finish(req, True)
+
+    def verify(self, req: Req) -> None:
+        first = req.prefix // self.spec.page_size
+        total = math.ceil(req.tokens / self.spec.page_size)
+        bad = self.pools.check(self.seed, req.room, req.pages, first, total)
+        room_row = int(self.meta.bootstrap_room[req.aux][0])
+        first_token = int(self.meta.output_ids[req.aux][0])
+        state_ok = self.pools.check_state(self.seed, req.room, req.state_slot) if self.spec.state_slots else True
+        req.result.update(bad_pages=bad[:20], num_bad_pages=len(bad), aux_room_ok=room_row == req.room, first_token=first_token, state_ok=state_ok)
+
+    # ------------------------------------------------------------------ loop
+    def run(self, reqs: list[Req], deadline_s: float) -> dict:
+        step = self.step_prefill if self.role == "prefill" else self.step_decode
+        start = time.monotonic()
+        t0 = start
+        while any(r.phase != "done" for r in reqs):
+            now = time.monotonic()
+            if now - start > deadline_s:
+                for r in reqs:
+                    if r.phase != "done":
+                        r.result.update(status="Hung", phase=r.phase)
+                        r.phase = "done"
+                break
+            for r in reqs:
+                if r.phase != "done":
+                    step(r, now)
+            time.sleep(0.002)
+        elapsed = time.monotonic() - t0
+        out = {"role": self.role, "elapsed_s": elapsed, "requests": {str(r.room): r.result for r in reqs}}
+        if self.role == "decode":
+            out["untouched_violations"] = self.pools.untouched(self.used_pages, self.used_slots)[:20]
+        linger = float(self.plan.get("linger_s", {}).get(self.role, 0))
+        time.sleep(linger)  # let the peer finish before this role's sockets go away
+        out["leftovers"] = self.leftovers()
+        self.mgr.close()
+        out["threads_left"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("p2p-"))
+        return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=("prefill", "decode"), required=True)
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--out", required=True)
+    ns = ap.parse_args(argv)
+    with open(ns.plan) as f:
+        plan = json.load(f)
+    role = Role(ns.role, plan)
+    ready = plan.get("ready_files", {}).get(ns.role)
+    if ready:
+        open(ready, "w").close()
+    wait_for = plan.get("ready_files", {}).get("prefill") if ns.role == "decode" else None
+    while wait_for and not os.path.exists(wait_for):
+        time.sleep(0.05)
+    if ns.role == "prefill" and plan.get("faults", {}).get("prefill", {}).get("stop_self"):
+        os.kill(os.getpid(), signal.SIGSTOP)  # a prefill that registered, then never answers
+    result = role.run(_requests(plan), float(plan.get("deadline_s", 60)))
+    with open(ns.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

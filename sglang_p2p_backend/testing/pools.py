@@ -1,0 +1,126 @@
+"""Host-memory KV pools laid out as SGLang lays them out, with reproducible page contents.
+
+MHA: K of every layer, then V of every layer, each (tokens, kv_heads, head_dim), page = page_size tokens
+(`MHATokenToKVPool.get_contiguous_buf_infos`). MLA: one region per layer, (tokens, 1, kv_lora_rank + rope)
+(`MLATokenToKVPool`). Page 0 is never handed out (SGLang keeps it as padding). An optional state component
+(one slot-addressed region, like a mamba state) exercises the state path.
+
+Contents are a pure function of (seed, room, region, page position in the request), so the decode process
+can check what landed without talking to the prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+SENTINEL = 0xA5
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    layout: str = "mla"  # "mla" or "mha"
+    num_layers: int = 4
+    kv_heads: int = 2  # MHA only
+    head_dim: int = 16  # MHA: per head; MLA: kv_lora_rank + rope
+    dtype: str = "bfloat16"
+    page_size: int = 1
+    num_pages: int = 256
+    state_slots: int = 0  # 0: no state component
+    state_item_len: int = 64
+
+    @property
+    def elt_size(self) -> int:
+        return torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        width = self.kv_heads * self.head_dim if self.layout == "mha" else self.head_dim
+        return width * self.elt_size
+
+    @property
+    def num_regions(self) -> int:
+        return 2 * self.num_layers if self.layout == "mha" else self.num_layers
+
+    @property
+    def item_len(self) -> int:
+        return self.page_size * self.token_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across every region (what a page costs on the wire)."""
+        return self.num_regions * self.item_len
+
+
+@dataclass
+class HostPools:
+    spec: PoolSpec
+    kv: list = field(default_factory=list)  # uint8 (num_pages, item_len) per region
+    state: Optional[torch.Tensor] = None  # uint8 (state_slots, state_item_len)
+
+    @classmethod
+    def allocate(cls, spec: PoolSpec) -> "HostPools":
+        if spec.layout not in ("mla", "mha"):
+            raise ValueError(f"layout must be mla or mha, got {spec.layout!r}")
+        kv = [torch.full((spec.num_pages, spec.item_len), SENTINEL, dtype=torch.uint8) for _ in range(spec.num_regions)]
+        state = None
+        if spec.state_slots:
+            state = torch.full((spec.state_slots, spec.state_item_len), SENTINEL, dtype=torch.uint8)
+        return cls(spec, kv, state)
+
+    def kv_lists(self) -> tuple[list[int], list[int], list[int]]:
+        return (
+            [t.data_ptr() for t in self.kv],
+            [t.numel() for t in self.kv],
+            [self.spec.item_len] * len(self.kv),
+        )
+
+    def state_lists(self) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+        if self.state is None:
+            return [], [], []
+        return [[self.state.data_ptr()]], [[self.state.numel()]], [[self.spec.state_item_len]]
+
+    def fill(self, seed: int, room: int, pages: np.ndarray, first_pos: int, total: int) -> None:
+        """Write the request's reproducible contents into `pages` (positions first_pos.. of `total`)."""
+        idx = torch.from_numpy(pages.astype(np.int64))
+        for r, t in enumerate(self.kv):
+            t[idx] = expected_pages(seed, room, r, total, self.spec.item_len)[first_pos : first_pos + len(pages)]
+
+    def fill_state(self, seed: int, room: int, slot: int) -> None:
+        self.state[slot] = expected_pages(seed, room, -1, 1, self.spec.state_item_len)[0]
+
+    def check(self, seed: int, room: int, pages: np.ndarray, first_pos: int, total: int) -> list[str]:
+        """Mismatches (region, page) between `pages` and the request's expected contents."""
+        bad = []
+        idx = torch.from_numpy(pages.astype(np.int64))
+        for r, t in enumerate(self.kv):
+            want = expected_pages(seed, room, r, total, self.spec.item_len)[first_pos : first_pos + len(pages)]
+            got = t[idx]
+            rows = (got != want).any(dim=1).nonzero().flatten().tolist()
+            bad += [f"region {r} page {int(pages[i])} (position {first_pos + i})" for i in rows]
+        return bad
+
+    def check_state(self, seed: int, room: int, slot: int) -> bool:
+        return bool(torch.equal(self.state[slot], expected_pages(seed, room, -1, 1, self.spec.state_item_len)[0]))
+
+    def untouched(self, used_pages: set[int], used_slots: set[int] = frozenset()) -> list[str]:
+        """Pages (and state slots) no request owned that no longer hold the sentinel."""
+        free = torch.tensor(sorted(set(range(self.spec.num_pages)) - set(used_pages)), dtype=torch.int64)
+        bad = []
+        for r, t in enumerate(self.kv):
+            rows = (t[free] != SENTINEL).any(dim=1).nonzero().flatten().tolist()
+            bad += [f"region {r} page {int(free[i])}" for i in rows]
+        if self.state is not None:
+            for s in set(range(self.spec.state_slots)) - set(used_slots):
+                if bool((self.state[s] != SENTINEL).any()):
+                    bad.append(f"state slot {s}")
+        return bad
+
+
+def expected_pages(seed: int, room: int, region: int, total: int, item_len: int) -> torch.Tensor:
+    """(total, item_len) uint8: every page of a request's region, a function of (seed, room, region, total)."""
+    g = torch.Generator().manual_seed(hash((seed, room % (1 << 61), region, total)) & ((1 << 63) - 1))
+    return torch.randint(0, 256, (total, item_len), dtype=torch.uint8, generator=g)

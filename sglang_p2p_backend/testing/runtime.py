@@ -1,0 +1,66 @@
+"""Set up SGLang's process state the way a scheduler process has it, on CPU, for one PD role.
+
+A KV manager reads SGLang's runtime context (parallel sizes and ranks, process groups). A scheduler gets
+them from `publish(server_args)` and `initialize_model_parallel`; here the same calls run with gloo and a
+world of one. Also the one place where the driver meets differences between SGLang 0.5.17 and 0.5.23
+(publish signature, sender constructor, MetadataBuffers constructor).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+import torch
+
+
+def setup(mode: str, *, host: str, bootstrap_port: int, dist_port: int, page_size: int) -> Any:
+    """Load plugins, build ServerArgs for `mode` ("prefill"/"decode") with p2pnccl, publish them and build
+    world-of-one gloo process groups. Returns the ServerArgs."""
+    os.environ.setdefault("MASTER_ADDR", host)
+    os.environ["MASTER_PORT"] = str(dist_port)
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        host=host,
+        page_size=page_size,
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend="p2pnccl",
+        disaggregation_bootstrap_port=bootstrap_port,
+    )
+    rc.reset_context()
+    if hasattr(rc, "SpawnRanks"):  # 0.5.23
+        rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
+    else:  # 0.5.17
+        rc.publish(server_args, role="scheduler")
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    initialize_model_parallel(backend="gloo")
+    return server_args
+
+
+def sender_kwargs(sender_cls: type) -> dict:
+    """Extra constructor arguments the release's prefill scheduler passes (0.5.17: dest_tp_ranks, pp_rank)."""
+    params = inspect.signature(sender_cls.__mro__[1].__init__).parameters
+    extra = {}
+    if "dest_tp_ranks" in params:
+        extra["dest_tp_ranks"] = [0]
+    if "pp_rank" in params:
+        extra["pp_rank"] = 0
+    return extra
+
+
+def metadata_buffers(size: int) -> Any:
+    """SGLang's own aux buffers (host memory), as the scheduler builds them."""
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    return MetadataBuffers(
+        size=size, hidden_size=16, hidden_states_dtype=torch.float32, max_top_logprobs_num=4, max_sampling_mask_tokens=1
+    )
