@@ -13,6 +13,14 @@ command -v "$PY" >/dev/null || PY=python3
 RELEASES=${SGLANG_RELEASES:-"0.5.23 0.5.17"}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# Debian's libibverbs1: Mooncake's non-CUDA wheel links it even for its tcp protocol
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+  else
+    echo "install Debian's libibverbs1 (Mooncake needs it): apt-get install libibverbs1" >&2; exit 1
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
@@ -50,6 +58,8 @@ for f in requirements/extra-*.txt; do
   esac
   cp "$f" "$stamp"
 done
+# genai-bench + evalscope for the benchmark sweeps: their own venv (.venv-bench), their pins clash with SGLang's
+bash bench/sweep/install_tools.sh
 # the project itself (editable, so the sglang.srt.plugins entry point is registered)
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 echo "CPU environment ready: .venv + .deps/sglang-{${RELEASES// /,}}"

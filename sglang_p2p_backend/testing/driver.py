@@ -48,15 +48,20 @@ class Req:
     result: dict = field(default_factory=dict)
 
 
-def _requests(plan: dict) -> list[Req]:
-    return [Req(r["room"], r["tokens"], r.get("chunk_pages", 1 << 30), r.get("prefix", 0)) for r in plan["requests"]]
+def _requests(plan: dict, role: str) -> list[Req]:
+    """The plan's requests this role sees (a request may name `roles` to reach only one side)."""
+    return [
+        Req(r["room"], r["tokens"], r.get("chunk_pages", 1 << 30), r.get("prefix", 0))
+        for r in plan["requests"]
+        if role in r.get("roles", ("prefill", "decode"))
+    ]
 
 
 class Role:
     def __init__(self, role: str, plan: dict):
         self.role = role
         self.plan = plan
-        self.spec = PoolSpec(**plan["pool"])
+        self.spec = PoolSpec(**{**plan["pool"], **plan.get("pool_overrides", {}).get(role, {})})
         self.seed = int(plan.get("seed", 0))
         self.faults = plan.get("faults", {}).get(role, {})
         self.host = plan.get("host", "127.0.0.1")
@@ -79,7 +84,7 @@ class Role:
         self.meta = runtime.metadata_buffers(64)
         self.bootstrap = None
         if role == "prefill":
-            self.bootstrap = self.cls[KVClassType.BOOTSTRAP_SERVER](host=self.host, port=self.bootstrap_port)
+            self.bootstrap = start_bootstrap_process(self.host, self.bootstrap_port)
         args = self.cls[KVClassType.KVARGS]()
         args.engine_rank = 0
         args.pp_rank = 0
@@ -290,6 +295,35 @@ class Role:
         return out
 
 
+def _serve_bootstrap(host: str, port: int, parent: int) -> None:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    get_kv_class(TransferBackend("p2pnccl"), KVClassType.BOOTSTRAP_SERVER)(host=host, port=port)
+    while os.getppid() == parent:  # live exactly as long as the "scheduler" process
+        time.sleep(0.2)
+
+
+def start_bootstrap_process(host: str, port: int):
+    """SGLang runs the bootstrap server in the prefill's main process, apart from the scheduler process;
+    so does the driver, so a stopped or killed scheduler leaves (or takes down) the bootstrap as in SGLang."""
+    import multiprocessing as mp
+    import urllib.request
+
+    proc = mp.get_context("spawn").Process(target=_serve_bootstrap, args=(host, port, os.getpid()), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://{host}:{port}/health", timeout=1).read()
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"bootstrap server on {host}:{port} did not come up")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
@@ -307,7 +341,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         time.sleep(0.05)
     if ns.role == "prefill" and plan.get("faults", {}).get("prefill", {}).get("stop_self"):
         os.kill(os.getpid(), signal.SIGSTOP)  # a prefill that registered, then never answers
-    result = role.run(_requests(plan), float(plan.get("deadline_s", 60)))
+    result = role.run(_requests(plan, ns.role), float(plan.get("deadline_s", 60)))
     with open(ns.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0

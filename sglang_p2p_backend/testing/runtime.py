@@ -43,6 +43,10 @@ def setup(mode: str, *, host: str, bootstrap_port: int, dist_port: int, page_siz
         rc.publish(server_args, role="scheduler")
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     initialize_model_parallel(backend="gloo")
+    from sglang.srt.layers import dp_attention
+
+    if getattr(dp_attention, "_ATTN_DP_SIZE", 0) is None:  # 0.5.17 keeps these in module globals
+        dp_attention._ATTN_DP_SIZE, dp_attention._ATTN_DP_RANK = 1, 0
     return server_args
 
 

@@ -1,0 +1,161 @@
+"""Command line: mini_lb / sgl-router / smg compatible flags, then run the server until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from typing import Sequence
+
+from .health import HealthConfig
+from .policy import POLICIES
+from .proxy import ProxyConfig
+from .server import LBConfig, LoadBalancer
+from .workers import normalize_url
+
+log = logging.getLogger("sglang_p2p_lb")
+
+
+def _is_port_token(tok: str) -> bool:
+    return tok.lower() == "none" or tok.isdigit()
+
+
+def parse_prefill_groups(groups: Sequence[Sequence[str]] | None) -> list[tuple[str, int | None]]:
+    """`--prefill URL [PORT|none]` groups (smg style), also `--prefill URL1 URL2 ...` (old mini_lb style)."""
+    out: list[list] = []  # [url, port, port_given]
+    for group in groups or []:
+        for tok in group:
+            if not _is_port_token(tok):
+                out.append([normalize_url(tok), None, False])
+                continue
+            if not out or out[-1][2]:
+                raise ValueError(f"bootstrap port {tok!r} does not follow a prefill URL")
+            port = None if tok.lower() == "none" else int(tok)
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"bootstrap port {tok} out of range")
+            out[-1][1:] = [port, True]
+    return [(u, p) for u, p, _ in out]
+
+
+def parse_nodes(items: Sequence[str] | None) -> dict[str, str]:
+    nodes = {}
+    for item in items or []:
+        url, sep, label = item.rpartition("=")
+        if not sep or not url or not label:
+            raise ValueError(f"--node expects URL=LABEL, got {item!r}")
+        nodes[normalize_url(url)] = label
+    return nodes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sglang-p2p-lb",
+        description="Load-aware load balancer for SGLang prefill/decode disaggregation (drop-in for mini_lb and sgl-router/smg PD mode).",
+    )
+    p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT]", help="prefill server URL and its bootstrap port (repeatable; port 'none' or omitted: decode uses its own default)")
+    p.add_argument("--decode", nargs="+", action="append", metavar="URL", help="decode server URL (repeatable)")
+    p.add_argument("--prefill-bootstrap-ports", nargs="+", default=None, help="old mini_lb form: one port for all prefills or one per prefill")
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0, as mini_lb and smg)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--policy", choices=POLICIES, default="load_aware", help="pair selection policy (default load_aware)")
+    p.add_argument("--node", action="append", metavar="URL=LABEL", help="node (host) label of a worker for pair affinity; default: the URL's host")
+    g = p.add_argument_group("timeouts and limits")
+    g.add_argument("--request-timeout-secs", "--request-timeout", dest="request_timeout", type=float, default=1800.0)
+    g.add_argument("--connect-timeout-secs", dest="connect_timeout", type=float, default=5.0)
+    g.add_argument("--max-retries", type=int, default=2, help="extra attempts on a new pair when a leg fails before any byte reached the client")
+    g.add_argument("--max-concurrent-requests", type=int, default=4096, help="requests in flight before the LB answers 503 (0: unbounded)")
+    g.add_argument("--max-body-mb", type=float, default=64.0)
+    g = p.add_argument_group("health and load")
+    g.add_argument("--health-check-interval-secs", dest="hc_interval", type=float, default=5.0)
+    g.add_argument("--health-check-timeout-secs", dest="hc_timeout", type=float, default=3.0)
+    g.add_argument("--health-failure-threshold", type=int, default=3)
+    g.add_argument("--health-success-threshold", type=int, default=2)
+    g.add_argument("--health-check-endpoint", default="/health")
+    g.add_argument("--disable-health-check", action="store_true")
+    g.add_argument("--passive-failure-threshold", type=int, default=3, help="consecutive request transport errors that eject a worker")
+    g.add_argument("--load-poll-interval-secs", dest="load_poll_interval", type=float, default=1.0, help="poll /v1/loads (or /get_load) this often; 0 disables")
+    g.add_argument("--load-max-age-secs", dest="poll_max_age", type=float, default=10.0, help="ignore polled loads older than this")
+    g.add_argument("--channel-ttl-secs", type=float, default=600.0, help="a P/D pair used within this time counts as having a live transfer channel")
+    g.add_argument("--no-dp-aware", dest="dp_aware", action="store_false", help="never add DP-rank fields (routed_dp_rank, disagg_prefill_dp_rank)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # accepted for command-line compatibility with sglang_router / smg, no effect here
+    p.add_argument("--pd-disaggregation", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mini-lb", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> LBConfig:
+    prefills = parse_prefill_groups(args.prefill)
+    if args.prefill_bootstrap_ports:
+        ports = [None if x.lower() == "none" else int(x) for x in args.prefill_bootstrap_ports]
+        if len(ports) == 1:
+            ports = ports * len(prefills)
+        if len(ports) != len(prefills):
+            raise ValueError("--prefill-bootstrap-ports needs one port or one per prefill")
+        prefills = [(u, p if p is not None else q) for (u, p), q in zip(prefills, ports)]
+    decodes = [normalize_url(u) for group in args.decode or [] for u in group]
+    if not prefills or not decodes:
+        raise ValueError("need at least one --prefill and one --decode (more can be added later with POST /workers)")
+    return LBConfig(
+        prefills=prefills,
+        decodes=decodes,
+        nodes=parse_nodes(args.node),
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        proxy=ProxyConfig(
+            request_timeout=args.request_timeout,
+            connect_timeout=args.connect_timeout,
+            max_retries=args.max_retries,
+            max_concurrent=args.max_concurrent_requests,
+            passive_failure_threshold=args.passive_failure_threshold,
+            poll_max_age=args.poll_max_age,
+            channel_ttl=args.channel_ttl_secs,
+            dp_fields=args.dp_aware,
+        ),
+        health=HealthConfig(
+            interval=args.hc_interval,
+            timeout=args.hc_timeout,
+            failure_threshold=args.health_failure_threshold,
+            success_threshold=args.health_success_threshold,
+            endpoint=args.health_check_endpoint,
+            enabled=not args.disable_health_check,
+        ),
+        load_poll_interval=args.load_poll_interval,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        dp_aware=args.dp_aware,
+    )
+
+
+async def serve(cfg: LBConfig) -> None:
+    lb = LoadBalancer(cfg)
+    url = await lb.start()
+    log.info("sglang-p2p-lb (%s) on %s: %d prefill, %d decode", cfg.policy, url, len(cfg.prefills), len(cfg.decodes))
+    print(f"sglang-p2p-lb listening on {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await lb.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(cfg))
+    return 0

@@ -1,0 +1,175 @@
+"""Pair-selection policies: pure scoring over the workers' load numbers, no I/O.
+
+`load_aware` (default) scores prefill and decode candidates by load, then scores the *pair*: among the
+prefills and decodes whose load is within a tolerance of the best, it prefers a pair on the same node
+(KV moves over NVLink), then a pair that already has a live transfer channel, then the lowest observed
+latency. `random` is mini_lb's behaviour; `round_robin` and `power_of_two` match sgl-router / smg's
+per-side policies (power_of_two compares the same load numbers as load_aware).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from .workers import Worker
+
+POLICIES = ("load_aware", "random", "round_robin", "power_of_two")
+
+
+@dataclass(frozen=True)
+class Choice:
+    prefill: Worker
+    decode: Worker
+    prefill_rank: int | None  # None: let the room decide (room % dp_size), as mini_lb does
+    decode_rank: int | None
+
+
+@dataclass(frozen=True)
+class PairContext:
+    """What the pair score needs besides the workers: live P/D channels and freshness of polled loads."""
+
+    live_channels: frozenset[tuple[str, str]] = frozenset()
+    poll_max_age: float = 10.0
+    now: float | None = None
+
+
+@dataclass(frozen=True)
+class LoadAwareParams:
+    # Loads within this distance of the best count as "close" (tokens / running requests): absolute
+    # floor or a fraction of the best, whichever is larger.
+    prefill_tol_tokens: float = 256.0
+    prefill_tol_frac: float = 0.10
+    decode_tol_reqs: float = 2.0
+    decode_tol_frac: float = 0.10
+    # KV pressure: a decode at usage u costs kv_weight * u / (1 - u) extra running requests, so it is
+    # avoided well before it has to retract requests.
+    kv_weight: float = 8.0
+    same_node_bonus: int = 2
+    live_channel_bonus: int = 1
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, prefills: Sequence[Worker], decodes: Sequence[Worker], ctx: PairContext) -> Choice: ...
+
+
+def best_rank(values: Sequence[float]) -> tuple[int, float]:
+    """Index and value of the smallest entry (first on ties, so rank 0 of an idle server)."""
+    i = min(range(len(values)), key=values.__getitem__)
+    return i, values[i]
+
+
+def prefill_cost(w: Worker, ctx: PairContext) -> tuple[int, float]:
+    return best_rank([w.prefill_load(r, ctx.poll_max_age, ctx.now) for r in range(w.dp_size)])
+
+
+def decode_cost(w: Worker, ctx: PairContext, kv_weight: float) -> tuple[int, float]:
+    rank, running = best_rank([w.decode_load(r, ctx.poll_max_age, ctx.now) for r in range(w.dp_size)])
+    u = min(w.kv_usage(ctx.poll_max_age), 0.99)
+    return rank, running + kv_weight * u / (1.0 - u)
+
+
+def _near_best(costs: Sequence[float], tol_abs: float, tol_frac: float) -> list[int]:
+    lo = min(costs)
+    limit = lo + max(tol_abs, tol_frac * lo)
+    return [i for i, c in enumerate(costs) if c <= limit]
+
+
+class RandomPolicy:
+    """mini_lb: independent uniform choices, DP rank left to the room."""
+
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    def choose(self, prefills, decodes, ctx) -> Choice:
+        return Choice(self.rng.choice(prefills), self.rng.choice(decodes), None, None)
+
+
+class RoundRobinPolicy:
+    """One counter per side (sgl-router's round_robin with prefill and decode policies both set)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._p = self._d = 0
+
+    def choose(self, prefills, decodes, ctx) -> Choice:
+        p, d = prefills[self._p % len(prefills)], decodes[self._d % len(decodes)]
+        self._p += 1
+        self._d += 1
+        return Choice(p, d, None, None)
+
+
+class PowerOfTwoPolicy:
+    """Two random candidates per side, the less loaded wins; least-loaded DP rank."""
+
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None, kv_weight: float = LoadAwareParams.kv_weight) -> None:
+        self.rng = rng or random.Random()
+        self.kv_weight = kv_weight
+
+    def _two(self, ws: Sequence[Worker]) -> Sequence[Worker]:
+        return ws if len(ws) <= 2 else self.rng.sample(list(ws), 2)
+
+    def choose(self, prefills, decodes, ctx) -> Choice:
+        ps = [(prefill_cost(w, ctx), w) for w in self._two(prefills)]
+        ds = [(decode_cost(w, ctx, self.kv_weight), w) for w in self._two(decodes)]
+        (pr, _), p = min(ps, key=lambda x: x[0][1])
+        (dr, _), d = min(ds, key=lambda x: x[0][1])
+        return Choice(p, d, pr, dr)
+
+
+class LoadAwarePolicy:
+    """Least outstanding prefill work and least decode load, scored as a pair (see module docstring)."""
+
+    name = "load_aware"
+
+    def __init__(self, params: LoadAwareParams | None = None, rng: random.Random | None = None) -> None:
+        self.params = params or LoadAwareParams()
+        self.rng = rng or random.Random()
+
+    def pair_bonus(self, p: Worker, d: Worker, ctx: PairContext) -> int:
+        bonus = 0
+        if p.node == d.node:
+            bonus += self.params.same_node_bonus
+        if (p.url, d.url) in ctx.live_channels:
+            bonus += self.params.live_channel_bonus
+        return bonus
+
+    def choose(self, prefills, decodes, ctx) -> Choice:
+        prm = self.params
+        pc = [prefill_cost(w, ctx) for w in prefills]
+        dc = [decode_cost(w, ctx, prm.kv_weight) for w in decodes]
+        p_near = _near_best([c for _, c in pc], prm.prefill_tol_tokens, prm.prefill_tol_frac)
+        d_near = _near_best([c for _, c in dc], prm.decode_tol_reqs, prm.decode_tol_frac)
+        p_scale = max(1.0, min(c for _, c in pc), prm.prefill_tol_tokens)
+        d_scale = max(1.0, min(c for _, c in dc), prm.decode_tol_reqs)
+
+        def key(ij: tuple[int, int]) -> tuple:
+            i, j = ij
+            p, d = prefills[i], decodes[j]
+            # latency is a tie-break only; unknown latency ranks as best so new workers get tried
+            lat = (p.latency or 0.0) + (d.latency or 0.0)
+            # quantize so near-equal latencies do not beat the load comparison that follows
+            return (-self.pair_bonus(p, d, ctx), round(lat, 3), pc[i][1] / p_scale + dc[j][1] / d_scale, self.rng.random())
+
+        i, j = min(((i, j) for i in p_near for j in d_near), key=key)
+        return Choice(prefills[i], decodes[j], pc[i][0], dc[j][0])
+
+
+def make_policy(name: str, rng: random.Random | None = None, params: LoadAwareParams | None = None) -> Policy:
+    if name == "load_aware":
+        return LoadAwarePolicy(params, rng)
+    if name == "random":
+        return RandomPolicy(rng)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "power_of_two":
+        return PowerOfTwoPolicy(rng)
+    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -1,0 +1,366 @@
+"""PD dispatch of one generation request: pick a pair, send both legs at once, pass the decode answer back.
+
+Per attempt: the prefill and decode requests start concurrently. The client sees nothing until the decode
+has produced its first SSE event (streaming) or its whole body; until then a failed leg (transport error,
+5xx/408/429, or a decode whose first event is an abort) cancels the other leg and the request is retried
+on a new pair with a new room, excluding the worker that failed. A 4xx from either leg is the client's
+fault and is returned as is. Once bytes have reached the client they pass through unchanged (except the
+mini_lb logprob merge when `return_logprob` is set). A client that disconnects cancels both legs: aiohttp
+cancels the handler and closing the upstream responses closes their connections, which SGLang treats as
+an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from . import logprobs, payload, sse
+from .bootstrap import build_bodies
+from .health import record_failure, record_success
+from .metrics import Metrics
+from .policy import Choice, PairContext, Policy
+from .workers import Lease, Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    request_timeout: float = 1800.0
+    connect_timeout: float = 5.0
+    max_retries: int = 2
+    max_concurrent: int = 4096
+    passive_failure_threshold: int = 3
+    poll_max_age: float = 10.0
+    channel_ttl: float = 600.0
+    dp_fields: bool = True
+
+
+@dataclass
+class LegFailure:
+    """Why an attempt failed before anything reached the client; `status`/`body` echo the upstream answer."""
+
+    side: str
+    worker: Worker
+    reason: str
+    status: int | None = None
+    body: bytes = b""
+    content_type: str = "application/json"
+
+    @property
+    def retryable(self) -> bool:
+        return self.status is None or self.status in RETRYABLE_STATUS
+
+
+def error_response(status: int, message: str, kind: str | None = None) -> web.Response:
+    """Errors in SGLang's shape, {"error": {"message", "type", "code"}}."""
+    kind = kind or ("BadRequestError" if status < 500 else "ServiceUnavailableError" if status == 503 else "BadGatewayError")
+    return web.Response(status=status, body=orjson.dumps({"error": {"message": message, "type": kind, "code": status}}), headers=JSON_HEADERS)
+
+
+def _is_abort_event(obj: Any) -> bool:
+    if not isinstance(obj, dict):
+        return False
+    if "error" in obj:
+        return True
+    fr = (obj.get("meta_info") or {}).get("finish_reason") if isinstance(obj.get("meta_info"), dict) else None
+    return isinstance(fr, dict) and fr.get("type") == "abort"
+
+
+def parse_prefill_answer(raw: bytes) -> Any:
+    """A prefill answer as JSON: a plain body, or for a stream the last event per batch index."""
+    raw = raw.strip()
+    if not raw.startswith(b"data:"):
+        return orjson.loads(raw) if raw else None
+    events, _ = sse.split_events(raw + sse.EVENT_SEP)
+    by_index: dict[int, Any] = {}
+    for ev in events:
+        obj = sse.event_payload(ev)
+        if isinstance(obj, dict):
+            by_index[obj.get("index", 0)] = obj
+    if not by_index:
+        return None
+    return by_index[0] if list(by_index) == [0] else [by_index[i] for i in sorted(by_index)]
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, policy: Policy, session: aiohttp.ClientSession, cfg: ProxyConfig, metrics: Metrics) -> None:
+        self.pool, self.policy, self.session, self.cfg, self.metrics = pool, policy, session, cfg, metrics
+        self.inflight = 0
+        self._background: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ entry point
+    async def handle(self, route: str, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        if self.cfg.max_concurrent and self.inflight >= self.cfg.max_concurrent:
+            self.metrics.rejected.labels("capacity").inc()
+            return self._done(route, t0, error_response(503, f"load balancer at capacity: {self.inflight} requests in flight (--max-concurrent-requests)"))
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        try:
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge as e:
+                self.metrics.rejected.labels("too_large").inc()
+                return self._done(route, t0, error_response(413, f"request body too large: {e.text}"))
+            try:
+                body = payload.parse_json_object(raw)
+                stream = payload.is_stream(body)
+                tokens = payload.prompt_tokens(route, body)
+                batch = payload.generate_batch_size(body) if route == payload.GENERATE else None
+            except payload.BadRequest as e:
+                self.metrics.rejected.labels("bad_request").inc()
+                return self._done(route, t0, error_response(400, str(e)))
+            resp = await self._dispatch(route, request, body, stream, tokens, batch, t0)
+            return self._done(route, t0, resp)
+        except asyncio.CancelledError:
+            self.metrics.disconnects.inc()
+            self.metrics.requests.labels(route, "499").inc()
+            raise
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.dec()
+
+    def _done(self, route: str, t0: float, resp: web.StreamResponse) -> web.StreamResponse:
+        self.metrics.requests.labels(route, str(resp.status)).inc()
+        self.metrics.duration.labels(route).observe(time.perf_counter() - t0)
+        return resp
+
+    def choose(self, exclude_p: set[str], exclude_d: set[str]) -> Choice | LegFailure | str:
+        ps = self.pool.routable("prefill", exclude_p)
+        ds = self.pool.routable("decode", exclude_d)
+        if not ps or not ds:
+            missing = "prefill" if not ps else "decode"
+            total = len(self.pool.all(missing))  # type: ignore[arg-type]
+            return f"no healthy {missing} worker available ({total} registered, {len(exclude_p if not ps else exclude_d)} failed for this request)"
+        ctx = PairContext(frozenset(self.pool.live_channels(self.cfg.channel_ttl)), self.cfg.poll_max_age)
+        return self.policy.choose(ps, ds, ctx)
+
+    async def _dispatch(self, route, request, body, stream, tokens, batch, t0) -> web.StreamResponse:
+        exclude_p: set[str] = set()
+        exclude_d: set[str] = set()
+        last: LegFailure | None = None
+        for attempt in range(self.cfg.max_retries + 1):
+            choice = self.choose(exclude_p, exclude_d)
+            if isinstance(choice, str):
+                if last is not None:
+                    break
+                self.metrics.rejected.labels("no_worker").inc()
+                return error_response(503, choice)
+            final = attempt == self.cfg.max_retries
+            out = await self._attempt(route, request, body, stream, tokens, batch, choice, t0)
+            if not isinstance(out, LegFailure):
+                return out
+            last = out
+            self.metrics.upstream_errors.labels(out.side, str(out.status or "transport")).inc()
+            log.warning("attempt %d: %s leg on %s failed: %s", attempt + 1, out.side, out.worker.url, out.reason)
+            if not out.retryable:
+                break
+            (exclude_p if out.side == "prefill" else exclude_d).add(out.worker.url)
+            if not final:
+                self.metrics.retries.labels(out.side).inc()
+        assert last is not None
+        return self._failure_response(last)
+
+    def _failure_response(self, f: LegFailure) -> web.Response:
+        if f.status is not None and f.body:
+            # the upstream's own answer (what mini_lb would have returned), status and body unchanged
+            return web.Response(status=f.status, body=f.body, headers={"Content-Type": f.content_type})
+        return error_response(502 if f.status is None else f.status, f"{f.side} worker {f.worker.url} failed: {f.reason}")
+
+    # ------------------------------------------------------------------ one attempt
+    async def _attempt(self, route, request, body, stream, tokens, batch, choice: Choice, t0: float):
+        p, d = choice.prefill, choice.decode
+        p_body, d_body, rooms = build_bodies(body, choice, batch, self.cfg.dp_fields)
+        p_data = orjson.dumps(p_body)
+        d_data = p_data if d_body is p_body else orjson.dumps(d_body)
+        p_rank = choice.prefill_rank if choice.prefill_rank is not None else rooms[0] % p.dp_size
+        lease = Lease(p, d, p_rank, choice.decode_rank or 0, tokens, batch or 1)
+        self.pool.note_channel(p, d)
+        want_prefill_body = payload.wants_logprobs(route, body)
+        p_task = asyncio.create_task(self._prefill_leg(route, p, p_data, lease, want_prefill_body))
+        d_task = asyncio.create_task(self._decode_open(route, d, d_data, stream))
+        opened: _Opened | None = None
+        try:
+            pending = {p_task, d_task}
+            while d_task in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if p_task in done and isinstance(p_task.result(), LegFailure):
+                    return p_task.result()  # fail fast: the decode would wait for KV that never comes
+            d_out = d_task.result()
+            if isinstance(d_out, LegFailure):
+                return d_out
+            opened = d_out
+            if stream:
+                return await self._stream(route, request, p_task, opened.resp, opened.first, lease, want_prefill_body, t0)
+            data = await self._merge_logprobs(p_task, opened.first) if want_prefill_body else opened.first
+            self.metrics.ttfb.labels(route).observe(time.perf_counter() - t0)
+            return web.Response(status=opened.resp.status, body=data, headers={"Content-Type": opened.resp.headers.get("Content-Type", "application/json")})
+        finally:
+            if not d_task.done():
+                d_task.cancel()
+            elif opened is None and not d_task.cancelled() and isinstance(d_task.result(), _Opened):
+                d_task.result().resp.close()
+            if opened is not None:
+                opened.resp.release()
+            lease.release_decode()
+            if not p_task.done():
+                if opened is not None:
+                    self._keep(p_task)  # the decode got its KV, so the prefill is finishing on its own
+                else:
+                    p_task.cancel()
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _prefill_leg(self, route: str, w: Worker, data: bytes, lease: Lease, want_body: bool) -> bytes | LegFailure:
+        t = time.perf_counter()
+        try:
+            async with self.session.post(f"{w.url}/{route}", data=data, headers=JSON_HEADERS) as r:
+                raw = await r.read()
+                if r.status != 200:
+                    return LegFailure("prefill", w, f"status {r.status}: {raw[:300]!r}", r.status, raw, r.headers.get("Content-Type", "application/json"))
+                if not raw.startswith(b"data:") or (ev := sse.event_payload(raw.split(sse.EVENT_SEP, 1)[0])) is None or not _is_abort_event(ev):
+                    w.observe_latency((time.perf_counter() - t) * 1000.0 / max(1, lease.tokens))
+                    record_success(w, 1 << 30)
+                    return raw if want_body else b""
+                return LegFailure("prefill", w, f"prefill aborted: {raw[:300]!r}", 500, raw)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            self._passive_failure(w, e)
+            return LegFailure("prefill", w, f"{type(e).__name__}: {e}")
+        finally:
+            lease.release_prefill()
+
+    async def _decode_open(self, route: str, w: Worker, data: bytes, stream: bool):
+        """Open the decode leg; returns its response with the first event (stream) or whole body."""
+        try:
+            r = await self.session.post(f"{w.url}/{route}", data=data, headers=JSON_HEADERS)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            self._passive_failure(w, e)
+            return LegFailure("decode", w, f"{type(e).__name__}: {e}")
+        if r.status == 200:
+            record_success(w, 1 << 30)  # resets the passive failure count, never re-admits by itself
+        try:
+            if r.status != 200 or not stream:
+                raw = await r.read()
+                if r.status != 200:
+                    r.release()
+                    return LegFailure("decode", w, f"status {r.status}: {raw[:300]!r}", r.status, raw, r.headers.get("Content-Type", "application/json"))
+                return _Opened(r, raw)
+            buf = b""
+            while sse.EVENT_SEP not in buf:
+                chunk = await r.content.readany()
+                if not chunk:
+                    break
+                buf += chunk
+            first = buf.split(sse.EVENT_SEP, 1)[0]
+            if _is_abort_event(sse.event_payload(first)):
+                rest = await r.read()
+                r.release()
+                return LegFailure("decode", w, f"decode aborted before its first token: {first[:300]!r}", 500, buf + rest, "text/event-stream")
+            return _Opened(r, buf)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            r.close()
+            self._passive_failure(w, e)
+            return LegFailure("decode", w, f"{type(e).__name__}: {e}")
+        except BaseException:
+            r.close()
+            raise
+
+    def _passive_failure(self, w: Worker, e: BaseException) -> None:
+        # only transport errors count: a 5xx may be the request's fault, a refused connection is not
+        if isinstance(e, (aiohttp.ClientConnectionError, OSError)) and not isinstance(e, aiohttp.ServerTimeoutError):
+            if record_failure(w, f"request transport error: {type(e).__name__}: {e}", self.cfg.passive_failure_threshold):
+                self.metrics.ejections.labels(w.role).inc()
+
+    async def _prefill_answer(self, p_task: asyncio.Task) -> Any:
+        try:
+            raw = await asyncio.wait_for(asyncio.shield(p_task), self.cfg.request_timeout)
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(raw, LegFailure) or not raw:
+            return None
+        try:
+            return parse_prefill_answer(raw)
+        except orjson.JSONDecodeError:
+            return None
+
+    async def _merge_logprobs(self, p_task: asyncio.Task, data: bytes) -> bytes:
+        pre = await self._prefill_answer(p_task)
+        if pre is None:
+            return data
+        try:
+            return orjson.dumps(logprobs.merge(pre, orjson.loads(data)))
+        except orjson.JSONDecodeError:
+            return data
+
+    async def _stream(self, route, request, p_task, d_resp: aiohttp.ClientResponse, first: bytes, lease: Lease, merge: bool, t0: float) -> web.StreamResponse:
+        out = web.StreamResponse(status=d_resp.status, headers={"Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+        try:
+            await out.prepare(request)
+            if merge:
+                pre = logprobs.prefill_items_by_index(await self._prefill_answer(p_task))
+                await self._stream_merged(out, d_resp, first, pre)
+            else:
+                await out.write(first)
+                self.metrics.ttfb.labels(route).observe(time.perf_counter() - t0)
+                async for chunk in d_resp.content.iter_any():
+                    await out.write(chunk)
+            await out.write_eof()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            # the decode died mid-stream; the status line is gone, so end the stream with an error event
+            log.warning("decode %s failed mid-stream: %s", lease.d.url, e)
+            self.metrics.upstream_errors.labels("decode", "midstream").inc()
+            await out.write(sse.event({"error": {"message": f"decode worker {lease.d.url} failed mid-stream: {type(e).__name__}", "code": 502}}))
+            await out.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            # the client went away while we wrote: same as a cancellation, close both legs
+            self.metrics.disconnects.inc()
+            d_resp.close()
+            raise asyncio.CancelledError from None
+        finally:
+            d_resp.close()
+        return out
+
+    async def _stream_merged(self, out: web.StreamResponse, d_resp, first: bytes, pre: dict[int, Any]) -> None:
+        buf = first
+        async for chunk in d_resp.content.iter_any():
+            buf += chunk
+            events, buf = sse.split_events(buf)
+            for ev in events:
+                await out.write(self._merge_event(ev, pre))
+        events, rest = sse.split_events(buf)
+        for ev in events:
+            await out.write(self._merge_event(ev, pre))
+        if rest:
+            await out.write(rest)
+
+    @staticmethod
+    def _merge_event(ev: bytes, pre: dict[int, Any]) -> bytes:
+        obj = sse.event_payload(ev)
+        if not isinstance(obj, dict) or not pre:
+            return ev + sse.EVENT_SEP
+        logprobs.merge_item(pre.get(obj.get("index", 0)), obj)
+        return sse.event(obj)
+
+    async def close(self) -> None:
+        for t in list(self._background):
+            t.cancel()
+
+
+@dataclass
+class _Opened:
+    resp: aiohttp.ClientResponse
+    first: bytes

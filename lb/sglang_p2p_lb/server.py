@@ -1,0 +1,272 @@
+"""The LB's HTTP application: PD routes, info/admin routes, and the background health and load loops."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from . import payload
+from .health import HealthChecker, HealthConfig
+from .loads import LoadPoller
+from .metrics import Metrics
+from .policy import Policy, make_policy
+from .proxy import Dispatcher, ProxyConfig, error_response
+from .workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LBConfig:
+    prefills: list[tuple[str, int | None]] = field(default_factory=list)
+    decodes: list[str] = field(default_factory=list)
+    nodes: dict[str, str] = field(default_factory=dict)
+    host: str = "0.0.0.0"
+    port: int = 30000
+    policy: str = "load_aware"
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    load_poll_interval: float = 1.0
+    info_timeout: float = 10.0
+    max_body_bytes: int = 64 * 1024 * 1024
+    dp_aware: bool = True
+    health_generate_timeout: float = 30.0
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+
+
+class LoadBalancer:
+    """Owns the pool, policy, HTTP client session and background tasks; `app()` builds the server."""
+
+    def __init__(self, cfg: LBConfig, policy: Policy | None = None) -> None:
+        self.cfg = cfg
+        self.pool = WorkerPool()
+        for url, port in cfg.prefills:
+            self.pool.add(Worker(url, "prefill", port, node=cfg.nodes.get(url.rstrip("/"), "")))
+        for url in cfg.decodes:
+            self.pool.add(Worker(url, "decode", node=cfg.nodes.get(url.rstrip("/"), "")))
+        self.policy = policy or make_policy(cfg.policy)
+        self.metrics = Metrics(self.pool)
+        self.session: aiohttp.ClientSession | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.health: HealthChecker | None = None
+        self.loads: LoadPoller | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._runner: web.AppRunner | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    async def _startup(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.cfg.proxy.request_timeout, connect=self.cfg.proxy.connect_timeout)
+        # no per-host cap: the LB must not queue requests behind a connection limit of its own
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False)
+        self.dispatcher = Dispatcher(self.pool, self.policy, self.session, self.cfg.proxy, self.metrics)
+        self.health = HealthChecker(self.pool, self.session, self.cfg.health, self.metrics, self.cfg.dp_aware)
+        self.loads = LoadPoller(self.pool, self.session, self.cfg.load_poll_interval)
+        # one discovery round before serving, so DP sizes are known for the first requests
+        await asyncio.gather(*(self.health.discover(w) for w in self.pool))
+        if self.cfg.health.enabled:
+            self._tasks.append(asyncio.create_task(self.health.run()))
+        if self.cfg.load_poll_interval > 0:
+            self._tasks.append(asyncio.create_task(self.loads.run()))
+
+    async def _cleanup(self, app: web.Application) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.dispatcher:
+            await self.dispatcher.close()
+        if self.session:
+            await self.session.close()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        r = app.router
+        for route in payload.ROUTES:
+            r.add_post("/" + route, self._generate_handler(route))
+        r.add_get("/health", self.health_route)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_post("/flush_cache", self.flush_cache)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/metrics", self.metrics_route)
+        r.add_get("/workers", self.list_workers)
+        r.add_post("/workers", self.add_worker)
+        r.add_delete("/workers", self.remove_worker)
+        r.add_get("/get_loads", self.list_workers)
+        return app
+
+    async def start(self) -> str:
+        """Serve on cfg.host:cfg.port (port 0 picks a free one); returns the base URL."""
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=4096)
+        await site.start()
+        self.cfg.port = self._runner.addresses[0][1]
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+
+    # ------------------------------------------------------------ PD routes
+    def _generate_handler(self, route: str):
+        async def handle(request: web.Request) -> web.StreamResponse:
+            assert self.dispatcher is not None
+            return await self.dispatcher.handle(route, request)
+
+        return handle
+
+    # ------------------------------------------------------------ health
+    async def health_route(self, request: web.Request) -> web.Response:
+        p, d = self.pool.routable("prefill"), self.pool.routable("decode")
+        status = 200 if p and d else 503
+        return _json({"status": "ok" if status == 200 else "unavailable", "healthy_prefill": len(p), "healthy_decode": len(d)}, status)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """Generate one token through a real pair (mini_lb only pings the workers, sglang #8063)."""
+        assert self.dispatcher is not None
+        req = _InternalRequest(orjson.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}))
+        try:
+            resp = await asyncio.wait_for(self.dispatcher.handle(payload.GENERATE, req), self.cfg.health_generate_timeout)  # type: ignore[arg-type]
+        except asyncio.TimeoutError:
+            return error_response(503, f"health generate timed out after {self.cfg.health_generate_timeout}s")
+        if resp.status == 200:
+            return web.Response(status=200)
+        return error_response(503, f"health generate failed with {resp.status}: {getattr(resp, 'text', '')}")
+
+    # ------------------------------------------------------------ fan-out / proxy info routes
+    async def _fanout(self, method: str, path: str) -> list[tuple[Worker, int | None, Any]]:
+        assert self.session is not None
+
+        async def one(w: Worker):
+            try:
+                async with self.session.request(method, w.url + path, timeout=aiohttp.ClientTimeout(total=self.cfg.info_timeout)) as r:
+                    raw = await r.read()
+                    try:
+                        return w, r.status, orjson.loads(raw)
+                    except orjson.JSONDecodeError:
+                        return w, r.status, raw.decode(errors="replace")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                return w, None, f"{type(e).__name__}: {e}"
+
+        return await asyncio.gather(*(one(w) for w in self.pool))
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        results = await self._fanout("POST", "/flush_cache")
+        failed = [{"url": w.url, "status": s, "detail": b} for w, s, b in results if s != 200]
+        if failed:
+            return _json({"error": {"message": f"flush_cache failed on {len(failed)} of {len(results)} workers", "code": 502}, "failed": failed}, 502)
+        return _json({"status": "ok", "flushed": len(results)})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        results = await self._fanout("GET", "/get_server_info")
+        info: dict[str, Any] = {"prefill": [], "decode": [], "internal_states": []}
+        for w, status, body in results:
+            entry = body if status == 200 and isinstance(body, dict) else {"url": w.url, "error": body, "status": status}
+            info[w.role].append(entry)
+            if w.role == "decode" and status == 200 and isinstance(body, dict):
+                info["internal_states"].extend(body.get("internal_states") or [])
+        if not info["internal_states"]:
+            # bench_one_batch_server reads this key; mini_lb returns the same placeholder
+            info["internal_states"] = [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}]
+        return _json(info)
+
+    async def _proxy_get(self, path: str) -> web.Response:
+        assert self.session is not None
+        workers = self.pool.routable("prefill") or self.pool.all("prefill")
+        errors = []
+        for w in workers:
+            try:
+                async with self.session.get(w.url + path, timeout=aiohttp.ClientTimeout(total=self.cfg.info_timeout)) as r:
+                    raw = await r.read()
+                    if r.status == 200:
+                        return web.Response(status=200, body=raw, content_type="application/json")
+                    errors.append(f"{w.url}: status {r.status}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                errors.append(f"{w.url}: {type(e).__name__}")
+        return error_response(503 if not workers else 502, f"{path} unavailable: " + ("; ".join(errors) or "no prefill worker registered"))
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return await self._proxy_get("/get_model_info")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return await self._proxy_get("/v1/models")
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # ------------------------------------------------------------ admin
+    async def list_workers(self, request: web.Request) -> web.Response:
+        return _json({"policy": self.policy.name, "workers": [w.snapshot() for w in self.pool]})
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        """POST /workers {"url": ..., "role": "prefill"|"decode", "bootstrap_port": int|null, "node": str}."""
+        try:
+            body = payload.parse_json_object(await request.read())
+            role = body.get("role")
+            if role not in ("prefill", "decode"):
+                raise payload.BadRequest("'role' must be 'prefill' or 'decode'")
+            port = body.get("bootstrap_port")
+            if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+                raise payload.BadRequest("'bootstrap_port' must be an integer port or null")
+            url = body.get("url")
+            if not isinstance(url, str):
+                raise payload.BadRequest("'url' must be a string like http://host:port")
+            w = Worker(url, role, port if role == "prefill" else None, node=str(body.get("node") or ""))
+        except (payload.BadRequest, ValueError) as e:
+            return error_response(400, str(e))
+        try:
+            self.pool.add(w)
+        except KeyError as e:
+            return error_response(409, e.args[0])
+        assert self.health is not None
+        # a new worker must pass a health check before it gets traffic
+        w.healthy = False
+        if await self.health.check(w):
+            w.healthy = True
+        if self.loads is not None:
+            await self.loads.poll(w)
+        log.info("added %s worker %s (healthy=%s)", role, w.url, w.healthy)
+        return _json({"status": "added", "worker": w.snapshot()})
+
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        """DELETE /workers?url=...[&role=...] (or the same as a JSON body)."""
+        params: dict[str, Any] = dict(request.query)
+        if not params.get("url") and request.can_read_body:
+            try:
+                params.update(payload.parse_json_object(await request.read()))
+            except payload.BadRequest as e:
+                return error_response(400, str(e))
+        url, role = params.get("url"), params.get("role")
+        if not isinstance(url, str) or role not in (None, "prefill", "decode"):
+            return error_response(400, "give 'url' (and optionally 'role': prefill|decode)")
+        try:
+            gone = self.pool.remove(url, role)
+        except ValueError as e:
+            return error_response(400, str(e))
+        if not gone:
+            return error_response(404, f"no worker registered at {url}")
+        # in-flight requests keep their Worker object and finish normally
+        return _json({"status": "removed", "workers": [w.url for w in gone]})
+
+
+class _InternalRequest:
+    """Just enough of web.Request for Dispatcher.handle on a non-streamed request made by the LB itself."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    async def read(self) -> bytes:
+        return self._body

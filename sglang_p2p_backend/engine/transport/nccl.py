@@ -1,0 +1,477 @@
+"""The `nccl` two-sided transport: one 2-rank NCCL communicator per (prefill rank, decode rank) pair.
+
+Each pair communicator (`NcclPairComm`) has its own CUDA stream, a channel cap fixed at init through NCCL's
+per-communicator `ncclConfig_t` (`minCTAs = maxCTAs = cap`; never NCCL_MAX_NCHANNELS / NCCL_MAX_CTAS, which
+NCCL reads once per process and would also slow SGLang's own TP collectives), and is non-blocking
+(`config.blocking = 0`): init, launches and waits are polled against a deadline and a stuck pair is torn down
+with `ncclCommAbort`, so a dead peer never hangs the calling thread.
+
+Binding: a small ctypes layer over the `libnccl.so.2` that torch already loaded (so there is one NCCL per
+process). Why not an existing binding:
+- SGLang's `pynccl_wrapper.NCCLLibrary` binds `ncclCommInitRankConfig` but not `ncclCommAbort` nor
+  `ncclCommGetAsyncError`, which non-blocking init and abort need; and the engine must not import SGLang.
+- torch.distributed's ProcessGroupNCCL takes a config and can abort, but every dynamic pair would need its own
+  store rendezvous and watchdog thread; pairs come and go with decode instances.
+- `cupy.cuda.nccl` can abort but has no `ncclConfig_t` (no per-communicator cap, no non-blocking init).
+- nccl4py covers all of it but is 0.x and pulls cuda.core / cuda-bindings that SGLang deployments lack.
+The config struct passed is the NCCL 2.17 prefix of `ncclConfig_t` with `version = 2.17.0`: NCCL copies only
+`size` bytes and fills later fields with defaults, so one layout works from 2.17 through 2.30.
+
+Ordering rule: `send`/`recv` are ordered after the work already queued on the caller's current CUDA stream
+(as torch.distributed does), and `Completion.event` lets another stream wait for them without a host sync.
+Issuing gather/scatter on `comm.stream` itself (as a serial pipeline does) is the special case where that
+wait is a no-op; a pipelined caller gathers on its own stream and the send waits for exactly that work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import struct
+import threading
+import time
+import weakref
+from typing import Optional, Sequence
+
+import torch
+
+from .base import Completion, PairComm, TransportError, TwoSidedTransport
+
+logger = logging.getLogger(__name__)
+
+# ncclResult_t values (nccl.h)
+NCCL_SUCCESS = 0
+NCCL_IN_PROGRESS = 7
+_NCCL_UINT8 = 1  # ncclUint8
+_CONFIG_UNDEF_INT = -(2**31)
+_CONFIG_MAGIC = 0xCAFEBEEF
+_MIN_VERSION = 21700  # minCTAs/maxCTAs in ncclConfig_t and non-blocking communicators
+
+
+def nccl_version_code(major: int, minor: int, patch: int) -> int:
+    """NCCL_VERSION(X, Y, Z) of nccl.h (the >= 2.9 encoding)."""
+    return major * 10000 + minor * 100 + patch
+
+
+class NcclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+
+class NcclConfig(ctypes.Structure):
+    """The NCCL 2.17 prefix of ncclConfig_t (fields are append-only across versions)."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magic", ctypes.c_uint),
+        ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int),
+        ("cgaClusterSize", ctypes.c_int),
+        ("minCTAs", ctypes.c_int),
+        ("maxCTAs", ctypes.c_int),
+        ("netName", ctypes.c_char_p),
+        ("splitShare", ctypes.c_int),
+    ]
+
+    @classmethod
+    def make(cls, *, blocking: bool, max_ctas: Optional[int]) -> "NcclConfig":
+        cfg = cls()
+        cfg.size = ctypes.sizeof(cls)
+        cfg.magic = _CONFIG_MAGIC
+        cfg.version = nccl_version_code(2, 17, 0)
+        cfg.blocking = 1 if blocking else 0
+        cfg.cgaClusterSize = _CONFIG_UNDEF_INT
+        # min = max pins the channel count: fewer channels would cost bandwidth without saving memory
+        cfg.minCTAs = max_ctas if max_ctas else _CONFIG_UNDEF_INT
+        cfg.maxCTAs = max_ctas if max_ctas else _CONFIG_UNDEF_INT
+        cfg.netName = None
+        cfg.splitShare = _CONFIG_UNDEF_INT
+        return cfg
+
+
+def _find_library() -> str:
+    # same override as SGLang's wrapper, so one variable points both at another libnccl
+    override = os.environ.get("SGLANG_P2P_NCCL_SO_PATH") or os.environ.get("SGLANG_NCCL_SO_PATH")
+    return override or "libnccl.so.2"
+
+
+def _wheel_library() -> Optional[str]:
+    try:
+        import nvidia.nccl  # the nvidia-nccl-cu12/cu13 wheel torch depends on
+    except ImportError:
+        return None
+    for root in getattr(nvidia.nccl, "__path__", []):
+        candidate = os.path.join(root, "lib", "libnccl.so.2")
+        if os.path.exists(candidate):
+            return candidate
+    return None
+
+
+class NcclLibrary:
+    """ctypes functions of libnccl used here. Loading "libnccl.so.2" after `import torch` returns the copy torch's
+    CUDA library already mapped (the dynamic loader matches the soname)."""
+
+    _instance: Optional["NcclLibrary"] = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self, path: Optional[str] = None):
+        path = path or _find_library()
+        try:
+            self.lib = ctypes.CDLL(path)
+        except OSError as e:
+            # torch not loaded yet, or a libnccl outside the loader's path: the nvidia-nccl wheel's copy
+            wheel = _wheel_library()
+            if path != "libnccl.so.2" or wheel is None:
+                raise TransportError(f"cannot load NCCL ({path}): {e}; set SGLANG_NCCL_SO_PATH") from e
+            self.lib = ctypes.CDLL(wheel)
+        L = self.lib
+        p_comm = ctypes.c_void_p
+        self._sig(L.ncclGetVersion, [ctypes.POINTER(ctypes.c_int)])
+        self._sig(L.ncclGetUniqueId, [ctypes.POINTER(NcclUniqueId)])
+        self._sig(
+            L.ncclCommInitRankConfig,
+            [ctypes.POINTER(p_comm), ctypes.c_int, NcclUniqueId, ctypes.c_int, ctypes.POINTER(NcclConfig)],
+        )
+        self._sig(L.ncclCommGetAsyncError, [p_comm, ctypes.POINTER(ctypes.c_int)])
+        self._sig(L.ncclCommAbort, [p_comm])
+        self._sig(L.ncclCommDestroy, [p_comm])
+        for name in ("ncclSend", "ncclRecv"):
+            self._sig(
+                getattr(L, name),
+                [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, p_comm, ctypes.c_void_p],
+            )
+        self._sig(L.ncclGroupStart, [])
+        self._sig(L.ncclGroupEnd, [])
+        L.ncclGetErrorString.restype = ctypes.c_char_p
+        L.ncclGetErrorString.argtypes = [ctypes.c_int]
+        L.ncclGetLastError.restype = ctypes.c_char_p
+        L.ncclGetLastError.argtypes = [p_comm]
+        v = ctypes.c_int()
+        self.check(L.ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")
+        self.version = v.value
+        if self.version < _MIN_VERSION:
+            raise TransportError(f"NCCL {self.version} is too old: per-communicator config needs NCCL >= 2.17")
+
+    @staticmethod
+    def _sig(fn, argtypes) -> None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
+
+    @classmethod
+    def get(cls) -> "NcclLibrary":
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def error_text(self, code: int, comm: Optional[int] = None) -> str:
+        text = self.lib.ncclGetErrorString(code).decode(errors="replace")
+        last = self.lib.ncclGetLastError(comm).decode(errors="replace") if comm is not None else ""
+        return f"{text} ({code})" + (f": {last}" if last else "")
+
+    def check(self, code: int, what: str, comm: Optional[int] = None) -> int:
+        """Raise TransportError unless `code` is success or in-progress; returns the code."""
+        if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+            raise TransportError(f"{what} failed: {self.error_text(code, comm)}")
+        return code
+
+    def async_error(self, comm: int) -> int:
+        out = ctypes.c_int()
+        code = self.lib.ncclCommGetAsyncError(comm, ctypes.byref(out))
+        return out.value if code == NCCL_SUCCESS else code
+
+
+def pack_unique_id(raw: bytes, max_ctas: Optional[int]) -> bytes:
+    """The id that travels on the control channel: the ncclUniqueId plus the channel cap both ranks must use
+    (a mismatch would make the ranks split messages over different channels and hang)."""
+    return b"NCL1" + struct.pack("<i", max_ctas or 0) + raw
+
+
+def unpack_unique_id(uid: bytes) -> tuple[bytes, Optional[int]]:
+    if len(uid) != 136 or uid[:4] != b"NCL1":
+        raise TransportError(f"not an nccl pair id ({len(uid)} bytes): prefill and decode use different transports")
+    (cap,) = struct.unpack("<i", uid[4:8])
+    return uid[8:], (cap or None)
+
+
+class _Poller:
+    """Waits for a condition without a blocking CUDA/NCCL call: spins briefly (latency), then sleeps (CPU)."""
+
+    SPIN_S = 0.002
+    SLEEP_S = 0.0002
+
+    def __init__(self, timeout: float):
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def pause(self) -> None:
+        if time.monotonic() - self.start < self.SPIN_S:
+            time.sleep(0)  # yield the GIL only
+        else:
+            time.sleep(self.SLEEP_S)
+
+
+def _own_stream(device: torch.device) -> tuple[torch.cuda.Stream, Optional[int]]:
+    """A CUDA stream of this pair alone. torch.cuda.Stream() hands out a pool of 32 streams round-robin, which
+    would make unrelated pairs queue behind each other (and a stuck pair stall another), so the stream is
+    created with the CUDA runtime; returns (stream, raw handle to destroy) or a pooled stream if that fails."""
+    try:
+        major = (torch.version.cuda or "").split(".")[0]
+        rt = ctypes.CDLL(f"libcudart.so.{major}")
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            if rt.cudaStreamCreateWithFlags(ctypes.byref(handle), ctypes.c_uint(1)) != 0:  # cudaStreamNonBlocking
+                raise OSError("cudaStreamCreateWithFlags failed")
+        return torch.cuda.ExternalStream(handle.value, device=device), handle.value
+    except (OSError, AttributeError) as e:
+        logger.warning("nccl transport: no dedicated CUDA stream (%s); using torch's stream pool", e)
+        return torch.cuda.Stream(device=device), None
+
+
+def _destroy_stream(handle: Optional[int]) -> None:
+    if handle is None:
+        return
+    major = (torch.version.cuda or "").split(".")[0]
+    # the runtime frees it once queued work finishes; the stream must not be used afterwards
+    ctypes.CDLL(f"libcudart.so.{major}").cudaStreamDestroy(ctypes.c_void_p(handle))
+
+
+class NcclCompletion(Completion):
+    """An operation queued on a pair's stream: done when the event after it has fired."""
+
+    def __init__(self, comm: "NcclPairComm", event: torch.cuda.Event, what: str):
+        self.comm = comm
+        self.event = event
+        self.what = what
+
+    def done(self) -> bool:
+        return self.comm.aborted or self.event.query()
+
+    def wait(self, timeout: float) -> None:
+        poll = _Poller(timeout)
+        while not self.event.query():
+            self.comm.raise_if_broken(self.what)
+            if poll.left() <= 0:
+                reason = f"{self.what} not done after {timeout:.1f}s (peer dead or stalled)"
+                self.comm.abort(reason)
+                raise TransportError(f"{reason}; pair channel {self.comm.name} aborted")
+            poll.pause()
+        self.comm.raise_if_broken(self.what)
+
+
+class NcclPairComm(PairComm):
+    """One 2-rank non-blocking NCCL communicator with its own stream. Rank 0 sends, rank 1 receives (either
+    direction works). Calls are serialised by a lock; abort may come from any thread."""
+
+    def __init__(self, lib: NcclLibrary, handle: int, rank: int, device: torch.device, max_ctas: Optional[int]):
+        self.lib = lib
+        self.handle = handle
+        self.rank = rank
+        self.peer = 1 - rank
+        self.device = device
+        self.max_ctas = max_ctas
+        self.stream, stream_handle = _own_stream(device)
+        # the stream goes when this object does: after an abort from another thread the owner may still queue a
+        # kernel on it, which must not hit a destroyed handle
+        weakref.finalize(self, _destroy_stream, stream_handle)
+        self.name = f"{handle:#x}(rank {rank}, cap {max_ctas or 'default'})"
+        self._lock = threading.Lock()
+        self._abort_reason = ""
+        self._released = False
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self._abort_reason)
+
+    def raise_if_broken(self, what: str) -> None:
+        if self._abort_reason:
+            raise TransportError(f"{what}: pair channel {self.name} aborted: {self._abort_reason}")
+        err = self.lib.async_error(self.handle)
+        if err not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+            text = self.lib.error_text(err, self.handle)
+            self.abort(text)
+            raise TransportError(f"{what}: NCCL reported {text}; pair channel {self.name} aborted")
+
+    def _settle(self, code: int, what: str, poll: _Poller) -> None:
+        """After a call on a non-blocking communicator: wait until NCCL has queued the work (ncclInProgress means
+        a helper thread is still launching or connecting); abort when that takes past the deadline."""
+        self.lib.check(code, what, self.handle)
+        while code == NCCL_IN_PROGRESS:
+            code = self.lib.async_error(self.handle)
+            if code == NCCL_IN_PROGRESS:
+                if poll.left() <= 0:
+                    raise TransportError(f"{what} could not start within the deadline (peer not connecting)")
+                poll.pause()
+        self.lib.check(code, what, self.handle)
+
+    def _post(self, bufs: Sequence[torch.Tensor], send: bool, timeout: float) -> NcclCompletion:
+        fn = self.lib.lib.ncclSend if send else self.lib.lib.ncclRecv
+        what = f"{'send' if send else 'recv'} of {sum(b.numel() for b in bufs)} bytes in {len(bufs)} message(s)"
+        for b in bufs:
+            if b.device != self.device or b.dtype != torch.uint8 or not b.is_contiguous():
+                raise TransportError(f"{what}: nccl moves contiguous uint8 tensors on {self.device}, got {b.device} {b.dtype}")
+        caller = torch.cuda.current_stream(self.device)
+        poll = _Poller(timeout)
+        with self._lock:
+            self.raise_if_broken(what)
+            if caller.cuda_stream != self.stream.cuda_stream:
+                self.stream.wait_stream(caller)
+            stream_ptr = ctypes.c_void_p(self.stream.cuda_stream)
+            try:
+                with torch.cuda.device(self.device):
+                    if len(bufs) == 1:
+                        b = bufs[0]
+                        code = fn(ctypes.c_void_p(b.data_ptr()), b.numel(), _NCCL_UINT8, self.peer, self.handle, stream_ptr)
+                    else:
+                        self.lib.check(self.lib.lib.ncclGroupStart(), "ncclGroupStart")
+                        for b in bufs:
+                            self.lib.check(
+                                fn(ctypes.c_void_p(b.data_ptr()), b.numel(), _NCCL_UINT8, self.peer, self.handle, stream_ptr),
+                                what,
+                                self.handle,
+                            )
+                        code = self.lib.lib.ncclGroupEnd()
+                    self._settle(code, what, poll)
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
+            except TransportError as e:
+                self._abort_locked(str(e))
+                raise
+        # keep the buffers alive until the op is done: the caller may drop its slice views
+        c = NcclCompletion(self, event, what)
+        c.bufs = list(bufs)  # type: ignore[attr-defined]
+        return c
+
+    def send(self, buf: torch.Tensor, timeout: float = 30.0) -> NcclCompletion:
+        return self._post([buf], True, timeout)
+
+    def recv(self, buf: torch.Tensor, timeout: float = 30.0) -> NcclCompletion:
+        return self._post([buf], False, timeout)
+
+    def send_batch(self, bufs: Sequence[torch.Tensor], timeout: float = 30.0) -> NcclCompletion:
+        """Several messages as one NCCL group (one kernel); the peer posts `recv_batch` of the same sizes."""
+        return self._post(list(bufs), True, timeout)
+
+    def recv_batch(self, bufs: Sequence[torch.Tensor], timeout: float = 30.0) -> NcclCompletion:
+        return self._post(list(bufs), False, timeout)
+
+    def _abort_locked(self, reason: str) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._abort_reason = reason or "aborted"
+        with torch.cuda.device(self.device):
+            # abort raises the device-side abort flag, so kernels waiting on a dead peer exit; it is local
+            code = self.lib.lib.ncclCommAbort(self.handle)
+        if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+            logger.warning("ncclCommAbort of %s: %s", self.name, self.lib.error_text(code))
+
+    def abort(self, reason: str = "aborted by the owner") -> None:
+        """Tear down now, without the peer; idempotent and safe from any thread (ops in flight fail)."""
+        # no lock wait: an op stuck in _settle holds the lock; abort flags make it return quickly
+        if self._released:
+            return
+        if self._lock.acquire(timeout=1.0):
+            try:
+                self._abort_locked(reason)
+            finally:
+                self._lock.release()
+        else:  # another thread is inside NCCL for this comm; abort is designed to stop it
+            self._abort_locked(reason)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Orderly release once queued work has finished; falls back to abort. Local: needs nothing from the peer."""
+        if self._released:
+            return
+        done = torch.cuda.Event()
+        with self._lock:
+            done.record(self.stream)
+        poll = _Poller(timeout)
+        while not done.query() and poll.left() > 0:
+            poll.pause()
+        with self._lock:
+            if self._released:
+                return
+            if not done.query():
+                self._abort_locked(f"close: work still queued after {timeout:.1f}s")
+                return
+            self._released = True
+            self._abort_reason = "closed"
+            with torch.cuda.device(self.device):
+                code = self.lib.lib.ncclCommDestroy(self.handle)
+            if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+                logger.warning("ncclCommDestroy of %s: %s", self.name, self.lib.error_text(code))
+
+
+class NcclTransport(TwoSidedTransport):
+    """Makes pair communicators on one CUDA device. `max_ctas` is the default channel cap for new pair ids
+    (None = NCCL's default); the comm pool passes a per-pair cap to `new_unique_id` instead."""
+
+    name = "nccl"
+
+    def __init__(
+        self,
+        device: Optional[torch.device] = None,
+        max_ctas: Optional[int] = None,
+        *,
+        blocking: bool = False,
+        library: Optional[NcclLibrary] = None,
+    ):
+        if not torch.cuda.is_available():
+            raise TransportError("nccl transport needs a CUDA device")
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.max_ctas = max_ctas
+        # blocking communicators are for baselines only: their init cannot time out
+        self.blocking = blocking
+        self.lib = library or NcclLibrary.get()
+
+    def new_unique_id(self, max_ctas: Optional[int] = -1) -> bytes:  # type: ignore[override]
+        cap = self.max_ctas if max_ctas == -1 else max_ctas
+        uid = NcclUniqueId()
+        with torch.cuda.device(self.device):
+            self.lib.check(self.lib.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+        return pack_unique_id(bytes(uid), cap)
+
+    def connect(self, unique_id: bytes, rank: int, timeout: float) -> NcclPairComm:
+        raw, cap = unpack_unique_id(unique_id)
+        if rank not in (0, 1):
+            raise TransportError(f"pair rank must be 0 (prefill) or 1 (decode), got {rank}")
+        poll = _Poller(timeout)
+        uid = NcclUniqueId.from_buffer_copy(raw)
+        cfg = NcclConfig.make(blocking=self.blocking, max_ctas=cap)
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(self.device):
+            code = self.lib.lib.ncclCommInitRankConfig(ctypes.byref(handle), 2, uid, rank, ctypes.byref(cfg))
+        if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS) or not handle.value:
+            raise TransportError(f"ncclCommInitRankConfig failed: {self.lib.error_text(code)}")
+        while code == NCCL_IN_PROGRESS:
+            code = self.lib.async_error(handle.value)
+            if code == NCCL_IN_PROGRESS and poll.left() <= 0:
+                self.lib.lib.ncclCommAbort(handle.value)
+                raise TransportError(f"pair channel init as rank {rank}: peer did not join within {timeout:.1f}s")
+            if code == NCCL_IN_PROGRESS:
+                poll.pause()
+        if code != NCCL_SUCCESS:
+            text = self.lib.error_text(code, handle.value)
+            self.lib.lib.ncclCommAbort(handle.value)
+            raise TransportError(f"pair channel init as rank {rank} failed: {text}")
+        comm = NcclPairComm(self.lib, handle.value, rank, self.device, cap)
+        # one-byte exchange now: NCCL connects a peer's channels on the first op (~ms to 100s of ms), which
+        # belongs inside the connect deadline, not in the first request's latency
+        probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        with torch.cuda.stream(comm.stream):
+            try:
+                op = comm.send(probe, poll.left()) if rank == 0 else comm.recv(probe, poll.left())
+                op.wait(max(poll.left(), 0.001))
+            except TransportError:
+                comm.abort("connect probe failed")
+                raise
+        return comm
+
+    def alloc_staging(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)

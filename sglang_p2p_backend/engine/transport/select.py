@@ -1,0 +1,124 @@
+"""Which transport moves a peer's pages: the `auto` policy of `SGLANG_P2P_TRANSPORT`, as a pure function.
+
+`choose_transport` decides from facts the caller gathers (forced value, same host or not, RDMA devices, GPU,
+Mooncake installed, whether the NCCL communicator pool admits one more communicator); `TransportSelector`
+adds the "log once per peer" part; `rdma_devices` is the one probe of the machine (sysfs), kept apart so the
+policy stays testable without I/O. Nothing here imports SGLang, torch or Mooncake.
+
+Policy for `auto` (GPU hosts):
+1. peer on another host and Mooncake can use RDMA -> `mooncake` (rdma): one-sided writes cost no GPU memory
+   per peer, which is what makes 96P x 144D fan-out fit;
+2. otherwise NCCL while the communicator pool admits another communicator;
+3. pool at its budget and RDMA usable -> `mooncake` (rdma);
+4. pool at its budget, no RDMA -> `nccl` anyway: the pool makes room (closes an idle communicator or the
+   sender waits for one to be released), so GPU memory stays within budget at the price of waiting.
+Without a GPU `auto` means the CPU two-sided `tcp` transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Hashable, Optional, Union
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "SGLANG_P2P_TRANSPORT"
+TRANSPORTS = ("nccl", "mooncake", "gloo", "tcp")
+AUTO = "auto"
+#: where the kernel lists RDMA devices (IB and RoCE HCAs alike)
+SYSFS_INFINIBAND = "/sys/class/infiniband"
+
+#: a bool, or a callable asked only when the answer matters (the pool's "does one more fit?")
+BoolOrQuery = Union[bool, Callable[[], bool]]
+
+
+@dataclass(frozen=True)
+class PeerFacts:
+    """What the choice for one peer depends on."""
+
+    same_host: bool
+    rdma_present: bool
+    nccl_fits: BoolOrQuery
+    gpu: bool = True
+    mooncake_available: bool = True
+
+
+@dataclass(frozen=True)
+class Choice:
+    transport: str
+    #: Mooncake protocol ("rdma" | "tcp") when transport is "mooncake", else None
+    protocol: Optional[str]
+    #: one line a person reads in the log to know why
+    reason: str
+
+
+def _ask(value: BoolOrQuery) -> bool:
+    return bool(value() if callable(value) else value)
+
+
+def parse_forced(value: Optional[str]) -> Optional[str]:
+    """The transport forced by `SGLANG_P2P_TRANSPORT`, or None for `auto`/unset; ValueError for a typo."""
+    name = (value or "").strip().lower()
+    if name in ("", AUTO):
+        return None
+    if name not in TRANSPORTS:
+        raise ValueError(f"{ENV_VAR}={value!r} is not one of {(AUTO,) + TRANSPORTS}")
+    return name
+
+
+def choose_transport(forced: Optional[str], facts: PeerFacts) -> Choice:
+    """Pure `auto` policy (see module docstring). `forced` is the raw `SGLANG_P2P_TRANSPORT` value."""
+    name = parse_forced(forced)
+    rdma_usable = facts.rdma_present and facts.mooncake_available
+    if name is not None:
+        protocol = None
+        if name == "mooncake":
+            # forced Mooncake still uses the NICs when there are any; tcp works anywhere
+            protocol = "rdma" if facts.rdma_present else "tcp"
+        return Choice(name, protocol, f"forced by {ENV_VAR}={name}")
+    if not facts.gpu:
+        return Choice("tcp", None, "no CUDA device: CPU two-sided tcp transport")
+    if not facts.same_host and rdma_usable:
+        return Choice("mooncake", "rdma", "peer on another host and RDMA devices present: Mooncake rdma")
+    if _ask(facts.nccl_fits):
+        where = "same host" if facts.same_host else "another host, no usable RDMA"
+        return Choice("nccl", None, f"NCCL communicator pool has room ({where})")
+    if rdma_usable:
+        return Choice("mooncake", "rdma", "NCCL communicator pool at its GPU-memory budget: Mooncake rdma")
+    missing = "Mooncake not installed" if facts.rdma_present else "no RDMA devices"
+    return Choice("nccl", None, f"NCCL communicator pool at its budget and {missing}: NCCL once the pool makes room")
+
+
+def rdma_devices(sysfs: str = SYSFS_INFINIBAND) -> list[str]:
+    """Names of the RDMA devices this machine has (e.g. mlx5_0), empty when none or no sysfs."""
+    try:
+        return sorted(os.listdir(sysfs))
+    except OSError:
+        return []
+
+
+class TransportSelector:
+    """Chooses per peer and logs the choice once per peer (again only if it changes)."""
+
+    def __init__(self, forced: Optional[str] = None, log: logging.Logger = logger) -> None:
+        # read the environment once: a forced value must not change under running transfers
+        raw = os.environ.get(ENV_VAR) if forced is None else forced
+        parse_forced(raw)  # fail at start-up on a typo, not at the first transfer
+        self._forced = raw
+        self._log = log
+        self._last: dict[Hashable, Choice] = {}
+
+    def choose(self, peer: Hashable, facts: PeerFacts) -> Choice:
+        choice = choose_transport(self._forced, facts)
+        previous = self._last.get(peer)
+        if previous is None or (previous.transport, previous.protocol) != (choice.transport, choice.protocol):
+            self._last[peer] = choice
+            proto = f" ({choice.protocol})" if choice.protocol else ""
+            self._log.info("transport for peer %s: %s%s: %s", peer, choice.transport, proto, choice.reason)
+        return choice
+
+    def forget(self, peer: Hashable) -> None:
+        """The peer left: its next appearance is logged again."""
+        self._last.pop(peer, None)

@@ -1,0 +1,108 @@
+"""Command line of the launcher: `python -m sglang_p2p_backend.launch {node,lb,check} --config FILE ...`.
+
+node   renders this node's SGLang server command and replaces this process with it
+lb     renders the load balancer's command and replaces this process with it
+check  validates the topology and every rendered command with SGLang's parser, starts nothing
+--dry-run (node, lb) prints every command of the whole topology and starts nothing.
+
+Every path validates the whole topology before anything starts, so a broken config stops on every node
+with the same message instead of leaving half a cluster running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Mapping, Sequence
+
+from .config import ROLES, ConfigError, LaunchConfig, load_config
+from .identity import resolve_node
+from .release import SUPPORTED, UnsupportedReleaseError, installed_release, resolve_release
+from .render import Command, dry_run_text, lb_command, server_command, topology_commands
+from .validate import validate
+
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", required=True, help="topology YAML, e.g. configs/topologies/p3x3-d4.yaml")
+    common.add_argument("--hostfile", help="one address per node in rank order; replaces the topology's hosts:")
+    common.add_argument("--model-path", help="replaces the model profile's model_path")
+    common.add_argument(
+        "--sglang-version", choices=SUPPORTED, help="render flags for this release (default: the installed one)"
+    )
+    common.add_argument("--no-check", action="store_true", help="skip the check with SGLang's own parser")
+    p = argparse.ArgumentParser(prog="python -m sglang_p2p_backend.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    node = sub.add_parser("node", parents=[common], help="run this node's SGLang server")
+    node.add_argument("--role", choices=ROLES)
+    node.add_argument("--group", type=int, help="group index within the role (default 0)")
+    node.add_argument("--node-rank", type=int, help="node index within the group (default 0)")
+    node.add_argument("--rank", type=int, help="global node rank (prefill groups first); default from RANK/SLURM_PROCID")
+    lb = sub.add_parser("lb", parents=[common], help="run the load balancer")
+    for s in (node, lb):
+        s.add_argument("--dry-run", action="store_true", help="print every command of the topology, start nothing")
+        s.add_argument("--print-only", action="store_true", help="print this command, start nothing")
+    sub.add_parser("check", parents=[common], help="validate the topology and every command, start nothing")
+    return p
+
+
+def _check_with_sglang(cfg: LaunchConfig, release: str, required: bool) -> str:
+    """Runs SGLang's parser over every server command; returns a note for the operator."""
+    installed = installed_release()
+    if installed is None:
+        if required:
+            raise ConfigError(cfg.source, ["SGLang is not installed here, so commands cannot be checked: "
+                                           "run on a node with SGLang, or pass --no-check"])
+        return "# not checked with SGLang's parser: SGLang is not installed here"
+    if installed != release:
+        if required:
+            raise ConfigError(cfg.source, [f"rendered for SGLang {release} but {installed} is installed: "
+                                           f"drop --sglang-version or install {release}"])
+        return f"# not checked with SGLang's parser: rendered for {release}, {installed} is installed"
+    from .sglang_parser import checker  # imports SGLang: seconds, so only when checking
+
+    servers = [c for c in topology_commands(cfg, release) if c.program[-1] != "sglang_p2p_lb"]
+    checker().check(servers, cfg.source)
+    return f"# every server command was accepted by SGLang {release}'s parser with the p2pnccl plugin loaded"
+
+
+def _exec(cmd: Command) -> None:
+    print(f"# launching {cmd.label}\n{cmd.shell()}", file=sys.stderr, flush=True)
+    os.execvpe(cmd.program[0], cmd.argv, {**os.environ, **cmd.env})
+
+
+def run(argv: Sequence[str], environ: Mapping[str, str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = validate(load_config(args.config, hostfile=args.hostfile, model_path=args.model_path))
+        release = resolve_release(args.sglang_version)
+        if args.command == "check":
+            print(_check_with_sglang(cfg, release, required=True))
+            return 0
+        if args.dry_run:
+            note = "" if args.no_check else _check_with_sglang(cfg, release, required=False) + "\n"
+            sys.stdout.write(dry_run_text(cfg, release) + ("\n" + note if note else ""))
+            return 0
+        if args.command == "node":
+            node = resolve_node(cfg, environ, args.role, args.group, args.node_rank, args.rank)
+            if not args.no_check:
+                _check_with_sglang(cfg, release, required=not args.print_only)
+            cmd = server_command(cfg, node, release)
+        else:
+            cmd = lb_command(cfg)
+    except (ConfigError, UnsupportedReleaseError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.print_only:
+        print(f"# {cmd.label}\n{cmd.shell()}")
+        return 0
+    _exec(cmd)
+    return 0  # not reached: exec replaced the process
+
+
+def main() -> None:
+    sys.exit(run(sys.argv[1:], os.environ))

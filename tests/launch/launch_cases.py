@@ -1,0 +1,30 @@
+"""Shared cases for the launcher tests: the shipped topologies and a writer for variants of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TOPOLOGIES = sorted((REPO / "configs" / "topologies").glob("*.yaml"))
+EXPECTED_TOPOLOGIES = {"p3x3-d4", "p3x2-d4", "p4x2-d4", "p4-d6", "p4-d9", "p2-d2", "1p1d-one-host"}
+
+
+@pytest.fixture
+def variant(tmp_path: Path) -> Callable[..., Path]:
+    """variant("p2-d2", edit) writes a copy of a shipped topology changed by edit(dict) and returns its path."""
+
+    def make(base: str, edit: Callable[[dict[str, Any]], None]) -> Path:
+        src = REPO / "configs" / "topologies" / f"{base}.yaml"
+        data = yaml.safe_load(src.read_text())
+        for key in ("model", "cluster"):  # keep the shipped profiles reachable from tmp_path
+            data[key] = str((src.parent / data[key]).resolve())
+        edit(data)
+        out = tmp_path / f"{base}-variant.yaml"
+        out.write_text(yaml.safe_dump(data, sort_keys=False))
+        return out
+
+    return make

@@ -1,0 +1,190 @@
+"""1P1D transfers through SGLang's real classes, a prefill and a decode process on 127.0.0.1 (CPU transport).
+
+Each case runs `sglang_p2p_backend.testing.driver` in two processes: the prefill process runs SGLang's
+bootstrap server, both build the p2pnccl manager through SGLang's plugin loader and `get_kv_class`, and poll
+requests the way the schedulers do. The decode side checks every destination page byte for byte, that no
+other page of its pool changed, the aux row, and state slots. Both sides report what is left behind.
+"""
+
+import pytest
+
+from sglang_p2p_backend.testing.launch import run_pair
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+FAST_FAILURE_ENV = {
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "8",
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "8",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
+    "SGLANG_P2P_CONNECT_TIMEOUT": "5",
+    "SGLANG_P2P_IO_TIMEOUT": "5",
+}
+
+
+def assert_clean(side: dict) -> None:
+    left = side["leftovers"]
+    assert left["request_status"] == [] and left["staging_in_use"] == 0, left
+    assert left.get("transfer_infos", []) == [] and left.get("live_rooms", []) == [], left
+    assert left.get("arrivals_pending", 0) == 0, left
+    assert side["threads_left"] == [], side["threads_left"]
+
+
+def assert_all_landed(result: dict, rooms: list[int]) -> None:
+    assert result["returncodes"] == {"prefill": 0, "decode": 0}, result["workdir"]
+    p, d = result["prefill"], result["decode"]
+    for room in map(str, rooms):
+        assert p["requests"][room]["status"] == "Success", p["requests"][room]
+        r = d["requests"][room]
+        assert r["status"] == "Success", r
+        assert r["num_bad_pages"] == 0, r["bad_pages"]
+        assert r["aux_room_ok"] and r["first_token"] == 4242 and r["state_ok"], r
+    assert d["untouched_violations"] == [], "pages outside the destinations changed"
+    assert_clean(p)
+    assert_clean(d)
+
+
+@pytest.mark.parametrize(
+    "layout,page_size",
+    [("mla", 1), ("mha", 16)],
+)
+def test_chunked_transfers_land_byte_exact(layout, page_size):
+    ps = page_size
+    plan = {
+        "pool": {"layout": layout, "num_layers": 5, "page_size": ps, "num_pages": 400, "state_slots": 8},
+        "requests": [
+            {"room": 11, "tokens": 37 * ps + 5, "chunk_pages": 8},  # chunked, partial last page
+            {"room": 12, "tokens": 24 * ps, "chunk_pages": 1 << 30},  # one send
+            {"room": 13, "tokens": 30 * ps, "chunk_pages": 7, "prefix": 8 * ps},  # decode already has 8 pages
+            {"room": 14, "tokens": 1, "chunk_pages": 1},  # one token
+        ],
+        "deadline_s": 60,
+    }
+    assert_all_landed(run_pair(plan), [11, 12, 13, 14])
+
+
+def test_staging_shorter_than_a_request_back_pressures_without_loss():
+    # 64-token pages over 8 layers of 576 bf16 values: 590 KB a page; 1 MiB of staging in 2 slots holds
+    # 0 whole pages, so every page goes region by region, and all requests share the two slots
+    plan = {
+        "pool": {"layout": "mla", "num_layers": 8, "head_dim": 576, "page_size": 64, "num_pages": 80},
+        "requests": [{"room": 20 + i, "tokens": 64 * 9 + i, "chunk_pages": 4} for i in range(4)],
+        "deadline_s": 90,
+    }
+    result = run_pair(plan, env={"SGLANG_P2P_STAGING_MB": "1", "SGLANG_P2P_STAGING_SLOTS": "2"}, timeout=150)
+    assert_all_landed(result, [20, 21, 22, 23])
+
+
+def failed_reason(side: dict, room: int) -> str:
+    r = side["requests"][str(room)]
+    assert r["status"] == "Failed", r
+    return r["reason"]
+
+
+def test_decode_killed_mid_transfer_fails_the_prefill_room():
+    plan = {
+        "pool": {"layout": "mla", "num_layers": 4, "page_size": 1, "num_pages": 300},
+        "requests": [{"room": 31, "tokens": 200, "chunk_pages": 10}],
+        "faults": {"prefill": {"chunk_delay_s": 0.3}, "decode": {"exit_after_s": 1.0}},
+        "deadline_s": 40,
+    }
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    assert result["returncodes"]["decode"] == 17 and result["decode"] is None
+    p = result["prefill"]
+    reason = failed_reason(p, 31)
+    assert "KV transfer to decode rank 127.0.0.1:" in reason, reason
+    assert p["requests"]["31"]["seconds"] < 20
+    assert_clean(p)
+
+
+def test_prefill_killed_mid_transfer_fails_the_decode_room():
+    plan = {
+        "pool": {"layout": "mla", "num_layers": 4, "page_size": 1, "num_pages": 300},
+        "requests": [{"room": 41, "tokens": 200, "chunk_pages": 10}],
+        "faults": {"prefill": {"chunk_delay_s": 0.2, "exit_after_chunks": 3}},
+        "deadline_s": 40,
+    }
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    assert result["returncodes"]["prefill"] == 17
+    d = result["decode"]
+    reason = failed_reason(d, 41)
+    assert "prefill" in reason.lower() and ("Lost connection" in reason or "pair channel" in reason), reason
+    assert d["requests"]["41"]["seconds"] < 20
+    assert d["untouched_violations"] == []
+    assert_clean(d)
+
+
+def test_decode_abort_fails_both_sides_and_keeps_the_channel_in_step():
+    plan = {
+        "pool": {"layout": "mha", "num_layers": 2, "page_size": 4, "num_pages": 300},
+        "requests": [
+            {"room": 51, "tokens": 4 * 60, "chunk_pages": 4},
+            {"room": 52, "tokens": 4 * 30, "chunk_pages": 30},
+        ],
+        "faults": {"prefill": {"chunk_delay_s": 0.1}, "decode": {"abort_after_s": 0.5}},
+        "deadline_s": 40,
+    }
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    d, p = result["decode"], result["prefill"]
+    assert "Aborted by AbortReq" in failed_reason(d, 51)
+    assert "Aborted by decode rank 127.0.0.1:" in failed_reason(p, 51)
+    assert d["untouched_violations"] == []
+    assert_clean(d)
+    assert_clean(p)
+
+
+def test_unknown_bootstrap_rooms_time_out_with_the_room_named():
+    plan = {
+        "pool": {"layout": "mla", "num_layers": 2, "page_size": 1, "num_pages": 100},
+        "requests": [
+            {"room": 61, "tokens": 10, "roles": ["decode"]},  # no prefill ever gets it
+            {"room": 62, "tokens": 10, "roles": ["prefill"]},  # no decode ever asks for it
+            {"room": 63, "tokens": 10},
+        ],
+        "deadline_s": 40,
+    }
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    d, p = result["decode"], result["prefill"]
+    assert "61" in failed_reason(d, 61) and "WaitingForInput" in failed_reason(d, 61)
+    assert "62" in failed_reason(p, 62) and "Bootstrapping" in failed_reason(p, 62)
+    assert d["requests"]["63"]["status"] == "Success" and d["requests"]["63"]["num_bad_pages"] == 0
+    assert_clean(d)
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ({"pool_overrides": {"decode": {"page_size": 16}}}, "page_size"),
+        ({"kv_dtype": {"prefill": "bfloat16", "decode": "fp8_e4m3"}}, "kv_cache_dtype"),
+    ],
+)
+def test_incompatible_decode_fails_with_the_setting_named(override, needle):
+    plan = {
+        "pool": {"layout": "mla", "num_layers": 2, "page_size": 1, "num_pages": 100},
+        "requests": [{"room": 71, "tokens": 32}],
+        "deadline_s": 40,
+        **override,
+    }
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    d, p = result["decode"], result["prefill"]
+    reason = failed_reason(d, 71)
+    assert needle in reason and "must use the same" in reason, reason
+    assert d["requests"]["71"]["seconds"] < 5
+    failed_reason(p, 71)
+    assert_clean(d)
+    assert_clean(p)
+
+
+def test_prefill_that_never_answers_fails_the_decode_within_its_timeouts():
+    plan = {
+        "pool": {"layout": "mla", "num_layers": 2, "page_size": 1, "num_pages": 100},
+        "requests": [{"room": 81, "tokens": 16}],
+        "faults": {"prefill": {"stop_self": True}},
+        "deadline_s": 30,
+    }
+    result = run_pair(plan, env=FAST_FAILURE_ENV, timeout=45)
+    d = result["decode"]
+    reason = failed_reason(d, 81)
+    assert "Lost connection with prefill" in reason or "timed out" in reason, reason
+    assert d["requests"]["81"]["seconds"] < 15
+    assert_clean(d)
