@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
+import torch
 
 from . import runtime
 from .pools import HostPools, PoolSpec
@@ -89,7 +90,7 @@ class Role:
         args.engine_rank = 0
         args.pp_rank = 0
         args.system_dp_rank = 0
-        args.gpu_id = 0
+        args.gpu_id = torch.device(self.spec.device).index or 0
         args.page_size = self.spec.page_size
         # what the model runner reports for the pool (bf16 KV for a bf16 model unless --kv-cache-dtype says else)
         args.kv_cache_dtype_str = plan.get("kv_dtype", {}).get(role, "bfloat16")
@@ -181,6 +182,8 @@ class Role:
             n = min(req.chunk_pages, len(req.pages) - req.sent)
             last = req.sent + n == len(req.pages)
             state = [np.array([req.state_slot], dtype=np.int32)] if last and self.spec.state_slots else None
+            if req.sent == 0:
+                req.result["first_send_at"] = time.monotonic()
             req.handle.send(req.pages[req.sent : req.sent + n], state)
             req.sent += n
             delay = float(self.faults.get("chunk_delay_s", 0))
@@ -195,6 +198,8 @@ class Role:
         if status == P.Success:
             req.handle.clear()
             req.result["bytes"] = req.handle.get_transfer_metric().transfer_total_bytes
+            req.result["transfer_s"] = now - req.result["first_send_at"]
+            req.result["success_at"] = now
             self.finish(req, True)
 
     def cls_sender(self, req: Req):

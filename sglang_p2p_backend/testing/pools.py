@@ -31,6 +31,7 @@ class PoolSpec:
     num_pages: int = 256
     state_slots: int = 0  # 0: no state component
     state_item_len: int = 64
+    device: str = "cpu"  # "cuda:N" puts the pools on a GPU (the NCCL transport then moves them)
 
     @property
     def elt_size(self) -> int:
@@ -65,10 +66,11 @@ class HostPools:
     def allocate(cls, spec: PoolSpec) -> "HostPools":
         if spec.layout not in ("mla", "mha"):
             raise ValueError(f"layout must be mla or mha, got {spec.layout!r}")
-        kv = [torch.full((spec.num_pages, spec.item_len), SENTINEL, dtype=torch.uint8) for _ in range(spec.num_regions)]
+        dev = torch.device(spec.device)
+        kv = [torch.full((spec.num_pages, spec.item_len), SENTINEL, dtype=torch.uint8, device=dev) for _ in range(spec.num_regions)]
         state = None
         if spec.state_slots:
-            state = torch.full((spec.state_slots, spec.state_item_len), SENTINEL, dtype=torch.uint8)
+            state = torch.full((spec.state_slots, spec.state_item_len), SENTINEL, dtype=torch.uint8, device=dev)
         return cls(spec, kv, state)
 
     def kv_lists(self) -> tuple[list[int], list[int], list[int]]:
@@ -85,30 +87,30 @@ class HostPools:
 
     def fill(self, seed: int, room: int, pages: np.ndarray, first_pos: int, total: int) -> None:
         """Write the request's reproducible contents into `pages` (positions first_pos.. of `total`)."""
-        idx = torch.from_numpy(pages.astype(np.int64))
+        idx = torch.from_numpy(pages.astype(np.int64)).to(self.spec.device)
         for r, t in enumerate(self.kv):
-            t[idx] = expected_pages(seed, room, r, total, self.spec.item_len)[first_pos : first_pos + len(pages)]
+            t[idx] = expected_pages(seed, room, r, total, self.spec.item_len)[first_pos : first_pos + len(pages)].to(t.device)
 
     def fill_state(self, seed: int, room: int, slot: int) -> None:
-        self.state[slot] = expected_pages(seed, room, -1, 1, self.spec.state_item_len)[0]
+        self.state[slot] = expected_pages(seed, room, -1, 1, self.spec.state_item_len)[0].to(self.state.device)
 
     def check(self, seed: int, room: int, pages: np.ndarray, first_pos: int, total: int) -> list[str]:
         """Mismatches (region, page) between `pages` and the request's expected contents."""
         bad = []
-        idx = torch.from_numpy(pages.astype(np.int64))
+        idx = torch.from_numpy(pages.astype(np.int64)).to(self.spec.device)
         for r, t in enumerate(self.kv):
             want = expected_pages(seed, room, r, total, self.spec.item_len)[first_pos : first_pos + len(pages)]
-            got = t[idx]
+            got = t[idx].cpu()
             rows = (got != want).any(dim=1).nonzero().flatten().tolist()
             bad += [f"region {r} page {int(pages[i])} (position {first_pos + i})" for i in rows]
         return bad
 
     def check_state(self, seed: int, room: int, slot: int) -> bool:
-        return bool(torch.equal(self.state[slot], expected_pages(seed, room, -1, 1, self.spec.state_item_len)[0]))
+        return bool(torch.equal(self.state[slot].cpu(), expected_pages(seed, room, -1, 1, self.spec.state_item_len)[0]))
 
     def untouched(self, used_pages: set[int], used_slots: set[int] = frozenset()) -> list[str]:
         """Pages (and state slots) no request owned that no longer hold the sentinel."""
-        free = torch.tensor(sorted(set(range(self.spec.num_pages)) - set(used_pages)), dtype=torch.int64)
+        free = torch.tensor(sorted(set(range(self.spec.num_pages)) - set(used_pages)), dtype=torch.int64, device=self.spec.device)
         bad = []
         for r, t in enumerate(self.kv):
             rows = (t[free] != SENTINEL).any(dim=1).nonzero().flatten().tolist()

@@ -1,0 +1,84 @@
+"""Pure planning: page runs, chunking under a staging budget, staging layout, one-sided descriptors."""
+
+import numpy as np
+import pytest
+
+from sglang_p2p_backend.engine.plan import (
+    Chunk,
+    PlanError,
+    Segment,
+    copy_descriptors,
+    is_contiguous,
+    page_runs,
+    plan_chunks,
+    staging_blocks,
+)
+
+
+def test_page_runs_split_where_either_side_breaks():
+    src = np.array([5, 6, 7, 9, 10, 11, 12])
+    dst = np.array([1, 2, 8, 9, 10, 30, 31])
+    assert page_runs(src, dst).tolist() == [[5, 1, 2], [7, 8, 1], [9, 9, 2], [11, 30, 2]]
+    assert page_runs(np.array([], int), np.array([], int)).shape == (0, 3)
+    with pytest.raises(PlanError, match="3 pages but decode published 2"):
+        page_runs(np.array([1, 2, 3]), np.array([1, 2]))
+
+
+def test_is_contiguous():
+    assert is_contiguous(np.array([4, 5, 6]))
+    assert not is_contiguous(np.array([4, 6, 5]))
+    assert not is_contiguous(np.array([], dtype=int))
+
+
+def covered(chunks, item_lens, counts):
+    """Every (group, region, position) exactly once, in plan order."""
+    seen = []
+    for c in chunks:
+        assert c.nbytes == sum(n for *_, n in staging_blocks(c, item_lens))
+        for seg in c.segments:
+            for r in range(seg.region_lo, seg.region_hi):
+                seen += [(seg.group, r, p) for p in range(seg.lo, seg.hi)]
+    want = [(g, r, p) for g, lens in enumerate(item_lens) for p in range(counts[g]) for r in range(len(lens))]
+    assert sorted(seen) == sorted(want) and len(seen) == len(want)
+
+
+def test_whole_pages_pack_up_to_the_budget_and_groups_share_chunks():
+    item_lens = [[100] * 4, [50]]  # KV: 4 regions of 100 B/page; one state component
+    chunks = plan_chunks(item_lens, [10, 1], budget=1000)
+    # 400 B a page: two pages a chunk; the state slot rides in the last chunk's spare room
+    assert [c.nbytes for c in chunks] == [800, 800, 800, 800, 850]
+    assert chunks[-1].segments == (Segment(0, 0, 4, 8, 10), Segment(1, 0, 1, 0, 1))
+    assert all(c.nbytes <= 1000 for c in chunks)
+    covered(chunks, item_lens, [10, 1])
+
+
+def test_page_wider_than_budget_is_split_by_regions():
+    item_lens = [[300, 300, 300]]
+    chunks = plan_chunks(item_lens, [2], budget=650)
+    assert [(c.segments[0].lo, c.segments[0].region_lo, c.segments[0].region_hi) for c in chunks] == [
+        (0, 0, 2), (0, 2, 3), (1, 0, 2), (1, 2, 3)]
+    covered(chunks, item_lens, [2])
+
+
+def test_region_page_wider_than_budget_is_an_error_naming_the_knob():
+    with pytest.raises(PlanError, match="SGLANG_P2P_STAGING_MB"):
+        plan_chunks([[4096]], [1], budget=1000)
+
+
+def test_empty_transfer_has_no_chunks():
+    assert plan_chunks([[64] * 3], [0], budget=100) == []
+
+
+def test_staging_layout_is_segment_then_region_then_page():
+    chunk = Chunk((Segment(0, 1, 3, 2, 5), Segment(1, 0, 1, 0, 1)), 3 * 10 + 3 * 20 + 7)
+    blocks = [(s.group, r, off, n) for s, r, off, n in staging_blocks(chunk, [[5, 10, 20], [7]])]
+    assert blocks == [(0, 1, 0, 30), (0, 2, 30, 60), (1, 0, 90, 7)]
+
+
+def test_copy_descriptors_merge_runs_per_region():
+    src, dst, lens = copy_descriptors([1000, 5000], [90000, 70000], [16, 8], np.array([3, 4, 9]), np.array([0, 1, 2]))
+    assert src.tolist() == [1000 + 3 * 16, 1000 + 9 * 16, 5000 + 3 * 8, 5000 + 9 * 8]
+    assert dst.tolist() == [90000, 90000 + 2 * 16, 70000, 70000 + 2 * 8]
+    assert lens.tolist() == [32, 16, 16, 8]
+    with pytest.raises(PlanError, match="layouts differ"):
+        copy_descriptors([1], [1, 2], [8], np.array([0]), np.array([0]))
