@@ -6,10 +6,17 @@ socket, prefill transfer queues sharded by decode peer (so one peer's chunks sta
 SGLang's calls into engine calls. The data path lives in `engine/` and imports nothing from SGLang.
 
 Protocol (all on the ordered control channel, see engine/messages.py):
-  decode -> prefill: PeerRegister once per pair, RoomMetadata per request, SGLang's ABORT frames;
-  prefill -> decode: CommInit + ChunkHeader before each chunk's bytes on the pair channel, AuxData (host
-  rows), then Status. The decode applies a prefill's Success only after its own receives of every chunk
-  announced before it (engine/arrivals.py), and after the aux row, so SGLang's metadata gate passes.
+  decode -> prefill: PeerRegister once per pair (with the transports it receives with, and its Mooncake
+  session when it runs one), RoomMetadata per request, SGLang's ABORT frames;
+  prefill -> decode, two-sided peer (nccl, tcp): CommInit + ChunkHeader before each chunk's bytes on the
+  pair channel, AuxData (host rows), then Status. The decode applies a prefill's Success only after its own
+  receives of every chunk announced before it (engine/arrivals.py), and after the aux row, so SGLang's
+  metadata gate passes;
+  prefill -> decode, one-sided peer (mooncake): nothing but Status. Each chunk (its page runs of every
+  region; on the last chunk the state slots and the aux row too) is one Mooncake batch write into the
+  decode's registered memory, done before Status is sent (engine/onesided.py).
+Which transport serves a decode rank is chosen per peer on the prefill (engine/transport/select.py, logged
+once per peer); a process starts only the transports `SGLANG_P2P_TRANSPORT` needs (`process_transports`).
 
 Release differences (SGLang 0.5.17 vs 0.5.23) are absorbed here: both have the Common manager state,
 `update_status`, `record_failure`, `_prepare_send_indices`, the timeouts and the heartbeat; everything else
@@ -19,13 +26,14 @@ Release differences (SGLang 0.5.17 vs 0.5.23) are absorbed here: both have the C
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import queue
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import numpy.typing as npt
@@ -47,11 +55,19 @@ from sglang_p2p_backend.engine.arrivals import ArrivalTracker
 from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.memory import page_views, regions_from_lists
+from sglang_p2p_backend.engine.onesided import LocalMemory, OneSidedSender
 from sglang_p2p_backend.engine.pipeline import PairReceiver, PairSender
 from sglang_p2p_backend.engine.plan import PlanError
 from sglang_p2p_backend.engine.staging import StagingPool
-from sglang_p2p_backend.engine.transport import two_sided_transport
-from sglang_p2p_backend.engine.transport.base import TransportError
+from sglang_p2p_backend.engine.transport import one_sided_transport, two_sided_transport
+from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError, TwoSidedTransport
+from sglang_p2p_backend.engine.transport.select import (
+    Choice,
+    PeerFacts,
+    TransportSelector,
+    process_transports,
+    rdma_present,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +76,10 @@ _POLL_MS = 100
 
 def _ids(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.int32)
+
+
+def _no_staging(nbytes: int) -> torch.Tensor:
+    raise TransportError("this rank runs no two-sided transport (SGLANG_P2P_TRANSPORT=mooncake): no staging")
 
 
 @dataclass
@@ -138,8 +158,36 @@ class P2pNcclKVManager(CommonKVManager):
         self.views = [page_views(self.kv_regions, self.device)] + [
             page_views(r, self.device) for r in self.state_regions
         ]
-        self.transport = two_sided_transport(self.config.transport, self.device, self.local_ip, self.config.io_timeout)
-        self.staging = StagingPool(self.transport.alloc_staging, self.config.slot_bytes, self.config.staging_slots)
+        aux = regions_from_lists(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
+        self.local_memory = LocalMemory(self.kv_regions, self.state_regions, aux)
+        self.transports = process_transports(
+            self.config.transport,
+            gpu=self.device.type == "cuda",
+            rdma_present=rdma_present(),
+            mooncake_available=importlib.util.find_spec("mooncake") is not None,
+        )
+        self.two_sided: Optional[TwoSidedTransport] = None
+        if self.transports.two_sided:
+            self.two_sided = two_sided_transport(
+                self.transports.two_sided, self.device, self.local_ip, self.config.io_timeout
+            )
+        self.staging = StagingPool(
+            self.two_sided.alloc_staging if self.two_sided else _no_staging,
+            self.config.slot_bytes,
+            self.config.staging_slots,
+        )
+        self.one_sided: Optional[OneSidedTransport] = None
+        if self.transports.mooncake:
+            self.one_sided = one_sided_transport(
+                self.transports.mooncake,
+                self.local_ip,
+                getattr(args, "ib_device", None),
+                int(getattr(args, "gpu_id", 0) or 0),
+                self.config.io_timeout,
+            )
+            # both sides register: the decode so the prefill may write into it, the prefill so RDMA may read
+            # its sources; aux rows included (they travel in the last chunk's batch)
+            self.one_sided.register(self.local_memory.regions())
         self.control = ControlChannel()
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
@@ -178,7 +226,8 @@ class P2pNcclKVManager(CommonKVManager):
             return
         self._stop.set()
         # unblock anything waiting on a peer first (pending accepts, staging waits), then stop the threads
-        self.transport.close()
+        if self.two_sided is not None:
+            self.two_sided.close()
         self.staging.close()
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             for shard in self.shards:
@@ -192,6 +241,9 @@ class P2pNcclKVManager(CommonKVManager):
                 receiver.close()
             for t in self._threads:
                 t.join(timeout=5)
+        # after the workers stopped: deregistering memory under a running write is not safe
+        if self.one_sided is not None:
+            self.one_sided.close()
         self.control.close()
 
     # ------------------------------------------------------------------ prefill
@@ -199,6 +251,11 @@ class P2pNcclKVManager(CommonKVManager):
         self.decode_peers: Dict[str, wire.PeerRegister] = {}
         self.rejected_peers: Dict[str, str] = {}
         self.senders: Dict[str, PairSender] = {}
+        self.selector = TransportSelector(self.config.transport)
+        # the NCCL communicator pool answers "does one more communicator fit?" here once it is wired in
+        # (engine/comm_pool.py); until then NCCL always fits, as before the pool existed
+        self.nccl_admits: Callable[[str], bool] = lambda session: True
+        self.one_sided_sender = OneSidedSender(self.one_sided, self.local_memory) if self.one_sided else None
         self.shards = [_Shard() for _ in range(self.config.workers)]
         for i, shard in enumerate(self.shards):
             shard.thread = self._spawn(self._transfer_worker, f"p2p-transfer-{i}", shard)
@@ -229,7 +286,29 @@ class P2pNcclKVManager(CommonKVManager):
             )
         if [list(x) for x in reg.state_item_lens] != [[r.item_len for r in comp] for comp in self.state_regions]:
             return "state component layout differs between prefill and decode (same model and TP needed)"
+        if not self._common_transports(reg):
+            return (
+                f"no transport in common: this prefill rank moves pages with {self.transports.names()}, the decode "
+                f"rank receives with {list(reg.transports)}; set the same SGLANG_P2P_TRANSPORT on prefill and decode"
+            )
         return None
+
+    def _common_transports(self, reg: wire.PeerRegister) -> List[str]:
+        offered = [t for t in reg.transports if t != "mooncake" or reg.mooncake_session]
+        return [t for t in self.transports.names() if t in offered]
+
+    def _route(self, session: str) -> Choice:
+        """Which transport serves this decode rank now (logged once per peer, and when it changes)."""
+        reg = self.decode_peers[session]
+        facts = PeerFacts(
+            same_host=reg.hostname == self.hostname,
+            rdma_present=self.transports.mooncake == "rdma",
+            nccl_fits=lambda: self.nccl_admits(session),
+            gpu=self.device.type == "cuda",
+            mooncake_available=self.one_sided is not None,
+            peer_offers=tuple(self._common_transports(reg)),
+        )
+        return self.selector.choose(session, facts)
 
     def _on_register(self, reg: wire.PeerRegister) -> None:
         problem = self._check_peer(reg)
@@ -240,6 +319,10 @@ class P2pNcclKVManager(CommonKVManager):
             return
         self.rejected_peers.pop(reg.session, None)
         self.decode_peers[reg.session] = reg
+        self.selector.forget(reg.session)
+        if self.one_sided is not None and reg.mooncake_session:
+            # a failed Mooncake session is skipped until its decode rank registers again: now
+            self.one_sided.peer_registered(reg.mooncake_session)
         # a re-registration means the decode rank restarted: its old pair channel is gone; the owning worker
         # creates a fresh one on its next chunk
         self._shard_of(reg.session).queue.put(_ResetPeer(reg.session))
@@ -356,7 +439,7 @@ class P2pNcclKVManager(CommonKVManager):
         sender = self.senders.get(session)
         if sender is None:
             sender = self.senders[session] = PairSender(
-                transport=self.transport,
+                transport=self.two_sided,
                 staging=self.staging,
                 views=self.views,
                 local_session=self.session,
@@ -385,10 +468,14 @@ class P2pNcclKVManager(CommonKVManager):
                     if ids is not None and c < len(info.dst_state_indices):
                         src.append(np.asarray(ids, dtype=np.int32).reshape(-1))
                         dst.append(info.dst_state_indices[c])
+            aux = (task.aux_index, info.dst_aux_index) if task.is_last and _has_aux(task, info) else None
             try:
-                self._pair_sender(session).send(room, self.prefill_rank, src, dst, keep_going=alive)
-                if task.is_last and alive():
-                    self._send_aux(session, room, task.aux_index, info.dst_aux_index)
+                if self._route(session).transport == "mooncake":
+                    self.one_sided_sender.send(self.decode_peers[session], src, dst, aux)
+                else:
+                    self._pair_sender(session).send(room, self.prefill_rank, src, dst, keep_going=alive)
+                    if aux is not None and alive():
+                        self._send_aux(session, room, *aux)
             except (TransportError, ControlError, PlanError) as e:
                 self._fail_room(room, f"KV transfer to decode rank {session} failed: {e}")
                 return
@@ -396,9 +483,7 @@ class P2pNcclKVManager(CommonKVManager):
             self._notify_decode(room, KVPoll.Success)
             self.update_status(room, KVPoll.Success)
 
-    def _send_aux(self, session: str, room: int, src_index: Optional[int], dst_index: int) -> None:
-        if src_index is None:
-            return
+    def _send_aux(self, session: str, room: int, src_index: int, dst_index: int) -> None:
         peer = self.decode_peers[session]
         args = self.kv_args
         rows = []
@@ -432,14 +517,15 @@ class P2pNcclKVManager(CommonKVManager):
             aux_item_lens=[int(x) for x in args.aux_item_lens],
             state_ptrs=[[r.ptr for r in comp] for comp in self.state_regions],
             state_item_lens=[[r.item_len for r in comp] for comp in self.state_regions],
-            transports=[self.transport.name],
+            transports=self.transports.names(),
+            mooncake_session=self.one_sided.session_id() if self.one_sided else "",
         )
 
     def _receiver(self, session: str) -> PairReceiver:
         receiver = self.receivers.get(session)
         if receiver is None:
             receiver = self.receivers[session] = PairReceiver(
-                transport=self.transport,
+                transport=self.two_sided,
                 staging=self.staging,
                 views=self.views,
                 peer_session=session,
@@ -461,7 +547,12 @@ class P2pNcclKVManager(CommonKVManager):
         msg = wire.decode(frames)
         if msg is None:
             return  # e.g. ABORT_ACK frames of other backends' protocol: nothing to do
-        if isinstance(msg, wire.CommInit):
+        if isinstance(msg, (wire.CommInit, wire.ChunkHeader)) and self.two_sided is None:
+            # cannot happen with a compatible prefill (it saw our transports at registration); fail, do not hang
+            if isinstance(msg, wire.ChunkHeader):
+                reason = f"prefill {msg.session} sent two-sided chunks but this decode rank runs only {self.transports.names()}"
+                self.arrivals.final(msg.room, msg.prefill_rank, False, reason)
+        elif isinstance(msg, wire.CommInit):
             self._receiver(msg.session).submit(msg)
         elif isinstance(msg, wire.ChunkHeader):
             self.arrivals.announce(msg.room, msg.prefill_rank, msg.session)
@@ -472,7 +563,7 @@ class P2pNcclKVManager(CommonKVManager):
             self.arrivals.final(msg.room, msg.prefill_rank, msg.status == KVPoll.Success, msg.reason)
 
     def _write_aux(self, msg: wire.AuxData) -> None:
-        if not self.room_wanted(msg.room):
+        if not self.room_wanted(msg.room) or msg.aux_index < 0:
             return
         args = self.kv_args
         for ptr, item_len, row in zip(args.aux_data_ptrs, args.aux_item_lens, msg.rows):
@@ -522,6 +613,10 @@ class P2pNcclKVManager(CommonKVManager):
             if self.request_status.get(room) not in (None, KVPoll.Success, KVPoll.Failed):
                 self.record_failure(room, reason)
                 self.update_status(room, KVPoll.Failed)
+
+
+def _has_aux(task: TransferTask, info: TransferInfo) -> bool:
+    return task.aux_index is not None and info.dst_aux_index >= 0
 
 
 def _raise_failure(obj, mgr: P2pNcclKVManager) -> None:

@@ -36,6 +36,20 @@ def build_plan(ns: argparse.Namespace, gpus: int) -> dict:
     return plan
 
 
+def machine(gpus: int) -> dict:
+    import os
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "sglang": metadata.version("sglang"), "python": platform.python_version()}
+    if gpus:
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(gpus)]
+    return info
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="p2pnccl 1P1D transfer demo through SGLang's KV manager classes")
     ap.add_argument("--layout", choices=("mla", "mha"), default="mla")
@@ -79,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print("verification:", "every destination page byte-exact, no other page touched" if ok else "FAILED")
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"plan": plan, "result": result}, f, indent=1)
+            json.dump({"machine": machine(gpus), "argv": sys.argv[1:], "plan": plan, "ok": ok, "result": result}, f, indent=1)
     return 0 if ok else 1
 
 

@@ -227,7 +227,7 @@ async def run_load(lb_url: str, reqs, prefills, seed: int) -> dict:
                 await asyncio.sleep(delay)
             try:
                 out.append(await stream_request(s, lb_url + "/generate", body))
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 out.append((-1, None, 0.0, 0))
 
         await asyncio.gather(*(fire(r, b) for r, b in zip(reqs, bodies)))
@@ -366,7 +366,10 @@ async def scenario_overhead(procs: Procs, args) -> dict:
 async def scenario_throughput(procs: Procs, args) -> dict:
     knobs = ["--prefill-base-ms", "0", "--prefill-ms-per-token", "0", "--decode-ms-per-token", "0"]
     prefills, decodes = start_sims(procs, 1, 1, knobs)
-    conc, tokens, secs = 32, 400, args.throughput_secs
+    # OpenAI streaming: one small delta event per token (SGLang's /generate repeats the whole text each event)
+    conc, tokens, secs = 32, 1000, args.throughput_secs
+    route = "/v1/completions"
+    hdr = {"Content-Type": "application/json"}
 
     async def drive(target):
         count = 0
@@ -374,7 +377,7 @@ async def scenario_throughput(procs: Procs, args) -> dict:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             async def worker():
                 nonlocal count
-                body = {"text": "x", "sampling_params": {"max_new_tokens": tokens}, "stream": True}
+                body = {"model": "sim-model", "prompt": "x", "max_tokens": tokens, "stream": True}
                 while time.perf_counter() < end:
                     count += await target(s, body)
 
@@ -385,17 +388,17 @@ async def scenario_throughput(procs: Procs, args) -> dict:
     async def via_direct(s, body):
         b = orjson.dumps({**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": prefills[0][1], "bootstrap_room": random.randrange(2**63)})
         async def p():
-            async with s.post(prefills[0][0] + "/generate", data=b) as r:
+            async with s.post(prefills[0][0] + route, data=b, headers=hdr) as r:
                 await r.read()
         async def d():
-            async with s.post(decodes[0] + "/generate", data=b) as r:
+            async with s.post(decodes[0] + route, data=b, headers=hdr) as r:
                 n = 0
                 async for c in r.content.iter_any():
                     n += c.count(b"data: {")
                 return n
         return (await asyncio.gather(p(), d()))[1]
 
-    out = {"streams": conc, "tokens_per_stream": tokens, "seconds": secs}
+    out = {"route": route, "streams": conc, "tokens_per_stream": tokens, "seconds": secs}
     print("[throughput] direct ...", flush=True)
     out["direct_tokens_per_s"] = await drive(via_direct)
     for kind, policy in [("ours", "load_aware"), ("mini_lb", "random"), ("smg", "round_robin")]:
@@ -404,7 +407,7 @@ async def scenario_throughput(procs: Procs, args) -> dict:
 
         async def go(url, p):
             async def via_lb(s, body):
-                async with s.post(url + "/generate", data=orjson.dumps(body)) as r:
+                async with s.post(url + route, data=orjson.dumps(body), headers=hdr) as r:
                     n = 0
                     async for c in r.content.iter_any():
                         n += c.count(b"data: {")

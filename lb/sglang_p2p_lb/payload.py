@@ -75,7 +75,7 @@ def _text_tokens(text: str) -> int:
     return max(1, -(-len(text.encode()) // BYTES_PER_TOKEN))
 
 
-def _chat_text(messages: Any) -> list[str]:
+def chat_texts(messages: Any) -> list[str]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
     texts = []
@@ -116,7 +116,7 @@ def prompt_tokens(route: str, body: dict[str, Any]) -> int:
             return sum(len(p) for p in prompt)
         raise BadRequest("'prompt' must be a string, a list of strings, or token ids")
     if route == CHAT:
-        texts = _chat_text(body.get("messages"))
+        texts = chat_texts(body.get("messages"))
         return sum(_text_tokens(t) if t else 0 for t in texts) + CHAT_TOKENS_PER_MESSAGE * len(body["messages"])
     raise BadRequest(f"unknown route {route!r}")
 

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import itertools
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,7 +152,7 @@ def _prompt_sizes(route: str, body: dict[str, Any]) -> list[int]:
             return [len(p)]
         return [count_text_tokens(x) if isinstance(x, str) else len(x) for x in p]
     msgs = body["messages"]
-    words = sum(count_text_tokens(t) for t in payload._chat_text(msgs) if t.strip())
+    words = sum(count_text_tokens(t) for t in payload.chat_texts(msgs) if t.strip())
     return [words + CHAT_TOKENS_PER_MESSAGE * len(msgs)]
 
 

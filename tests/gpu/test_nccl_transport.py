@@ -52,9 +52,9 @@ def test_peer_killed_mid_transfer_fails_in_time_then_a_new_communicator_works(di
     victim_rank = 1 - survivor_rank
     env = {"NCCL_CUMEM_ENABLE": cumem}
     procs = [
-        spawn(workers.survivor, survivor_rank, survivor_rank, s_end, results, (n_end, FAIL_TIMEOUT), env),
+        spawn(workers.survivor, survivor_rank, survivor_rank, s_end, results, (n_end, FAIL_TIMEOUT), env, 80),
         spawn(workers.victim, victim_rank, victim_rank, v_end, results, (), env),
-        spawn(workers.replacement, victim_rank, victim_rank, r_end, results, (), env),
+        spawn(workers.replacement, victim_rank, victim_rank, r_end, results, (), env, 80),
     ]
     # the victim never reports (it is killed); the replacement reports as the victim's rank: collect both
     # through the survivor's report, which carries the replacement's verdict too

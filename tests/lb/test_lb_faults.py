@@ -3,7 +3,6 @@
 import asyncio
 import time
 
-import aiohttp
 import orjson
 
 from lb_harness import cluster, run, wait_until
@@ -180,5 +179,18 @@ def test_health_generate_fails_when_no_pair_can_generate():
             c.decodes[0].fail_next = 1
             status, out = await c.get("/health_generate")
             assert status == 503 and "health generate failed with 500" in out["error"]["message"]
+
+    run(body)
+
+
+def test_hung_decode_bounded_by_request_timeout():
+    async def body():
+        async with cluster(1, 1, proxy=ProxyConfig(max_retries=0, request_timeout=1.0)) as c:
+            c.decodes[0].hang_next = 1
+            t = time.perf_counter()
+            status, _, out = await c.post("/generate", GEN)
+            assert 0.9 < time.perf_counter() - t < 5.0
+            assert status == 502 and "decode worker" in out["error"]["message"] and "TimeoutError" in out["error"]["message"]
+            assert [w.inflight_reqs for w in c.lb.pool] == [[0], [0]]
 
     run(body)

@@ -1,6 +1,5 @@
 """Request validation and sizing (payload.py), bootstrap injection (bootstrap.py), CLI parsing (cli.py)."""
 
-import random
 
 import pytest
 

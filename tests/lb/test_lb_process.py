@@ -1,6 +1,5 @@
 """The shipped entry points as processes: `python -m sglang_p2p_lb.sim_worker` and `python -m sglang_p2p_lb`."""
 
-import os
 import signal
 import socket
 import subprocess

@@ -2,8 +2,6 @@
 
 import asyncio
 
-import aiohttp
-import orjson
 
 from lb_harness import cluster, run, wait_until
 from sglang_p2p_lb import sse

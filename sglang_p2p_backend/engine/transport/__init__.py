@@ -1,10 +1,15 @@
-"""Transports behind one interface (base.py), chosen per process by SGLANG_P2P_TRANSPORT."""
+"""Transports behind one interface (base.py): the two-sided ones (nccl, tcp) and the one-sided Mooncake one.
+
+Which ones a process starts is `select.process_transports`; which one serves a peer is `select.choose_transport`.
+"""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .base import TransportError, TwoSidedTransport
+from .base import OneSidedTransport, TransportError, TwoSidedTransport
 
 
 def two_sided_transport(name: str, device: torch.device, host: str, io_timeout: float) -> TwoSidedTransport:
@@ -22,3 +27,14 @@ def two_sided_transport(name: str, device: torch.device, host: str, io_timeout: 
 
         return NcclTransport(device=device)
     raise TransportError(f"transport {name!r} is not a two-sided transport (nccl, tcp)")
+
+
+def one_sided_transport(
+    protocol: str, host: str, ib_device: Optional[str], gpu_id: int, transfer_timeout_s: float
+) -> OneSidedTransport:
+    """A Mooncake engine for this process (imported lazily: hosts without Mooncake never load it)."""
+    from .mooncake import MooncakeTransport
+
+    return MooncakeTransport(
+        protocol=protocol, hostname=host, ib_device=ib_device, gpu_id=gpu_id, transfer_timeout_s=int(transfer_timeout_s)
+    )

@@ -13,6 +13,11 @@ Policy for `auto` (GPU hosts):
 4. pool at its budget, no RDMA -> `nccl` anyway: the pool makes room (closes an idle communicator or the
    sender waits for one to be released), so GPU memory stays within budget at the price of waiting.
 Without a GPU `auto` means the CPU two-sided `tcp` transport.
+
+A peer can only be served by a transport it offers (its registration lists them): a decode that runs forced
+`mooncake` offers only that, and an `auto` prefill then writes to it with Mooncake. `process_transports`
+says which transports a process sets up at all (so `auto` on a host without RDMA never starts a Mooncake
+engine, and forced `mooncake` never allocates NCCL staging).
 """
 
 from __future__ import annotations
@@ -42,7 +47,13 @@ class PeerFacts:
     rdma_present: bool
     nccl_fits: BoolOrQuery
     gpu: bool = True
+    #: this process runs a Mooncake engine
     mooncake_available: bool = True
+    #: transports the peer can receive with (its registration); empty = not known, anything goes
+    peer_offers: tuple[str, ...] = ()
+
+    def offered(self, transport: str) -> bool:
+        return not self.peer_offers or transport in self.peer_offers
 
 
 @dataclass(frozen=True)
@@ -71,13 +82,18 @@ def parse_forced(value: Optional[str]) -> Optional[str]:
 def choose_transport(forced: Optional[str], facts: PeerFacts) -> Choice:
     """Pure `auto` policy (see module docstring). `forced` is the raw `SGLANG_P2P_TRANSPORT` value."""
     name = parse_forced(forced)
-    rdma_usable = facts.rdma_present and facts.mooncake_available
+    mooncake_usable = facts.mooncake_available and facts.offered("mooncake")
+    rdma_usable = facts.rdma_present and mooncake_usable
     if name is not None:
         protocol = None
         if name == "mooncake":
             # forced Mooncake still uses the NICs when there are any; tcp works anywhere
             protocol = "rdma" if facts.rdma_present else "tcp"
         return Choice(name, protocol, f"forced by {ENV_VAR}={name}")
+    two_sided = "nccl" if facts.gpu else "tcp"
+    if mooncake_usable and not facts.offered(two_sided):
+        protocol = "rdma" if facts.rdma_present else "tcp"
+        return Choice("mooncake", protocol, f"peer receives only with Mooncake (not {two_sided}): Mooncake {protocol}")
     if not facts.gpu:
         return Choice("tcp", None, "no CUDA device: CPU two-sided tcp transport")
     if not facts.same_host and rdma_usable:
@@ -89,6 +105,41 @@ def choose_transport(forced: Optional[str], facts: PeerFacts) -> Choice:
         return Choice("mooncake", "rdma", "NCCL communicator pool at its GPU-memory budget: Mooncake rdma")
     missing = "Mooncake not installed" if facts.rdma_present else "no RDMA devices"
     return Choice("nccl", None, f"NCCL communicator pool at its budget and {missing}: NCCL once the pool makes room")
+
+
+@dataclass(frozen=True)
+class ProcessTransports:
+    """The transports one process sets up: a two-sided one and/or a Mooncake engine."""
+
+    #: "nccl" | "tcp" | None (forced mooncake: no pair channels, no staging)
+    two_sided: Optional[str]
+    #: Mooncake protocol ("rdma" | "tcp"), or None when this process runs no Mooncake engine
+    mooncake: Optional[str]
+
+    def names(self) -> list[str]:
+        """What this process can move pages with, preferred first (goes in the decode's registration)."""
+        return [n for n in (self.two_sided, "mooncake" if self.mooncake else None) if n]
+
+
+def process_transports(forced: Optional[str], *, gpu: bool, rdma_present: bool, mooncake_available: bool) -> ProcessTransports:
+    """Which transports a process starts for `SGLANG_P2P_TRANSPORT=forced`.
+
+    Forced values start exactly that transport (forced `mooncake`: rdma with RDMA devices, tcp otherwise).
+    `auto` starts NCCL on a GPU (tcp without one) and, only on a GPU host with RDMA devices and Mooncake
+    installed, a Mooncake rdma engine as well, for the peers `choose_transport` sends there."""
+    name = parse_forced(forced)
+    if name == "mooncake":
+        return ProcessTransports(None, "rdma" if rdma_present else "tcp")
+    if name is not None:
+        return ProcessTransports(name, None)
+    if gpu and rdma_present and mooncake_available:
+        return ProcessTransports("nccl", "rdma")
+    return ProcessTransports("nccl" if gpu else "tcp", None)
+
+
+def rdma_present(sysfs: str = SYSFS_INFINIBAND) -> bool:
+    """RDMA devices exist and `MC_FORCE_TCP` does not keep Mooncake off them."""
+    return bool(rdma_devices(sysfs)) and os.environ.get("MC_FORCE_TCP", "").strip().lower() not in ("1", "true", "yes", "on")
 
 
 def rdma_devices(sysfs: str = SYSFS_INFINIBAND) -> list[str]:

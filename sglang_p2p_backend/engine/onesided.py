@@ -1,0 +1,111 @@
+"""One-sided chunk writes: a chunk's merged page runs of every KV region, its state slots and the aux row,
+as one batch of (src, dst, len) descriptors written straight into the decode's registered memory.
+
+The prefill's transfer worker that owns the peer calls `OneSidedSender.send` once per SGLang chunk (so one
+peer's chunks stay in order), then, after the last chunk, sends Status on the control channel. `write`
+returns only once the bytes are in the decode's memory (RDMA: the RC write completed; Mooncake tcp: the
+target acknowledged after applying them, which Mooncake's tcp framing v2, in 0.3.13, does), so that Status
+cannot overtake its data. The decode announced no chunks for such a peer and applies the Status at once
+(engine/arrivals.py). The aux row goes in the last chunk's batch too, so SGLang's metadata gate (the
+`bootstrap_room` row) opens no earlier than the KV has landed.
+
+Groups follow `plan.py`: group 0 is the KV pool (the decode's `kv_ptrs`), group g >= 1 is state component
+g-1 (`state_ptrs[g-1]`). Item lengths were compared at registration, so one length serves both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .memory import Region
+from .messages import PeerRegister
+from .plan import PlanError, copy_descriptors
+from .transport.base import OneSidedTransport, TransportError
+
+Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src addresses, dst addresses, lengths)
+
+
+@dataclass(frozen=True)
+class LocalMemory:
+    """This rank's memory as SGLang describes it: KV regions, state components' regions, aux buffers
+    (`item_len` of an aux region = bytes of one row)."""
+
+    kv: Sequence[Region]
+    state: Sequence[Sequence[Region]]
+    aux: Sequence[Region]
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, length) of every region, for registration with the one-sided engine."""
+        every = [*self.kv, *(r for comp in self.state for r in comp), *self.aux]
+        return [(r.ptr, r.length) for r in every]
+
+
+def _group(local: LocalMemory, peer: PeerRegister, g: int) -> tuple[list[int], list[int], list[int]]:
+    """(source bases, destination bases, item lengths) of group `g`."""
+    if g == 0:
+        regions, dst = local.kv, peer.kv_ptrs
+    elif g - 1 < min(len(local.state), len(peer.state_ptrs)):
+        regions, dst = local.state[g - 1], peer.state_ptrs[g - 1]
+    else:
+        raise PlanError(f"state component {g - 1} is not registered on both sides")
+    return [r.ptr for r in regions], list(dst), [r.item_len for r in regions]
+
+
+def aux_descriptors(aux: Sequence[Region], peer: PeerRegister, src_index: int, dst_index: int) -> Descriptors:
+    """The request's aux row of every buffer both sides have (the common prefix, as SGLang's
+    `check_peer_aux_buffer_count` allows), each row at its own side's row size."""
+    rows = list(zip(aux, peer.aux_ptrs, peer.aux_item_lens))
+    src = np.array([r.ptr + r.item_len * src_index for r, _, _ in rows], dtype=np.int64)
+    dst = np.array([d + d_len * dst_index for _, d, d_len in rows], dtype=np.int64)
+    lens = np.array([min(r.item_len, d_len) for r, _, d_len in rows], dtype=np.int64)
+    return src, dst, lens
+
+
+def chunk_descriptors(
+    local: LocalMemory,
+    peer: PeerRegister,
+    src_ids: Sequence[np.ndarray],
+    dst_ids: Sequence[np.ndarray],
+    aux: Optional[tuple[int, int]] = None,
+) -> Descriptors:
+    """Every descriptor of one chunk: per group, merged page runs region-major; then the aux row
+    (`aux` = (prefill row, decode row)) when given."""
+    parts: list[Descriptors] = []
+    for g, (s, d) in enumerate(zip(src_ids, dst_ids)):
+        src_ptrs, dst_ptrs, item_lens = _group(local, peer, g)
+        parts.append(copy_descriptors(src_ptrs, dst_ptrs, item_lens, np.asarray(s), np.asarray(d)))
+    if aux is not None:
+        parts.append(aux_descriptors(local.aux, peer, *aux))
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
+
+
+class OneSidedSender:
+    """Writes chunks to any peer that registered one-sided memory. Thread-safe as far as the transport is
+    (Mooncake serialises writes per peer); each peer's chunks come from the one worker that owns it."""
+
+    def __init__(self, transport: OneSidedTransport, local: LocalMemory):
+        self.transport = transport
+        self.local = local
+
+    def send(
+        self,
+        peer: PeerRegister,
+        src_ids: Sequence[np.ndarray],
+        dst_ids: Sequence[np.ndarray],
+        aux: Optional[tuple[int, int]] = None,
+    ) -> int:
+        """One batch write of the chunk (and aux row); returns bytes written. Raises PlanError when the ids
+        do not pair up, TransportError when the write fails (the transport then skips the peer until it
+        registers again)."""
+        if not peer.mooncake_session:
+            raise TransportError(f"decode rank {peer.session} registered no Mooncake memory")
+        src, dst, lens = chunk_descriptors(self.local, peer, src_ids, dst_ids, aux)
+        if len(src):
+            self.transport.write(peer.mooncake_session, src, dst, lens)
+        return int(lens.sum())
