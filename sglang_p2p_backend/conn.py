@@ -55,7 +55,7 @@ from sglang_p2p_backend.engine.arrivals import ArrivalTracker
 from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.memory import page_views, regions_from_lists
-from sglang_p2p_backend.engine.onesided import LocalMemory, OneSidedSender
+from sglang_p2p_backend.engine.onesided import LocalMemory, OneSidedSender, aux_descriptors
 from sglang_p2p_backend.engine.pipeline import PairReceiver, PairSender
 from sglang_p2p_backend.engine.plan import PlanError
 from sglang_p2p_backend.engine.staging import StagingPool
@@ -76,6 +76,9 @@ _POLL_MS = 100
 
 def _ids(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.int32)
+
+
+_NO_IDS = np.zeros(0, dtype=np.int32)
 
 
 def _no_staging(nbytes: int) -> torch.Tensor:
@@ -462,16 +465,22 @@ class P2pNcclKVManager(CommonKVManager):
                 continue
             if not alive():
                 return
+            peer = self.decode_peers.get(session)
+            if peer is None:
+                reason = self.rejected_peers.get(session, "it is not registered")
+                self._fail_room(room, f"decode rank {session} cannot receive: {reason}")
+                return
             src, dst = [task.kv_indices], [info.dst_kv_indices[task.index_slice]]
             if task.is_last and task.state_indices:
-                for c, ids in enumerate(task.state_indices):
-                    if ids is not None and c < len(info.dst_state_indices):
-                        src.append(np.asarray(ids, dtype=np.int32).reshape(-1))
-                        dst.append(info.dst_state_indices[c])
+                # group g is state component g-1 on both paths: a component without ids moves nothing
+                for c, ids in enumerate(task.state_indices[: len(self.state_regions)]):
+                    usable = ids is not None and c < len(info.dst_state_indices)
+                    src.append(np.asarray(ids, dtype=np.int32).reshape(-1) if usable else _NO_IDS)
+                    dst.append(info.dst_state_indices[c] if usable else _NO_IDS)
             aux = (task.aux_index, info.dst_aux_index) if task.is_last and _has_aux(task, info) else None
             try:
                 if self._route(session).transport == "mooncake":
-                    self.one_sided_sender.send(self.decode_peers[session], src, dst, aux)
+                    self.one_sided_sender.send(peer, src, dst, aux)
                 else:
                     self._pair_sender(session).send(room, self.prefill_rank, src, dst, keep_going=alive)
                     if aux is not None and alive():
@@ -484,13 +493,9 @@ class P2pNcclKVManager(CommonKVManager):
             self.update_status(room, KVPoll.Success)
 
     def _send_aux(self, session: str, room: int, src_index: int, dst_index: int) -> None:
-        peer = self.decode_peers[session]
-        args = self.kv_args
-        rows = []
-        # copy the common prefix of the aux buffer lists, as SGLang's check_peer_aux_buffer_count allows
-        for ptr, item_len, dst_len in zip(args.aux_data_ptrs, args.aux_item_lens, peer.aux_item_lens):
-            n = min(item_len, dst_len)
-            rows.append(ctypes.string_at(ptr + item_len * src_index, n))
+        """The aux rows as host bytes on the control channel (two-sided peers: NCCL cannot reach host memory)."""
+        src, _, lens = aux_descriptors(self.local_memory.aux, self.decode_peers[session], src_index, dst_index)
+        rows = [ctypes.string_at(int(a), int(n)) for a, n in zip(src, lens)]
         self.control.send(session, wire.AuxData(room, dst_index, rows))
 
     # ------------------------------------------------------------------ decode

@@ -23,13 +23,16 @@ def plot(res: dict, path: str) -> None:
     axes = list(axes) if len(layouts) else [axes]
     for ax, lay in zip(axes, layouts):
         rows = [r for r in res["transfers"] if r.get("layout") == lay and r.get("cap") == 16]
-        for method, style in _STYLE.items():
-            for ps in sorted({r["page_size"] for r in rows if r["method"] == method}):
-                pts = sorted((r["tokens"], r["gbps_p50"]) for r in rows if r["method"] == method and r["page_size"] == ps)
-                if method == "contiguous" and ps != min(r["page_size"] for r in rows):
-                    continue  # same bytes for every page size: one line
-                label = f"{method}" + ("" if method == "contiguous" else f" page {ps}")
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+        for mode in sorted({r.get("mode", "nonblocking") for r in rows}):
+            for method, style in _STYLE.items():
+                sel = [r for r in rows if r["method"] == method and r.get("mode", "nonblocking") == mode]
+                for ps in sorted({r["page_size"] for r in sel}):
+                    if method == "contiguous" and ps != min(r["page_size"] for r in sel):
+                        continue  # same bytes for every page size: one line
+                    pts = sorted((r["tokens"], r["gbps_p50"]) for r in sel if r["page_size"] == ps)
+                    label = f"{method} ({mode})" + ("" if method == "contiguous" else f" page {ps}")
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label,
+                            alpha=1.0 if mode == "split" else 0.6)
         ax.axhline(300, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -42,7 +45,8 @@ def plot(res: dict, path: str) -> None:
         rows = res.get(key) or []
         if rows:
             xs = [str(r["cap"] or "default") for r in rows]
-            ax.plot(xs, [r["mb"] for r in rows], style, label=f"MB per extra comm ({label})")
+            ax.plot(xs, [r["mb_decode"] for r in rows], style, label=f"decode MB per extra comm ({label})")
+            ax.plot(xs, [r["mb_prefill"] for r in rows], style, alpha=0.5, label=f"prefill MB ({label})")
     ax.set_ylabel("MB")
     ax.set_xlabel("channel cap")
     if res.get("comm_cost"):

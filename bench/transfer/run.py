@@ -57,6 +57,16 @@ def _machine(lib_version: int) -> dict:
     }
 
 
+def mode_name(cfg: dict) -> str:
+    """Label of the transport variant a run measures (rows carry it)."""
+    name = "split" if cfg.get("split") else "nonblocking"
+    if cfg.get("high_priority"):
+        name += "+prio"
+    if cfg.get("gather_programs"):
+        name += f"+grid{cfg['gather_programs']}"
+    return name
+
+
 class Side:
     """One rank's state: device, transports, pools and the lockstep helpers."""
 
@@ -68,7 +78,9 @@ class Side:
         self.torch = torch
         self.rank, self.conn, self.cfg = rank, conn, cfg
         self.dev = torch.device("cuda", rank)
-        self.tr = NcclTransport(self.dev)
+        self.mode = mode_name(cfg)
+        self.tr = NcclTransport(self.dev, split_blocking=bool(cfg.get("split")),
+                                high_priority=bool(cfg.get("high_priority")))
         self.results: dict = {"transfers": [], "kernels": [], "errors": []}
 
     def log(self, *a) -> None:
@@ -84,15 +96,21 @@ class Side:
         self.torch.cuda.synchronize(self.dev)
         return self.torch.cuda.mem_get_info(self.dev)[0] / 1e6
 
-    def timed(self, send_fn: Callable, recv_fn: Callable, iters: int, warmup: int = 2) -> list[float]:
-        """Seconds from send_fn() start (rank 0) to the receive event done (rank 1), per iteration."""
+    def timed(self, send_fn: Callable, recv_fn: Callable, iters: int, warmup: int = 2,
+              post_first: bool = True) -> list[float]:
+        """Seconds from send_fn() start (rank 0) to the receive event done (rank 1), per iteration. The decode
+        posts its receives before the prefill starts (`post_first`), or while it runs: thousands of queued
+        per-page receives would fill CUDA's launch queue and block the poster before it could say ready."""
         from .loops import wait_event
 
         times, self.last_issue = [], []
         for i in range(warmup + iters):
             if self.rank == 1:
+                if not post_first:
+                    self.conn.send("ready")
                 ev = recv_fn()
-                self.conn.send("ready")
+                if post_first:
+                    self.conn.send("ready")
                 wait_event(ev, 60)
                 self.conn.send(time.perf_counter())
             else:
@@ -110,7 +128,7 @@ class Side:
         if self.rank != 0 or not times:
             return None
         t = np.array(times)
-        row = dict(kw, bytes=nbytes, n=len(times), p50_us=float(np.percentile(t, 50) * 1e6),
+        row = dict({"mode": self.mode}, **kw, bytes=nbytes, n=len(times), p50_us=float(np.percentile(t, 50) * 1e6),
                    p99_us=float(np.percentile(t, 99) * 1e6), min_us=float(t.min() * 1e6))
         row["gbps_p50"] = nbytes / (row["p50_us"] * 1e-6) / 1e9
         # host time of the prefill's send() call alone (launches; the transfer runs on after it)
@@ -141,7 +159,7 @@ def _comm_costs(side: Side, src, dst, caps, per_cap: int) -> list[dict]:
         side.conn.send((mb, leak))
         peer_mb, peer_leak = side.conn.recv()
         if side.rank == 0:
-            row = {"cap": cap, "mb": max(mb, peer_mb), "mb_prefill": mb, "mb_decode": peer_mb, "init_s": init_s,
+            row = {"cap": cap, "mode": side.mode, "mb": max(mb, peer_mb), "mb_prefill": mb, "mb_decode": peer_mb, "init_s": init_s,
                    "gbps": GiB / float(np.median(big)) / 1e9, "lat64k_us": float(np.median(small)) * 1e6,
                    "issue64k_us": issue,
                    "leak_mb": max(leak, peer_leak)}
@@ -193,7 +211,7 @@ def _engine_case(side: Side, pools: Pools, layout, ps: int, tokens: int, comm, s
     dst_ids = pick_pages(shaped.shape[1], n, seed + 1)
     nbytes = n * layout.page_bytes(ps)
     ranges = chunk_ranges(n, layout.page_bytes(ps), slots.nbytes)
-    fused = FusedGather([views])
+    fused = FusedGather([views], max_programs=side.cfg.get("gather_programs"))
     if side.rank == 0:
         sender = PipelinedSender(comm, fused, slots)
         times = side.timed(lambda: sender.send(src_ids, ranges), None, iters)
@@ -242,8 +260,8 @@ def _per_page_case(side: Side, pools: Pools, layout, ps: int, tokens: int, comm,
                 c = comm.recv(b)
             return c.event
 
-    times = side.timed(send, recv, iters, warmup=1)
-    side.record(times, n * layout.page_bytes(ps), method="per_page_group" if grouped else "per_page",
+    times = side.timed(send, recv, iters, warmup=1, post_first=False)
+    side.record(times, n * layout.page_bytes(ps), method="per_page_group" if grouped else "per_page", mode="baseline",
                 layout=layout.name, page_size=ps, tokens=tokens, cap=comm.max_ctas, messages=len(bufs))
 
 
@@ -307,6 +325,8 @@ def _bench_rank(rank: int, conn, cfg: dict) -> dict:
             with open(out_path, "w") as f:
                 json.dump(side.results, f, indent=1)
 
+    cfg = dict(cfg, save=save)
+
     if rank == 0:
         side.results["machine"] = _machine(side.tr.lib.version)
     free_start = side.free_mb()
@@ -341,6 +361,7 @@ def _bench_rank(rank: int, conn, cfg: dict) -> dict:
 
     # staging size: chunk budget sweep on one case
     lay = layouts[-1]
+    slots16 = None  # the sweep's slots replace it
     for chunk_mb in cfg["chunk_sweep_mb"]:
         slots = StagingSlots(comm16, chunk_mb * MiB, cfg["slots"])
         _engine_case(side, pools, lay, 16, cfg["chunk_sweep_tokens"], comm16, slots, cfg["iters_large"], 500,
@@ -367,9 +388,26 @@ def _bench_rank(rank: int, conn, cfg: dict) -> dict:
     other.close()
     save()
 
-    # per-page baselines on a blocking communicator (the cheapest way to issue many sends)
+    if cfg["per_page"]:
+        _baselines(side, pools, layouts, src_flat, scratch, cfg)
+
+    side.barrier()
+    if rank == 0 and cfg["kernel_tokens"]:
+        _kernels(side, pools, layouts, cfg["page_sizes"], cfg["kernel_tokens"])
+    side.barrier()
+    comm16.close()
+    return side.results
+
+
+def _baselines(side: Side, pools: Pools, layouts, src_flat, scratch, cfg: dict) -> None:
+    """Per-page sends on a blocking communicator (the cheapest way to issue many sends), and what a blocking
+    communicator gives the engine and one contiguous send."""
     from sglang_p2p_backend.engine.transport.nccl import NcclTransport
 
+    from .loops import StagingSlots
+
+    rank, conn = side.rank, side.conn
+    save = cfg["save"]
     blocking = NcclTransport(side.dev, blocking=True)
     pp = connect_pair(blocking, conn, rank, 60, max_ctas=16)
     # what a blocking communicator would save per op (its init cannot time out, so the engine does not use one)
@@ -388,13 +426,6 @@ def _bench_rank(rank: int, conn, cfg: dict) -> dict:
         save()
     pp.close()
 
-    side.barrier()
-    if rank == 0:
-        _kernels(side, pools, layouts, cfg["page_sizes"], cfg["kernel_tokens"])
-    side.barrier()
-    comm16.close()
-    return side.results
-
 
 def _two_peers(side: Side, pools: Pools, layout, ps: int, tokens: int, comms, cfg) -> None:
     """Both communicators carry a request of `tokens` at the same time (different pages)."""
@@ -409,7 +440,7 @@ def _two_peers(side: Side, pools: Pools, layout, ps: int, tokens: int, comms, cf
     perm = pick_pages(shaped.shape[1], 2 * n, 900 + side.rank)
     ids = [perm[:n], perm[n:]]
     ranges = chunk_ranges(n, layout.page_bytes(ps), cfg["chunk_mb"] * MiB)
-    fused = FusedGather([views])
+    fused = FusedGather([views], max_programs=side.cfg.get("gather_programs"))
     ends = [(PipelinedSender if side.rank == 0 else PipelinedReceiver)(c, fused, StagingSlots(c, cfg["chunk_mb"] * MiB, cfg["slots"]))
             for c in comms]
 
@@ -430,7 +461,7 @@ def _two_peers(side: Side, pools: Pools, layout, ps: int, tokens: int, comms, cf
                 tokens=tokens, cap=comms[0].max_ctas, peers=2)
 
 
-def config(quick: bool) -> dict:
+def config(quick: bool, core: bool = False) -> dict:
     cfg = {
         "layouts": ["mla", "mha"],
         "page_sizes": [1, 16, 64],
@@ -450,7 +481,12 @@ def config(quick: bool) -> dict:
         "iters_small": 30,
         "iters_large": 10,
         "iters_per_page": 2,
+        "per_page": True,
+        "split": False,
     }
+    if core:
+        cfg.update(page_sizes=[16], tokens=[128, 4096, 32768], caps=[4, 16], per_cap=1, chunk_sweep_mb=[64, 256],
+                   lean_tokens=[32768], per_page=False, kernel_tokens=[])
     if quick:
         cfg.update(tokens=[128, 4096], page_sizes=[16], caps=[4, 16], per_cap=1, chunk_sweep_mb=[64],
                    lean_caps=[4], lean_tokens=[4096], two_peer_tokens=4096, per_page_cases=[(16, 128)],
@@ -458,9 +494,21 @@ def config(quick: bool) -> dict:
     return cfg
 
 
+def split_config(cfg: dict) -> dict:
+    """The engine again, ops on a blocking child communicator split off the non-blocking one (fewer cases)."""
+    return dict(cfg, split=True, page_sizes=[16], caps=[4, 16], per_cap=2, chunk_sweep_mb=[16, 32, 128],
+                lean_caps=[4], per_page=False, kernel_tokens=[], partial_path=cfg["partial_path"] + ".split")
+
+
 def evaluate(res: dict) -> dict:
-    """The issue's targets, from the measured rows."""
-    tr = res.get("transfers", [])
+    """The issue's targets, from the measured rows, per transport mode."""
+    modes = sorted({r.get("mode", "nonblocking") for r in res.get("transfers", [])})
+    return {m: _evaluate_mode(res, m) for m in modes}
+
+
+def _evaluate_mode(res: dict, mode: str) -> dict:
+    tr = [r for r in res.get("transfers", []) if r.get("mode", "nonblocking") in (mode, "baseline")]
+    per_page_rows = [r for r in res.get("transfers", []) if r["method"] == "per_page"]
     eng = {(r["layout"], r["page_size"], r["tokens"], r["cap"]): r for r in tr if r["method"] == "engine"}
     con = {(r["layout"], r["page_size"], r["tokens"], r["cap"]): r for r in tr if r["method"] == "contiguous"}
     ratios = {f"{k[0]}/ps{k[1]}/{k[2]}tok/cap{k[3]}": eng[k]["p50_us"] / con[k]["p50_us"]
@@ -468,13 +516,13 @@ def evaluate(res: dict) -> dict:
     big = [r["gbps_p50"] for r in eng.values() if r["tokens"] >= 4096 and r["cap"] == 16]
     two = [r["gbps_p50"] for r in tr if r["method"] == "engine_two_peers"]
     speedups = {}
-    for r in tr:
-        if r["method"] == "per_page":
-            k = (r["layout"], r["page_size"], r["tokens"], 16)
-            if k in eng:
-                speedups[f"{k[0]}/ps{k[1]}/{k[2]}tok"] = r["p50_us"] / eng[k]["p50_us"]
+    for r in per_page_rows:
+        k = (r["layout"], r["page_size"], r["tokens"], 16)
+        if k in eng:
+            speedups[f"{k[0]}/ps{k[1]}/{k[2]}tok"] = r["p50_us"] / eng[k]["p50_us"]
     small = {f"{k[0]}/ps{k[1]}": r["p50_us"] for k, r in eng.items() if k[2] == 128 and k[3] == 16}
-    lean = [r for r in res.get("comm_cost", []) if r["cap"] == 4]
+    costs = res.get("comm_cost_split" if mode.startswith("split") else "comm_cost", [])
+    lean = [r for r in costs if r["cap"] == 4]
     return {
         "engine_over_contiguous_p50_ge4k": ratios,
         "max_ratio_ge4k": max(ratios.values()) if ratios else None,
@@ -483,6 +531,7 @@ def evaluate(res: dict) -> dict:
         "per_page_over_engine": speedups,
         "p50_us_128_tokens": small,
         "lean_comm_mb_cap4": lean[0]["mb"] if lean else None,
+        "lean_comm_mb_cap4_prefill_decode": [lean[0]["mb_prefill"], lean[0]["mb_decode"]] if lean else None,
         "targets": {"ratio_le": 1.2, "gbps_ge": 300, "per_page_speedup_ge": 50, "p50_128_us_le": 300,
                     "lean_mb_le": 40},
     }
@@ -493,10 +542,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true", help="a few cases only (smoke run)")
     ap.add_argument("--no-cumem-sweep", action="store_true", help="skip the NCCL_CUMEM_ENABLE=0 memory sweep")
+    ap.add_argument("--no-split", action="store_true", help="skip the blocking-child (split) transport mode")
+    ap.add_argument("--core", action="store_true", help="engine vs contiguous at page 16 only (a short run)")
+    ap.add_argument("--high-priority", action="store_true", help="pair streams at the highest CUDA priority")
+    ap.add_argument("--gather-programs", type=int, default=None, help="bound the gather/scatter grid (persistent)")
     ap.add_argument("--timeout", type=float, default=540)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    cfg = config(args.quick)
+    cfg = config(args.quick, args.core)
+    cfg.update(high_priority=args.high_priority, gather_programs=args.gather_programs)
+    if args.core:
+        args.no_cumem_sweep = True
     cfg["partial_path"] = os.path.join(args.out, "transfer_partial.json")
     t0 = time.monotonic()
     try:
@@ -508,6 +564,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(cfg["partial_path"]) as f:
             res = json.load(f)
         res.setdefault("errors", []).append(f"run stopped early: {str(e)[-2000:]}")
+    if not args.no_split:
+        scfg = split_config(cfg)
+        left = args.timeout - (time.monotonic() - t0)
+        try:
+            if left < 40:
+                raise TimeoutError(f"only {left:.0f}s left")
+            split = run_pair(_bench_rank, (scfg,), timeout=min(200.0, left - 30))[0]
+            res["transfers"] += split["transfers"]
+            res["comm_cost_split"] = split["comm_cost"]
+            res.setdefault("errors", []).extend(split.get("errors", []))
+        except Exception as e:  # the non-blocking results still count
+            res.setdefault("errors", []).append(f"split mode: {str(e)[-3000:]}")
+            if os.path.exists(scfg["partial_path"]):
+                with open(scfg["partial_path"]) as f:
+                    part = json.load(f)
+                res["transfers"] += part.get("transfers", [])
+                res["comm_cost_split"] = part.get("comm_cost", [])
+        if os.path.exists(scfg["partial_path"]):
+            os.remove(scfg["partial_path"])
     if not args.no_cumem_sweep:
         left = args.timeout - (time.monotonic() - t0)
         try:
@@ -517,10 +592,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             res["comm_cost_cumem0"] = mem["comm_cost"]
         except Exception as e:  # the main results still count
             res.setdefault("errors", []).append(f"cumem=0 sweep: {str(e)[-2000:]}")
-    res["config"] = {k: v for k, v in cfg.items() if k != "partial_path"}
+    res["config"] = {k: v for k, v in cfg.items() if k not in ("partial_path", "save")}
+    if args.core or args.high_priority or args.gather_programs:
+        res["machine"]["variant"] = mode_name(cfg)
     res["evaluation"] = evaluate(res)
     gpu = res["machine"]["gpu"].replace(" ", "-").lower()
     name = f"transfer_{gpu}-x{res['machine']['gpus']}"
+    if res["machine"].get("variant"):
+        name += "_" + res["machine"]["variant"].replace("+", "_")
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
     os.remove(cfg["partial_path"])

@@ -2,8 +2,9 @@
 idle communicators to close, and when a peer does not fit at all. Pure: no NCCL, no torch, no clock.
 
 Each extra 2-rank communicator costs GPU memory that grows with its channel cap and buys bandwidth
-(`CommCost`, defaults from ANCHORS.md, measured on two NVLink H200s: 22/38/70/134/262 MB at 2/4/8/16/default
-channels for 68/133/266/366/368 GB/s). The pool keeps the sum of live communicators within `budget_mb`:
+(`CommCost`; ANCHORS.md: 22/38/70/134/262 MB at 2/4/8/16/default channels for 68/133/266/366/368 GB/s;
+`H200_COST` / `H200_COST_NO_CUMEM`: this project's measurement per side, where the decode GPU pays about twice
+the prefill's, and twice again without cuMem, SGLang's default). Pick the table of the GPU's role and env. The pool keeps the sum of live communicators within `budget_mb`:
 - the cap follows the number of live peers: the largest cap of the ladder such that that many peers fit the
   budget at that cap (few peers: full-speed communicators; many peers: lean ones);
 - `admit(peer)` answers, in this order: reuse the peer's live communicator; open one at the fair cap if it
@@ -51,11 +52,14 @@ class CommCost:
         return m0 if c1 == c0 else m0 + (m1 - m0) * (cap - c0) / (c1 - c0)
 
     @classmethod
-    def from_bench(cls, path: str) -> "CommCost":
-        """Figures measured by bench/transfer (its JSON's `comm_cost` table: [{cap, mb, gbps}, ...])."""
+    def from_bench(cls, path: str, side: str = "", table: str = "comm_cost") -> "CommCost":
+        """Figures measured by bench/transfer: its JSON's `table` ([{cap, mb, mb_prefill, mb_decode, gbps}, ...];
+        `comm_cost_cumem0` for NCCL_CUMEM_ENABLE=0). `side` "prefill"/"decode" picks that GPU's cost, else
+        the larger of the two."""
         with open(path) as f:
-            rows = json.load(f)["comm_cost"]
-        return cls({r["cap"]: float(r["mb"]) for r in rows}, {r["cap"]: float(r["gbps"]) for r in rows})
+            rows = json.load(f)[table]
+        key = f"mb_{side}" if side else "mb"
+        return cls({r["cap"]: float(r[key]) for r in rows}, {r["cap"]: float(r["gbps"]) for r in rows})
 
 
 #: ANCHORS.md, nvidia-h200-x2, NCCL 2.28.9 (caps set through NCCL_MIN/MAX_NCHANNELS)
@@ -63,6 +67,19 @@ ANCHOR_COST = CommCost(
     mb={2: 22.0, 4: 38.0, 8: 70.0, 16: 134.0, None: 262.0},
     gbps={2: 68.0, 4: 133.0, 8: 266.0, 16: 366.0, None: 368.0},
 )
+
+# Measured by bench/transfer on nvidia-h200-x2 (bench/results/transfer_nvidia-h200-x2.json, NCCL 2.28.9, caps
+# through ncclConfig_t, after the first send). The decode (receiving) GPU pays about twice the prefill's.
+_H200_GBPS = {2: 66.6, 4: 127.8, 8: 242.4, 16: 326.6, None: 324.5}
+H200_COST = {
+    "prefill": CommCost({2: 23.1, 4: 37.7, 8: 71.3, 16: 138.4, None: 272.6}, _H200_GBPS),
+    "decode": CommCost({2: 39.8, 4: 71.3, 8: 138.4, 16: 272.6, None: 541.1}, _H200_GBPS),
+}
+#: the same with NCCL_CUMEM_ENABLE=0, which SGLang sets unless symmetric memory is on: legacy IPC buffers
+H200_COST_NO_CUMEM = {
+    "prefill": CommCost({2: 47.5, 4: 93.0, 8: 184.5, 16: 369.1, None: 637.5}, _H200_GBPS),
+    "decode": CommCost({2: 64.3, 4: 126.5, 8: 251.7, 16: 503.3, None: 906.0}, _H200_GBPS),
+}
 
 
 class Admission(Enum):

@@ -40,7 +40,7 @@ def _jit_options() -> dict:
     NCCL kernels in flight, i.e. for the peer (see `FusedGather.warmup`)."""
     import inspect
 
-    opts = {"do_not_specialize": ["n_pages"]}
+    opts = {"do_not_specialize": ["n_pages", "n_regions"]}
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
         opts["do_not_specialize_on_alignment"] = ["bases", "item_words", "prefix_words", "ids", "stage"]
     return opts
@@ -48,22 +48,13 @@ def _jit_options() -> dict:
 
 if triton is not None:
 
-    @triton.jit(**_jit_options())
-    def _copy_pages(
-        bases,  # int64 [R]: base address of each region
-        item_words,  # int64 [R]: words per page in each region
-        prefix_words,  # int64 [R]: words per page of the regions before it in this launch
-        ids,  # int64 [n]: page ids of the segment
-        stage,  # word pointer: staging at this segment's offset
-        n_pages,
-        SCATTER: tl.constexpr,
-        BLOCK_P: tl.constexpr,
-        BLOCK_W: tl.constexpr,
-    ):
-        r = tl.program_id(1)
+    @triton.jit
+    def _copy_block(bases, item_words, prefix_words, ids, stage, n_pages, r, pb,
+                    SCATTER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
+        """Pages [pb * BLOCK_P, +BLOCK_P) of region r between the pool and staging."""
         region = tl.load(bases + r).to(stage.dtype)
         iw = tl.load(item_words + r)
-        rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        rows = pb * BLOCK_P + tl.arange(0, BLOCK_P)
         row_ok = rows < n_pages
         page = tl.load(ids + rows, mask=row_ok, other=0)
         pool_off = page * iw
@@ -77,6 +68,29 @@ if triton is not None:
             else:
                 v = tl.load(region + pool_off[:, None] + cols[None, :], mask=m)
                 tl.store(stage + stage_off[:, None] + cols[None, :], v, mask=m)
+
+    @triton.jit(**_jit_options())
+    def _copy_pages(
+        bases,  # int64 [R]: base address of each region
+        item_words,  # int64 [R]: words per page in each region
+        prefix_words,  # int64 [R]: words per page of the regions before it in this launch
+        ids,  # int64 [n]: page ids of the segment
+        stage,  # word pointer: staging at this segment's offset
+        n_pages,
+        n_regions,
+        SCATTER: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        PERSISTENT: tl.constexpr,
+    ):
+        if PERSISTENT:  # a bounded grid walks (region, page block) items, leaving SMs free for NCCL
+            n_blocks = tl.cdiv(n_pages, BLOCK_P)
+            for item in range(tl.program_id(0), n_blocks * n_regions, tl.num_programs(0)):
+                _copy_block(bases, item_words, prefix_words, ids, stage, n_pages, item // n_blocks,
+                            item % n_blocks, SCATTER, BLOCK_P, BLOCK_W)
+        else:  # grid (page blocks, regions)
+            _copy_block(bases, item_words, prefix_words, ids, stage, n_pages, tl.program_id(1),
+                        tl.program_id(0), SCATTER, BLOCK_P, BLOCK_W)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -124,7 +138,10 @@ class _GroupTable:
 class FusedGather:
     """Fused gather/scatter over the regions of each group (see the module docstring)."""
 
-    def __init__(self, views: Sequence[Sequence[torch.Tensor]], *, num_warps: int = 8, warmup: bool = True):
+    def __init__(self, views: Sequence[Sequence[torch.Tensor]], *, num_warps: int = 8, warmup: bool = True,
+                 max_programs: Optional[int] = None):
+        """`max_programs`: bound the grid (a persistent kernel) so a gather or scatter that overlaps an NCCL
+        kernel leaves SMs to it; None launches one program per (page block, region)."""
         if triton is None:
             raise RuntimeError("gather_cuda needs Triton (it comes with CUDA builds of torch)")
         devices = {v.device for regions in views for v in regions}
@@ -133,6 +150,7 @@ class FusedGather:
         self.device = next(iter(devices))
         self.groups = [_GroupTable(regions, self.device) for regions in views]
         self.num_warps = num_warps
+        self.max_programs = max_programs
         if warmup:
             self.warmup()
 
@@ -203,6 +221,9 @@ class FusedGather:
             block_w = min(block_w * scale, _MAX_BLOCK_W)
             block_p = max(1, _TILE_WORDS // block_w)
         grid = (max(1, triton.cdiv(n, block_p)), hi - lo)
+        persistent = self.max_programs is not None
+        if persistent:
+            grid = (max(1, min(self.max_programs, grid[0] * grid[1])),)
         _copy_pages[grid](
             table.bases[lo:hi],
             words_t[lo:hi],
@@ -210,9 +231,11 @@ class FusedGather:
             dev_ids,
             stage_words,
             n,
+            hi - lo,
             SCATTER=scatter,
             BLOCK_P=block_p,
             BLOCK_W=block_w,
+            PERSISTENT=persistent,
             num_warps=self.num_warps,
         )
 

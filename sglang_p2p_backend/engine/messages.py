@@ -4,7 +4,8 @@ Every message travels as two frames `[MAGIC, msgpack(msg)]` on a PUSH socket to 
 one SGLang's CommonKVManager binds, `rank_port`), so it shares that socket with SGLang's own ABORT frames.
 Messages from one prefill rank to one decode rank keep their order (one PUSH socket per endpoint, sent from
 one transfer worker), which the two-sided data path relies on: CommInit, then ChunkHeaders in send order,
-then AuxData, then Status.
+then AuxData, then Status. A one-sided (Mooncake) peer gets only Status: its chunks and aux row were written
+into its memory before the Status was sent.
 
 Peers are named by their control endpoint "ip:port" (`session`).
 """
@@ -33,7 +34,9 @@ class PeerRegister(msgspec.Struct, tag=True):
     aux_item_lens: list[int]
     state_ptrs: list[list[int]]
     state_item_lens: list[list[int]]
-    transports: list[str]  # what the decode can receive with, preferred first
+    transports: list[str]  # what the decode can receive with, preferred first ("nccl"/"tcp", "mooncake")
+    # the decode's Mooncake session ("host:rpc_port") when it runs a Mooncake engine: then kv_ptrs, aux_ptrs
+    # and state_ptrs are registered there and a prefill may write into them one-sidedly
     mooncake_session: str = ""
 
 

@@ -59,9 +59,12 @@ def _requests(plan: dict, role: str) -> list[Req]:
 
 
 class Role:
-    def __init__(self, role: str, plan: dict):
+    def __init__(self, role: str, plan: dict, rank: int = 0):
         self.role = role
+        self.rank = rank
         self.plan = plan
+        self.tp = int(plan.get("tp", {}).get(role, 1))
+        self.attn_dp = int(plan.get("attn_dp", {}).get(role, 1))
         self.spec = PoolSpec(**{**plan["pool"], **plan.get("pool_overrides", {}).get(role, {})})
         self.seed = int(plan.get("seed", 0))
         self.faults = plan.get("faults", {}).get(role, {})
@@ -74,6 +77,9 @@ class Role:
             bootstrap_port=self.bootstrap_port,
             dist_port=int(plan["dist_ports"][role]),
             page_size=self.spec.page_size,
+            tp_size=self.tp,
+            tp_rank=rank,
+            attn_dp=self.attn_dp,
         )
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
@@ -84,10 +90,13 @@ class Role:
         self.pools = HostPools.allocate(self.spec)
         self.meta = runtime.metadata_buffers(64)
         self.bootstrap = None
-        if role == "prefill":
+        if role == "prefill" and rank == 0:
             self.bootstrap = start_bootstrap_process(self.host, self.bootstrap_port)
+            _touch(plan, "bootstrap")
+        elif role == "prefill":
+            _wait_for(plan, ["bootstrap"])  # every prefill rank registers with the bootstrap server at start
         args = self.cls[KVClassType.KVARGS]()
-        args.engine_rank = 0
+        args.engine_rank = rank if role == "prefill" else rank % (self.tp // self.attn_dp)
         args.pp_rank = 0
         args.system_dp_rank = 0
         args.gpu_id = torch.device(self.spec.device).index or 0
@@ -189,6 +198,10 @@ class Role:
             delay = float(self.faults.get("chunk_delay_s", 0))
             if delay and not last:
                 time.sleep(delay)
+            if "abort_after_chunks" in self.faults and req.sent >= self.faults["abort_after_chunks"] * req.chunk_pages:
+                req.handle.abort()  # an AbortReq reaching the prefill scheduler mid-transfer
+                req.phase = "inflight"
+                return
             if "exit_after_chunks" in self.faults and req.sent >= self.faults["exit_after_chunks"] * req.chunk_pages:
                 time.sleep(0.3)
                 os._exit(17)
@@ -223,8 +236,10 @@ class Role:
                 self.fail(req)
                 return
             if self.mgr.try_ensure_parallel_info(self.bootstrap_addr):
-                req.handle.init(0)
-                req.phase = "handshake"
+                dp_rank = self.prefill_dp_rank(req)
+                if dp_rank is not None:
+                    req.handle.init(dp_rank)
+                    req.phase = "handshake"
             else:
                 req.result["ensure_tries"] += 1
                 if req.result["ensure_tries"] >= 15:  # the scheduler's _max_ensure_retries
@@ -261,6 +276,16 @@ class Role:
             self.verify(req)
             req.handle.clear()
             self.finish(req, True)
+
+    def prefill_dp_rank(self, req: Req) -> Optional[int]:
+        """Which prefill DP rank holds the request, resolved as decode.py's _resolve_prefill_dp_rank does."""
+        info = self.mgr.prefill_info_table[self.bootstrap_addr]
+        if info.dp_size == 1:
+            return 0
+        if info.follow_bootstrap_room:
+            return req.room % info.dp_size
+        found = type(req.handle).query_prefill_dp_ranks(self.bootstrap_addr, [req.room])
+        return int(found[str(req.room)]) if str(req.room) in found else None
 
     def verify(self, req: Req) -> None:
         first = req.prefix // self.spec.page_size
@@ -329,24 +354,38 @@ def start_bootstrap_process(host: str, port: int):
     raise RuntimeError(f"bootstrap server on {host}:{port} did not come up")
 
 
+def _touch(plan: dict, name: str) -> None:
+    open(os.path.join(plan["workdir"], f"{name}.ready"), "w").close()
+
+
+def _wait_for(plan: dict, names: list[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(os.path.join(plan["workdir"], f"{n}.ready")) for n in names):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"peers {names} not ready after {timeout:.0f}s")
+        time.sleep(0.05)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
+    ap.add_argument("--rank", type=int, default=0, help="TP rank of this process in its server")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--out", required=True)
     ns = ap.parse_args(argv)
     with open(ns.plan) as f:
         plan = json.load(f)
-    role = Role(ns.role, plan)
-    ready = plan.get("ready_files", {}).get(ns.role)
-    if ready:
-        open(ready, "w").close()
-    wait_for = plan.get("ready_files", {}).get("prefill") if ns.role == "decode" else None
-    while wait_for and not os.path.exists(wait_for):
-        time.sleep(0.05)
+    role = Role(ns.role, plan, ns.rank)
+    _touch(plan, f"{ns.role}-{ns.rank}")
+    if ns.role == "decode":
+        _wait_for(plan, [f"prefill-{r}" for r in range(int(plan.get("tp", {}).get("prefill", 1)))])
     if ns.role == "prefill" and plan.get("faults", {}).get("prefill", {}).get("stop_self"):
         os.kill(os.getpid(), signal.SIGSTOP)  # a prefill that registered, then never answers
-    result = role.run(_requests(plan, ns.role), float(plan.get("deadline_s", 60)))
+    reqs = _requests(plan, ns.role)
+    if ns.role == "prefill" and role.attn_dp > 1:  # the DP controller hands room r to DP rank r % dp
+        dp_rank = ns.rank // (role.tp // role.attn_dp)
+        reqs = [r for r in reqs if r.room % role.attn_dp == dp_rank]
+    result = role.run(reqs, float(plan.get("deadline_s", 60)))
     with open(ns.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0

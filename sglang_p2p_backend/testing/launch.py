@@ -25,32 +25,40 @@ def run_pair(plan: dict, timeout: float = 120.0, env: Optional[dict] = None, wor
     plan = dict(plan)
     plan.setdefault("bootstrap_port", free_port())
     plan.setdefault("dist_ports", {"prefill": free_port(), "decode": free_port()})
-    plan["ready_files"] = {r: os.path.join(workdir, f"{r}.ready") for r in ("prefill", "decode")}
+    plan["workdir"] = workdir
     plan_path = os.path.join(workdir, "plan.json")
     with open(plan_path, "w") as f:
         json.dump(plan, f)
     # every address SGLang hands out stays on loopback
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", SGLANG_HOST_IP="127.0.0.1", **(env or {}))
+    tp = {role: int(plan.get("tp", {}).get(role, 1)) for role in ("prefill", "decode")}
     procs, outs, logs = {}, {}, {}
     for role in ("prefill", "decode"):
-        outs[role] = os.path.join(workdir, f"{role}.json")
-        logs[role] = open(os.path.join(workdir, f"{role}.log"), "w")
-        procs[role] = subprocess.Popen(
-            [sys.executable, "-m", "sglang_p2p_backend.testing.driver", "--role", role, "--plan", plan_path, "--out", outs[role]],
-            env=full_env,
-            stdout=logs[role],
-            stderr=subprocess.STDOUT,
-        )
+        for rank in range(tp[role]):
+            key = (role, rank)
+            outs[key] = os.path.join(workdir, f"{role}-{rank}.json")
+            logs[key] = open(os.path.join(workdir, f"{role}-{rank}.log"), "w")
+            procs[key] = subprocess.Popen(
+                [sys.executable, "-m", "sglang_p2p_backend.testing.driver", "--role", role, "--rank", str(rank),
+                 "--plan", plan_path, "--out", outs[key]],
+                env=full_env,
+                stdout=logs[key],
+                stderr=subprocess.STDOUT,
+            )
     deadline = time.monotonic() + timeout
     codes = {}
-    for role, p in procs.items():
+    for key, p in procs.items():
         try:
-            codes[role] = p.wait(max(1.0, deadline - time.monotonic()))
+            codes[key] = p.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-            codes[role] = "timeout"
-    result = {"returncodes": codes, "workdir": workdir}
-    for role in procs:
-        logs[role].close()
-        result[role] = json.load(open(outs[role])) if os.path.exists(outs[role]) else None
+            p.wait()
+            codes[key] = "timeout"
+    result = {"workdir": workdir, "ranks": {"prefill": [], "decode": []}}
+    for key in procs:
+        logs[key].close()
+        result["ranks"][key[0]].append(json.load(open(outs[key])) if os.path.exists(outs[key]) else None)
+    # rank 0 of each role, the common case of one rank a server
+    result["returncodes"] = {role: codes[(role, 0)] for role in ("prefill", "decode")}
+    result["prefill"], result["decode"] = result["ranks"]["prefill"][0], result["ranks"]["decode"][0]
     return result

@@ -15,9 +15,20 @@ from typing import Any
 import torch
 
 
-def setup(mode: str, *, host: str, bootstrap_port: int, dist_port: int, page_size: int) -> Any:
+def setup(
+    mode: str,
+    *,
+    host: str,
+    bootstrap_port: int,
+    dist_port: int,
+    page_size: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    attn_dp: int = 1,
+) -> Any:
     """Load plugins, build ServerArgs for `mode` ("prefill"/"decode") with p2pnccl, publish them and build
-    world-of-one gloo process groups. Returns the ServerArgs."""
+    gloo process groups for this rank of a `tp_size`-rank server (one process per rank, as SGLang runs its
+    TP schedulers). Returns the ServerArgs."""
     os.environ.setdefault("MASTER_ADDR", host)
     os.environ["MASTER_PORT"] = str(dist_port)
     from sglang.srt.plugins import load_plugins
@@ -27,7 +38,14 @@ def setup(mode: str, *, host: str, bootstrap_port: int, dist_port: int, page_siz
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.server_args import ServerArgs
 
+    dp_fields: dict = {}
+    if attn_dp > 1:  # DP attention: 0.5.23 spells it attn_dp_size, 0.5.17 dp_size + enable_dp_attention
+        if "attn_dp_size" in inspect.signature(ServerArgs).parameters:
+            dp_fields = {"attn_dp_size": attn_dp}
+        else:
+            dp_fields = {"dp_size": attn_dp, "enable_dp_attention": True}
     server_args = ServerArgs(
+        **dp_fields,
         model_path="dummy",
         device="cpu",
         host=host,
@@ -35,18 +53,23 @@ def setup(mode: str, *, host: str, bootstrap_port: int, dist_port: int, page_siz
         disaggregation_mode=mode,
         disaggregation_transfer_backend="p2pnccl",
         disaggregation_bootstrap_port=bootstrap_port,
+        tp_size=tp_size,
     )
     rc.reset_context()
     if hasattr(rc, "SpawnRanks"):  # 0.5.23
-        rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
+        rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=tp_rank))
     else:  # 0.5.17
         rc.publish(server_args, role="scheduler")
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
-    initialize_model_parallel(backend="gloo")
+    init_distributed_environment(world_size=tp_size, rank=tp_rank, local_rank=tp_rank, backend="gloo")
+    if "tensor_model_parallel_size" in inspect.signature(initialize_model_parallel).parameters:  # 0.5.17
+        initialize_model_parallel(tensor_model_parallel_size=tp_size, attention_data_parallel_size=attn_dp, backend="gloo")
+    else:  # 0.5.23 reads the widths from the published context
+        initialize_model_parallel(backend="gloo")
     from sglang.srt.layers import dp_attention
 
     if getattr(dp_attention, "_ATTN_DP_SIZE", 0) is None:  # 0.5.17 keeps these in module globals
-        dp_attention._ATTN_DP_SIZE, dp_attention._ATTN_DP_RANK = 1, 0
+        dp_attention._ATTN_DP_SIZE = attn_dp
+        dp_attention._ATTN_DP_RANK = tp_rank // (tp_size // attn_dp)
     return server_args
 
 

@@ -104,12 +104,26 @@ def test_max_comms_limits_live_communicators():
     assert d.action is Admission.OPEN and d.victims == ("a",)
 
 
+def test_measured_tables_decode_pays_more_and_lean_decode_needs_cap_2():
+    from sglang_p2p_backend.engine.comm_pool import H200_COST, H200_COST_NO_CUMEM
+
+    for table in (H200_COST, H200_COST_NO_CUMEM):
+        for cap in (2, 4, 8, 16, None):
+            assert table["decode"].mb_of(cap) > table["prefill"].mb_of(cap)
+    assert H200_COST["prefill"].mb_of(4) <= 40 and H200_COST["decode"].mb_of(2) <= 40
+    pool = CommPool(2048, ladder=(16, 8, 4, 2), cost=H200_COST["decode"])
+    assert pool.fair_cap(96) == 2  # a decode GPU of 96P144D runs 96 lean communicators in 2 GB
+
+
 def test_cost_interpolates_and_loads_bench_json(tmp_path):
     assert ANCHOR_COST.mb_of(6) == pytest.approx((38 + 70) / 2)
     path = tmp_path / "r.json"
-    path.write_text(json.dumps({"comm_cost": [{"cap": 4, "mb": 36, "gbps": 130}, {"cap": None, "mb": 250, "gbps": 360}]}))
+    rows = [{"cap": 4, "mb": 70, "mb_prefill": 36, "mb_decode": 70, "gbps": 130},
+            {"cap": None, "mb": 540, "mb_prefill": 250, "mb_decode": 540, "gbps": 360}]
+    path.write_text(json.dumps({"comm_cost": rows}))
     cost = CommCost.from_bench(str(path))
-    assert cost.mb_of(4) == 36 and cost.mb_of(None) == 250 and cost.gbps[4] == 130
+    assert cost.mb_of(4) == 70 and cost.mb_of(None) == 540 and cost.gbps[4] == 130
+    assert CommCost.from_bench(str(path), side="prefill").mb_of(4) == 36
 
 
 @pytest.mark.parametrize(

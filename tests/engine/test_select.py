@@ -14,10 +14,13 @@ from sglang_p2p_backend.engine.transport.select import (
     ENV_VAR,
     Choice,
     PeerFacts,
+    ProcessTransports,
     TransportSelector,
     choose_transport,
     parse_forced,
+    process_transports,
     rdma_devices,
+    rdma_present,
 )
 
 GPU_FACTS = dict(gpu=True, mooncake_available=True)
@@ -100,6 +103,48 @@ def test_rdma_devices_reads_sysfs(tmp_path: Path) -> None:
     for name in ("mlx5_1", "mlx5_0"):
         (tmp_path / name).mkdir()
     assert rdma_devices(str(tmp_path)) == ["mlx5_0", "mlx5_1"]
+
+
+@pytest.mark.parametrize(
+    "forced, gpu, rdma, mooncake, want",
+    [
+        (None, False, False, True, ProcessTransports("tcp", None)),  # CPU CI: auto stays on tcp
+        (None, False, True, True, ProcessTransports("tcp", None)),  # no GPU: no Mooncake engine in auto
+        (None, True, False, True, ProcessTransports("nccl", None)),  # no NICs: nothing to spill to
+        (None, True, True, False, ProcessTransports("nccl", None)),  # NICs but Mooncake not installed
+        (None, True, True, True, ProcessTransports("nccl", "rdma")),  # both, chosen per peer
+        ("mooncake", False, False, True, ProcessTransports(None, "tcp")),  # forced: no staging, no NCCL
+        ("mooncake", True, True, True, ProcessTransports(None, "rdma")),
+        ("tcp", True, True, True, ProcessTransports("tcp", None)),
+    ],
+)
+def test_process_starts_only_the_transports_it_can_use(forced, gpu, rdma, mooncake, want) -> None:
+    got = process_transports(forced, gpu=gpu, rdma_present=rdma, mooncake_available=mooncake)
+    assert got == want
+    assert got.names() == [n for n in (want.two_sided, "mooncake" if want.mooncake else None) if n]
+
+
+def test_peer_that_receives_only_with_mooncake_gets_mooncake() -> None:
+    """A decode forced to mooncake offers only that; an auto prefill with a Mooncake engine follows it."""
+    facts = PeerFacts(same_host=True, rdma_present=True, nccl_fits=never_asked, peer_offers=("mooncake",))
+    c = choose_transport(None, facts)
+    assert (c.transport, c.protocol) == ("mooncake", "rdma") and "only with Mooncake" in c.reason
+    cpu = PeerFacts(same_host=True, rdma_present=False, nccl_fits=never_asked, gpu=False, peer_offers=("mooncake",))
+    assert (choose_transport("auto", cpu).transport, choose_transport("auto", cpu).protocol) == ("mooncake", "tcp")
+
+
+def test_peer_without_mooncake_is_never_sent_there() -> None:
+    """Across hosts with NICs, but the decode runs no Mooncake engine: NCCL, not a write it cannot take."""
+    facts = PeerFacts(same_host=False, rdma_present=True, nccl_fits=False, peer_offers=("nccl",))
+    assert choose_transport(None, facts).transport == "nccl"
+
+
+def test_mc_force_tcp_hides_rdma_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mlx5_0").mkdir()
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    assert rdma_present(str(tmp_path)) and not rdma_present(str(tmp_path / "absent"))
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    assert not rdma_present(str(tmp_path))
 
 
 # ----------------------------------------------------------------------- planning at 96P x 144D scale

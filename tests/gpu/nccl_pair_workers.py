@@ -130,6 +130,7 @@ def survivor(rank: int, conn_victim, conn_next, fail_timeout: float) -> dict:
         error = str(e)
     failed_after = time.monotonic() - t0
     aborted = comm.aborted
+    split = comm.blocking_ops
     later_ops_fail = True
     try:  # the broken channel refuses new work instead of hanging
         comm.send(buf[:1]) if rank == 0 else comm.recv(buf[:1])
@@ -148,7 +149,7 @@ def survivor(rank: int, conn_victim, conn_next, fail_timeout: float) -> dict:
     fresh.close()
     del buf
     torch.cuda.empty_cache()
-    return {"error": error, "failed_after_s": failed_after, "aborted": aborted, "later_ops_fail": later_ops_fail,
+    return {"split": split, "error": error, "failed_after_s": failed_after, "aborted": aborted, "later_ops_fail": later_ops_fail,
             "next": verdict, "free_delta_mb": (free0 - torch.cuda.mem_get_info(tr.device)[0]) / 1e6}
 
 

@@ -22,9 +22,10 @@ def _pool(regions: int, pages: int, item: int, seed: int) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (pages, item), generator=g, device="cuda", dtype=torch.uint8) for _ in range(regions)]
 
 
+@pytest.mark.parametrize("max_programs", [None, 16], ids=["grid", "persistent"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_gather_then_scatter_matches_index_select(layout, page_size):
+def test_gather_then_scatter_matches_index_select(layout, page_size, max_programs):
     regions, token_bytes = LAYOUTS[layout]
     item = page_size * token_bytes
     pages = 1024 // page_size
@@ -36,11 +37,11 @@ def test_gather_then_scatter_matches_index_select(layout, page_size):
     src_ids, dst_ids = rng.permutation(pages)[:n], rng.permutation(pages)[:n]
     staging = torch.full((n * item * regions,), 0xAB, dtype=torch.uint8, device="cuda")
 
-    assert FusedGather([src]).copy(0, src_ids, staging, scatter=False) == staging.numel()
+    assert FusedGather([src], max_programs=max_programs).copy(0, src_ids, staging, scatter=False) == staging.numel()
     ref = torch.cat([s.index_select(0, torch.from_numpy(src_ids).cuda()).flatten() for s in src])
     assert torch.equal(staging, ref)
 
-    FusedGather([dst]).copy(0, dst_ids, staging, scatter=True)
+    FusedGather([dst], max_programs=max_programs).copy(0, dst_ids, staging, scatter=True)
     for s, d, b in zip(src, dst, before):
         b[torch.from_numpy(dst_ids).cuda()] = s[torch.from_numpy(src_ids).cuda()]
         assert torch.equal(d, b)  # written pages hold the source, the others are untouched

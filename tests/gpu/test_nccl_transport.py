@@ -60,7 +60,7 @@ def test_peer_killed_mid_transfer_fails_in_time_then_a_new_communicator_works(di
     # through the survivor's report, which carries the replacement's verdict too
     out = collect(procs, results, (survivor_rank, victim_rank), timeout=90)
     s = out[survivor_rank]
-    print(f"REPORT peer-death dies={dies} cumem={cumem}: failed after {s['failed_after_s']:.2f}s "
+    print(f"REPORT peer-death dies={dies} cumem={cumem} split={s['split']}: failed after {s['failed_after_s']:.2f}s "
           f"({s['error']}); next transfer {s['next']}; free memory delta {s['free_delta_mb']:.0f} MB")
     assert s["error"] is not None, "the survivor's wait did not fail"
     assert s["failed_after_s"] < FAIL_TIMEOUT + 5.0

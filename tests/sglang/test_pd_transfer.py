@@ -1,10 +1,17 @@
-"""1P1D transfers through SGLang's real classes, a prefill and a decode process on 127.0.0.1 (CPU transport).
+"""1P1D transfers through SGLang's real classes, a prefill and a decode process on 127.0.0.1 (CPU transports).
 
 Each case runs `sglang_p2p_backend.testing.driver` in two processes: the prefill process runs SGLang's
 bootstrap server, both build the p2pnccl manager through SGLang's plugin loader and `get_kv_class`, and poll
 requests the way the schedulers do. The decode side checks every destination page byte for byte, that no
 other page of its pool changed, the aux row, and state slots. Both sides report what is left behind.
+
+The byte-exact, decode-loss, abort and incompatibility cases run over both CPU transports: `tcp` (what
+`auto` picks without a GPU: the two-sided path NCCL uses) and `mooncake` over Mooncake's tcp protocol (the
+one-sided path: batch writes into the decode's registered pages, Status on the control channel). The other
+cases exercise the control plane and staging, which do not depend on the transport, over `tcp` only.
 """
+
+import importlib.util
 
 import pytest
 
@@ -20,6 +27,17 @@ FAST_FAILURE_ENV = {
     "SGLANG_P2P_CONNECT_TIMEOUT": "5",
     "SGLANG_P2P_IO_TIMEOUT": "5",
 }
+
+
+MOONCAKE_ENV = {"SGLANG_P2P_TRANSPORT": "mooncake", "MC_FORCE_TCP": "1", "GLOG_minloglevel": "2"}
+TRANSPORTS = [
+    pytest.param({}, id="tcp"),
+    pytest.param(
+        MOONCAKE_ENV,
+        id="mooncake",
+        marks=pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake not installed"),
+    ),
+]
 
 
 def assert_clean(side: dict) -> None:
@@ -44,11 +62,12 @@ def assert_all_landed(result: dict, rooms: list[int]) -> None:
     assert_clean(d)
 
 
+@pytest.mark.parametrize("transport_env", TRANSPORTS)
 @pytest.mark.parametrize(
     "layout,page_size",
     [("mla", 1), ("mha", 16)],
 )
-def test_chunked_transfers_land_byte_exact(layout, page_size):
+def test_chunked_transfers_land_byte_exact(layout, page_size, transport_env):
     ps = page_size
     plan = {
         "pool": {"layout": layout, "num_layers": 5, "page_size": ps, "num_pages": 400, "state_slots": 8},
@@ -60,7 +79,7 @@ def test_chunked_transfers_land_byte_exact(layout, page_size):
         ],
         "deadline_s": 60,
     }
-    assert_all_landed(run_pair(plan), [11, 12, 13, 14])
+    assert_all_landed(run_pair(plan, env=transport_env), [11, 12, 13, 14])
 
 
 def test_staging_shorter_than_a_request_back_pressures_without_loss():
@@ -81,18 +100,21 @@ def failed_reason(side: dict, room: int) -> str:
     return r["reason"]
 
 
-def test_decode_killed_mid_transfer_fails_the_prefill_room():
+@pytest.mark.parametrize("transport_env", TRANSPORTS)
+def test_decode_killed_mid_transfer_fails_the_prefill_room(transport_env):
     plan = {
         "pool": {"layout": "mla", "num_layers": 4, "page_size": 1, "num_pages": 300},
         "requests": [{"room": 31, "tokens": 200, "chunk_pages": 10}],
         "faults": {"prefill": {"chunk_delay_s": 0.3}, "decode": {"exit_after_s": 1.0}},
         "deadline_s": 40,
     }
-    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    result = run_pair(plan, env={**FAST_FAILURE_ENV, **transport_env})
     assert result["returncodes"]["decode"] == 17 and result["decode"] is None
     p = result["prefill"]
     reason = failed_reason(p, 31)
     assert "KV transfer to decode rank 127.0.0.1:" in reason, reason
+    if transport_env:  # the transport's own cause reaches the room
+        assert "Mooncake write to 127.0.0.1:" in reason and "batch write returned" in reason, reason
     assert p["requests"]["31"]["seconds"] < 20
     assert_clean(p)
 
@@ -114,7 +136,8 @@ def test_prefill_killed_mid_transfer_fails_the_decode_room():
     assert_clean(d)
 
 
-def test_decode_abort_fails_both_sides_and_keeps_the_channel_in_step():
+@pytest.mark.parametrize("transport_env", TRANSPORTS)
+def test_decode_abort_fails_both_sides_and_keeps_the_channel_in_step(transport_env):
     plan = {
         "pool": {"layout": "mha", "num_layers": 2, "page_size": 4, "num_pages": 300},
         "requests": [
@@ -124,7 +147,7 @@ def test_decode_abort_fails_both_sides_and_keeps_the_channel_in_step():
         "faults": {"prefill": {"chunk_delay_s": 0.1}, "decode": {"abort_after_s": 0.5}},
         "deadline_s": 40,
     }
-    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    result = run_pair(plan, env={**FAST_FAILURE_ENV, **transport_env})
     d, p = result["decode"], result["prefill"]
     assert "Aborted by AbortReq" in failed_reason(d, 51)
     assert "Aborted by decode rank 127.0.0.1:" in failed_reason(p, 51)
@@ -158,14 +181,15 @@ def test_unknown_bootstrap_rooms_time_out_with_the_room_named():
         ({"kv_dtype": {"prefill": "bfloat16", "decode": "fp8_e4m3"}}, "kv_cache_dtype"),
     ],
 )
-def test_incompatible_decode_fails_with_the_setting_named(override, needle):
+@pytest.mark.parametrize("transport_env", TRANSPORTS)
+def test_incompatible_decode_fails_with_the_setting_named(override, needle, transport_env):
     plan = {
         "pool": {"layout": "mla", "num_layers": 2, "page_size": 1, "num_pages": 100},
         "requests": [{"room": 71, "tokens": 32}],
         "deadline_s": 40,
         **override,
     }
-    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    result = run_pair(plan, env={**FAST_FAILURE_ENV, **transport_env})
     d, p = result["decode"], result["prefill"]
     reason = failed_reason(d, 71)
     assert needle in reason and "must use the same" in reason, reason

@@ -17,6 +17,14 @@ process). Why not an existing binding:
 The config struct passed is the NCCL 2.17 prefix of `ncclConfig_t` with `version = 2.17.0`: NCCL copies only
 `size` bytes and fills later fields with defaults, so one layout works from 2.17 through 2.30.
 
+Launch cost (measured on two H200s, bench/results/transfer_nvidia-h200-x2.json): every op on a non-blocking
+communicator is launched by a fresh NCCL thread, ~170-250 us of host time per send/recv against ~40 us on a
+blocking one, which caps a 64 MiB-chunk pipeline near 210 GB/s. `split_blocking=True` (env
+SGLANG_P2P_NCCL_SPLIT=1) keeps the non-blocking communicator for init, connection and abort, and runs the ops on
+a blocking child split off it (`splitShare=1`: same channels and buffers). Not yet measured on the GPU host:
+opt-in until it is. `high_priority` (SGLANG_P2P_NCCL_STREAM_PRIORITY=high) puts the pair stream at the top CUDA
+priority so the NCCL kernel's CTAs are not queued behind a gather that becomes ready at the same moment.
+
 Ordering rule: `send`/`recv` are ordered after the work already queued on the caller's current CUDA stream
 (as torch.distributed does), and `Completion.event` lets another stream wait for them without a host sync.
 Issuing gather/scatter on `comm.stream` itself (as a serial pipeline does) is the special case where that
@@ -74,7 +82,7 @@ class NcclConfig(ctypes.Structure):
     ]
 
     @classmethod
-    def make(cls, *, blocking: bool, max_ctas: Optional[int]) -> "NcclConfig":
+    def make(cls, *, blocking: bool, max_ctas: Optional[int], split_share: bool = False) -> "NcclConfig":
         cfg = cls()
         cfg.size = ctypes.sizeof(cls)
         cfg.magic = _CONFIG_MAGIC
@@ -85,7 +93,7 @@ class NcclConfig(ctypes.Structure):
         cfg.minCTAs = max_ctas if max_ctas else _CONFIG_UNDEF_INT
         cfg.maxCTAs = max_ctas if max_ctas else _CONFIG_UNDEF_INT
         cfg.netName = None
-        cfg.splitShare = _CONFIG_UNDEF_INT
+        cfg.splitShare = 1 if split_share else _CONFIG_UNDEF_INT
         return cfg
 
 
@@ -134,6 +142,7 @@ class NcclLibrary:
         )
         self._sig(L.ncclCommGetAsyncError, [p_comm, ctypes.POINTER(ctypes.c_int)])
         self._sig(L.ncclCommAbort, [p_comm])
+        self._sig(L.ncclCommSplit, [p_comm, ctypes.c_int, ctypes.c_int, ctypes.POINTER(p_comm), ctypes.POINTER(NcclConfig)])
         self._sig(L.ncclCommDestroy, [p_comm])
         for name in ("ncclSend", "ncclRecv"):
             self._sig(
@@ -214,17 +223,26 @@ class _Poller:
             time.sleep(self.SLEEP_S)
 
 
-def _own_stream(device: torch.device) -> tuple[torch.cuda.Stream, Optional[int]]:
+def _own_stream(device: torch.device, high_priority: bool = False) -> tuple[torch.cuda.Stream, Optional[int]]:
     """A CUDA stream of this pair alone. torch.cuda.Stream() hands out a pool of 32 streams round-robin, which
     would make unrelated pairs queue behind each other (and a stuck pair stall another), so the stream is
-    created with the CUDA runtime; returns (stream, raw handle to destroy) or a pooled stream if that fails."""
+    created with the CUDA runtime; returns (stream, raw handle to destroy) or a pooled stream if that fails.
+
+    `high_priority`: the block scheduler then places the NCCL kernel's CTAs before those of a gather or scatter
+    that became ready at the same moment (a gather grid covers every SM and would otherwise delay the send
+    until it drains)."""
     try:
         major = (torch.version.cuda or "").split(".")[0]
         rt = ctypes.CDLL(f"libcudart.so.{major}")
         handle = ctypes.c_void_p()
+        least, greatest = ctypes.c_int(), ctypes.c_int()
         with torch.cuda.device(device):
-            if rt.cudaStreamCreateWithFlags(ctypes.byref(handle), ctypes.c_uint(1)) != 0:  # cudaStreamNonBlocking
-                raise OSError("cudaStreamCreateWithFlags failed")
+            if rt.cudaDeviceGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)) != 0:
+                raise OSError("cudaDeviceGetStreamPriorityRange failed")
+            priority = greatest.value if high_priority else least.value
+            # 1 = cudaStreamNonBlocking: no implicit sync with the legacy default stream
+            if rt.cudaStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(1), ctypes.c_int(priority)) != 0:
+                raise OSError("cudaStreamCreateWithPriority failed")
         return torch.cuda.ExternalStream(handle.value, device=device), handle.value
     except (OSError, AttributeError) as e:
         logger.warning("nccl transport: no dedicated CUDA stream (%s); using torch's stream pool", e)
@@ -266,14 +284,18 @@ class NcclPairComm(PairComm):
     """One 2-rank non-blocking NCCL communicator with its own stream. Rank 0 sends, rank 1 receives (either
     direction works). Calls are serialised by a lock; abort may come from any thread."""
 
-    def __init__(self, lib: NcclLibrary, handle: int, rank: int, device: torch.device, max_ctas: Optional[int]):
+    def __init__(self, lib: NcclLibrary, handle: int, rank: int, device: torch.device, max_ctas: Optional[int],
+                 high_priority: bool = False):
         self.lib = lib
+        #: the communicator operations go to; `owned` are torn down in order (a split child before its parent)
         self.handle = handle
+        self.owned = [handle]
+        self.blocking_ops = False
         self.rank = rank
         self.peer = 1 - rank
         self.device = device
         self.max_ctas = max_ctas
-        self.stream, stream_handle = _own_stream(device)
+        self.stream, stream_handle = _own_stream(device, high_priority)
         # the stream goes when this object does: after an abort from another thread the owner may still queue a
         # kernel on it, which must not hit a destroyed handle
         weakref.finalize(self, _destroy_stream, stream_handle)
@@ -365,9 +387,10 @@ class NcclPairComm(PairComm):
         self._abort_reason = reason or "aborted"
         with torch.cuda.device(self.device):
             # abort raises the device-side abort flag, so kernels waiting on a dead peer exit; it is local
-            code = self.lib.lib.ncclCommAbort(self.handle)
-        if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
-            logger.warning("ncclCommAbort of %s: %s", self.name, self.lib.error_text(code))
+            for h in self.owned:
+                code = self.lib.lib.ncclCommAbort(h)
+                if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+                    logger.warning("ncclCommAbort of %s: %s", self.name, self.lib.error_text(code))
 
     def abort(self, reason: str = "aborted by the owner") -> None:
         """Tear down now, without the peer; idempotent and safe from any thread (ops in flight fail)."""
@@ -401,9 +424,10 @@ class NcclPairComm(PairComm):
             self._released = True
             self._abort_reason = "closed"
             with torch.cuda.device(self.device):
-                code = self.lib.lib.ncclCommDestroy(self.handle)
-            if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
-                logger.warning("ncclCommDestroy of %s: %s", self.name, self.lib.error_text(code))
+                for h in self.owned:
+                    code = self.lib.lib.ncclCommDestroy(h)
+                    if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+                        logger.warning("ncclCommDestroy of %s: %s", self.name, self.lib.error_text(code))
 
 
 class NcclTransport(TwoSidedTransport):
@@ -418,6 +442,8 @@ class NcclTransport(TwoSidedTransport):
         max_ctas: Optional[int] = None,
         *,
         blocking: bool = False,
+        split_blocking: Optional[bool] = None,
+        high_priority: Optional[bool] = None,
         library: Optional[NcclLibrary] = None,
     ):
         if not torch.cuda.is_available():
@@ -428,6 +454,13 @@ class NcclTransport(TwoSidedTransport):
         self.max_ctas = max_ctas
         # blocking communicators are for baselines only: their init cannot time out
         self.blocking = blocking
+        if split_blocking is None:
+            split_blocking = os.environ.get("SGLANG_P2P_NCCL_SPLIT", "0") == "1"
+        # operations on a blocking child split off the non-blocking communicator (see connect)
+        self.split_blocking = split_blocking and not blocking
+        if high_priority is None:
+            high_priority = os.environ.get("SGLANG_P2P_NCCL_STREAM_PRIORITY", "normal") == "high"
+        self.high_priority = high_priority
         self.lib = library or NcclLibrary.get()
 
     def new_unique_id(self, max_ctas: Optional[int] = -1) -> bytes:  # type: ignore[override]
@@ -437,41 +470,87 @@ class NcclTransport(TwoSidedTransport):
             self.lib.check(self.lib.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
         return pack_unique_id(bytes(uid), cap)
 
+    def _finish_init(self, code: int, handle: int, poll: _Poller, what: str, abort: bool) -> None:
+        """Poll a non-blocking init or split (its progress shows on `handle`) to the deadline; on failure abort
+        `handle` if asked (a split's parent is aborted by its PairComm instead), then raise."""
+        while code == NCCL_IN_PROGRESS:
+            code = self.lib.async_error(handle)
+            if code == NCCL_IN_PROGRESS:
+                if poll.left() <= 0:
+                    if abort:
+                        self.lib.lib.ncclCommAbort(handle)
+                    raise TransportError(f"{what}: peer did not join before the deadline")
+                poll.pause()
+        if code != NCCL_SUCCESS:
+            text = self.lib.error_text(code, handle)
+            if abort:
+                self.lib.lib.ncclCommAbort(handle)
+            raise TransportError(f"{what} failed: {text}")
+
     def connect(self, unique_id: bytes, rank: int, timeout: float) -> NcclPairComm:
+        """Init a non-blocking 2-rank communicator (so a dead peer times out), connect it with a one-byte probe,
+        and with `split_blocking` split a blocking child off it that shares its channels and buffers: each op on
+        a non-blocking communicator is launched from a fresh NCCL thread (~250 us measured on H200), on the
+        blocking child it is an ordinary launch. The child's connections are the parent's, so no op on it ever
+        waits for the peer on the host; abort tears both down."""
         raw, cap = unpack_unique_id(unique_id)
         if rank not in (0, 1):
             raise TransportError(f"pair rank must be 0 (prefill) or 1 (decode), got {rank}")
         poll = _Poller(timeout)
         uid = NcclUniqueId.from_buffer_copy(raw)
-        cfg = NcclConfig.make(blocking=self.blocking, max_ctas=cap)
+        cfg = NcclConfig.make(blocking=self.blocking, max_ctas=cap, split_share=self.split_blocking)
         handle = ctypes.c_void_p()
         with torch.cuda.device(self.device):
             code = self.lib.lib.ncclCommInitRankConfig(ctypes.byref(handle), 2, uid, rank, ctypes.byref(cfg))
-        if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS) or not handle.value:
-            raise TransportError(f"ncclCommInitRankConfig failed: {self.lib.error_text(code)}")
-        while code == NCCL_IN_PROGRESS:
-            code = self.lib.async_error(handle.value)
-            if code == NCCL_IN_PROGRESS and poll.left() <= 0:
-                self.lib.lib.ncclCommAbort(handle.value)
-                raise TransportError(f"pair channel init as rank {rank}: peer did not join within {timeout:.1f}s")
-            if code == NCCL_IN_PROGRESS:
-                poll.pause()
-        if code != NCCL_SUCCESS:
-            text = self.lib.error_text(code, handle.value)
-            self.lib.lib.ncclCommAbort(handle.value)
-            raise TransportError(f"pair channel init as rank {rank} failed: {text}")
-        comm = NcclPairComm(self.lib, handle.value, rank, self.device, cap)
-        # one-byte exchange now: NCCL connects a peer's channels on the first op (~ms to 100s of ms), which
-        # belongs inside the connect deadline, not in the first request's latency
-        probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        with torch.cuda.stream(comm.stream):
-            try:
-                op = comm.send(probe, poll.left()) if rank == 0 else comm.recv(probe, poll.left())
-                op.wait(max(poll.left(), 0.001))
-            except TransportError:
-                comm.abort("connect probe failed")
-                raise
+            if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS) or not handle.value:
+                raise TransportError(f"ncclCommInitRankConfig failed: {self.lib.error_text(code)}")
+            self._finish_init(code, handle.value, poll, f"pair channel init as rank {rank}", abort=True)
+        comm = NcclPairComm(self.lib, handle.value, rank, self.device, cap, self.high_priority)
+        try:
+            # one-byte exchange now: NCCL connects a peer's channels on the first op (~ms to 100s of ms), which
+            # belongs inside the connect deadline, not in the first request's latency
+            self._probe(comm, rank, poll)
+            if self.split_blocking:
+                child = ctypes.c_void_p()
+                child_cfg = NcclConfig.make(blocking=True, max_ctas=cap)
+                try:
+                    self._split(handle.value, child, child_cfg, rank, poll)
+                except TransportError:
+                    comm.abort("split failed")  # joins NCCL's split job, which may still write `child`
+                    if child.value:
+                        self.lib.lib.ncclCommAbort(child.value)
+                    raise
+                comm.owned.insert(0, child.value)
+                comm.handle = child.value
+                comm.blocking_ops = True
+                self._probe(comm, rank, poll)  # channels are shared with the parent: returns at once
+        except TransportError:
+            comm.abort("connect failed")
+            raise
         return comm
+
+    def _split(self, parent: int, child: ctypes.c_void_p, cfg: NcclConfig, rank: int, poll: _Poller) -> None:
+        """ncclCommSplit of a non-blocking parent returns ncclSuccess while the split still runs in an NCCL thread
+        (seen on 2.28.9: the group's ncclInProgress is swallowed); the thread stores the child pointer when it
+        ends, so poll for the pointer, then for the child's own init result."""
+        with torch.cuda.device(self.device):
+            code = self.lib.lib.ncclCommSplit(parent, 0, rank, ctypes.byref(child), ctypes.byref(cfg))
+        self.lib.check(code, "ncclCommSplit")
+        while not child.value:
+            err = self.lib.async_error(parent)
+            if err not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+                raise TransportError(f"blocking child split failed: {self.lib.error_text(err, parent)}")
+            if poll.left() <= 0:
+                raise TransportError("blocking child split: peer did not join before the deadline")
+            poll.pause()
+        self._finish_init(self.lib.async_error(child.value), child.value, poll, "blocking child init", abort=False)
+
+    @staticmethod
+    def _probe(comm: NcclPairComm, rank: int, poll: _Poller) -> None:
+        probe = torch.zeros(1, dtype=torch.uint8, device=comm.device)
+        with torch.cuda.stream(comm.stream):
+            op = comm.send(probe, poll.left()) if rank == 0 else comm.recv(probe, poll.left())
+            op.wait(max(poll.left(), 0.001))
 
     def alloc_staging(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)

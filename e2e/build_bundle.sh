@@ -1,0 +1,131 @@
+#!/bin/bash
+# Builds what the end-to-end check needs on the GPU host (torch 2.11.0+cu130, Python 3.12, no internet) as two
+# archives, each under the 60 MiB that one device call can carry beside the repository:
+#
+#   bash e2e/build_bundle.sh [OUT_DIR]        (default .bundle/, ignored by git; ~8 min on 2 cores, xz is most of it)
+#
+#   sglang.tar.xz  SGLang 0.5.17 and everything its server imports: the recipe of shared/gpu-rig/build_bundle.sh
+#                  (slim sglang-kernel: FlashAttention-3, SM100, FlashMLA libraries left out; xgrammar without its
+#                  static library), packed with xz instead of two zips (~55 MiB instead of 60 + 38).
+#   extras.tar.xz  mooncake/  Mooncake TE for CUDA 13 (0.3.14), only the transfer engine and the NVLink allocator
+#                             (the store, EP, PG and their libraries are not used by PD transfers)
+#                  genai/     genai-bench 0.0.5 and what it needs that the host image lacks; the OCI SDK without its
+#                             service modules (genai-bench imports oci.config at start; services load lazily)
+# Needs pip (any Python) and network here; PIP_INDEX_URL etc. are honoured. XZ_THREADS (default 2).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=$(realpath -m "${1:-$ROOT/.bundle}"); mkdir -p "$OUT"
+LIMIT_MIB=60
+W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
+      --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+      --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+      --platform manylinux1_x86_64 --platform any)
+PY=${PYTHON:-python3}
+
+dl() {  # dl DIR SPEC...: wheels for the GPU host, no dependency resolution (each set is listed in full)
+  local dir=$1; shift
+  mkdir -p "$dir"
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps "${PLAT[@]}" -d "$dir" "$@" 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" || true
+}
+
+unpack_wheels() {  # unpack_wheels WHEEL_DIR DEST: unzip every wheel, leaving out the parts named in slim_args
+  local w
+  for w in "$1"/*.whl; do
+    # the patterns must reach unzip unexpanded: word splitting on, globbing off
+    # shellcheck disable=SC2046  # slim_args prints the exclusion patterns one per word on purpose
+    (set -f; unzip -q -o "$w" -d "$2" $(slim_args "$(basename "$w")"))
+  done
+}
+
+slim_args() {  # the unzip -x patterns for one wheel (files never used by a text model's PD serving)
+  case "$1" in
+    sglang_kernel-*) echo "-x sgl_kernel/flash_ops.abi3.so sgl_kernel/sm100/* sgl_kernel/infllm_ops* sgl_kernel/flashmla_ops*" ;;
+    xgrammar-*) echo "-x xgrammar/lib/*" ;;  # a 65 MB static archive, unused at run time
+    mooncake_transfer_engine*) echo "-x mooncake/_store* mooncake/_ep* mooncake/libmooncake_* mooncake/mooncake_client
+      mooncake/mooncake_master mooncake/transfer_engine_bench mooncake/mooncake_ep_jit/* mooncake/_pg_jit/*
+      mooncake/reshard/* mooncake_transfer_engine_cuda13.libs/libetcd_wrapper-* mooncake_transfer_engine_cuda13.libs/libzmq-*
+      mooncake_transfer_engine_cuda13.libs/libsodium-* mooncake_transfer_engine_cuda13.libs/libpgm-*
+      mooncake_transfer_engine_cuda13.libs/libunwind-* mooncake_transfer_engine_cuda13.libs/liburing-*
+      mooncake_transfer_engine_cuda13.libs/libcrypto-* mooncake_transfer_engine_cuda13.libs/libxxhash-*
+      mooncake_transfer_engine_cuda13.libs/libzstd-*" ;;
+    *) ;;
+  esac
+}
+
+pack() {  # pack NAME DIR: DIR's contents -> OUT/NAME.tar.xz, refused when over the limit
+  find "$2" -name __pycache__ -prune -exec rm -rf {} +
+  tar -C "$2" -cf - . | xz -9 -T"${XZ_THREADS:-2}" > "$OUT/$1.tar.xz.tmp"
+  mv "$OUT/$1.tar.xz.tmp" "$OUT/$1.tar.xz"
+  local mib=$(( $(stat -c %s "$OUT/$1.tar.xz") / 1048576 ))
+  echo "$OUT/$1.tar.xz: $mib MiB"
+  if [ "$mib" -ge "$LIMIT_MIB" ]; then echo "build_bundle.sh: $1.tar.xz is over $LIMIT_MIB MiB" >&2; exit 1; fi
+}
+
+check_needed_libs() {  # every shared library a kept .so needs is either kept beside it or a system library
+  local dir=$1 so lib missing=0
+  while IFS= read -r so; do
+    for lib in $(readelf -d "$so" 2>/dev/null | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p'); do
+      case "$lib" in
+        libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|ld-linux*|libstdc++.so*|libgcc_s.so*|libresolv.so*) ;;
+        libcuda.so*|libcudart.so*|libibverbs.so*|libmlx5.so*|libnuma.so*|libcurl.so*|libz.so*) ;;  # on the host
+        *) [ -n "$(find "$dir" -name "$lib" -print -quit)" ] || { echo "missing $lib (needed by $so)" >&2; missing=1; } ;;
+      esac
+    done
+  done < <(find "$dir" -name "*.so*" -type f)
+  return $missing
+}
+
+# --- sglang.tar.xz: SGLang and its import chain -----------------------------------------------------------
+dl "$W/w1" sglang==0.5.17 sglang-kernel==0.4.5 transformers==5.12.1 openai==2.6.1 pyzmq fastapi starlette uvicorn \
+   pydantic pydantic-core annotated-types typing-inspection orjson msgspec setproctitle interegular \
+   partial-json-parser distro jiter pybase64 python-multipart dill gguf ipython traitlets jedi parso decorator \
+   pexpect ptyprocess prompt_toolkit wcwidth stack_data asttokens executing pure_eval matplotlib-inline \
+   ipython-pygments-lexers zstandard apache-tvm-ffi==0.1.11 opentelemetry-api \
+   xgrammar==0.2.1 sniffio compressed-tensors==0.18.0 loguru flashinfer-python==0.6.15.post1 jsonschema \
+   jsonschema-specifications referencing rpds-py watchfiles blobfile pycryptodomex openai-harmony==0.0.4 llguidance
+mkdir -p "$W/sglang"
+unpack_wheels "$W/w1" "$W/sglang"
+rm -rf "$W/sglang"/sglang/multimodal_gen "$W/sglang"/sglang/test/srt "$W/sglang"/jedi/third_party/typeshed \
+       "$W/sglang"/zstandard/_cffi*.so
+find "$W/sglang" -name "*.pyi" -delete
+# transformers 5.12.1 pins tokenizers <=0.23.0; the host ships 0.23.2, which works for our use
+sed -i 's/"tokenizers": "tokenizers>=0.22.0,<=0.23.0"/"tokenizers": "tokenizers>=0.22.0,<=0.24.0"/' \
+  "$W/sglang/transformers/dependency_versions_table.py"
+# the PD test files the check runs must be in the wheel (sglang/test/manual/disaggregation)
+test -f "$W/sglang/sglang/test/manual/disaggregation/test_disaggregation_chunked_prefill_abort.py"
+pack sglang "$W/sglang"
+rm -rf "$W/w1" "$W/sglang"
+
+# --- extras.tar.xz: Mooncake and genai-bench ------------------------------------------------------------
+dl "$W/w2" mooncake-transfer-engine-cuda13==0.3.14
+mkdir -p "$W/extras/mooncake"
+unpack_wheels "$W/w2" "$W/extras/mooncake"
+check_needed_libs "$W/extras/mooncake/mooncake" || { echo "build_bundle.sh: Mooncake slimmed too far" >&2; exit 1; }
+# genai-bench's closure less what the host image has (KINDS.md package list) and what sglang.tar.xz has
+dl "$W/w3" genai-bench==0.0.5 locust==2.47.0 gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.5.6 \
+   zope-event==6.2 zope-interface==8.7 flask==3.1.3 flask-cors==6.0.5 flask-login==0.6.3 itsdangerous==2.2.0 \
+   blinker==1.9.0 configargparse==1.9.0 brotli==1.2.1 python-socketio==5.18.1 python-engineio==4.15.1 \
+   bidict==0.24.1 simple-websocket==1.1.0 wsproto==1.3.2 datasets==4.8.4 multiprocess==0.70.19 \
+   openpyxl==3.1.5 et-xmlfile==2.0.0 tenacity==9.2.1 oci==2.189.0 oci-openai==1.1.0 circuitbreaker==2.1.3 \
+   cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 pyopenssl==26.4.0 pyjwt==2.15.1 pytz==2026.6 \
+   asn1crypto==1.5.1 python-pkcs11==0.9.4 crc32c==2.8 truststore==0.10.5 httpx2==2.16.2 httpcore2==2.16.2
+mkdir -p "$W/extras/genai"
+unpack_wheels "$W/w3" "$W/extras/genai"
+# the OCI SDK is 500 MB unpacked, almost all of it service clients that load on first use (oci.__getattr__)
+"$PY" - "$W/extras/genai/oci" <<'EOF'
+import ast, pathlib, shutil, sys
+root = pathlib.Path(sys.argv[1])
+keep = {"generative_ai_inference", "object_storage"}  # the services genai-bench's OCI paths name
+tree = ast.parse((root / "__init__.py").read_text())
+services = set()
+for node in ast.walk(tree):
+    if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+        services |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
+for name in sorted(services - keep):
+    if (root / name).is_dir():
+        shutil.rmtree(root / name)
+EOF
+pack extras "$W/extras"
+ls -la "$OUT"

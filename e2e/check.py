@@ -1,0 +1,119 @@
+"""Correctness step: PD with p2pnccl through our LB against a non-disaggregated server, token for token.
+
+    python3 -m e2e.check --models DIR --out results.json --logs DIR [--only llama-tiny,mla-tiny]
+
+For each model: a reference server, a prefill (GPU 0) + decode (GPU 1) pair with
+``--disaggregation-transfer-backend p2pnccl`` and our LB, all with the same flags (config.CHECK_FLAGS: chunked
+prefill of 64 tokens, radix cache off, fp32 lm_head). Every prompt goes once to the reference and once through
+the LB, one request at a time (batching alone moves logprobs), non-streaming and streaming. A sensitivity probe
+(one prompt token changed, sent to the reference) shows how far a wrong context would move the logprobs, i.e.
+that the comparison is sharp.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from . import client, compare, config
+from .servers import Server, Stack, failure_report
+
+MODELS = {"llama-tiny": 0, "mla-tiny": 1}  # model -> GPU of its reference server (spreads the launches)
+BASE_PORT = {"llama-tiny": 31000, "mla-tiny": 31100}
+PROMPT_LENGTHS = (1, 7, 63, 64, 65, 200, 777, 2500)  # around the 64-token chunk edge, and many chunks
+MAX_NEW_TOKENS = 24
+TEXT_PROMPT = "The quick brown fox jumps over the lazy dog, and then it"
+
+
+def cases(seed: int = 7) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = [(f"ids{n}", client.random_prompts(1, n, seed + n)[0]) for n in PROMPT_LENGTHS]
+    return out + [("text", TEXT_PROMPT)]
+
+
+def perturbed(prompt: list[int]) -> list[int]:
+    """The same prompt with its middle token changed."""
+    q = list(prompt)
+    q[len(q) // 2] = 3 + (q[len(q) // 2] - 3 + 1) % (4096 - 3)
+    return q
+
+
+async def compare_model(ref_url: str, lb_url: str, tolerance: float) -> dict[str, Any]:
+    import aiohttp
+
+    diffs: list[compare.CaseDiff] = []
+    probes: dict[str, Any] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        for name, prompt in cases():
+            for stream in (False, True):
+                body = client.generate_payload(prompt, MAX_NEW_TOKENS, logprobs=True, stream=stream)
+                ref, _, _ = await client.generate(s, ref_url, body)
+                got, _, _ = await client.generate(s, lb_url, body)
+                diffs.append(compare.compare(name, "stream" if stream else "nonstream", ref, got, tolerance))
+            if isinstance(prompt, list) and len(prompt) >= 64:
+                base_body = client.generate_payload(prompt, MAX_NEW_TOKENS, logprobs=True, stream=False)
+                pert_body = client.generate_payload(perturbed(prompt), MAX_NEW_TOKENS, logprobs=True, stream=False)
+                base, _, _ = await client.generate(s, ref_url, base_body)
+                pert, _, _ = await client.generate(s, ref_url, pert_body)
+                probes[name] = compare.sensitivity(base, pert)
+    finite = [v for v in probes.values() if v is not None]
+    return {"summary": compare.summarize(diffs, tolerance), "cases": [d.to_dict() for d in diffs],
+            "sensitivity": {"per_prompt": probes, "min": min(finite) if finite else None,
+                            "note": "largest logprob change from one changed prompt token (reference server); "
+                                    "inf = the first output token changed"}}
+
+
+def run(models_dir: Path, logs: Path, only: list[str], tolerance: float) -> dict[str, Any]:
+    results: dict[str, Any] = {"flags": config.CHECK_FLAGS, "backend": "p2pnccl", "models": {}}
+    with Stack(logs) as stack:
+        plan: dict[str, tuple[Server, Server, Server, Server]] = {}
+        for m in only:
+            ref = config.reference(m, models_dir / m, BASE_PORT[m] + 10, MODELS[m], config.CHECK_FLAGS)
+            p, d, lb = config.pd_pair(m, models_dir / m, "p2pnccl", BASE_PORT[m], config.CHECK_FLAGS)
+            plan[m] = (ref, p, d, lb)
+        # decode and prefill first on each GPU: if GPU memory runs short, the references are the ones to fail
+        order = [s for m in only for s in plan[m][1:3]] + [plan[m][0] for m in only]
+        t0 = time.monotonic()
+        stack.launch(order)
+        results["launch_s"] = round(time.monotonic() - t0, 1)
+        for m in only:
+            ref, p, d, lb = plan[m]
+            entry: dict[str, Any] = {}
+            failed = failure_report([ref, p, d])
+            if failed:
+                entry.update(status="servers_failed", errors=failed)
+            elif not stack.launch_lb(lb):
+                entry.update(status="lb_failed", errors=failure_report([lb]) or {lb.name: lb.log_tail()})
+            else:
+                try:
+                    entry.update(asyncio.run(compare_model(ref.url, lb.url, tolerance)))
+                    entry["status"] = "ok"
+                except Exception as e:
+                    entry.update(status="error", errors={"client": f"{e}\n{traceback.format_exc()[-2000:]}"},
+                                 server_logs=failure_report([p, d]) or {p.name: p.log_tail(15), d.name: d.log_tail(15)})
+            results["models"][m] = entry
+            print(f"check {m}: {entry.get('status')} {entry.get('summary', '')}", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--logs", type=Path, required=True)
+    ap.add_argument("--only", default=",".join(MODELS))
+    ap.add_argument("--tolerance", type=float, default=compare.DEFAULT_TOLERANCE)
+    a = ap.parse_args(argv)
+    res = run(a.models, a.logs, a.only.split(","), a.tolerance)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    ok = all(m.get("summary", {}).get("verdict") == "pass" for m in res["models"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

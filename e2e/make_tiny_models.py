@@ -1,0 +1,161 @@
+"""Build the random-weight models the end-to-end check serves, with no download.
+
+    python3 -m e2e.make_tiny_models OUT_DIR [--only llama-tiny,mla-tiny,llama-anchor]
+
+Every model shares one byte-level BPE tokenizer (4096 tokens) trained locally on text that ships with CPython
+(``bench.sweep.make_tokenizer``), so the models are identical on every machine for a given seed.
+
+* ``llama-tiny``: 4-layer Llama (hidden 256, 4 heads, 2 KV heads), "sharpened" (below).
+* ``mla-tiny``: 2-layer DeepSeek-V3 (MLA: kv_lora_rank 512, rope 64, nope 128, v 128; all layers dense, so
+  no MoE kernels are needed), sharpened the same way.
+* ``llama-anchor``: 32 layers, hidden 1024, 8 KV heads x head_dim 128, i.e. 128 KiB of KV per token like
+  Llama-3-8B: the shape of the Mooncake baseline in shared/design/ANCHORS.md, default init, for timing.
+
+Why sharpen: at the default init a random model's greedy output repeats one token and a changed context moves
+its logprobs by about bf16 rounding, so matching outputs would say little about whether the KV arrived
+intact. Scaling q/k up (x2.5), v/o down (x0.7) and lm_head up (x5) makes the output depend on the context;
+on the 2-GPU host one changed prompt token, or one token's or one layer's KV zeroed on decode, then moved
+the logprobs by at least 0.35 nats (shared/gpu-rig/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+QK_SCALE, VO_SCALE, LM_HEAD_SCALE = 2.5, 0.7, 5.0
+VOCAB = 4096
+MAX_POSITIONS = 65536  # SGLang's own PD tests send prompts of ~28k tokens
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str  # "llama" or "deepseek_v3"
+    config: dict[str, Any]
+    sharpen: bool
+
+
+def _common(tok_ids: dict[str, int]) -> dict[str, Any]:
+    return dict(vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
+                bos_token_id=tok_ids["bos"], eos_token_id=tok_ids["eos"], pad_token_id=tok_ids["pad"],
+                torch_dtype="bfloat16")
+
+
+def specs(tok_ids: dict[str, int]) -> dict[str, ModelSpec]:
+    c = _common(tok_ids)
+    llama_tiny = dict(c, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64)
+    mla_tiny = dict(c, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64,
+                    qk_nope_head_dim=128, v_head_dim=128, head_dim=64,
+                    # MoE fields must be valid, but first_k_dense_replace = num_hidden_layers keeps every layer dense
+                    first_k_dense_replace=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                    moe_intermediate_size=128, n_group=1, topk_group=1)
+    anchor = dict(c, hidden_size=1024, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=8,
+                  num_key_value_heads=8, head_dim=128)
+    return {
+        "llama-tiny": ModelSpec("llama-tiny", "llama", llama_tiny, sharpen=True),
+        "mla-tiny": ModelSpec("mla-tiny", "deepseek_v3", mla_tiny, sharpen=True),
+        "llama-anchor": ModelSpec("llama-anchor", "llama", anchor, sharpen=False),
+    }
+
+
+def _scale_rows(weight: Any, start: int, stop: int, factor: float) -> None:
+    weight.data[start:stop] *= factor
+
+
+def sharpen_llama(model: Any) -> None:
+    """q/k x2.5, v/o x0.7, lm_head x5 (module-wise, so it holds for any layer count)."""
+    for layer in model.model.layers:
+        a = layer.self_attn
+        a.q_proj.weight.data *= QK_SCALE
+        a.k_proj.weight.data *= QK_SCALE
+        a.v_proj.weight.data *= VO_SCALE
+        a.o_proj.weight.data *= VO_SCALE
+    model.lm_head.weight.data *= LM_HEAD_SCALE
+
+
+def sharpen_mla(model: Any) -> None:
+    """The same scales on MLA's factorised projections.
+
+    k has two parts: k_pe comes straight from kv_a_proj_with_mqa's last qk_rope_head_dim rows (not normalised,
+    so scaling those rows scales it), k_nope from kv_b_proj after the kv_a RMSNorm (scale its k rows there).
+    kv_b_proj's rows are laid out per head as [k_nope (qk_nope_head_dim), v (v_head_dim)].
+    """
+    cfg = model.config
+    nope, v, rope, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    for layer in model.model.layers:
+        a = layer.self_attn
+        q = a.q_proj if cfg.q_lora_rank is None else a.q_b_proj
+        q.weight.data *= QK_SCALE
+        _scale_rows(a.kv_a_proj_with_mqa.weight, r, r + rope, QK_SCALE)
+        kvb = a.kv_b_proj.weight.data.view(cfg.num_attention_heads, nope + v, r)
+        kvb[:, :nope] *= QK_SCALE
+        kvb[:, nope:] *= VO_SCALE
+        a.o_proj.weight.data *= VO_SCALE
+    model.lm_head.weight.data *= LM_HEAD_SCALE
+
+
+SHARPEN: dict[str, Callable[[Any], None]] = {"llama": sharpen_llama, "deepseek_v3": sharpen_mla}
+
+
+def build_tokenizer(out: Path) -> dict[str, int]:
+    """Train (once) the shared tokenizer; returns the special token ids."""
+    from bench.sweep.make_tokenizer import SPECIALS, build
+
+    if not (out / "tokenizer.json").exists():
+        build(out, VOCAB)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    bos, eos, pad = (vocab[s] for s in SPECIALS)
+    return {"bos": bos, "eos": eos, "pad": pad}
+
+
+def build_model(spec: ModelSpec, tok_dir: Path, out: Path, seed: int) -> Path:
+    import torch
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "deepseek_v3": transformers.DeepseekV3Config}[spec.family]
+    model_cls = {"llama": transformers.LlamaForCausalLM,
+                 "deepseek_v3": transformers.DeepseekV3ForCausalLM}[spec.family]
+    torch.manual_seed(seed)
+    config = config_cls(**spec.config)
+    model = model_cls(config).to(torch.bfloat16)
+    if spec.sharpen:
+        with torch.no_grad():
+            SHARPEN[spec.family](model)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tok_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--only", default="llama-tiny,mla-tiny,llama-anchor", help="comma list of model names")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--force", action="store_true", help="rebuild models that already exist")
+    a = ap.parse_args(argv)
+    tok_dir = a.out_dir / "tokenizer"
+    ids = build_tokenizer(tok_dir)
+    table = specs(ids)
+    for name in a.only.split(","):
+        if name not in table:
+            print(f"error: unknown model {name!r}; known: {', '.join(table)}", file=sys.stderr)
+            return 2
+        dest = a.out_dir / name
+        if (dest / "config.json").exists() and not a.force:
+            print(f"{dest} (exists)")
+            continue
+        print(build_model(table[name], tok_dir, dest, a.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

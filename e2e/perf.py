@@ -1,0 +1,140 @@
+"""Timing step: the same workload through p2pnccl and Mooncake PD pairs, at concurrency 1, 16 and 64.
+
+    python3 -m e2e.perf --models DIR --out results.json --logs DIR [--backends p2pnccl,mooncake]
+                        [--genai-bench-bin DIR]
+
+Model: ``llama-anchor`` (32 layers, 128 KiB of KV per token), the shape of the Mooncake baseline in
+shared/design/ANCHORS.md, so the figures can be set beside that table. Both pairs run at once (prefill on
+GPU 0, decode on GPU 1, one LB each) and are loaded one after the other. Per run: TTFT p50/p99 seen by the
+client (streaming ``/generate`` through the LB), output tokens per second, and the prefill's mean KV transfer
+time per request, read from SGLang's ``sglang:kv_transfer_latency_ms`` histogram before and after the run.
+Then, if genai-bench is there, a genai-bench sweep through each LB (``python -m bench.sweep``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from . import client, config, promparse, stats
+from .servers import Server, Stack, failure_report
+
+MODEL = "llama-anchor"
+BASE_PORT = {"p2pnccl": 32000, "mooncake": 32100}
+PROMPT_TOKENS = (1024, 4096)
+CONCURRENCY = (1, 16, 64)
+OUTPUT_TOKENS = 32
+GENAI_SCENARIO = "e2e=D(1024,32)"
+
+
+def requests_for(concurrency: int) -> int:
+    """At least 16 requests, and 2 per user at high concurrency, so p99 has something to stand on."""
+    return max(16, 2 * concurrency)
+
+
+def scrape(url: str) -> Optional[promparse.HistogramTotals]:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            return promparse.histogram_totals(r.read().decode(), promparse.KV_TRANSFER_LATENCY)
+    except Exception:
+        return None
+
+
+def load_runs(backend: str, prefill: Server, lb: Server, deadline: float) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    # warm-up: first requests pay for NCCL communicator / Mooncake connection setup and Triton compiles
+    asyncio.run(client.closed_loop(lb.url, client.random_prompts(4, 512, seed=99), 2, 4))
+    for plen in PROMPT_TOKENS:
+        for c in CONCURRENCY:
+            if time.monotonic() > deadline:
+                rows.append({"backend": backend, "prompt_tokens": plen, "concurrency": c, "skipped": "deadline"})
+                continue
+            prompts = client.random_prompts(requests_for(c), plen, seed=1000 * plen + c)
+            before = scrape(prefill.url)
+            records, wall = asyncio.run(client.closed_loop(lb.url, prompts, c, OUTPUT_TOKENS))
+            after = scrape(prefill.url)
+            row = {"backend": backend, "prompt_tokens": plen, "output_tokens": OUTPUT_TOKENS, "concurrency": c,
+                   **stats.summarize_run(records, wall),
+                   "kv_transfer_ms_mean": _round(promparse.mean_between(before, after))}
+            rows.append(row)
+            print(f"perf {backend} in={plen} c={c}: ttft p50 {row['ttft_ms_p50']} p99 {row['ttft_ms_p99']} ms, "
+                  f"kv {row['kv_transfer_ms_mean']} ms, {row['output_throughput']} tok/s, "
+                  f"failed {row['num_failed']}", flush=True)
+    return rows
+
+
+def _round(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x, 3)
+
+
+def genai_bench(backend: str, lb: Server, models_dir: Path, tools_bin: Path, out: Path,
+                timeout_s: float) -> dict[str, Any]:
+    """bench.sweep with genai-bench only, through the LB; its rows (sweep.json) or the reason there are none."""
+    cmd = [sys.executable, "-m", "bench.sweep", "--target", lb.url, "--tokenizer", str(models_dir / MODEL),
+           "--model", MODEL, "--tool", "genai-bench", "--scenarios", GENAI_SCENARIO,
+           "--concurrency", ",".join(map(str, CONCURRENCY)), "--requests-per-user", "1", "--min-requests", "16",
+           "--max-minutes-per-run", "2", "--tools-bin", str(tools_bin), "--out", str(out)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "command": " ".join(cmd)}
+    if p.returncode != 0:
+        return {"status": "failed", "command": " ".join(cmd), "stderr": p.stderr[-2000:]}
+    doc = json.loads((out / "sweep.json").read_text())
+    return {"status": "ok", "rows": doc.get("rows", doc)}
+
+
+def run(models_dir: Path, logs: Path, backends: list[str], tools_bin: Optional[Path], deadline: float) -> dict[str, Any]:
+    res: dict[str, Any] = {"model": MODEL, "flags": config.PERF_FLAGS, "prompt_tokens": list(PROMPT_TOKENS),
+                           "output_tokens": OUTPUT_TOKENS, "concurrency": list(CONCURRENCY),
+                           "backends": {}, "runs": [], "genai_bench": {}}
+    with Stack(logs) as stack:
+        pairs = {b: config.pd_pair(MODEL, models_dir / MODEL, b, BASE_PORT[b], config.PERF_FLAGS) for b in backends}
+        t0 = time.monotonic()
+        stack.launch([s for b in backends for s in pairs[b][:2]])
+        res["launch_s"] = round(time.monotonic() - t0, 1)
+        ready = {}
+        for b in backends:
+            p, d, lb = pairs[b]
+            failed = failure_report([p, d])
+            if not failed and not stack.launch_lb(lb):
+                failed = failure_report([lb]) or {lb.name: lb.log_tail()}
+            res["backends"][b] = {"status": "failed", "errors": failed} if failed else {"status": "ok"}
+            if not failed:
+                ready[b] = (p, lb)
+        for b, (p, lb) in ready.items():
+            res["runs"] += load_runs(b, p, lb, deadline)
+        if tools_bin and (tools_bin / "genai-bench").exists():
+            for b, (_, lb) in ready.items():
+                left = deadline - time.monotonic()
+                if left < 60:
+                    res["genai_bench"][b] = {"status": "skipped", "reason": "deadline"}
+                    continue
+                res["genai_bench"][b] = genai_bench(b, lb, models_dir, tools_bin, logs / f"genai-bench-{b}", left)
+        else:
+            res["genai_bench"] = {"status": "skipped", "reason": f"no genai-bench under {tools_bin}"}
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--logs", type=Path, required=True)
+    ap.add_argument("--backends", default="p2pnccl,mooncake")
+    ap.add_argument("--genai-bench-bin", type=Path, help="folder with a genai-bench executable")
+    a = ap.parse_args(argv)
+    res = run(a.models, a.logs, a.backends.split(","), a.genai_bench_bin, config.deadline_from_env())
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    return 0 if all(v.get("status") == "ok" for v in res["backends"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

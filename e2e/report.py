@@ -1,0 +1,118 @@
+"""Turn e2e_results.json into the markdown tables for the README (or docs/e2e.md).
+
+    python3 -m e2e.report e2e/results/h200x2-YYYYMMDD.json > table.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+
+def fmt(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if x != x:  # NaN
+            return "-"
+        if x == float("inf"):
+            return "inf"
+        return f"{x:.{digits}f}" if abs(x) >= 0.01 or x == 0 else f"{x:.1e}"
+    return str(x)
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return lines
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    parts = [m.get("kind"), m.get("gpus"), m.get("torch"), m.get("nccl") and f"NCCL {m['nccl']}",
+             m.get("sglang") and f"SGLang {m['sglang']}", m.get("date")]
+    return "Machine: " + ", ".join(str(p) for p in parts if p) + "."
+
+
+def check_section(check: dict[str, Any]) -> list[str]:
+    rows = []
+    for model, e in check.get("models", {}).items():
+        s = e.get("summary", {})
+        sens = e.get("sensitivity", {}).get("min")
+        rows.append([model, e.get("status"), s.get("cases"), s.get("ids_equal"),
+                     _g(s.get("max_abs_logprob_diff")), _g(s.get("max_abs_top_logprob_diff")),
+                     s.get("bit_identical"), _g(sens), s.get("verdict", "fail")])
+    return ["### Correctness: p2pnccl PD through the LB vs one non-PD server (greedy, streaming and not)", "",
+            *table(["model", "status", "cases", "ids equal", "max abs dlogprob", "max abs dtop-5", "bit-identical",
+                    "sensitivity (nats)", "verdict"], rows), "",
+            "Sensitivity: the smallest logprob change that one changed prompt token caused on the reference; "
+            "the check is sharp when it is far above the differences.", ""]
+
+
+def _g(x: Optional[float]) -> Any:
+    return None if x is None else (x if x == float("inf") else float(f"{x:.3g}"))
+
+
+def sglang_tests_section(t: dict[str, Any]) -> list[str]:
+    rows = [[f["file"], tc["id"].split("::")[-1], tc["outcome"], tc["seconds"], tc["message"] or ""]
+            for f in t.get("files", []) for tc in (f.get("tests") or [{"id": "-", "outcome": f.get("rc"),
+                                                                         "seconds": f.get("seconds"), "message": ""}])]
+    return [f"### SGLang's own PD tests, SGLANG_TEST_PD_DISAGG_BACKEND={t.get('backend', 'p2pnccl')}", "",
+            *table(["file", "test", "outcome", "s", "reason"], rows), ""]
+
+
+def perf_section(p: dict[str, Any]) -> list[str]:
+    by_key: dict[tuple, dict[str, dict[str, Any]]] = {}
+    backends: list[str] = []
+    for r in p.get("runs", []):
+        by_key.setdefault((r["prompt_tokens"], r["concurrency"]), {})[r["backend"]] = r
+        if r["backend"] not in backends:
+            backends.append(r["backend"])
+    header = ["prompt", "conc."]
+    for metric in ("TTFT p50 ms", "TTFT p99 ms", "KV transfer ms", "output tok/s"):
+        header += [f"{metric} {b}" for b in backends]
+    rows = []
+    for (plen, c), per in sorted(by_key.items()):
+        row: list[Any] = [plen, c]
+        for key in ("ttft_ms_p50", "ttft_ms_p99", "kv_transfer_ms_mean", "output_throughput"):
+            row += [per.get(b, {}).get(key) for b in backends]
+        rows.append(row)
+    failed = sum(r.get("num_failed", 0) or 0 for r in p.get("runs", []))
+    out = [f"### p2pnccl vs Mooncake, model {p.get('model')} ({p.get('output_tokens')} output tokens, streaming "
+           f"/generate through our LB)", "", *table(header, rows), "",
+           f"Failed requests over all runs: {failed}. KV transfer: prefill's mean of "
+           "sglang:kv_transfer_latency_ms over the run.", ""]
+    gb = p.get("genai_bench", {})
+    gb_rows = [[b, r.get("concurrency"), r.get("num_requests"), r.get("ttft_ms_p50"), r.get("ttft_ms_p99"),
+                r.get("output_throughput")]
+               for b, v in gb.items() if isinstance(v, dict) for r in v.get("rows", [])]
+    if gb_rows:
+        out += ["### genai-bench through the LB", "",
+                *table(["backend", "conc.", "requests", "TTFT p50 ms", "TTFT p99 ms", "output tok/s"], gb_rows), ""]
+    return out
+
+
+def render(doc: dict[str, Any]) -> str:
+    lines = ["## End-to-end on two GPUs (SGLang 0.5.17, PD, p2pnccl vs Mooncake)", "", machine_line(doc.get("machine", {})), ""]
+    if "check" in doc:
+        lines += check_section(doc["check"])
+    if "sglang_tests" in doc:
+        lines += sglang_tests_section(doc["sglang_tests"])
+    if "perf" in doc:
+        lines += perf_section(doc["perf"])
+    if doc.get("missing_steps"):
+        lines += [f"Steps not in this file: {', '.join(doc['missing_steps'])}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", type=Path)
+    a = ap.parse_args(argv)
+    print(render(json.loads(a.results.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Assemble e2e_results.json from the step files a run (or two device calls) left behind.
+
+    python3 -m e2e.results --state DIR --machine-json FILE --out FILE
+
+Each step writes its own JSON under the state folder (check.json, sglang_tests.json, perf.json), which survives
+between device calls while the machine stays warm; this merges whichever are there, so the file that comes
+back from the second call holds both phases.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+SCHEMA = 1
+STEPS = ("check", "sglang_tests", "perf")
+
+
+def merge(machine: dict[str, Any], steps: dict[str, Any]) -> dict[str, Any]:
+    """The results document: schema, machine, and one key per step present (in STEPS order)."""
+    doc: dict[str, Any] = {"schema": SCHEMA, "machine": machine}
+    for name in STEPS:
+        if name in steps:
+            doc[name] = steps[name]
+    doc["missing_steps"] = [s for s in STEPS if s not in steps]
+    return doc
+
+
+def load_steps(state: Path) -> dict[str, Any]:
+    out = {}
+    for name in STEPS:
+        p = state / f"{name}.json"
+        if p.exists():
+            try:
+                out[name] = json.loads(p.read_text())
+            except ValueError as e:
+                out[name] = {"status": "unreadable", "error": str(e)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--state", type=Path, required=True)
+    ap.add_argument("--machine-json", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    machine = json.loads(a.machine_json.read_text()) if a.machine_json.exists() else {}
+    doc = merge(machine, load_steps(a.state))
+    a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

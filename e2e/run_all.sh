@@ -1,0 +1,124 @@
+#!/bin/bash
+# The whole end-to-end check on a 2-GPU host (torch 2.11.0+cu130, Python 3.12, no internet), one command:
+#
+#   bash e2e/run_all.sh [--phase check|perf|all] [--skip-sglang-tests] [--budget-s SECONDS]
+#
+# It unpacks whichever bundle archives (.bundle/sglang.tar.xz, .bundle/extras.tar.xz, built by
+# e2e/build_bundle.sh) this working tree carries into $E2E_ROOT (default /tmp/e2e, which survives between calls
+# to a warm device machine), builds the random models, and runs:
+#   check: p2pnccl PD + our LB vs a non-PD server, token for token and logprobs (llama-tiny, mla-tiny), then
+#          SGLang's own PD tests with SGLANG_TEST_PD_DISAGG_BACKEND=p2pnccl       (needs sglang.tar.xz)
+#   perf:  p2pnccl vs Mooncake (nvlink_intra) at concurrency 1/16/64, then genai-bench through each LB
+#                                                                                  (needs both archives)
+# Results: $OUT/e2e_results.json (every step done so far on this machine, merged), $OUT/e2e_report.md,
+# $OUT/e2e_logs_<phase>.tgz. $OUT defaults to $E2E_ROOT/out. Exit status 0 when every step it ran passed.
+# Each phase is planned to end inside --budget-s (default 560 s: a device call is limited to 600 s).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+E2E_ROOT=${E2E_ROOT:-/tmp/e2e}
+OUTDIR=${OUT:-$E2E_ROOT/out}
+PHASE=check
+SGLANG_TESTS=1
+BUDGET=560
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --phase) PHASE=$2; shift 2 ;;
+    --skip-sglang-tests) SGLANG_TESTS=0; shift ;;
+    --budget-s) BUDGET=$2; shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+case "$PHASE" in check|perf|all) ;; *) echo "run_all.sh: --phase must be check, perf or all" >&2; exit 2 ;; esac
+START=$(date +%s)
+export E2E_ROOT E2E_DEADLINE_EPOCH=$((START + BUDGET - 25))  # 25 s kept for results and the log archive
+STATE=$E2E_ROOT/state
+mkdir -p "$E2E_ROOT" "$STATE" "$OUTDIR"
+say() { echo "[e2e +$(( $(date +%s) - START ))s] $*"; }
+left() { echo $(( E2E_DEADLINE_EPOCH - $(date +%s) )); }
+
+# --- 1. unpack what this call carries (a marker holds the archive's checksum, so a rerun skips it) ---------
+unpack() {  # unpack NAME: .bundle/NAME.tar.xz -> $E2E_ROOT/NAME
+  local archive=$ROOT/.bundle/$1.tar.xz dest=$E2E_ROOT/$1 sum
+  [ -f "$archive" ] || return 0
+  sum=$(cksum < "$archive")
+  if [ "$(cat "$dest/.unpacked" 2>/dev/null)" = "$sum" ]; then say "$1: already unpacked"; return 0; fi
+  rm -rf "$dest" && mkdir -p "$dest" && tar -xJf "$archive" -C "$dest" && echo "$sum" > "$dest/.unpacked"
+  say "$1: unpacked ($(du -sh "$dest" | cut -f1))"
+}
+unpack sglang
+unpack extras
+if [ ! -f "$E2E_ROOT/sglang/.unpacked" ]; then
+  echo "run_all.sh: no SGLang bundle: carry .bundle/sglang.tar.xz in this call (e2e/build_bundle.sh builds it)" >&2
+  exit 3
+fi
+
+# --- 2. environment --------------------------------------------------------------------------------------
+python3 -m e2e.distinfo "$E2E_ROOT/plugin" >/dev/null   # entry point discovery for SGLang's plugin loader
+export PYTHONPATH=$ROOT:$ROOT/lb:$ROOT/e2e/stubs:$E2E_ROOT/plugin:$E2E_ROOT/sglang${PYTHONPATH:+:$PYTHONPATH}
+HAVE_MOONCAKE=0
+if [ -d "$E2E_ROOT/extras/mooncake" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/extras/mooncake; HAVE_MOONCAKE=1; fi
+GB_BIN=$E2E_ROOT/bin
+if [ -d "$E2E_ROOT/extras/genai" ]; then  # genai-bench gets its own path: bench.sweep clears PYTHONPATH for tools
+  mkdir -p "$GB_BIN"
+  printf '#!/bin/sh\nPYTHONPATH=%s:%s exec python3 -c "import sys; from genai_bench.cli.cli import cli; sys.exit(cli())" "$@"\n' \
+    "$E2E_ROOT/extras/genai" "$E2E_ROOT/sglang" > "$GB_BIN/genai-bench"
+  chmod +x "$GB_BIN/genai-bench"
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export SGLANG_HOST_IP=127.0.0.1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
+cd "$ROOT" || exit 1
+
+python3 -m e2e.machine "${E2E_KIND:-nvidia-h200-x2}" > "$STATE/machine.json" 2>/dev/null || true
+if ! python3 -c "
+from importlib.metadata import entry_points
+import sglang_p2p_backend, sglang_p2p_lb, sglang
+assert any(e.name == 'p2pnccl' for e in entry_points(group='sglang.srt.plugins')), 'p2pnccl entry point not found'
+print('preflight: sglang', sglang.__version__, '+ p2pnccl plugin + LB importable')"; then
+  echo "run_all.sh: preflight failed (see above)" >&2; exit 4
+fi
+
+MODELS=$E2E_ROOT/models
+STATUS=0
+step() {  # step NAME CMD...: run with the time that is left, note a failure, never stop the phase
+  local name=$1; shift
+  local t=$(( $(left) ))
+  if [ "$t" -lt 30 ]; then say "$name: skipped, $t s left"; return; fi
+  say "$name: start ($t s left)"
+  timeout --kill-after=10 "$t" "$@"; local rc=$?
+  say "$name: exit $rc"
+  [ "$rc" -eq 0 ] || STATUS=1
+}
+
+run_check() {
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny,mla-tiny
+  step check python3 -m e2e.check --models "$MODELS" --out "$STATE/check.json" --logs "$E2E_ROOT/logs/check"
+  if [ "$SGLANG_TESTS" = 1 ]; then
+    step sglang_tests python3 -m e2e.sglang_tests --sglang-root "$E2E_ROOT/sglang" --model "$MODELS/llama-tiny" \
+      --out "$STATE/sglang_tests.json" --logs "$E2E_ROOT/logs/sglang_tests"
+  fi
+}
+
+run_perf() {
+  local backends=p2pnccl
+  if [ "$HAVE_MOONCAKE" = 1 ]; then backends=p2pnccl,mooncake
+  else say "perf: no extras archive (Mooncake, genai-bench): p2pnccl only"; fi
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-anchor
+  step perf python3 -m e2e.perf --models "$MODELS" --out "$STATE/perf.json" --logs "$E2E_ROOT/logs/perf" \
+    --backends "$backends" --genai-bench-bin "$GB_BIN"
+}
+
+case "$PHASE" in
+  check) run_check ;;
+  perf) run_perf ;;
+  all) run_check; run_perf ;;
+esac
+
+# --- 3. results: every step this machine has done so far, merged --------------------------------------------
+python3 -m e2e.results --state "$STATE" --machine-json "$STATE/machine.json" --out "$OUTDIR/e2e_results.json" >/dev/null
+python3 -m e2e.report "$OUTDIR/e2e_results.json" > "$OUTDIR/e2e_report.md" || STATUS=1
+tar -czf "$OUTDIR/e2e_logs_$PHASE.tgz" -C "$E2E_ROOT" logs 2>/dev/null || true
+cat "$OUTDIR/e2e_report.md"
+say "done (status $STATUS); results in $OUTDIR"
+exit $STATUS

@@ -1,0 +1,176 @@
+"""Start real SGLang servers and our LB on 127.0.0.1, wait until they serve, and stop them all.
+
+Servers that share a GPU start one after the other: SGLang sizes its KV pool from the GPU memory that is
+free when the process starts, so a second server that starts while the first is still loading sees memory
+vanish under it and fails ("Loaded weights leave no GPU memory for the KV cache"). The next server on a GPU
+therefore starts once the previous one logged "Memory pool end" (its pool is allocated). Servers on
+different GPUs start in parallel. Every process runs in its own session so that the whole tree (scheduler,
+detokenizer) is ended with one killpg.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+POOL_READY = "Memory pool end"
+LAUNCH_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Server:
+    """One SGLang server (mode "null" = not disaggregated) or one LB (mode "lb")."""
+
+    name: str
+    port: int
+    mode: str
+    model: Optional[Path] = None
+    gpu: int = 0
+    backend: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    lb_prefill: Optional["Server"] = None
+    lb_decode: Optional["Server"] = None
+    proc: Optional[subprocess.Popen] = None
+    log: Optional[Path] = None
+    error: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        if self.mode == "lb":
+            assert self.lb_prefill and self.lb_decode
+            return [sys.executable, "-m", "sglang_p2p_lb",
+                    "--prefill", self.lb_prefill.url, str(self.lb_prefill.bootstrap_port),
+                    "--decode", self.lb_decode.url, "--host", "127.0.0.1", "--port", str(self.port),
+                    "--log-level", "warning", *self.args]
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model),
+               "--served-model-name", self.model.name if self.model else self.name,
+               "--host", "127.0.0.1", "--port", str(self.port), "--base-gpu-id", str(self.gpu)]
+        if self.mode != "null":
+            cmd += ["--disaggregation-mode", self.mode, "--disaggregation-transfer-backend", str(self.backend)]
+            if self.mode == "prefill":
+                cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        return cmd + self.args
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        if not self.log or not self.log.exists():
+            return ""
+        return "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-n:])
+
+
+def http_ok(url: str, timeout: float = 3.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def _log_has(path: Path, marker: str) -> bool:
+    try:
+        return marker in path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+class Stack:
+    """The processes of one step; a context manager that always stops them."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.servers: list[Server] = []
+
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, s: Server) -> None:
+        s.log = self.log_dir / f"{s.name}.log"
+        env = {**os.environ, **s.env}
+        with open(s.log, "w") as f:
+            f.write("$ " + " ".join(s.command()) + "\n")
+            f.flush()
+            s.proc = subprocess.Popen(s.command(), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self.servers.append(s)
+
+    def _start_after_pool(self, queue: Sequence[Server], deadline: float) -> None:
+        for i, s in enumerate(queue):
+            self.start(s)
+            if i == len(queue) - 1:
+                break
+            while time.monotonic() < deadline and s.alive() and not _log_has(s.log, POOL_READY):
+                time.sleep(1.0)
+
+    def launch(self, sglang: Sequence[Server], timeout_s: float = LAUNCH_TIMEOUT_S) -> list[Server]:
+        """Start SGLang servers (staggered per GPU), wait for /health; returns those that came up."""
+        deadline = time.monotonic() + timeout_s
+        by_gpu: dict[int, list[Server]] = {}
+        for s in sglang:
+            by_gpu.setdefault(s.gpu, []).append(s)
+        threads = [threading.Thread(target=self._start_after_pool, args=(q, deadline)) for q in by_gpu.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return self.wait_healthy(sglang, deadline)
+
+    def wait_healthy(self, servers: Sequence[Server], deadline: float) -> list[Server]:
+        pending = list(servers)
+        up: list[Server] = []
+        while pending and time.monotonic() < deadline:
+            for s in list(pending):
+                if not s.alive():
+                    s.error = f"exited with {s.proc.returncode if s.proc else '?'} before serving"
+                    pending.remove(s)
+                elif http_ok(s.url + "/health"):
+                    up.append(s)
+                    pending.remove(s)
+            time.sleep(1.0)
+        for s in pending:
+            s.error = s.error or f"not healthy within the launch timeout ({s.name})"
+        return up
+
+    def launch_lb(self, lb: Server, timeout_s: float = 60.0) -> bool:
+        self.start(lb)
+        return bool(self.wait_healthy([lb], time.monotonic() + timeout_s))
+
+    def stop(self) -> None:
+        for s in self.servers:
+            if s.alive():
+                try:
+                    os.killpg(s.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        end = time.monotonic() + 20
+        for s in self.servers:
+            while s.alive() and time.monotonic() < end:
+                time.sleep(0.2)
+            if s.alive():
+                try:
+                    os.killpg(s.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.servers.clear()
+
+
+def failure_report(servers: Sequence[Server]) -> dict[str, str]:
+    """name -> error and the last log lines, for every server that did not come up."""
+    return {s.name: f"{s.error}\n{s.log_tail()}" for s in servers if s.error}

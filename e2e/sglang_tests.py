@@ -1,0 +1,114 @@
+"""Run SGLang's own PD tests (the ones its wheel ships that fit two GPUs and a tiny model) with p2pnccl.
+
+    python3 -m e2e.sglang_tests --sglang-root DIR --model DIR --out results.json --logs DIR
+
+SGLang's PD fixture picks the transfer backend from ``SGLANG_TEST_PD_DISAGG_BACKEND``; here it is ``p2pnccl``
+and the fixture's LB (``sglang_router.launch_router --mini-lb``) is our LB through ``e2e/shims``. The model,
+and the server flags this host needs, come in through the ``e2e.sglang_pd_plugin`` pytest plugin. Each test
+file runs in its own pytest process with a time limit, so one hang costs one file, not the step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+from . import config
+
+# in order of value per minute: each file launches one P/D pair per test class (~1-2 min each)
+TEST_FILES = (
+    "sglang/test/manual/disaggregation/test_disaggregation_chunked_prefill_abort.py",  # 1 class
+    "sglang/test/manual/disaggregation/test_disaggregation_peer_liveness_abort.py",  # 2 classes, failure injection
+)
+EXTRA_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph",
+              "--mem-fraction-static", "0.3"]
+SHIMS = Path(__file__).resolve().parent / "shims"
+
+
+def parse_junit(text: str) -> list[dict[str, Any]]:
+    """One entry per test case of a pytest --junitxml file: id, outcome, seconds, first line of the reason."""
+    out = []
+    for tc in ET.fromstring(text).iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = tc.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (el.get("message") or el.text or "").strip().splitlines()[0][:300] if (
+                    el.get("message") or el.text) else ""
+                break
+        out.append({"id": f"{tc.get('classname')}::{tc.get('name')}", "outcome": outcome,
+                    "seconds": round(float(tc.get("time") or 0), 1), "message": message})
+    return out
+
+
+def test_env(model: Path) -> dict[str, str]:
+    env = {**os.environ, **config.COMMON_ENV, **config.BACKEND_ENV["p2pnccl"]}
+    env.pop("SGLANG_IS_IN_CI", None)  # in CI mode the fixture forces mooncake + RDMA devices
+    env.update(SGLANG_TEST_PD_DISAGG_BACKEND="p2pnccl", E2E_TEST_MODEL=str(model),
+               E2E_TEST_EXTRA_ARGS=shlex.join(EXTRA_ARGS),
+               PYTHONPATH=os.pathsep.join([str(SHIMS), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def run_file(path: Path, model: Path, logs: Path, timeout_s: float) -> dict[str, Any]:
+    junit = logs / f"{path.stem}.junit.xml"
+    log = logs / f"{path.stem}.log"
+    cmd = [sys.executable, "-m", "pytest", "-p", "e2e.sglang_pd_plugin", "-p", "no:cacheprovider", "-v",
+           "-o", "timeout=0", f"--junitxml={junit}", str(path)]
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        try:
+            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=test_env(model),
+                               timeout=timeout_s, start_new_session=True)
+            rc: Any = p.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    entry: dict[str, Any] = {"file": str(path.name), "rc": rc, "seconds": round(time.monotonic() - t0, 1)}
+    entry["tests"] = parse_junit(junit.read_text()) if junit.exists() else []
+    if not entry["tests"]:
+        entry["log_tail"] = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-25:])
+    return entry
+
+
+def run(sglang_root: Path, model: Path, logs: Path, deadline: float) -> dict[str, Any]:
+    logs.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"backend": "p2pnccl", "model": model.name, "extra_server_args": EXTRA_ARGS,
+                           "lb": "sglang_p2p_lb (as sglang_router.launch_router)", "files": []}
+    for rel in TEST_FILES:
+        left = deadline - time.monotonic()
+        path = sglang_root / rel
+        if not path.exists():
+            res["files"].append({"file": path.name, "rc": "missing", "tests": []})
+        elif left < 90:
+            res["files"].append({"file": path.name, "rc": "skipped (deadline)", "tests": []})
+        else:
+            res["files"].append(run_file(path, model, logs, left - 10))
+        print(f"sglang test {path.name}: {res['files'][-1]['rc']}", flush=True)
+    outcomes = [t["outcome"] for f in res["files"] for t in f["tests"]]
+    res["summary"] = {k: outcomes.count(k) for k in ("passed", "failed", "error", "skipped")}
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sglang-root", type=Path, required=True, help="folder holding the sglang package")
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--logs", type=Path, required=True)
+    a = ap.parse_args(argv)
+    res = run(a.sglang_root, a.model, a.logs, config.deadline_from_env())
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=1) + "\n")
+    return 0 if res["summary"]["failed"] == res["summary"]["error"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
