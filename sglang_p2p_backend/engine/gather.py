@@ -42,29 +42,27 @@ def _item_lens(views: GroupViews) -> list[list[int]]:
     return [[int(v.shape[1]) for v in regions] for regions in views]
 
 
-def gather_chunk(chunk: Chunk, views: GroupViews, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
-    """Copy the chunk's pages from the regions in `views` (ids per group) into `staging[:chunk.nbytes]`."""
-    device = staging.device
-    sel = [_Ids(i, device) for i in ids]
+def copy_chunk(chunk: Chunk, views: GroupViews, ids: Sequence[np.ndarray], staging: torch.Tensor, *, scatter: bool) -> None:
+    """Gather the chunk's pages (ids per group) from `views` into `staging[:chunk.nbytes]`, or with
+    `scatter=True` copy staging back out into those pages."""
+    sel = [_Ids(i, staging.device) for i in ids]
     for seg, r, off, nbytes in staging_blocks(chunk, _item_lens(views)):
-        src = views[seg.group][r]
-        out = staging[off : off + nbytes].view(seg.hi - seg.lo, src.shape[1])
+        pages = views[seg.group][r]
+        block = staging[off : off + nbytes].view(seg.hi - seg.lo, pages.shape[1])
         s = sel[seg.group].select(seg.lo, seg.hi)
-        if isinstance(s, slice):
-            out.copy_(src[s], non_blocking=True)
+        if isinstance(s, slice) and scatter:
+            pages[s].copy_(block, non_blocking=True)
+        elif isinstance(s, slice):
+            block.copy_(pages[s], non_blocking=True)
+        elif scatter:
+            pages.index_copy_(0, s, block)
         else:
-            torch.index_select(src, 0, s, out=out)
+            torch.index_select(pages, 0, s, out=block)
+
+
+def gather_chunk(chunk: Chunk, views: GroupViews, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
+    copy_chunk(chunk, views, ids, staging, scatter=False)
 
 
 def scatter_chunk(chunk: Chunk, views: GroupViews, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
-    """Copy `staging[:chunk.nbytes]` into the destination pages (ids per group) of the regions in `views`."""
-    device = staging.device
-    sel = [_Ids(i, device) for i in ids]
-    for seg, r, off, nbytes in staging_blocks(chunk, _item_lens(views)):
-        dst = views[seg.group][r]
-        block = staging[off : off + nbytes].view(seg.hi - seg.lo, dst.shape[1])
-        s = sel[seg.group].select(seg.lo, seg.hi)
-        if isinstance(s, slice):
-            dst[s].copy_(block, non_blocking=True)
-        else:
-            dst.index_copy_(0, s, block)
+    copy_chunk(chunk, views, ids, staging, scatter=True)
