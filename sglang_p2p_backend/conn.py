@@ -53,6 +53,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang_p2p_backend.engine import messages as wire
 from sglang_p2p_backend.engine.arrivals import ArrivalTracker
 from sglang_p2p_backend.engine.config import EngineConfig
+from sglang_p2p_backend.engine.copier import PageCopier
 from sglang_p2p_backend.engine.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.memory import page_views, regions_from_lists
 from sglang_p2p_backend.engine.onesided import LocalMemory, OneSidedSender, aux_descriptors
@@ -161,6 +162,7 @@ class P2pNcclKVManager(CommonKVManager):
         self.views = [page_views(self.kv_regions, self.device)] + [
             page_views(r, self.device) for r in self.state_regions
         ]
+        self.copier = PageCopier(self.views)
         aux = regions_from_lists(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
         self.local_memory = LocalMemory(self.kv_regions, self.state_regions, aux)
         self.transports = process_transports(
@@ -444,7 +446,7 @@ class P2pNcclKVManager(CommonKVManager):
             sender = self.senders[session] = PairSender(
                 transport=self.two_sided,
                 staging=self.staging,
-                views=self.views,
+                copier=self.copier,
                 local_session=self.session,
                 control=lambda m, s=session: self.control.send(s, m),
                 connect_timeout=self.config.connect_timeout,
@@ -532,7 +534,7 @@ class P2pNcclKVManager(CommonKVManager):
             receiver = self.receivers[session] = PairReceiver(
                 transport=self.two_sided,
                 staging=self.staging,
-                views=self.views,
+                copier=self.copier,
                 peer_session=session,
                 wanted=self.room_wanted,
                 on_chunk=self.arrivals.landed,

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_pair(plan, timeout=ns.deadline + 120)
     p, d = result["prefill"], result["decode"]
     if not p or not d:
-        print(f"a role died: exit codes {result['returncodes']}; logs in {result["workdir"]}")
+        print(f"a role died: exit codes {result['returncodes']}; logs in {result['workdir']}")
         return 1
     ok = True
     times, total, starts, ends = [], 0, [], []

@@ -4,9 +4,9 @@ Mooncake's one-sided `tcp` protocol, every destination page checked byte for byt
 
 `python -m bench.mooncake.pd_path [--machine NAME] [--repeats N]` writes bench/results/mooncake_pd_<machine>.json.
 Per run: the rate from the first `send()` to the last Success and each request's `send()` -> Success time.
-The plan is the demo's (sglang_p2p_backend/demo.py): DeepSeek-V3 MLA (61 layers, 1152 B a token), page 64,
-4 requests of 4096 tokens, pages scattered at random on both sides; once in one `send()` per request and
-once chunked (8 pages a send, as chunked prefill does). Figures hold only for the machine named.
+The plan matches the demo's default (sglang_p2p_backend/demo.py): DeepSeek-V3 MLA (61 layers, 1152 B a
+token), page 64, 4 requests of 4096 tokens, pages scattered at random on both sides; once in one `send()` per
+request and once chunked (8 pages a send, as chunked prefill does). Figures hold only for the machine named.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import socket
 import statistics
 from pathlib import Path
 
-from sglang_p2p_backend.demo import build_plan
 from sglang_p2p_backend.testing.launch import run_pair
 
 from .__main__ import RESULTS, machine_info
@@ -30,10 +29,16 @@ TRANSPORT_ENV = {
 }
 
 
+REQUESTS, TOKENS, PAGE = 4, 4096, 64
+
+
 def plan_for(chunk_pages: int) -> dict:
-    ns = argparse.Namespace(layout="mla", layers=61, tokens=4096, page_size=64, requests=4,
-                            chunk_pages=chunk_pages, deadline=300)
-    return build_plan(ns, gpus=0)
+    pages = -(-TOKENS // PAGE)
+    return {
+        "pool": {"layout": "mla", "num_layers": 61, "head_dim": 576, "page_size": PAGE, "num_pages": pages * REQUESTS + 2},
+        "requests": [{"room": 1000 + i, "tokens": TOKENS, "chunk_pages": chunk_pages} for i in range(REQUESTS)],
+        "deadline_s": 300,
+    }
 
 
 def summarise(result: dict) -> dict:
@@ -83,7 +88,7 @@ def main() -> None:
         "bench": "PD path (SGLang KV manager classes, two processes) per CPU transport",
         "machine": machine_info(machine),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "plan": {k: v for k, v in plan_for(1 << 30).items() if k != "requests"} | {"requests": 4, "tokens": 4096},
+        "plan": {"pool": plan_for(1)["pool"], "requests": REQUESTS, "tokens": TOKENS, "chunk_pages": [1 << 30, 8]},
         "loadavg_1_5_15": {"before": load_before, "after": os.getloadavg()},
         "results": rows,
     }

@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from contextlib import nullcontext
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from .gather import GroupViews, gather_chunk, scatter_chunk
+from .copier import PageCopier
 from .messages import ChunkHeader, ChunkSegment, CommInit, Message
 from .plan import Chunk, Segment, plan_chunks
 from .staging import StagingPool
@@ -38,13 +39,18 @@ def _stream_ctx(comm: Optional[PairComm]):
     return nullcontext()
 
 
-def _sync(comm: Optional[PairComm]) -> None:
-    if comm is not None and comm.stream is not None:
-        comm.stream.synchronize()
-
-
-def item_lens_of(views: GroupViews) -> list[list[int]]:
-    return [[int(v.shape[1]) for v in regions] for regions in views]
+def _wait_stream(comm: Optional[PairComm], timeout: float) -> None:
+    """Wait for the work queued on the channel's stream by polling an event: a blocking stream sync could not
+    time out if the peer died with a receive posted."""
+    if comm is None or comm.stream is None:
+        return
+    done = torch.cuda.Event()
+    done.record(comm.stream)
+    deadline = time.monotonic() + timeout
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise TransportError(f"pair channel work not done after {timeout:.0f}s (peer stalled or gone)")
+        time.sleep(0)
 
 
 class PairSender:
@@ -55,7 +61,7 @@ class PairSender:
         *,
         transport: TwoSidedTransport,
         staging: StagingPool,
-        views: GroupViews,
+        copier: PageCopier,
         local_session: str,
         control: Callable[[Message], None],
         connect_timeout: float,
@@ -63,8 +69,8 @@ class PairSender:
     ):
         self.transport = transport
         self.staging = staging
-        self.views = views
-        self.item_lens = item_lens_of(views)
+        self.copier = copier
+        self.item_lens = copier.item_lens
         self.local_session = local_session
         self.control = control
         self.connect_timeout = connect_timeout
@@ -96,31 +102,35 @@ class PairSender:
                     f"room {room}: group {g} has {len(s)} source ids but the decode published {len(d)} destinations"
                 )
         chunks = plan_chunks(self.item_lens, [len(s) for s in src_ids], self.staging.slot_bytes)
+        if not chunks or not keep_going():
+            return 0
         sent = 0
-        for chunk in chunks:
-            if not keep_going():
-                break
-            sent += self._send_chunk(room, prefill_rank, chunk, src_ids, dst_ids)
-        return sent
-
-    def _send_chunk(self, room: int, prefill_rank: int, chunk: Chunk, src_ids, dst_ids) -> int:
         try:
             comm = self._ensure_comm()
+            # one slot for the whole call: each chunk's gather is queued on the channel's stream behind the
+            # previous chunk's send, so the slot is reused in stream order without a host wait per chunk
             buf = self.staging.acquire(self.io_timeout)
             try:
-                with _stream_ctx(comm):
-                    gather_chunk(chunk, self.views, src_ids, buf)
-                    segments = [_segment_msg(seg, dst_ids) for seg in chunk.segments]
-                    self.control(
-                        ChunkHeader(self.local_session, self.generation, room, prefill_rank, chunk.nbytes, segments)
-                    )
-                    comm.send(buf[: chunk.nbytes]).wait(self.io_timeout)
+                last = None
+                for chunk in chunks:
+                    if not keep_going():
+                        break
+                    with _stream_ctx(comm):
+                        self.copier.gather(chunk, src_ids, buf)
+                        segments = [_segment_msg(seg, dst_ids) for seg in chunk.segments]
+                        self.control(
+                            ChunkHeader(self.local_session, self.generation, room, prefill_rank, chunk.nbytes, segments)
+                        )
+                        last = comm.send(buf[: chunk.nbytes])
+                    sent += chunk.nbytes
+                if last is not None:
+                    last.wait(self.io_timeout)
             finally:
                 self.staging.release(buf)
         except TransportError:
             self.reset()
             raise
-        return chunk.nbytes
+        return sent
 
     def reset(self) -> None:
         if self.comm is not None:
@@ -136,15 +146,19 @@ def _segment_msg(seg: Segment, dst_ids: Sequence[np.ndarray]) -> ChunkSegment:
 
 
 def chunk_from_header(header: ChunkHeader, item_lens: Sequence[Sequence[int]]) -> tuple[Chunk, list[np.ndarray]]:
-    """Rebuild the chunk layout and destination ids from a header (ids local to each segment)."""
-    segs, ids = [], []
+    """Rebuild the chunk layout and per-group destination ids from a header (a chunk has at most one
+    segment per group; its range is then the whole id array of that group)."""
+    segs = []
+    ids = [np.zeros(0, dtype=np.int32) for _ in item_lens]
     nbytes = 0
     for s in header.segments:
         d = np.frombuffer(s.dst_ids, dtype=np.int32)
         if s.group >= len(item_lens) or not (0 <= s.region_lo <= s.region_hi <= len(item_lens[s.group])):
             raise TransportError(f"room {header.room}: chunk names regions this decode rank does not have")
-        segs.append(Segment(len(ids), s.region_lo, s.region_hi, 0, d.size))
-        ids.append((s.group, d))
+        if ids[s.group].size:
+            raise TransportError(f"room {header.room}: chunk carries group {s.group} twice")
+        segs.append(Segment(s.group, s.region_lo, s.region_hi, 0, d.size))
+        ids[s.group] = d
         nbytes += d.size * sum(item_lens[s.group][s.region_lo : s.region_hi])
     if nbytes != header.nbytes:
         raise TransportError(
@@ -165,7 +179,7 @@ class PairReceiver:
         *,
         transport: TwoSidedTransport,
         staging: StagingPool,
-        views: GroupViews,
+        copier: PageCopier,
         peer_session: str,
         wanted: Callable[[int], bool],
         on_chunk: ChunkDone,
@@ -174,8 +188,8 @@ class PairReceiver:
     ):
         self.transport = transport
         self.staging = staging
-        self.views = views
-        self.item_lens = item_lens_of(views)
+        self.copier = copier
+        self.item_lens = copier.item_lens
         self.peer_session = peer_session
         self.wanted = wanted
         self.on_chunk = on_chunk
@@ -248,9 +262,8 @@ class PairReceiver:
                 with _stream_ctx(comm):
                     comm.recv(buf[: header.nbytes]).wait(self.io_timeout)
                     if chunk is not None and self.wanted(header.room):
-                        views = [self.views[g] for g, _ in ids]
-                        scatter_chunk(chunk, views, [d for _, d in ids], buf)
-                    _sync(comm)
+                        self.copier.scatter(chunk, ids, buf)
+                _wait_stream(comm, self.io_timeout)
             finally:
                 self.staging.release(buf)
         except TransportError as e:

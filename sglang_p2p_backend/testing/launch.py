@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -12,10 +13,28 @@ import time
 from typing import Optional
 
 
+_PORTS = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: ports the OS hands out for binds to port 0 (ZMQ's
+    random rank ports, client sockets) come from that range, so a port picked here cannot be taken by one of
+    them between this check and the process that binds it."""
+    low = 20000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = max(low, min(int(f.read().split()[0]), 32768) - 12000)
+    except OSError:
+        pass
+    for _ in range(200):
+        port = _PORTS.randrange(low, low + 12000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found")
 
 
 def run_pair(plan: dict, timeout: float = 120.0, env: Optional[dict] = None, workdir: Optional[str] = None) -> dict:

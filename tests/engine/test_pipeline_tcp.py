@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_p2p_backend.engine.copier import PageCopier
 from sglang_p2p_backend.engine.memory import Region, page_views
 from sglang_p2p_backend.engine.pipeline import PairReceiver, PairSender
 from sglang_p2p_backend.engine.staging import StagingPool
@@ -36,12 +37,12 @@ class Pair:
         self.wanted = set()
         self.receiver = PairReceiver(
             transport=self.transport, staging=StagingPool(self.transport.alloc_staging, slot_bytes, slots),
-            views=[dst_views], peer_session="prefill:1", wanted=lambda room: room in self.wanted,
+            copier=PageCopier([dst_views]), peer_session="prefill:1", wanted=lambda room: room in self.wanted,
             on_chunk=lambda room, rank, err: self.landed.append((room, err)),
             connect_timeout=5, io_timeout=io_timeout)
         self.sender = PairSender(
             transport=self.transport, staging=StagingPool(self.transport.alloc_staging, slot_bytes, slots),
-            views=[src_views], local_session="prefill:1", control=self.receiver.submit,
+            copier=PageCopier([src_views]), local_session="prefill:1", control=self.receiver.submit,
             connect_timeout=5, io_timeout=io_timeout)
 
     def close(self):

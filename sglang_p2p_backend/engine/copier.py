@@ -1,0 +1,38 @@
+"""Page copies between a rank's registered pools and staging: the fused Triton kernel on CUDA (one launch per
+chunk segment across all layer regions), one torch copy per region on CPU. Built once per manager, because the
+CUDA kernels are compiled and loaded up front: loading one in the middle of a transfer can wait on the NCCL
+kernels in flight, i.e. on the peer (docs/nccl.md, hazards)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .gather import GroupViews, copy_chunk
+from .plan import Chunk
+
+
+class PageCopier:
+    def __init__(self, views: GroupViews):
+        self.views = views
+        self.item_lens = [[int(v.shape[1]) for v in regions] for regions in views]
+        on_cuda = any(v.is_cuda for regions in views for v in regions)
+        self._fused = None
+        if on_cuda:
+            from .gather_cuda import FusedGather
+
+            self._fused = FusedGather(views)
+
+    def gather(self, chunk: Chunk, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
+        if self._fused is not None:
+            self._fused.gather_chunk(chunk, ids, staging)
+        else:
+            copy_chunk(chunk, self.views, ids, staging, scatter=False)
+
+    def scatter(self, chunk: Chunk, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
+        if self._fused is not None:
+            self._fused.scatter_chunk(chunk, ids, staging)
+        else:
+            copy_chunk(chunk, self.views, ids, staging, scatter=True)
