@@ -1,0 +1,208 @@
+"""The engine's own data path between two processes: `PairSender` -> `PairReceiver` with the fused copier and
+the staging pool, over NCCL on two GPUs (rank 0 on cuda:0 is the prefill, rank 1 on cuda:1 the decode) or over
+the tcp transport on CPU. The control channel is a multiprocessing queue carrying the engine's own encoded
+messages in order (in the product it is the ordered ZMQ socket; nothing else differs).
+
+Each case moves `n` scattered pages of every layer region; the decode checks every destination page against
+the prefill's seeded contents and that no other page changed, and both sides time send() to the moment the
+decode's receiver has scattered the last chunk (CLOCK_MONOTONIC is shared by the processes of one host).
+Used by tests/gpu/test_engine_pipeline_nccl.py (byte-exact cases) and `python -m bench.transfer.engine_pair`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from sglang_p2p_backend.engine import messages
+from sglang_p2p_backend.engine.copier import PageCopier
+from sglang_p2p_backend.engine.pipeline import PairReceiver, PairSender
+from sglang_p2p_backend.engine.staging import StagingPool
+
+SENTINEL = 0x5A
+
+
+@dataclass(frozen=True)
+class Case:
+    layout: str  # "mla": 61 regions of 576 bf16 a token; "mha": K and V of 32 layers, 8 heads x 128 bf16
+    page_size: int
+    tokens: int
+    reps: int = 1
+    slot_mb: int = 128
+
+    @property
+    def regions(self) -> int:
+        return 61 if self.layout == "mla" else 64
+
+    @property
+    def item_len(self) -> int:
+        return self.page_size * (576 * 2 if self.layout == "mla" else 8 * 128 * 2)
+
+    @property
+    def pages(self) -> int:
+        return -(-self.tokens // self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        return 2 * self.pages + 8
+
+
+def _ids(case: Case, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(case.pool_pages)[: case.pages].astype(np.int32)
+
+
+def _pool(case: Case, device: torch.device, seed: int | None) -> list[torch.Tensor]:
+    if seed is None:
+        return [torch.full((case.pool_pages, case.item_len), SENTINEL, dtype=torch.uint8, device=device) for _ in range(case.regions)]
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randint(0, 256, (case.pool_pages, case.item_len), dtype=torch.uint8, device=device, generator=g) for _ in range(case.regions)]
+
+
+def _transport(device: torch.device):
+    if device.type == "cuda":
+        from sglang_p2p_backend.engine.transport.nccl import NcclTransport
+
+        return NcclTransport(device=device)
+    from sglang_p2p_backend.engine.transport.tcp import TcpTransport
+
+    return TcpTransport()
+
+
+def _prefill(device, cases, ctrl, results, io_timeout):
+    transport = _transport(device)
+    out = []
+    for ci, case in enumerate(cases):
+        pool = _pool(case, device, seed=1000 + ci)
+        staging = StagingPool(transport.alloc_staging, case.slot_mb << 20, 2)
+        sender = PairSender(transport=transport, staging=staging, copier=PageCopier([pool]), local_session="prefill:0",
+                            control=lambda m: ctrl.put(messages.encode(m)), connect_timeout=60, io_timeout=io_timeout)
+        src, dst = _ids(case, 1), _ids(case, 2)
+        times = []
+        for rep in range(case.reps + 1):  # rep 0 warms up (channel creation, first launches)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.monotonic()
+            sender.send(7000 + rep, 0, [src], [dst])
+            ctrl.put(("mark", ci, rep))
+            landed = results.get(timeout=io_timeout)
+            if rep:
+                times.append(landed - t0)
+        sender.close()
+        staging.close()
+        out.append(times)
+    transport.close()
+    return out
+
+
+def _decode(device, cases, ctrl, results, io_timeout):
+    transport = _transport(device)
+    verdicts = []
+    for ci, case in enumerate(cases):
+        pool = _pool(case, device, seed=None)
+        staging = StagingPool(transport.alloc_staging, case.slot_mb << 20, 2)
+        errors: list[str] = []
+        receiver = PairReceiver(transport=transport, staging=staging, copier=PageCopier([pool]), peer_session="prefill:0",
+                                wanted=lambda room: True, on_chunk=lambda room, rank, err: err and errors.append(err),
+                                connect_timeout=60, io_timeout=io_timeout)
+        for _ in range(case.reps + 1):
+            while True:
+                item = ctrl.get(timeout=io_timeout)
+                if isinstance(item, tuple):  # the prefill's send() returned: time once everything before it landed
+                    receiver.submit(lambda: results.put(time.monotonic()))
+                    break
+                receiver.submit(messages.decode(item))
+        done = threading.Event()
+        receiver.submit(done.set)
+        done.wait(io_timeout)
+        src_pool = _pool(case, device, seed=1000 + ci)
+        src, dst = _ids(case, 1), _ids(case, 2)
+        bad = 0
+        others = torch.ones(case.pool_pages, dtype=torch.bool, device=device)
+        others[torch.from_numpy(dst.astype(np.int64)).to(device)] = False
+        for s_t, d_t in zip(src_pool, pool):
+            want = s_t[torch.from_numpy(src.astype(np.int64)).to(device)]
+            got = d_t[torch.from_numpy(dst.astype(np.int64)).to(device)]
+            bad += int((want != got).any(dim=1).sum())
+            bad += int((d_t[others] != SENTINEL).any(dim=1).sum())
+        verdicts.append({"bad_pages": bad, "errors": errors[:3]})
+        receiver.close()
+        staging.close()
+    transport.close()
+    return verdicts
+
+
+def _worker(rank, cases, ctrl, results, out_q, io_timeout):
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        body = _prefill if rank == 0 else _decode
+        out_q.put((rank, body(device, cases, ctrl, results, io_timeout)))
+    except BaseException as e:  # report, so the parent never waits on a dead worker
+        out_q.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def run_cases(cases: list[Case], io_timeout: float = 60.0) -> tuple[list, list]:
+    """Run the cases; returns (per-case send->landed seconds, per-case decode verdicts)."""
+    ctx = mp.get_context("spawn")
+    ctrl, results, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, cases, ctrl, results, out_q, io_timeout)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = {}
+    deadline = time.monotonic() + io_timeout * (2 + sum(c.reps + 1 for c in cases))
+    while len(got) < 2 and time.monotonic() < deadline:
+        try:
+            rank, value = out_q.get(timeout=1)
+            got[rank] = value
+        except queue.Empty:
+            if not all(p.is_alive() for p in procs) and out_q.empty():
+                time.sleep(1)
+                if out_q.empty():
+                    break
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    for rank in (0, 1):
+        if not isinstance(got.get(rank), list):
+            raise RuntimeError(f"rank {rank} failed: {got.get(rank, 'no result')}")
+    return got[0], got[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="engine pipeline figures: send() to the decode's last scatter")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=10)
+    ns = ap.parse_args()
+    cases = [Case(layout, ps, tokens, reps=ns.reps) for layout in ("mla", "mha") for ps in (1, 64)
+             for tokens in (128, 1024, 4096, 16384)]
+    cases = [c for c in cases if not (c.page_size == 1 and c.tokens > 4096)]
+    times, verdicts = run_cases(cases)
+    rows = []
+    for case, ts, v in zip(cases, times, verdicts):
+        nbytes = case.pages * case.item_len * case.regions
+        p50 = statistics.median(ts)
+        rows.append({**asdict(case), "bytes": nbytes, "p50_s": p50, "p99_s": max(ts), "gbps_p50": nbytes / p50 / 1e9,
+                     "bad_pages": v["bad_pages"], "errors": v["errors"]})
+        print(f"{case.layout} page {case.page_size:>2} {case.tokens:>6} tokens {nbytes / 2**20:8.1f} MiB: "
+              f"p50 {p50 * 1e3:8.3f} ms  {nbytes / p50 / 1e9:7.1f} GB/s  bad pages {v['bad_pages']}", flush=True)
+    machine = {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+               "torch": torch.__version__, "nccl_split": os.environ.get("SGLANG_P2P_NCCL_SPLIT", "0")}
+    with open(ns.out, "w") as f:
+        json.dump({"machine": machine, "what": "engine PairSender -> PairReceiver, send() to last scatter",
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
