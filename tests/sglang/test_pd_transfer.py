@@ -76,10 +76,12 @@ def test_chunked_transfers_land_byte_exact(layout, page_size, transport_env):
             {"room": 12, "tokens": 24 * ps, "chunk_pages": 1 << 30},  # one send
             {"room": 13, "tokens": 30 * ps, "chunk_pages": 7, "prefix": 8 * ps},  # decode already has 8 pages
             {"room": 14, "tokens": 1, "chunk_pages": 1},  # one token
+            # the decode already holds every page: the prefill's only send() carries 0 pages, aux and state
+            {"room": 15, "tokens": 6 * ps, "prefix": 6 * ps},
         ],
         "deadline_s": 60,
     }
-    assert_all_landed(run_pair(plan, env=transport_env), [11, 12, 13, 14])
+    assert_all_landed(run_pair(plan, env=transport_env), [11, 12, 13, 14, 15])
 
 
 def test_staging_shorter_than_a_request_back_pressures_without_loss():
