@@ -2,7 +2,8 @@
 # Builds what the end-to-end check needs on the GPU host (torch 2.11.0+cu130, Python 3.12, no internet) as two
 # archives, each under the 60 MiB that one device call can carry beside the repository:
 #
-#   bash e2e/build_bundle.sh [OUT_DIR]        (default .bundle/, ignored by git; ~8 min on 2 cores, xz is most of it)
+#   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras]]   (default: .bundle/, both; ignored by git;
+#                                                         ~8 min on 2 cores, xz is most of it)
 #
 #   sglang.tar.xz  SGLang 0.5.17 and everything its server imports: the recipe of shared/gpu-rig/build_bundle.sh
 #                  (slim sglang-kernel: FlashAttention-3, SM100, FlashMLA libraries left out; xgrammar without its
@@ -15,6 +16,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=$(realpath -m "${1:-$ROOT/.bundle}"); mkdir -p "$OUT"
+WHICH=${2:-sglang extras}
 LIMIT_MIB=60
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
@@ -77,55 +79,57 @@ check_needed_libs() {  # every shared library a kept .so needs is either kept be
   return $missing
 }
 
-# --- sglang.tar.xz: SGLang and its import chain -----------------------------------------------------------
-dl "$W/w1" sglang==0.5.17 sglang-kernel==0.4.5 transformers==5.12.1 openai==2.6.1 pyzmq fastapi starlette uvicorn \
-   pydantic pydantic-core annotated-types typing-inspection orjson msgspec setproctitle interegular \
-   partial-json-parser distro jiter pybase64 python-multipart dill gguf ipython traitlets jedi parso decorator \
-   pexpect ptyprocess prompt_toolkit wcwidth stack_data asttokens executing pure_eval matplotlib-inline \
-   ipython-pygments-lexers zstandard apache-tvm-ffi==0.1.11 opentelemetry-api \
-   xgrammar==0.2.1 sniffio compressed-tensors==0.18.0 loguru flashinfer-python==0.6.15.post1 jsonschema \
-   jsonschema-specifications referencing rpds-py watchfiles blobfile pycryptodomex openai-harmony==0.0.4 llguidance
-mkdir -p "$W/sglang"
-unpack_wheels "$W/w1" "$W/sglang"
-rm -rf "$W/sglang"/sglang/multimodal_gen "$W/sglang"/sglang/test/srt "$W/sglang"/jedi/third_party/typeshed \
-       "$W/sglang"/zstandard/_cffi*.so
-find "$W/sglang" -name "*.pyi" -delete
-# transformers 5.12.1 pins tokenizers <=0.23.0; the host ships 0.23.2, which works for our use
-sed -i 's/"tokenizers": "tokenizers>=0.22.0,<=0.23.0"/"tokenizers": "tokenizers>=0.22.0,<=0.24.0"/' \
-  "$W/sglang/transformers/dependency_versions_table.py"
-# the PD test files the check runs must be in the wheel (sglang/test/manual/disaggregation)
-test -f "$W/sglang/sglang/test/manual/disaggregation/test_disaggregation_chunked_prefill_abort.py"
-pack sglang "$W/sglang"
-rm -rf "$W/w1" "$W/sglang"
+build_sglang() {
+  dl "$W/w1" sglang==0.5.17 sglang-kernel==0.4.5 transformers==5.12.1 openai==2.6.1 pyzmq fastapi starlette uvicorn \
+     pydantic pydantic-core annotated-types typing-inspection orjson msgspec setproctitle interegular \
+     partial-json-parser distro jiter pybase64 python-multipart dill gguf ipython traitlets jedi parso decorator \
+     pexpect ptyprocess prompt_toolkit wcwidth stack_data asttokens executing pure_eval matplotlib-inline \
+     ipython-pygments-lexers zstandard apache-tvm-ffi==0.1.11 opentelemetry-api \
+     xgrammar==0.2.1 sniffio compressed-tensors==0.18.0 loguru flashinfer-python==0.6.15.post1 jsonschema \
+     jsonschema-specifications referencing rpds-py watchfiles blobfile pycryptodomex openai-harmony==0.0.4 llguidance \
+     datasets==4.8.4 multiprocess==0.70.19
+  # datasets: sglang.test.test_utils imports sglang.benchmark, which imports it (SGLang's PD tests need test_utils)
+  mkdir -p "$W/sglang"
+  unpack_wheels "$W/w1" "$W/sglang"
+  rm -rf "$W/sglang"/sglang/multimodal_gen "$W/sglang"/sglang/test/srt "$W/sglang"/jedi/third_party/typeshed \
+         "$W/sglang"/zstandard/_cffi*.so
+  find "$W/sglang" -name "*.pyi" -delete
+  # transformers 5.12.1 pins tokenizers <=0.23.0; the host ships 0.23.2, which works for our use
+  sed -i 's/"tokenizers": "tokenizers>=0.22.0,<=0.23.0"/"tokenizers": "tokenizers>=0.22.0,<=0.24.0"/' \
+    "$W/sglang/transformers/dependency_versions_table.py"
+  # the PD test files the check runs must be in the wheel (sglang/test/manual/disaggregation)
+  test -f "$W/sglang/sglang/test/manual/disaggregation/test_disaggregation_chunked_prefill_abort.py"
+  pack sglang "$W/sglang"
+  rm -rf "$W/w1" "$W/sglang"
+}
 
-# --- extras.tar.xz: Mooncake and genai-bench ------------------------------------------------------------
-dl "$W/w2" mooncake-transfer-engine-cuda13==0.3.14
-mkdir -p "$W/extras/mooncake"
-unpack_wheels "$W/w2" "$W/extras/mooncake"
-check_needed_libs "$W/extras/mooncake/mooncake" || { echo "build_bundle.sh: Mooncake slimmed too far" >&2; exit 1; }
-# genai-bench's closure less what the host image has (KINDS.md package list) and what sglang.tar.xz has
-dl "$W/w3" genai-bench==0.0.5 locust==2.47.0 gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.5.6 \
-   zope-event==6.2 zope-interface==8.7 flask==3.1.3 flask-cors==6.0.5 flask-login==0.6.3 itsdangerous==2.2.0 \
-   blinker==1.9.0 configargparse==1.9.0 brotli==1.2.1 python-socketio==5.18.1 python-engineio==4.15.1 \
-   bidict==0.24.1 simple-websocket==1.1.0 wsproto==1.3.2 datasets==4.8.4 multiprocess==0.70.19 \
-   openpyxl==3.1.5 et-xmlfile==2.0.0 tenacity==9.2.1 oci==2.189.0 oci-openai==1.1.0 circuitbreaker==2.1.3 \
-   cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 pyopenssl==26.4.0 pyjwt==2.15.1 pytz==2026.6 \
-   asn1crypto==1.5.1 python-pkcs11==0.9.4 crc32c==2.8 truststore==0.10.5 httpx2==2.16.2 httpcore2==2.16.2
-mkdir -p "$W/extras/genai"
-unpack_wheels "$W/w3" "$W/extras/genai"
-# the OCI SDK is 500 MB unpacked, almost all of it service clients that load on first use (oci.__getattr__)
-"$PY" - "$W/extras/genai/oci" <<'EOF'
-import ast, pathlib, shutil, sys
-root = pathlib.Path(sys.argv[1])
-keep = {"generative_ai_inference", "object_storage"}  # the services genai-bench's OCI paths name
-tree = ast.parse((root / "__init__.py").read_text())
-services = set()
-for node in ast.walk(tree):
-    if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
-        services |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
-for name in sorted(services - keep):
-    if (root / name).is_dir():
-        shutil.rmtree(root / name)
-EOF
-pack extras "$W/extras"
+build_extras() {
+  dl "$W/w2" mooncake-transfer-engine-cuda13==0.3.14
+  mkdir -p "$W/extras/mooncake"
+  unpack_wheels "$W/w2" "$W/extras/mooncake"
+  check_needed_libs "$W/extras/mooncake" || { echo "build_bundle.sh: Mooncake slimmed too far" >&2; exit 1; }
+  # genai-bench's closure less what the host image has (KINDS.md package list) and what sglang.tar.xz has
+  # (datasets and multiprocess among them: the genai-bench wrapper puts the SGLang tree on its path too)
+  dl "$W/w3" genai-bench==0.0.5 locust==2.47.0 gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.5.6 \
+     zope-event==6.2 zope-interface==8.7 flask==3.1.3 flask-cors==6.0.5 flask-login==0.6.3 itsdangerous==2.2.0 \
+     blinker==1.9.0 configargparse==1.9.0 brotli==1.2.1 python-socketio==5.18.1 python-engineio==4.15.1 \
+     bidict==0.24.1 simple-websocket==1.1.0 wsproto==1.3.2 \
+     openpyxl==3.1.5 et-xmlfile==2.0.0 tenacity==9.2.1 oci==2.189.0 oci-openai==1.1.0 circuitbreaker==2.1.3 \
+     cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 pyopenssl==26.4.0 pyjwt==2.15.1 pytz==2026.6 \
+     asn1crypto==1.5.1 python-pkcs11==0.9.4 crc32c==2.8 truststore==0.10.5 httpx2==2.16.2 httpcore2==2.16.2
+  mkdir -p "$W/extras/genai"
+  unpack_wheels "$W/w3" "$W/extras/genai"
+  # the OCI SDK is 500 MB unpacked, almost all of it service clients that load on first use (oci.__getattr__)
+  "$PY" "$ROOT/e2e/slim_oci.py" "$W/extras/genai/oci"
+  pack extras "$W/extras"
+}
+
+# sglang.tar.xz: SGLang and its import chain; extras.tar.xz: Mooncake and genai-bench
+for part in $WHICH; do
+  case "$part" in
+    sglang) build_sglang ;;
+    extras) build_extras ;;
+    *) echo "build_bundle.sh: unknown part $part (sglang or extras)" >&2; exit 2 ;;
+  esac
+done
 ls -la "$OUT"

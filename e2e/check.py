@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from . import client, compare, config
-from .servers import Server, Stack, failure_report
+from . import client, compare, config, results as results_io
+from .servers import Server, Stack, exit_on_sigterm, failure_report
 
 MODELS = {"llama-tiny": 0, "mla-tiny": 1}  # model -> GPU of its reference server (spreads the launches)
 BASE_PORT = {"llama-tiny": 31000, "mla-tiny": 31100}
@@ -47,7 +46,8 @@ async def compare_model(ref_url: str, lb_url: str, tolerance: float) -> dict[str
 
     diffs: list[compare.CaseDiff] = []
     probes: dict[str, Any] = {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+    # tiny models answer in well under a second: a request still open after 60 s is a hang, not slowness
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         for name, prompt in cases():
             for stream in (False, True):
                 body = client.generate_payload(prompt, MAX_NEW_TOKENS, logprobs=True, stream=stream)
@@ -67,8 +67,11 @@ async def compare_model(ref_url: str, lb_url: str, tolerance: float) -> dict[str
                                     "inf = the first output token changed"}}
 
 
-def run(models_dir: Path, logs: Path, only: list[str], tolerance: float) -> dict[str, Any]:
-    results: dict[str, Any] = {"flags": config.CHECK_FLAGS, "backend": "p2pnccl", "models": {}}
+def run(models_dir: Path, logs: Path, only: list[str], tolerance: float,
+        results: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fills ``results`` in place as it goes (the caller writes it even if the step is stopped)."""
+    results = {} if results is None else results
+    results.update(flags=config.CHECK_FLAGS, backend="p2pnccl", models={})
     with Stack(logs) as stack:
         plan: dict[str, tuple[Server, Server, Server, Server]] = {}
         for m in only:
@@ -108,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(MODELS))
     ap.add_argument("--tolerance", type=float, default=compare.DEFAULT_TOLERANCE)
     a = ap.parse_args(argv)
-    res = run(a.models, a.logs, a.only.split(","), a.tolerance)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    exit_on_sigterm()
+    res: dict[str, Any] = {}
+    try:
+        run(a.models, a.logs, a.only.split(","), a.tolerance, res)
+    finally:
+        results_io.write_json(a.out, res)
     ok = all(m.get("summary", {}).get("verdict") == "pass" for m in res["models"].values())
     return 0 if ok else 1
 

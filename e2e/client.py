@@ -95,7 +95,7 @@ def random_prompts(n: int, length: int, seed: int, vocab: int = 4096, low: int =
 
 
 async def closed_loop(base_url: str, prompts: Sequence[list[int]], concurrency: int, max_new_tokens: int,
-                      timeout_s: float = 300.0) -> tuple[list[RequestRecord], float]:
+                      timeout_s: float = 120.0) -> tuple[list[RequestRecord], float]:
     """Send every prompt streaming with at most ``concurrency`` in flight; returns the records and wall time."""
     import aiohttp
 

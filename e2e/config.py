@@ -9,16 +9,19 @@ from typing import Sequence
 from .servers import Server
 
 # Flags seen working on the lent H200 hosts with the slim sglang-kernel (no FlashAttention-3 / FlashMLA
-# libraries in the bundle): triton attention, pytorch sampling, no CUDA graphs (saves ~70 s of capture).
-BASE_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph",
+# libraries in the bundle): triton attention, pytorch sampling, no CUDA graphs (saves ~70 s of capture). The
+# host runs used --disable-cuda-graph, which 0.5.17 deprecates; its replacement is the two per-phase backends.
+BASE_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch",
+              "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
               "--skip-server-warmup", "--enable-metrics", "--log-level", "info"]
 # Correctness: identical flags on the reference and on P/D; radix cache off so every request prefills in full;
 # fp32 lm_head so the logprobs are not rounded to bf16; a small chunk so every prompt above 64 tokens is
 # prefilled (and, on P, sent) in several chunks.
 CHECK_FLAGS = [*BASE_FLAGS, "--disable-radix-cache", "--enable-fp32-lm-head", "--chunked-prefill-size", "64",
                "--mem-fraction-static", "0.2", "--max-total-tokens", "131072", "--random-seed", "0"]
-# Timing: 64 requests x 4k-token prompts in flight need ~270k tokens of KV (128 KiB each on the anchor model).
-PERF_FLAGS = [*BASE_FLAGS, "--mem-fraction-static", "0.4", "--max-total-tokens", "300000"]
+# Timing: 64 requests x (4k prompt + 32) in flight need ~264k tokens of KV (128 KiB each on the anchor model).
+# Two prefills share GPU 0 (and two decodes GPU 1): the second one's budget is 0.45 of what the first left.
+PERF_FLAGS = [*BASE_FLAGS, "--mem-fraction-static", "0.45", "--max-total-tokens", "280000"]
 
 COMMON_ENV = {
     "SGLANG_HOST_IP": "127.0.0.1",  # bootstrap and backend addresses stay on loopback

@@ -22,8 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
-from . import client, config, promparse, stats
-from .servers import Server, Stack, failure_report
+from . import client, config, promparse, results, stats
+from .servers import Server, Stack, exit_on_sigterm, failure_report
 
 MODEL = "llama-anchor"
 BASE_PORT = {"p2pnccl": 32000, "mooncake": 32100}
@@ -46,14 +46,18 @@ def scrape(url: str) -> Optional[promparse.HistogramTotals]:
         return None
 
 
-def load_runs(backend: str, prefill: Server, lb: Server, deadline: float) -> list[dict[str, Any]]:
+def load_runs(backend: str, prefill: Server, lb: Server, deadline: float,
+              sink: Optional[list[dict[str, Any]]] = None) -> list[dict[str, Any]]:
+    """One row per (prompt length, concurrency); each row also goes to ``sink`` as soon as it is measured."""
     rows: list[dict[str, Any]] = []
+    sink = [] if sink is None else sink
     # warm-up: first requests pay for NCCL communicator / Mooncake connection setup and Triton compiles
     asyncio.run(client.closed_loop(lb.url, client.random_prompts(4, 512, seed=99), 2, 4))
     for plen in PROMPT_TOKENS:
         for c in CONCURRENCY:
             if time.monotonic() > deadline:
                 rows.append({"backend": backend, "prompt_tokens": plen, "concurrency": c, "skipped": "deadline"})
+                sink.append(rows[-1])
                 continue
             prompts = client.random_prompts(requests_for(c), plen, seed=1000 * plen + c)
             before = scrape(prefill.url)
@@ -63,6 +67,7 @@ def load_runs(backend: str, prefill: Server, lb: Server, deadline: float) -> lis
                    **stats.summarize_run(records, wall),
                    "kv_transfer_ms_mean": _round(promparse.mean_between(before, after))}
             rows.append(row)
+            sink.append(row)
             print(f"perf {backend} in={plen} c={c}: ttft p50 {row['ttft_ms_p50']} p99 {row['ttft_ms_p99']} ms, "
                   f"kv {row['kv_transfer_ms_mean']} ms, {row['output_throughput']} tok/s, "
                   f"failed {row['num_failed']}", flush=True)
@@ -90,10 +95,12 @@ def genai_bench(backend: str, lb: Server, models_dir: Path, tools_bin: Path, out
     return {"status": "ok", "rows": doc.get("rows", doc)}
 
 
-def run(models_dir: Path, logs: Path, backends: list[str], tools_bin: Optional[Path], deadline: float) -> dict[str, Any]:
-    res: dict[str, Any] = {"model": MODEL, "flags": config.PERF_FLAGS, "prompt_tokens": list(PROMPT_TOKENS),
-                           "output_tokens": OUTPUT_TOKENS, "concurrency": list(CONCURRENCY),
-                           "backends": {}, "runs": [], "genai_bench": {}}
+def run(models_dir: Path, logs: Path, backends: list[str], tools_bin: Optional[Path], deadline: float,
+        res: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Fills ``res`` in place as it goes (the caller writes it even if the step is stopped)."""
+    res = {} if res is None else res
+    res.update(model=MODEL, flags=config.PERF_FLAGS, prompt_tokens=list(PROMPT_TOKENS), output_tokens=OUTPUT_TOKENS,
+               concurrency=list(CONCURRENCY), backends={}, runs=[], genai_bench={})
     with Stack(logs) as stack:
         pairs = {b: config.pd_pair(MODEL, models_dir / MODEL, b, BASE_PORT[b], config.PERF_FLAGS) for b in backends}
         t0 = time.monotonic()
@@ -109,7 +116,7 @@ def run(models_dir: Path, logs: Path, backends: list[str], tools_bin: Optional[P
             if not failed:
                 ready[b] = (p, lb)
         for b, (p, lb) in ready.items():
-            res["runs"] += load_runs(b, p, lb, deadline)
+            load_runs(b, p, lb, deadline, sink=res["runs"])
         if tools_bin and (tools_bin / "genai-bench").exists():
             for b, (_, lb) in ready.items():
                 left = deadline - time.monotonic()
@@ -130,9 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="p2pnccl,mooncake")
     ap.add_argument("--genai-bench-bin", type=Path, help="folder with a genai-bench executable")
     a = ap.parse_args(argv)
-    res = run(a.models, a.logs, a.backends.split(","), a.genai_bench_bin, config.deadline_from_env())
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    exit_on_sigterm()
+    res: dict[str, Any] = {}
+    try:
+        run(a.models, a.logs, a.backends.split(","), a.genai_bench_bin, config.deadline_from_env(), res)
+    finally:
+        results.write_json(a.out, res)
     return 0 if all(v.get("status") == "ok" for v in res["backends"].values()) else 1
 
 

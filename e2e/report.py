@@ -19,7 +19,8 @@ def fmt(x: Any, digits: int = 1) -> str:
             return "-"
         if x == float("inf"):
             return "inf"
-        return f"{x:.{digits}f}" if abs(x) >= 0.01 or x == 0 else f"{x:.1e}"
+        # latencies and rates keep one decimal; small figures (logprob differences) keep 3 significant digits
+        return f"{x:.{digits}f}" if abs(x) >= 10 else f"{x:.3g}"
     return str(x)
 
 
@@ -80,9 +81,11 @@ def perf_section(p: dict[str, Any]) -> list[str]:
         rows.append(row)
     failed = sum(r.get("num_failed", 0) or 0 for r in p.get("runs", []))
     out = [f"### p2pnccl vs Mooncake, model {p.get('model')} ({p.get('output_tokens')} output tokens, streaming "
-           f"/generate through our LB)", "", *table(header, rows), "",
-           f"Failed requests over all runs: {failed}. KV transfer: prefill's mean of "
-           "sglang:kv_transfer_latency_ms over the run.", ""]
+           f"/generate through our LB)", ""]
+    if not rows:
+        return out + ["No load run finished (see Problems).", ""]
+    out += [*table(header, rows), "", f"Failed requests over all runs: {failed}. KV transfer: prefill's mean of "
+            "sglang:kv_transfer_latency_ms over the run.", ""]
     gb = p.get("genai_bench", {})
     gb_rows = [[b, r.get("concurrency"), r.get("num_requests"), r.get("ttft_ms_p50"), r.get("ttft_ms_p99"),
                 r.get("output_throughput")]
@@ -93,6 +96,24 @@ def perf_section(p: dict[str, Any]) -> list[str]:
     return out
 
 
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return (lines[-1] if lines else "")[:200]
+
+
+def problems_section(doc: dict[str, Any]) -> list[str]:
+    """One line per process that did not come up: what happened and the last line of its log."""
+    errors: list[tuple[str, str]] = []
+    for model, e in doc.get("check", {}).get("models", {}).items():
+        errors += [(name, text) for name, text in (e.get("errors") or {}).items()]
+    for backend, e in doc.get("perf", {}).get("backends", {}).items():
+        errors += [(name, text) for name, text in (e.get("errors") or {}).items()]
+    if not errors:
+        return []
+    return ["### Problems", "", *(f"* `{name}`: {str(text).splitlines()[0] if text else ''}; last log line: "
+                                  f"`{_last_line(text)}`" for name, text in errors), ""]
+
+
 def render(doc: dict[str, Any]) -> str:
     lines = ["## End-to-end on two GPUs (SGLang 0.5.17, PD, p2pnccl vs Mooncake)", "", machine_line(doc.get("machine", {})), ""]
     if "check" in doc:
@@ -101,6 +122,7 @@ def render(doc: dict[str, Any]) -> str:
         lines += sglang_tests_section(doc["sglang_tests"])
     if "perf" in doc:
         lines += perf_section(doc["perf"])
+    lines += problems_section(doc)
     if doc.get("missing_steps"):
         lines += [f"Steps not in this file: {', '.join(doc['missing_steps'])}.", ""]
     return "\n".join(lines)

@@ -28,6 +28,13 @@ def merge(machine: dict[str, Any], steps: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Write a step's document; steps call this from a finally block, so a step killed at its deadline still
+    leaves what it measured (json writes inf as Infinity, which json.loads reads back)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+
 def load_steps(state: Path) -> dict[str, Any]:
     out = {}
     for name in STEPS:

@@ -1,13 +1,15 @@
 #!/bin/bash
 # The whole end-to-end check on a 2-GPU host (torch 2.11.0+cu130, Python 3.12, no internet), one command:
 #
-#   bash e2e/run_all.sh [--phase check|perf|all] [--skip-sglang-tests] [--budget-s SECONDS]
+#   bash e2e/run_all.sh [--phase check|sglang-tests|perf|all] [--skip-sglang-tests] [--budget-s SECONDS]
 #
 # It unpacks whichever bundle archives (.bundle/sglang.tar.xz, .bundle/extras.tar.xz, built by
 # e2e/build_bundle.sh) this working tree carries into $E2E_ROOT (default /tmp/e2e, which survives between calls
 # to a warm device machine), builds the random models, and runs:
 #   check: p2pnccl PD + our LB vs a non-PD server, token for token and logprobs (llama-tiny, mla-tiny), then
 #          SGLang's own PD tests with SGLANG_TEST_PD_DISAGG_BACKEND=p2pnccl       (needs sglang.tar.xz)
+#   sglang-tests: only those tests; a file runs only when its expected time is left, and files an earlier call
+#          ran keep their result, so check + perf + sglang-tests calls together cover them all
 #   perf:  p2pnccl vs Mooncake (nvlink_intra) at concurrency 1/16/64, then genai-bench through each LB
 #                                                                                  (needs both archives)
 # Results: $OUT/e2e_results.json (every step done so far on this machine, merged), $OUT/e2e_report.md,
@@ -17,6 +19,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 E2E_ROOT=${E2E_ROOT:-/tmp/e2e}
 OUTDIR=${OUT:-$E2E_ROOT/out}
+BUNDLE=${E2E_BUNDLE:-$ROOT/.bundle}
 PHASE=check
 SGLANG_TESTS=1
 BUDGET=560
@@ -25,25 +28,28 @@ while [ $# -gt 0 ]; do
     --phase) PHASE=$2; shift 2 ;;
     --skip-sglang-tests) SGLANG_TESTS=0; shift ;;
     --budget-s) BUDGET=$2; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ {print; next} NR > 1 {exit}' "$0"; exit 0 ;;
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|perf|all) ;; *) echo "run_all.sh: --phase must be check, perf or all" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf or all" >&2; exit 2 ;; esac
 START=$(date +%s)
 export E2E_ROOT E2E_DEADLINE_EPOCH=$((START + BUDGET - 25))  # 25 s kept for results and the log archive
 STATE=$E2E_ROOT/state
 mkdir -p "$E2E_ROOT" "$STATE" "$OUTDIR"
+export E2E_PIDFILE=$STATE/pids  # process-group leaders the Python steps started (e2e/servers.py)
 say() { echo "[e2e +$(( $(date +%s) - START ))s] $*"; }
 left() { echo $(( E2E_DEADLINE_EPOCH - $(date +%s) )); }
 
 # --- 1. unpack what this call carries (a marker holds the archive's checksum, so a rerun skips it) ---------
-unpack() {  # unpack NAME: .bundle/NAME.tar.xz -> $E2E_ROOT/NAME
-  local archive=$ROOT/.bundle/$1.tar.xz dest=$E2E_ROOT/$1 sum
+unpack() {  # unpack NAME: $BUNDLE/NAME.tar.xz -> $E2E_ROOT/NAME
+  local archive=$BUNDLE/$1.tar.xz dest=$E2E_ROOT/$1 sum
   [ -f "$archive" ] || return 0
   sum=$(cksum < "$archive")
   if [ "$(cat "$dest/.unpacked" 2>/dev/null)" = "$sum" ]; then say "$1: already unpacked"; return 0; fi
-  rm -rf "$dest" && mkdir -p "$dest" && tar -xJf "$archive" -C "$dest" && echo "$sum" > "$dest/.unpacked"
+  # Python's tarfile rather than tar -J: the host image need not have the xz program
+  rm -rf "$dest" && mkdir -p "$dest" && python3 -m tarfile -e "$archive" "$dest" && echo "$sum" > "$dest/.unpacked"
   say "$1: unpacked ($(du -sh "$dest" | cut -f1))"
 }
 unpack sglang
@@ -81,23 +87,36 @@ fi
 
 MODELS=$E2E_ROOT/models
 STATUS=0
+reap() {  # end the process groups a step left running (servers run in sessions of their own)
+  local pid
+  [ -f "$E2E_PIDFILE" ] || return 0
+  while read -r pid; do
+    kill -0 "$pid" 2>/dev/null && kill -KILL -- "-$pid" 2>/dev/null
+  done < "$E2E_PIDFILE"
+  rm -f "$E2E_PIDFILE"
+}
+
 step() {  # step NAME CMD...: run with the time that is left, note a failure, never stop the phase
   local name=$1; shift
   local t=$(( $(left) ))
   if [ "$t" -lt 30 ]; then say "$name: skipped, $t s left"; return; fi
   say "$name: start ($t s left)"
   timeout --kill-after=10 "$t" "$@"; local rc=$?
+  reap
   say "$name: exit $rc"
   [ "$rc" -eq 0 ] || STATUS=1
+}
+
+run_sglang_tests() {
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny
+  step sglang_tests python3 -m e2e.sglang_tests --sglang-root "$E2E_ROOT/sglang" --model "$MODELS/llama-tiny" \
+    --out "$STATE/sglang_tests.json" --logs "$E2E_ROOT/logs/sglang_tests"
 }
 
 run_check() {
   step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny,mla-tiny
   step check python3 -m e2e.check --models "$MODELS" --out "$STATE/check.json" --logs "$E2E_ROOT/logs/check"
-  if [ "$SGLANG_TESTS" = 1 ]; then
-    step sglang_tests python3 -m e2e.sglang_tests --sglang-root "$E2E_ROOT/sglang" --model "$MODELS/llama-tiny" \
-      --out "$STATE/sglang_tests.json" --logs "$E2E_ROOT/logs/sglang_tests"
-  fi
+  if [ "$SGLANG_TESTS" = 1 ]; then run_sglang_tests; fi
 }
 
 run_perf() {
@@ -107,10 +126,13 @@ run_perf() {
   step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-anchor
   step perf python3 -m e2e.perf --models "$MODELS" --out "$STATE/perf.json" --logs "$E2E_ROOT/logs/perf" \
     --backends "$backends" --genai-bench-bin "$GB_BIN"
+  # SGLang test files an earlier call had no time for run here if they still fit (each knows its length)
+  if [ "$SGLANG_TESTS" = 1 ]; then run_sglang_tests; fi
 }
 
 case "$PHASE" in
   check) run_check ;;
+  sglang-tests) run_sglang_tests ;;
   perf) run_perf ;;
   all) run_check; run_perf ;;
 esac
@@ -118,7 +140,7 @@ esac
 # --- 3. results: every step this machine has done so far, merged --------------------------------------------
 python3 -m e2e.results --state "$STATE" --machine-json "$STATE/machine.json" --out "$OUTDIR/e2e_results.json" >/dev/null
 python3 -m e2e.report "$OUTDIR/e2e_results.json" > "$OUTDIR/e2e_report.md" || STATUS=1
-tar -czf "$OUTDIR/e2e_logs_$PHASE.tgz" -C "$E2E_ROOT" logs 2>/dev/null || true
+(cd "$E2E_ROOT" && python3 -m tarfile -c "$OUTDIR/e2e_logs_$PHASE.tgz" logs) || true
 cat "$OUTDIR/e2e_report.md"
 say "done (status $STATUS); results in $OUTDIR"
 exit $STATUS

@@ -5,7 +5,8 @@ free when the process starts, so a second server that starts while the first is 
 vanish under it and fails ("Loaded weights leave no GPU memory for the KV cache"). The next server on a GPU
 therefore starts once the previous one logged "Memory pool end" (its pool is allocated). Servers on
 different GPUs start in parallel. Every process runs in its own session so that the whole tree (scheduler,
-detokenizer) is ended with one killpg.
+detokenizer) is ended with one killpg. Because such a session outlives its parent, every started pid is also
+appended to ``$E2E_PIDFILE``: run_all.sh ends whatever a killed step left behind.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 POOL_READY = "Memory pool end"
+PIDFILE_ENV = "E2E_PIDFILE"
 LAUNCH_TIMEOUT_S = 300.0
 
 
@@ -80,6 +82,19 @@ def http_ok(url: str, timeout: float = 3.0) -> bool:
         return False
 
 
+def record_pid(pid: int) -> None:
+    """Note a process-group leader for run_all.sh's clean-up (no-op outside run_all.sh)."""
+    path = os.environ.get(PIDFILE_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{pid}\n")
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (run_all.sh's per-step timeout) into SystemExit, so `with Stack` stops its servers."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def _log_has(path: Path, marker: str) -> bool:
     try:
         return marker in path.read_text(errors="replace")
@@ -109,6 +124,7 @@ class Stack:
             f.flush()
             s.proc = subprocess.Popen(s.command(), stdout=f, stderr=subprocess.STDOUT, env=env,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        record_pid(s.proc.pid)
         self.servers.append(s)
 
     def _start_after_pool(self, queue: Sequence[Server], deadline: float) -> None:

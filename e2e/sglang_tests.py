@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -20,14 +21,18 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from . import config
+from . import config, results
+from .servers import exit_on_sigterm, record_pid
 
-# in order of value per minute: each file launches one P/D pair per test class (~1-2 min each)
+# (file, seconds it is expected to need), in order of value per minute: each test class launches its own
+# P/D pair (~1.5 min with the tiny model) and tears it down (~10 s)
 TEST_FILES = (
-    "sglang/test/manual/disaggregation/test_disaggregation_chunked_prefill_abort.py",  # 1 class
-    "sglang/test/manual/disaggregation/test_disaggregation_peer_liveness_abort.py",  # 2 classes, failure injection
+    ("sglang/test/manual/disaggregation/test_disaggregation_chunked_prefill_abort.py", 150),  # 1 class
+    ("sglang/test/manual/disaggregation/test_disaggregation_peer_liveness_abort.py", 300),  # 2 classes, failure injection
 )
-EXTRA_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph",
+DONE = ("passed", "failed", "error")  # a file with any of these outcomes has run; a later call skips it
+EXTRA_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch",
+              "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
               "--mem-fraction-static", "0.3"]
 SHIMS = Path(__file__).resolve().parent / "shims"
 
@@ -65,11 +70,15 @@ def run_file(path: Path, model: Path, logs: Path, timeout_s: float) -> dict[str,
            "-o", "timeout=0", f"--junitxml={junit}", str(path)]
     t0 = time.monotonic()
     with open(log, "w") as f:
+        # SGLang's fixture starts its servers and LB with plain Popen, so they share pytest's process group:
+        # one killpg ends them all when the file runs out of time
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=test_env(model), start_new_session=True)
+        record_pid(p.pid)
         try:
-            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=test_env(model),
-                               timeout=timeout_s, start_new_session=True)
-            rc: Any = p.returncode
+            rc: Any = p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
             rc = "timeout"
     entry: dict[str, Any] = {"file": str(path.name), "rc": rc, "seconds": round(time.monotonic() - t0, 1)}
     entry["tests"] = parse_junit(junit.read_text()) if junit.exists() else []
@@ -78,23 +87,41 @@ def run_file(path: Path, model: Path, logs: Path, timeout_s: float) -> dict[str,
     return entry
 
 
-def run(sglang_root: Path, model: Path, logs: Path, deadline: float) -> dict[str, Any]:
+def already_run(previous: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Files an earlier call on this machine ran to an outcome, by file name."""
+    return {f["file"]: f for f in previous.get("files", []) if any(t["outcome"] in DONE for t in f.get("tests", []))}
+
+
+def run(sglang_root: Path, model: Path, logs: Path, deadline: float,
+        previous: dict[str, Any] | None = None, res: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the test files that fit before the deadline; files an earlier call already ran keep their result.
+    Fills ``res`` in place as it goes (the caller writes it even if the step is stopped)."""
     logs.mkdir(parents=True, exist_ok=True)
-    res: dict[str, Any] = {"backend": "p2pnccl", "model": model.name, "extra_server_args": EXTRA_ARGS,
-                           "lb": "sglang_p2p_lb (as sglang_router.launch_router)", "files": []}
-    for rel in TEST_FILES:
+    done = already_run(previous or {})
+    res = {} if res is None else res
+    res.update(backend="p2pnccl", model=model.name, extra_server_args=EXTRA_ARGS,
+               lb="sglang_p2p_lb (as sglang_router.launch_router)", files=[])
+    for rel, expected_s in TEST_FILES:
         left = deadline - time.monotonic()
         path = sglang_root / rel
+        if path.name in done:
+            res["files"].append(done[path.name])
+            continue
         if not path.exists():
             res["files"].append({"file": path.name, "rc": "missing", "tests": []})
-        elif left < 90:
-            res["files"].append({"file": path.name, "rc": "skipped (deadline)", "tests": []})
+        elif left < expected_s:
+            res["files"].append({"file": path.name, "rc": f"not run: needs ~{expected_s} s, {int(left)} s left "
+                                 "(run_all.sh --phase sglang-tests runs it)", "tests": []})
         else:
             res["files"].append(run_file(path, model, logs, left - 10))
         print(f"sglang test {path.name}: {res['files'][-1]['rc']}", flush=True)
-    outcomes = [t["outcome"] for f in res["files"] for t in f["tests"]]
-    res["summary"] = {k: outcomes.count(k) for k in ("passed", "failed", "error", "skipped")}
+    res["summary"] = summary(res["files"])
     return res
+
+
+def summary(files: list[dict[str, Any]]) -> dict[str, int]:
+    outcomes = [t["outcome"] for f in files for t in f["tests"]]
+    return {k: outcomes.count(k) for k in ("passed", "failed", "error", "skipped")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,10 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--logs", type=Path, required=True)
     a = ap.parse_args(argv)
-    res = run(a.sglang_root, a.model, a.logs, config.deadline_from_env())
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=1) + "\n")
-    return 0 if res["summary"]["failed"] == res["summary"]["error"] == 0 else 1
+    previous = json.loads(a.out.read_text()) if a.out.exists() else {}
+    exit_on_sigterm()
+    res: dict[str, Any] = {}
+    try:
+        run(a.sglang_root, a.model, a.logs, config.deadline_from_env(), previous, res)
+    finally:
+        res["summary"] = summary(res.get("files", []))
+        results.write_json(a.out, res)
+    missing = any(f["rc"] == "missing" for f in res["files"])
+    return 0 if res["summary"]["failed"] == res["summary"]["error"] == 0 and not missing else 1
 
 
 if __name__ == "__main__":

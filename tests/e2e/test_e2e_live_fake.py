@@ -1,0 +1,125 @@
+"""The e2e orchestration against fake SGLang servers on 127.0.0.1: launching, health, stopping, the
+token-for-token comparison over real HTTP (streaming and not) and a timed load run with /metrics deltas."""
+import asyncio
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from e2e import check, perf  # noqa: E402
+from e2e.servers import Server, Stack, failure_report  # noqa: E402
+
+FAKE = Path(__file__).with_name("fake_sglang.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeServer(Server):
+    def __init__(self, name, gpu=0, *fake_args):
+        super().__init__(name, free_port(), "null", gpu=gpu)
+        self.fake_args = list(fake_args)
+
+    def command(self):
+        return [sys.executable, str(FAKE), "--port", str(self.port), *self.fake_args]
+
+
+def test_servers_on_one_gpu_start_in_turn_and_all_stop(tmp_path):
+    a = FakeServer("a", 0, "--delay-pool", "1.5")
+    b = FakeServer("b", 0)
+    c = FakeServer("c", 1)
+    with Stack(tmp_path) as stack:
+        t0 = time.monotonic()
+        up = stack.launch([a, b, c], timeout_s=60)
+        assert {s.name for s in up} == {"a", "b", "c"}
+        assert time.monotonic() - t0 >= 1.5  # b waited for a's "Memory pool end"
+        procs = [s.proc for s in (a, b, c)]
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_a_server_that_dies_is_reported_with_its_log(tmp_path):
+    bad = FakeServer("bad", 0, "--no-such-flag")
+    with Stack(tmp_path) as stack:
+        assert stack.launch([bad], timeout_s=30) == []
+    report = failure_report([bad])
+    assert "exited with 2" in report["bad"] and "unrecognized arguments" in report["bad"]
+
+
+def _two(tmp_path, shift):
+    ref, pd = FakeServer("ref", 0), FakeServer("pd", 1, "--shift", str(shift))
+    stack = Stack(tmp_path)
+    assert len(stack.launch([ref, pd], timeout_s=60)) == 2
+    return stack, ref, pd
+
+
+def test_check_passes_when_pd_answers_like_the_reference(tmp_path):
+    stack, ref, pd = _two(tmp_path, 0.0)
+    with stack:
+        res = asyncio.run(check.compare_model(ref.url, pd.url, tolerance=0.02))
+    s = res["summary"]
+    assert s["verdict"] == "pass" and s["bit_identical"] and s["cases"] == 2 * len(check.cases())
+    assert {c["mode"] for c in res["cases"]} == {"stream", "nonstream"}
+
+
+def test_check_fails_when_pd_logprobs_move(tmp_path):
+    stack, ref, pd = _two(tmp_path, 0.35)
+    with stack:
+        res = asyncio.run(check.compare_model(ref.url, pd.url, tolerance=0.02))
+    s = res["summary"]
+    assert s["verdict"] == "fail" and s["ids_equal"] == s["cases"]
+    assert abs(s["max_abs_logprob_diff"] - 0.35) < 1e-6
+
+
+def test_load_run_reports_ttft_throughput_and_kv_transfer_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(perf, "PROMPT_TOKENS", (16,))
+    monkeypatch.setattr(perf, "CONCURRENCY", (1, 4))
+    monkeypatch.setattr(perf, "OUTPUT_TOKENS", 8)
+    srv = FakeServer("p", 0)
+    with Stack(tmp_path) as stack:
+        stack.launch([srv], timeout_s=60)
+        rows = perf.load_runs("fake", srv, srv, deadline=time.monotonic() + 60)
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["num_failed"] == 0 and r["num_requests"] == perf.requests_for(r["concurrency"])
+        assert r["kv_transfer_ms_mean"] == 2.0 and r["output_tokens"] == 8 * r["num_requests"]
+        assert r["ttft_ms_p50"] > 0 and r["output_throughput"] > 0
+
+
+def test_sigterm_to_a_step_still_stops_its_servers_and_pids_are_recorded(tmp_path):
+    """run_all.sh's per-step timeout sends SIGTERM: the servers (own sessions) must not outlive the step."""
+    import os
+    import signal
+    import subprocess
+
+    pidfile = tmp_path / "pids"
+    script = (
+        "import sys, time; sys.path[:0] = [%r, %r]\n"
+        "from test_e2e_live_fake import FakeServer\n"
+        "from e2e.servers import Stack, exit_on_sigterm\n"
+        "exit_on_sigterm()\n"
+        "with Stack(__import__('pathlib').Path(%r)) as st:\n"
+        "    st.launch([FakeServer('s', 0)], timeout_s=60)\n"
+        "    print('up', flush=True)\n"
+        "    time.sleep(60)\n" % (str(Path(__file__).parent), str(Path(__file__).parents[2]), str(tmp_path / "logs")))
+    env = {**os.environ, "E2E_PIDFILE": str(pidfile)}
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    assert p.stdout.readline().strip() == "up"
+    server_pid = int(pidfile.read_text().split()[0])
+    os.kill(server_pid, 0)  # alive while the step runs
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 143
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise AssertionError("server outlived its step")

@@ -1,0 +1,79 @@
+"""The random models the GPU check serves: built on CPU here, with the sharpening scales applied exactly."""
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from e2e import make_tiny_models as mtm  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("models")
+    assert mtm.main([str(out), "--only", "llama-tiny,mla-tiny"]) == 0
+    return out
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def _unsharpened(name, tok_ids):
+    import transformers
+
+    spec = mtm.specs(tok_ids)[name]
+    cls = {"llama": transformers.LlamaForCausalLM, "deepseek_v3": transformers.DeepseekV3ForCausalLM}[spec.family]
+    cfg = {"llama": transformers.LlamaConfig, "deepseek_v3": transformers.DeepseekV3Config}[spec.family]
+    torch.manual_seed(1234)
+    return {k: v for k, v in cls(cfg(**spec.config)).to(torch.bfloat16).state_dict().items()}
+
+
+def test_folders_have_weights_config_and_tokenizer(built):
+    for name in ("llama-tiny", "mla-tiny"):
+        d = built / name
+        assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in d.iterdir()}
+        cfg = json.loads((d / "config.json").read_text())
+        assert cfg["vocab_size"] == mtm.VOCAB and cfg["tie_word_embeddings"] is False
+    mla = json.loads((built / "mla-tiny/config.json").read_text())
+    assert mla["model_type"] == "deepseek_v3" and mla["kv_lora_rank"] == 512
+    assert mla["first_k_dense_replace"] == mla["num_hidden_layers"]  # no MoE layer
+
+
+def test_llama_sharpening_scales(built):
+    ids = mtm.build_tokenizer(built / "tokenizer")
+    base, got = _unsharpened("llama-tiny", ids), _weights(built / "llama-tiny")
+    for key, scale in (("model.layers.0.self_attn.q_proj.weight", 2.5), ("model.layers.3.self_attn.k_proj.weight", 2.5),
+                       ("model.layers.1.self_attn.v_proj.weight", 0.7), ("model.layers.2.self_attn.o_proj.weight", 0.7),
+                       ("lm_head.weight", 5.0), ("model.layers.0.mlp.up_proj.weight", 1.0)):
+        torch.testing.assert_close(got[key].float(), (base[key].float() * scale).bfloat16().float(), rtol=1e-2, atol=1e-3)
+
+
+def test_mla_sharpening_scales_k_rows_up_and_v_rows_down(built):
+    ids = mtm.build_tokenizer(built / "tokenizer")
+    base, got = _unsharpened("mla-tiny", ids), _weights(built / "mla-tiny")
+    kvb = "model.layers.1.self_attn.kv_b_proj.weight"
+    b, g = base[kvb].float().view(4, 256, 512), got[kvb].float().view(4, 256, 512)
+    torch.testing.assert_close(g[:, :128], (b[:, :128] * 2.5).bfloat16().float(), rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(g[:, 128:], (b[:, 128:] * 0.7).bfloat16().float(), rtol=1e-2, atol=1e-3)
+    kva = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    torch.testing.assert_close(got[kva][:512], base[kva][:512])  # the normalised latent part is left alone
+    torch.testing.assert_close(got[kva][512:].float(), (base[kva][512:].float() * 2.5).bfloat16().float(), rtol=1e-2, atol=1e-3)
+
+
+def test_sharpened_model_output_depends_on_one_prompt_token(built):
+    """What makes the comparison sharp: one changed token moves the next-token logprobs well above bf16 noise."""
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(built / "llama-tiny", dtype=torch.float32)
+    prompt = torch.randint(3, mtm.VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    changed = prompt.clone()
+    changed[0, 20] = (changed[0, 20] + 1) % mtm.VOCAB
+    with torch.no_grad():
+        a = m(prompt).logits[0, -1].log_softmax(-1)
+        b = m(changed).logits[0, -1].log_softmax(-1)
+    assert (a - b).abs().max().item() > 0.05

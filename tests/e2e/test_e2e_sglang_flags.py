@@ -1,0 +1,55 @@
+"""Every SGLang command the GPU check renders is accepted by SGLang's own parser with the p2pnccl plugin loaded
+(run against each supported release; the GPU host runs 0.5.17)."""
+from pathlib import Path
+
+import pytest
+
+from e2e import config, sglang_tests
+from sglang_p2p_backend.launch.render import Command
+from sglang_p2p_backend.launch.sglang_parser import checker
+
+pytestmark = pytest.mark.sglang
+
+
+def _servers():
+    model = Path("/models/llama-tiny")
+    for flags in (config.CHECK_FLAGS, config.PERF_FLAGS):
+        yield config.reference("m", model, 40010, 0, flags)
+        for backend in ("p2pnccl", "mooncake"):
+            yield from config.pd_pair("m", model, backend, 40000, flags)[:2]
+
+
+@pytest.mark.parametrize("server", list(_servers()), ids=lambda s: f"{s.name}-{len(s.args)}")
+def test_rendered_server_commands_parse(server):
+    argv = server.command()
+    cmd = Command(label=server.name, host=None, env={}, program=tuple(argv[:3]), args=tuple(argv[3:]))
+    assert checker().problems(cmd) == []
+
+
+def test_extra_args_for_sglangs_own_tests_parse():
+    args = ("--model-path", "/m", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "p2pnccl",
+            *sglang_tests.EXTRA_ARGS)
+    assert checker().problems(Command(label="t", host=None, env={}, program=("python3",), args=args)) == []
+
+
+def test_sglangs_pd_tests_collect_with_the_plugin_and_use_the_local_model(tmp_path):
+    """The plugin must act before SGLang's test modules bind the model names they import."""
+    import os
+    import subprocess
+    import sys
+
+    import sglang
+
+    tests = Path(sglang.__file__).parent / "test/manual/disaggregation"
+    files = [str(tests / Path(rel).name) for rel, _ in sglang_tests.TEST_FILES]
+    code = (
+        "import sys, pytest\n"
+        f"rc = pytest.main(['-p', 'e2e.sglang_pd_plugin', '-p', 'no:cacheprovider', '--collect-only', '-q', *{files!r}])\n"
+        "mods = [m for n, m in sys.modules.items() if n.startswith('test_disaggregation_')]\n"
+        "print('MODELS', {getattr(m, 'DEFAULT_SMALL_MODEL_NAME_FOR_TEST', None) or m.DEFAULT_MODEL_NAME_FOR_TEST for m in mods})\n"
+        "sys.exit(rc)\n")
+    env = {**os.environ, "E2E_TEST_MODEL": str(tmp_path / "llama-tiny"), "E2E_TEST_EXTRA_ARGS": "--attention-backend triton"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "3 tests collected" in p.stdout
+    assert f"MODELS {{'{tmp_path / 'llama-tiny'}'}}" in p.stdout
