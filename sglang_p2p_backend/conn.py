@@ -626,6 +626,21 @@ def _has_aux(task: TransferTask, info: TransferInfo) -> bool:
     return task.aux_index is not None and info.dst_aux_index >= 0
 
 
+def _latched_poll(obj, timed_state: int, check_timeout) -> KVPoll:
+    """Poll shared by sender and receiver: a concluded state sticks (SGLang polls after conclusion), and
+    SGLang's own timeout applies while the room sits in `timed_state`."""
+    if obj.conclude_state is not None:
+        return obj.conclude_state
+    status = obj.kv_mgr.request_status.get(obj.bootstrap_room, KVPoll.Failed)
+    if status in (KVPoll.Success, KVPoll.Failed):
+        obj.conclude_state = status
+    elif status == timed_state:
+        timed_out = check_timeout()
+        if timed_out is not None:
+            return timed_out
+    return status
+
+
 def _raise_failure(obj, mgr: P2pNcclKVManager) -> None:
     if obj.conclude_state is None:
         obj.conclude_state = KVPoll.Failed
@@ -664,16 +679,7 @@ class P2pNcclKVSender(CommonKVSender):
         self._record_transfer_indices(kv_indices, state_indices)
 
     def poll(self) -> KVPoll:
-        if self.conclude_state is not None:
-            return self.conclude_state
-        status = self.kv_mgr.request_status.get(self.bootstrap_room, KVPoll.Failed)
-        if status in (KVPoll.Success, KVPoll.Failed):
-            self.conclude_state = status
-        elif status == KVPoll.Bootstrapping:
-            timed_out = self._check_bootstrap_timeout()
-            if timed_out is not None:
-                return timed_out
-        return status
+        return _latched_poll(self, KVPoll.Bootstrapping, self._check_bootstrap_timeout)
 
     def failure_exception(self):
         _raise_failure(self, self.kv_mgr)
@@ -748,16 +754,7 @@ class P2pNcclKVReceiver(CommonKVReceiver):
         self.init_time = time.time()
 
     def poll(self) -> KVPoll:
-        if self.conclude_state is not None:
-            return self.conclude_state
-        status = self.kv_mgr.request_status.get(self.bootstrap_room, KVPoll.Failed)
-        if status in (KVPoll.Success, KVPoll.Failed):
-            self.conclude_state = status
-        elif status == KVPoll.WaitingForInput:
-            timed_out = self._check_waiting_timeout()
-            if timed_out is not None:
-                return timed_out
-        return status
+        return _latched_poll(self, KVPoll.WaitingForInput, self._check_waiting_timeout)
 
     def failure_exception(self):
         _raise_failure(self, self.kv_mgr)

@@ -53,7 +53,22 @@ def _wait_stream(comm: Optional[PairComm], timeout: float) -> None:
         time.sleep(0)
 
 
-class PairSender:
+class _PairEnd:
+    """What both ends of a pair channel hold: the transport, staging, the page copier, timeouts, the channel."""
+
+    def __init__(self, transport: TwoSidedTransport, staging: StagingPool, copier: PageCopier,
+                 connect_timeout: float, io_timeout: float):
+        self.transport = transport
+        self.staging = staging
+        self.copier = copier
+        self.item_lens = copier.item_lens
+        self.connect_timeout = connect_timeout
+        self.io_timeout = io_timeout
+        self.comm: Optional[PairComm] = None
+        self.generation = 0
+
+
+class PairSender(_PairEnd):
     """Prefill side of one pair channel. Not thread-safe: one transfer worker owns it."""
 
     def __init__(
@@ -67,16 +82,9 @@ class PairSender:
         connect_timeout: float,
         io_timeout: float,
     ):
-        self.transport = transport
-        self.staging = staging
-        self.copier = copier
-        self.item_lens = copier.item_lens
+        super().__init__(transport, staging, copier, connect_timeout, io_timeout)
         self.local_session = local_session
         self.control = control
-        self.connect_timeout = connect_timeout
-        self.io_timeout = io_timeout
-        self.comm: Optional[PairComm] = None
-        self.generation = 0
 
     def _ensure_comm(self) -> PairComm:
         if self.comm is None:
@@ -171,7 +179,7 @@ def chunk_from_header(header: ChunkHeader, item_lens: Sequence[Sequence[int]]) -
 ChunkDone = Callable[[int, int, Optional[str]], None]  # (room, prefill_rank, error or None)
 
 
-class PairReceiver:
+class PairReceiver(_PairEnd):
     """Decode side of one prefill peer: a thread that joins its channels and receives announced chunks."""
 
     def __init__(
@@ -186,17 +194,10 @@ class PairReceiver:
         connect_timeout: float,
         io_timeout: float,
     ):
-        self.transport = transport
-        self.staging = staging
-        self.copier = copier
-        self.item_lens = copier.item_lens
+        super().__init__(transport, staging, copier, connect_timeout, io_timeout)
         self.peer_session = peer_session
         self.wanted = wanted
         self.on_chunk = on_chunk
-        self.connect_timeout = connect_timeout
-        self.io_timeout = io_timeout
-        self.comm: Optional[PairComm] = None
-        self.generation = 0
         self.broken_reason = ""
         self._queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"p2p-recv-{peer_session}", daemon=True)
