@@ -1,5 +1,6 @@
 """Registration through SGLang's own plugin loader and argument parser."""
 
+import os
 import pickle
 import subprocess
 import sys
@@ -10,20 +11,34 @@ import pytest
 pytestmark = pytest.mark.sglang
 
 
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
 def run_fresh(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=180)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=180, env=OFFLINE)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
 
-def test_fresh_process_loader_then_parser_accepts_p2pnccl():
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A local model folder (config only): SGLang 0.5.17 reads the model config while parsing, offline here."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    return str(path)
+
+
+def test_fresh_process_loader_then_parser_accepts_p2pnccl(tiny_model):
     out = run_fresh(
-        """
+        f"""
         from sglang.srt.plugins import load_plugins
         load_plugins()
         from sglang.srt.server_args import prepare_server_args
         for mode in ("prefill", "decode"):
-            a = prepare_server_args(["--model-path", "m", "--device", "cpu", "--disaggregation-mode", mode,
+            a = prepare_server_args(["--model-path", {tiny_model!r}, "--device", "cpu", "--disaggregation-mode", mode,
                                      "--disaggregation-transfer-backend", "p2pnccl"])
             print(mode, a.disaggregation_transfer_backend)
         """
@@ -31,16 +46,16 @@ def test_fresh_process_loader_then_parser_accepts_p2pnccl():
     assert "prefill p2pnccl" in out and "decode p2pnccl" in out
 
 
-def test_parser_rejects_p2pnccl_without_the_plugin():
-    code = """
+def test_parser_rejects_p2pnccl_without_the_plugin(tiny_model):
+    code = f"""
         import os
         os.environ["SGLANG_PLUGINS"] = "none-of-ours"
         from sglang.srt.plugins import load_plugins
         load_plugins()
         from sglang.srt.server_args import prepare_server_args
-        prepare_server_args(["--model-path", "m", "--device", "cpu", "--disaggregation-transfer-backend", "p2pnccl"])
+        prepare_server_args(["--model-path", {tiny_model!r}, "--device", "cpu", "--disaggregation-transfer-backend", "p2pnccl"])
         """
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=180)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=180, env=OFFLINE)
     assert out.returncode != 0 and "invalid choice: 'p2pnccl'" in out.stderr
 
 
