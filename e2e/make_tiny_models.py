@@ -55,6 +55,8 @@ def specs(tok_ids: dict[str, int]) -> dict[str, ModelSpec]:
                     qk_nope_head_dim=128, v_head_dim=128, head_dim=64,
                     # MoE fields must be valid, but first_k_dense_replace = num_hidden_layers keeps every layer dense
                     first_k_dense_replace=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                    # SGLang 0.5.17's DeepseekV2 model reads this V2-era field, which DeepseekV3Config lacks
+                    moe_layer_freq=1,
                     moe_intermediate_size=128, n_group=1, topk_group=1)
     anchor = dict(c, hidden_size=1024, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=8,
                   num_key_value_heads=8, head_dim=128)
