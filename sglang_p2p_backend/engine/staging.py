@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -64,7 +64,7 @@ class StagingPool:
         with self._cond:
             return self._created - len(self._free)
 
-    def close(self, wait: Optional[float] = None) -> None:
+    def close(self) -> None:
         with self._cond:
             self._closed = True
             self._free.clear()

@@ -11,7 +11,6 @@ import signal
 import time
 from typing import Optional
 
-import numpy as np
 import torch
 
 from bench.transfer.kv import LAYOUTS, Layout, chunk_ranges, pick_pages
@@ -138,24 +137,15 @@ def survivor(rank: int, conn_victim, conn_next, fail_timeout: float) -> dict:
     except TransportError:
         pass
     del comm, ops
-    fresh = connect_pair(tr, conn_next, rank, 60, max_ctas=16)
-    verdict = move_pages(rank, fresh, LAYOUTS["mla"], 16, True, seed=4242, late_prefill=False)
-    if rank == 0:
-        conn_next.send(None)
-        verdict = conn_next.recv()
-    else:
-        conn_next.recv()
-        conn_next.send(verdict)
-    fresh.close()
+    verdict = _one_request_over_fresh_comm(tr, conn_next, rank)
     del buf
     torch.cuda.empty_cache()
     return {"split": split, "error": error, "failed_after_s": failed_after, "aborted": aborted, "later_ops_fail": later_ops_fail,
             "next": verdict, "free_delta_mb": (free0 - torch.cuda.mem_get_info(tr.device)[0]) / 1e6}
 
 
-def replacement(rank: int, conn) -> Optional[dict]:
-    """The recovered peer: joins the survivor's fresh communicator and moves one request."""
-    tr = NcclTransport()
+def _one_request_over_fresh_comm(tr: NcclTransport, conn, rank: int) -> Optional[dict]:
+    """A new communicator with the (recovered) peer, one request over it; both ranks return the decode's verdict."""
     comm = connect_pair(tr, conn, rank, 60, max_ctas=16)
     verdict = move_pages(rank, comm, LAYOUTS["mla"], 16, True, seed=4242, late_prefill=False)
     if rank == 0:
@@ -166,3 +156,8 @@ def replacement(rank: int, conn) -> Optional[dict]:
         conn.send(verdict)
     comm.close()
     return verdict
+
+
+def replacement(rank: int, conn) -> Optional[dict]:
+    """The recovered peer: joins the survivor's fresh communicator and moves one request."""
+    return _one_request_over_fresh_comm(NcclTransport(), conn, rank)
