@@ -3,7 +3,8 @@
     python3 -m e2e.check --models DIR --out results.json --logs DIR [--only llama-tiny,mla-tiny]
 
 For each model: a reference server, a prefill (GPU 0) + decode (GPU 1) pair with
-``--disaggregation-transfer-backend p2pnccl`` and our LB, all with the same flags (config.CHECK_FLAGS: chunked
+``--disaggregation-transfer-backend p2pnccl`` and our LB, all with the same flags (``--gpus 1``: every server on
+GPU 0 and p2pnccl on its Mooncake tcp transport, see config.py) (config.CHECK_FLAGS: chunked
 prefill of 64 tokens, radix cache off, fp32 lm_head). Every prompt goes once to the reference and once through
 the LB, one request at a time (batching alone moves logprobs), non-streaming and streaming. A sensitivity probe
 (one prompt token changed, sent to the reference) shows how far a wrong context would move the logprobs, i.e.
@@ -68,20 +69,24 @@ async def compare_model(ref_url: str, lb_url: str, tolerance: float) -> dict[str
 
 
 def run(models_dir: Path, logs: Path, only: list[str], tolerance: float,
-        results: dict[str, Any] | None = None) -> dict[str, Any]:
+        results: dict[str, Any] | None = None, gpus: int = 2) -> dict[str, Any]:
     """Fills ``results`` in place as it goes (the caller writes it even if the step is stopped)."""
     results = {} if results is None else results
-    results.update(flags=config.CHECK_FLAGS, backend="p2pnccl", models={})
+    results.update(flags=config.CHECK_FLAGS, backend="p2pnccl", gpus=gpus,
+                   transport=config.transport_info("p2pnccl", gpus), models={})
+    if gpus == 1:
+        results["note"] = config.SINGLE_GPU_NOTE
     with Stack(logs) as stack:
         plan: dict[str, tuple[Server, Server, Server, Server]] = {}
         for m in only:
-            ref = config.reference(m, models_dir / m, BASE_PORT[m] + 10, MODELS[m], config.CHECK_FLAGS)
-            p, d, lb = config.pd_pair(m, models_dir / m, "p2pnccl", BASE_PORT[m], config.CHECK_FLAGS)
+            ref = config.reference(m, models_dir / m, BASE_PORT[m] + 10, MODELS[m] if gpus > 1 else 0,
+                                   config.CHECK_FLAGS)
+            p, d, lb = config.pd_pair(m, models_dir / m, "p2pnccl", BASE_PORT[m], config.CHECK_FLAGS, gpus)
             plan[m] = (ref, p, d, lb)
         # decode and prefill first on each GPU: if GPU memory runs short, the references are the ones to fail
         order = [s for m in only for s in plan[m][1:3]] + [plan[m][0] for m in only]
         t0 = time.monotonic()
-        stack.launch(order)
+        stack.launch(order, lanes=config.CHECK_LANES_1GPU if gpus == 1 else 1)
         results["launch_s"] = round(time.monotonic() - t0, 1)
         for m in only:
             ref, p, d, lb = plan[m]
@@ -110,11 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logs", type=Path, required=True)
     ap.add_argument("--only", default=",".join(MODELS))
     ap.add_argument("--tolerance", type=float, default=compare.DEFAULT_TOLERANCE)
+    ap.add_argument("--gpus", type=int, choices=(1, 2), default=None, help="default: E2E_GPUS, else 2")
     a = ap.parse_args(argv)
     exit_on_sigterm()
     res: dict[str, Any] = {}
     try:
-        run(a.models, a.logs, a.only.split(","), a.tolerance, res)
+        run(a.models, a.logs, a.only.split(","), a.tolerance, res, a.gpus or config.gpus_from_env())
     finally:
         results_io.write_json(a.out, res)
     ok = all(m.get("summary", {}).get("verdict") == "pass" for m in res["models"].values())

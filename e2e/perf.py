@@ -9,6 +9,11 @@ GPU 0, decode on GPU 1, one LB each) and are loaded one after the other. Per run
 client (streaming ``/generate`` through the LB), output tokens per second, and the prefill's mean KV transfer
 time per request, read from SGLang's ``sglang:kv_transfer_latency_ms`` histogram before and after the run.
 Then, if genai-bench is there, a genai-bench sweep through each LB (``python -m bench.sweep``).
+
+``--gpus 1`` (run_all.sh --gpus 1): every server on GPU 0, both backends on Mooncake tcp (config.py says why),
+and the pairs one after the other, each alone on the GPU (two pairs' KV pools do not fit one GPU). A backend
+an earlier call on this machine measured to the end (same flags) keeps its result, so when one call has no
+time left for the second pair, ``run_all.sh --gpus 1 --phase perf`` again measures only that one.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ PROMPT_TOKENS = (1024, 4096)
 CONCURRENCY = (1, 16, 64)
 OUTPUT_TOKENS = 32
 GENAI_SCENARIO = "e2e=D(1024,32)"
+PAIR_RESERVE_S = 240  # single GPU: what one more pair needs to start (~100 s) and run its load (a guess)
 
 
 def requests_for(concurrency: int) -> int:
@@ -95,17 +101,63 @@ def genai_bench(backend: str, lb: Server, models_dir: Path, tools_bin: Path, out
     return {"status": "ok", "rows": doc.get("rows", doc)}
 
 
+def done_backends(previous: dict[str, Any], flags: list[str]) -> dict[str, dict[str, Any]]:
+    """Single-GPU mode: backends an earlier call measured to the end with the same flags (status ok, every
+    load run done), with their rows, so a later call need not measure them again."""
+    if previous.get("gpus") != 1 or previous.get("flags") != flags:
+        return {}
+    out = {}
+    for b, status in previous.get("backends", {}).items():
+        runs = [r for r in previous.get("runs", []) if r.get("backend") == b]
+        if status.get("status") == "ok" and runs and not any("skipped" in r for r in runs):
+            gb = previous.get("genai_bench", {})
+            out[b] = {"status": status, "runs": runs, "genai_bench": gb.get(b) if isinstance(gb.get(b), dict) else None}
+    return out
+
+
 def run(models_dir: Path, logs: Path, backends: list[str], tools_bin: Optional[Path], deadline: float,
-        res: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        res: Optional[dict[str, Any]] = None, gpus: int = 2,
+        previous: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Fills ``res`` in place as it goes (the caller writes it even if the step is stopped)."""
     res = {} if res is None else res
-    res.update(model=MODEL, flags=config.PERF_FLAGS, prompt_tokens=list(PROMPT_TOKENS), output_tokens=OUTPUT_TOKENS,
-               concurrency=list(CONCURRENCY), backends={}, runs=[], genai_bench={})
+    flags = config.perf_flags(gpus, config.gpu_mem_mib() if gpus == 1 else None)
+    res.update(model=MODEL, flags=flags, gpus=gpus, transports={b: config.transport_info(b, gpus, "perf") for b in backends},
+               prompt_tokens=list(PROMPT_TOKENS), output_tokens=OUTPUT_TOKENS, concurrency=list(CONCURRENCY),
+               backends={}, runs=[], genai_bench={}, launch_s=0.0)
+    if not (tools_bin and (tools_bin / "genai-bench").exists()):
+        res["genai_bench"] = {"status": "skipped", "reason": f"no genai-bench under {tools_bin}"}
+        tools_bin = None
+    pairs = {b: config.pd_pair(MODEL, models_dir / MODEL, b, BASE_PORT[b], flags, gpus, "perf") for b in backends}
+    groups = [list(backends)]
+    if gpus == 1:
+        res["note"] = f"{config.SINGLE_GPU_NOTE}; the two PD pairs ran one after the other, each alone on the GPU"
+        kept = done_backends(previous or {}, flags)
+        for b in backends:
+            if b in kept:
+                res["backends"][b] = {**kept[b]["status"], "from_earlier_call": True}
+                res["runs"] += kept[b]["runs"]
+                if tools_bin and kept[b]["genai_bench"] is not None:
+                    res["genai_bench"][b] = kept[b]["genai_bench"]
+        groups = [[b] for b in backends if b not in kept]
+    for i, group in enumerate(groups):
+        if deadline - time.monotonic() < 120:  # not even a launch fits: say so, a later call measures it
+            for b in group:
+                res["backends"][b] = {"status": "not_run", "reason": "no time left in this call; "
+                                      "run_all.sh --gpus 1 --phase perf again measures it"}
+            continue
+        # genai-bench of an earlier pair leaves the later pairs time to start and run their load
+        measure(group, pairs, models_dir, logs, tools_bin, deadline, res,
+                genai_reserve_s=PAIR_RESERVE_S * (len(groups) - 1 - i))
+    return res
+
+
+def measure(backends: list[str], pairs: dict[str, tuple[Server, Server, Server]], models_dir: Path, logs: Path,
+            tools_bin: Optional[Path], deadline: float, res: dict[str, Any], genai_reserve_s: float = 0.0) -> None:
+    """Start the pairs of ``backends`` together, load each through its LB, then genai-bench; stop them."""
     with Stack(logs) as stack:
-        pairs = {b: config.pd_pair(MODEL, models_dir / MODEL, b, BASE_PORT[b], config.PERF_FLAGS) for b in backends}
         t0 = time.monotonic()
         stack.launch([s for b in backends for s in pairs[b][:2]])
-        res["launch_s"] = round(time.monotonic() - t0, 1)
+        res["launch_s"] = round(res.get("launch_s", 0.0) + time.monotonic() - t0, 1)
         ready = {}
         for b in backends:
             p, d, lb = pairs[b]
@@ -117,16 +169,13 @@ def run(models_dir: Path, logs: Path, backends: list[str], tools_bin: Optional[P
                 ready[b] = (p, lb)
         for b, (p, lb) in ready.items():
             load_runs(b, p, lb, deadline, sink=res["runs"])
-        if tools_bin and (tools_bin / "genai-bench").exists():
+        if tools_bin:
             for b, (_, lb) in ready.items():
-                left = deadline - time.monotonic()
+                left = deadline - genai_reserve_s - time.monotonic()
                 if left < 60:
                     res["genai_bench"][b] = {"status": "skipped", "reason": "deadline"}
                     continue
                 res["genai_bench"][b] = genai_bench(b, lb, models_dir, tools_bin, logs / f"genai-bench-{b}", left)
-        else:
-            res["genai_bench"] = {"status": "skipped", "reason": f"no genai-bench under {tools_bin}"}
-    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,11 +185,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logs", type=Path, required=True)
     ap.add_argument("--backends", default="p2pnccl,mooncake")
     ap.add_argument("--genai-bench-bin", type=Path, help="folder with a genai-bench executable")
+    ap.add_argument("--gpus", type=int, choices=(1, 2), default=None, help="default: E2E_GPUS, else 2")
     a = ap.parse_args(argv)
+    gpus = a.gpus or config.gpus_from_env()
+    previous: dict[str, Any] = {}
+    if gpus == 1 and a.out.exists():
+        try:
+            previous = json.loads(a.out.read_text())
+        except ValueError:
+            previous = {}
     exit_on_sigterm()
     res: dict[str, Any] = {}
     try:
-        run(a.models, a.logs, a.backends.split(","), a.genai_bench_bin, config.deadline_from_env(), res)
+        run(a.models, a.logs, a.backends.split(","), a.genai_bench_bin, config.deadline_from_env(), res, gpus, previous)
     finally:
         results.write_json(a.out, res)
     return 0 if all(v.get("status") == "ok" for v in res["backends"].values()) else 1

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+from .config import SINGLE_GPU_NOTE
+
 
 def fmt(x: Any, digits: int = 1) -> str:
     if x is None:
@@ -82,6 +84,8 @@ def perf_section(p: dict[str, Any]) -> list[str]:
     failed = sum(r.get("num_failed", 0) or 0 for r in p.get("runs", []))
     out = [f"### p2pnccl vs Mooncake, model {p.get('model')} ({p.get('output_tokens')} output tokens, streaming "
            f"/generate through our LB)", ""]
+    if p.get("note"):
+        out += [f"{p['note'][0].upper()}{p['note'][1:]}.", ""]
     if not rows:
         return out + ["No load run finished (see Problems).", ""]
     out += [*table(header, rows), "", f"Failed requests over all runs: {failed}. KV transfer: prefill's mean of "
@@ -108,14 +112,55 @@ def problems_section(doc: dict[str, Any]) -> list[str]:
         errors += [(name, text) for name, text in (e.get("errors") or {}).items()]
     for backend, e in doc.get("perf", {}).get("backends", {}).items():
         errors += [(name, text) for name, text in (e.get("errors") or {}).items()]
+        if e.get("status") == "not_run":
+            errors.append((f"perf {backend}", f"not run: {e.get('reason', '')}"))
     if not errors:
         return []
     return ["### Problems", "", *(f"* `{name}`: {str(text).splitlines()[0] if text else ''}; last log line: "
                                   f"`{_last_line(text)}`" for name, text in errors), ""]
 
 
+def run_gpus(doc: dict[str, Any]) -> Optional[int]:
+    """How many GPUs the steps in the file spread their servers over (1 if any step ran on one GPU)."""
+    found = {doc[k].get("gpus", 2) for k in ("check", "sglang_tests", "perf") if isinstance(doc.get(k), dict)}
+    if isinstance(doc.get("gpus"), int):
+        found.add(doc["gpus"])
+    return 1 if 1 in found else (2 if found else None)
+
+
+def transports(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """"<step> <backend>" -> what moved its pages (transport, protocol, env): on one GPU the steps differ."""
+    out: dict[str, dict[str, Any]] = {}
+    for key in ("check", "sglang_tests"):
+        t = doc.get(key, {}).get("transport") if isinstance(doc.get(key), dict) else None
+        if t:
+            out[f"{key} {doc[key].get('backend', 'p2pnccl')}"] = t
+    perf = doc.get("perf") if isinstance(doc.get("perf"), dict) else {}
+    for backend, t in (perf.get("transports") or {}).items():
+        out[f"perf {backend}"] = t
+    return out
+
+
+def transport_line(ts: dict[str, dict[str, Any]]) -> str:
+    parts = []
+    for backend, t in ts.items():
+        env = " ".join(f"{k}={v}" for k, v in (t.get("env") or {}).items())
+        proto = f" ({t['protocol']})" if t.get("protocol") else ""
+        parts.append(f"{backend}: {t.get('transport')}{proto}" + (f", {env}" if env else ""))
+    return "Transports: " + "; ".join(parts) + "."
+
+
 def render(doc: dict[str, Any]) -> str:
-    lines = ["## End-to-end on two GPUs (SGLang 0.5.17, PD, p2pnccl vs Mooncake)", "", machine_line(doc.get("machine", {})), ""]
+    gpus = run_gpus(doc)
+    where = "one GPU" if gpus == 1 else "two GPUs"
+    lines = [f"## End-to-end on {where} (SGLang 0.5.17, PD, p2pnccl vs Mooncake)", "", machine_line(doc.get("machine", {})), ""]
+    if gpus == 1:
+        lines += [f"**Single-GPU run: {SINGLE_GPU_NOTE}.** SGLang's mooncake backend also ran over tcp "
+                  "(MC_FORCE_TCP=1), so in perf the two backends moved pages the same way; figures are not comparable "
+                  "with the two-GPU runs (NCCL, NVLink).", ""]
+    ts = transports(doc)
+    if ts:
+        lines += [transport_line(ts), ""]
     if "check" in doc:
         lines += check_section(doc["check"])
     if "sglang_tests" in doc:

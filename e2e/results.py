@@ -18,9 +18,14 @@ SCHEMA = 1
 STEPS = ("check", "sglang_tests", "perf")
 
 
-def merge(machine: dict[str, Any], steps: dict[str, Any]) -> dict[str, Any]:
+def merge(machine: dict[str, Any], steps: dict[str, Any], run_gpus: int | None = None) -> dict[str, Any]:
     """The results document: schema, machine, and one key per step present (in STEPS order)."""
     doc: dict[str, Any] = {"schema": SCHEMA, "machine": machine}
+    gpus = sorted({s.get("gpus", 2) for s in steps.values() if isinstance(s, dict) and "gpus" in s})
+    if gpus:  # steps of run_all.sh --gpus 1 say so; on one GPU p2pnccl used Mooncake tcp, not NCCL
+        doc["gpus"] = gpus[0] if len(gpus) == 1 else gpus
+    elif run_gpus is not None:  # no step says (none ran): the mode run_all.sh was called in
+        doc["gpus"] = run_gpus
     for name in STEPS:
         if name in steps:
             doc[name] = steps[name]
@@ -52,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state", type=Path, required=True)
     ap.add_argument("--machine-json", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--gpus", type=int, default=None, help="run_all.sh --gpus, for a file no step wrote into")
     a = ap.parse_args(argv)
     machine = json.loads(a.machine_json.read_text()) if a.machine_json.exists() else {}
-    doc = merge(machine, load_steps(a.state))
+    doc = merge(machine, load_steps(a.state), a.gpus)
     a.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(a.out)
     return 0

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The whole end-to-end check on a 2-GPU host (torch 2.11.0+cu130, Python 3.12, no internet), one command:
 #
-#   bash e2e/run_all.sh [--phase check|sglang-tests|perf|all] [--skip-sglang-tests] [--budget-s SECONDS]
+#   bash e2e/run_all.sh [--gpus 1|2] [--phase check|sglang-tests|perf|all|mooncake-bench|unpack]
+#                       [--skip-sglang-tests] [--budget-s SECONDS]
 #
 # It unpacks whichever bundle archives (.bundle/sglang.tar.xz, .bundle/extras.tar.xz, built by
 # e2e/build_bundle.sh) this working tree carries into $E2E_ROOT (default /tmp/e2e, which survives between calls
@@ -12,6 +13,14 @@
 #          ran keep their result, so check + perf + sglang-tests calls together cover them all
 #   perf:  p2pnccl vs Mooncake (nvlink_intra) at concurrency 1/16/64, then genai-bench through each LB
 #                                                                                  (needs both archives)
+#   mooncake-bench: bench/mooncake/pd_path.py with both roles' pools on GPU 0, Mooncake tcp transport only ->
+#          $OUT/mooncake_pd_<kind>.json                                             (needs both archives)
+#   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
+# --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
+#   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
+#   backend on tcp too: check and perf then need extras.tar.xz unpacked (this call or an earlier one). perf runs
+#   the two pairs one after the other; a backend an earlier perf call finished keeps its result (e2e/config.py
+#   has the memory sizing).
 # Results: $OUT/e2e_results.json (every step done so far on this machine, merged), $OUT/e2e_report.md,
 # $OUT/e2e_logs_<phase>.tgz. $OUT defaults to $E2E_ROOT/out. Exit status 0 when every step it ran passed.
 # Each phase is planned to end inside --budget-s (default 560 s: a device call is limited to 600 s).
@@ -23,17 +32,22 @@ BUNDLE=${E2E_BUNDLE:-$ROOT/.bundle}
 PHASE=check
 SGLANG_TESTS=1
 BUDGET=560
+GPUS=${E2E_GPUS:-2}
 while [ $# -gt 0 ]; do
   case "$1" in
     --phase) PHASE=$2; shift 2 ;;
+    --gpus) GPUS=$2; shift 2 ;;
     --skip-sglang-tests) SGLANG_TESTS=0; shift ;;
     --budget-s) BUDGET=$2; shift 2 ;;
     -h|--help) awk 'NR > 1 && /^#/ {print; next} NR > 1 {exit}' "$0"; exit 0 ;;
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|sglang-tests|perf|all) ;;
-  *) echo "run_all.sh: --phase must be check, sglang-tests, perf or all" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|unpack) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench or unpack" >&2; exit 2 ;; esac
+case "$GPUS" in 1|2) ;;
+  *) echo "run_all.sh: --gpus must be 1 or 2" >&2; exit 2 ;; esac
+export E2E_GPUS=$GPUS  # read by e2e.check, e2e.perf, e2e.sglang_tests (e2e/config.py)
 START=$(date +%s)
 export E2E_ROOT E2E_DEADLINE_EPOCH=$((START + BUDGET - 25))  # 25 s kept for results and the log archive
 STATE=$E2E_ROOT/state
@@ -54,6 +68,10 @@ unpack() {  # unpack NAME: $BUNDLE/NAME.tar.xz -> $E2E_ROOT/NAME
 }
 unpack sglang
 unpack extras
+if [ "$PHASE" = unpack ]; then
+  for part in sglang extras; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
+  exit 0
+fi
 if [ ! -f "$E2E_ROOT/sglang/.unpacked" ]; then
   echo "run_all.sh: no SGLang bundle: carry .bundle/sglang.tar.xz in this call (e2e/build_bundle.sh builds it)" >&2
   exit 3
@@ -76,7 +94,13 @@ export SGLANG_HOST_IP=127.0.0.1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS
 export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
 cd "$ROOT" || exit 1
 
-python3 -m e2e.machine "${E2E_KIND:-nvidia-h200-x2}" > "$STATE/machine.json" 2>/dev/null || true
+KIND=${E2E_KIND:-}
+if [ -z "$KIND" ]; then  # the machine's name in the results, from its GPUs: 2 x NVIDIA H200 -> nvidia-h200-x2
+  KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null \
+    | awk 'NR == 1 {k = tolower($1 "-" $2)} END {if (NR > 1) k = k "-x" NR; print k}')
+fi
+KIND=${KIND:-nvidia-h200-x2}
+python3 -m e2e.machine "$KIND" > "$STATE/machine.json" 2>/dev/null || true
 if ! python3 -c "
 from importlib.metadata import entry_points
 import sglang_p2p_backend, sglang_p2p_lb, sglang
@@ -107,19 +131,27 @@ step() {  # step NAME CMD...: run with the time that is left, note a failure, ne
   [ "$rc" -eq 0 ] || STATUS=1
 }
 
+need_mooncake() {  # need_mooncake WHAT: one GPU moves pages with Mooncake only; without it say why, fail
+  if [ "$GPUS" = 2 ] || [ "$HAVE_MOONCAKE" = 1 ]; then return 0; fi
+  say "$1: skipped: one GPU needs Mooncake (NCCL rejects two ranks on one GPU); carry .bundle/extras.tar.xz"
+  STATUS=1; return 1
+}
+
 run_sglang_tests() {
   step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny
   step sglang_tests python3 -m e2e.sglang_tests --sglang-root "$E2E_ROOT/sglang" --model "$MODELS/llama-tiny" \
     --out "$STATE/sglang_tests.json" --logs "$E2E_ROOT/logs/sglang_tests"
 }
 
-run_check() {
+run_check() {  # one GPU: p2pnccl runs over NCCL (loopback sockets) unless E2E_P2P_1GPU=mooncake
+  if [ "${E2E_P2P_1GPU:-nccl}" = mooncake ]; then need_mooncake check || return 0; fi
   step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny,mla-tiny
   step check python3 -m e2e.check --models "$MODELS" --out "$STATE/check.json" --logs "$E2E_ROOT/logs/check"
   if [ "$SGLANG_TESTS" = 1 ]; then run_sglang_tests; fi
 }
 
 run_perf() {
+  need_mooncake perf || return 0
   local backends=p2pnccl
   if [ "$HAVE_MOONCAKE" = 1 ]; then backends=p2pnccl,mooncake
   else say "perf: no extras archive (Mooncake, genai-bench): p2pnccl only"; fi
@@ -130,15 +162,23 @@ run_perf() {
   if [ "$SGLANG_TESTS" = 1 ]; then run_sglang_tests; fi
 }
 
+run_mooncake_bench() {  # our full PD path (SGLang's KV classes) with both pools on GPU 0, Mooncake tcp only
+  if [ "$HAVE_MOONCAKE" = 0 ]; then say "mooncake-bench: no extras archive (Mooncake): carry .bundle/extras.tar.xz"; STATUS=1; return 0; fi
+  step mooncake_bench python3 -m bench.mooncake.pd_path --device cuda:0 --machine "$KIND" --timeout 240 \
+    --out "$OUTDIR/mooncake_pd_$KIND.json" --logs "$E2E_ROOT/logs/mooncake_bench"
+}
+
 case "$PHASE" in
   check) run_check ;;
   sglang-tests) run_sglang_tests ;;
   perf) run_perf ;;
   all) run_check; run_perf ;;
+  mooncake-bench) run_mooncake_bench ;;
 esac
 
 # --- 3. results: every step this machine has done so far, merged --------------------------------------------
-python3 -m e2e.results --state "$STATE" --machine-json "$STATE/machine.json" --out "$OUTDIR/e2e_results.json" >/dev/null
+python3 -m e2e.results --state "$STATE" --machine-json "$STATE/machine.json" --out "$OUTDIR/e2e_results.json" \
+  --gpus "$GPUS" >/dev/null
 python3 -m e2e.report "$OUTDIR/e2e_results.json" > "$OUTDIR/e2e_report.md" || STATUS=1
 (cd "$E2E_ROOT" && python3 -m tarfile -c "$OUTDIR/e2e_logs_$PHASE.tgz" logs) || true
 cat "$OUTDIR/e2e_report.md"

@@ -135,13 +135,15 @@ class Stack:
             while time.monotonic() < deadline and s.alive() and not _log_has(s.log, POOL_READY):
                 time.sleep(1.0)
 
-    def launch(self, sglang: Sequence[Server], timeout_s: float = LAUNCH_TIMEOUT_S) -> list[Server]:
-        """Start SGLang servers (staggered per GPU), wait for /health; returns those that came up."""
+    def launch(self, sglang: Sequence[Server], timeout_s: float = LAUNCH_TIMEOUT_S, lanes: int = 1) -> list[Server]:
+        """Start SGLang servers (staggered per GPU), wait for /health; returns those that came up.
+
+        ``lanes`` > 1 deals each GPU's servers round-robin into that many queues that start side by side, each
+        queue still staggered: only for servers whose --max-total-tokens cap is far below what the GPU has free
+        (single-GPU check, see config.py), where a neighbour's start cannot take a pool's memory away."""
         deadline = time.monotonic() + timeout_s
-        by_gpu: dict[int, list[Server]] = {}
-        for s in sglang:
-            by_gpu.setdefault(s.gpu, []).append(s)
-        threads = [threading.Thread(target=self._start_after_pool, args=(q, deadline)) for q in by_gpu.values()]
+        queues = launch_queues(sglang, lanes)
+        threads = [threading.Thread(target=self._start_after_pool, args=(q, deadline)) for q in queues]
         for t in threads:
             t.start()
         for t in threads:
@@ -185,6 +187,18 @@ class Stack:
                 except ProcessLookupError:
                     pass
         self.servers.clear()
+
+
+def launch_queues(sglang: Sequence[Server], lanes: int = 1) -> list[list[Server]]:
+    """Per GPU, its servers in order dealt into ``lanes`` queues (one queue per GPU when lanes == 1)."""
+    by_gpu: dict[int, list[Server]] = {}
+    for s in sglang:
+        by_gpu.setdefault(s.gpu, []).append(s)
+    queues = []
+    for servers in by_gpu.values():
+        n = max(1, min(lanes, len(servers)))
+        queues += [servers[i::n] for i in range(n)]
+    return queues
 
 
 def failure_report(servers: Sequence[Server]) -> dict[str, str]:

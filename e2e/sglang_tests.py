@@ -6,6 +6,12 @@ SGLang's PD fixture picks the transfer backend from ``SGLANG_TEST_PD_DISAGG_BACK
 and the fixture's LB (``sglang_router.launch_router --mini-lb``) is our LB through ``e2e/shims``. The model,
 and the server flags this host needs, come in through the ``e2e.sglang_pd_plugin`` pytest plugin. Each test
 file runs in its own pytest process with a time limit, so one hang costs one file, not the step.
+
+``--gpus 1``: the fixture puts decode on ``--base-gpu-id 1``; the appended EXTRA_ARGS_1GPU put it back on GPU 0
+(argparse keeps the last value) and cap both servers' KV pools, because the fixture starts prefill and decode
+at the same moment on the one GPU, and uncapped each would size its pool from memory the other is taking.
+p2pnccl then runs on its Mooncake tcp transport (config.BACKEND_ENV_1GPU); without Mooncake importable every
+file is reported skipped with that reason, not run.
 """
 from __future__ import annotations
 
@@ -34,7 +40,18 @@ DONE = ("passed", "failed", "error")  # a file with any of these outcomes has ru
 EXTRA_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch",
               "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
               "--mem-fraction-static", "0.3"]
+EXTRA_ARGS_1GPU = ["--base-gpu-id", "0", "--max-total-tokens", "131072"]  # prompts of ~28k tokens + 4k out fit
 SHIMS = Path(__file__).resolve().parent / "shims"
+
+
+def extra_args(gpus: int) -> list[str]:
+    return [*EXTRA_ARGS, *EXTRA_ARGS_1GPU] if gpus == 1 else list(EXTRA_ARGS)
+
+
+def mooncake_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mooncake") is not None
 
 
 def parse_junit(text: str) -> list[dict[str, Any]]:
@@ -54,16 +71,16 @@ def parse_junit(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def test_env(model: Path) -> dict[str, str]:
-    env = {**os.environ, **config.COMMON_ENV, **config.BACKEND_ENV["p2pnccl"]}
+def test_env(model: Path, gpus: int = 2) -> dict[str, str]:
+    env = {**os.environ, **config.COMMON_ENV, **config.backend_env("p2pnccl", gpus, "sglang_tests")}
     env.pop("SGLANG_IS_IN_CI", None)  # in CI mode the fixture forces mooncake + RDMA devices
     env.update(SGLANG_TEST_PD_DISAGG_BACKEND="p2pnccl", E2E_TEST_MODEL=str(model),
-               E2E_TEST_EXTRA_ARGS=shlex.join(EXTRA_ARGS),
+               E2E_TEST_EXTRA_ARGS=shlex.join(extra_args(gpus)),
                PYTHONPATH=os.pathsep.join([str(SHIMS), env.get("PYTHONPATH", "")]))
     return env
 
 
-def run_file(path: Path, model: Path, logs: Path, timeout_s: float) -> dict[str, Any]:
+def run_file(path: Path, model: Path, logs: Path, timeout_s: float, gpus: int = 2) -> dict[str, Any]:
     junit = logs / f"{path.stem}.junit.xml"
     log = logs / f"{path.stem}.log"
     cmd = [sys.executable, "-m", "pytest", "-p", "e2e.sglang_pd_plugin", "-p", "no:cacheprovider", "-v",
@@ -72,7 +89,8 @@ def run_file(path: Path, model: Path, logs: Path, timeout_s: float) -> dict[str,
     with open(log, "w") as f:
         # SGLang's fixture starts its servers and LB with plain Popen, so they share pytest's process group:
         # one killpg ends them all when the file runs out of time
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=test_env(model), start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=test_env(model, gpus),
+                             start_new_session=True)
         record_pid(p.pid)
         try:
             rc: Any = p.wait(timeout=timeout_s)
@@ -87,33 +105,45 @@ def run_file(path: Path, model: Path, logs: Path, timeout_s: float) -> dict[str,
     return entry
 
 
-def already_run(previous: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Files an earlier call on this machine ran to an outcome, by file name."""
+def already_run(previous: dict[str, Any], gpus: int = 2) -> dict[str, dict[str, Any]]:
+    """Files an earlier call on this machine (in the same GPU mode) ran to an outcome, by file name."""
+    if previous.get("gpus", 2) != gpus:
+        return {}
     return {f["file"]: f for f in previous.get("files", []) if any(t["outcome"] in DONE for t in f.get("tests", []))}
 
 
 def run(sglang_root: Path, model: Path, logs: Path, deadline: float,
-        previous: dict[str, Any] | None = None, res: dict[str, Any] | None = None) -> dict[str, Any]:
+        previous: dict[str, Any] | None = None, res: dict[str, Any] | None = None, gpus: int = 2) -> dict[str, Any]:
     """Run the test files that fit before the deadline; files an earlier call already ran keep their result.
     Fills ``res`` in place as it goes (the caller writes it even if the step is stopped)."""
     logs.mkdir(parents=True, exist_ok=True)
-    done = already_run(previous or {})
+    done = already_run(previous or {}, gpus)
     res = {} if res is None else res
-    res.update(backend="p2pnccl", model=model.name, extra_server_args=EXTRA_ARGS,
+    res.update(backend="p2pnccl", model=model.name, extra_server_args=extra_args(gpus), gpus=gpus,
+               transport=config.transport_info("p2pnccl", gpus, "sglang_tests"),
                lb="sglang_p2p_lb (as sglang_router.launch_router)", files=[])
+    skip_reason = ""
+    if gpus == 1:
+        res["note"] = config.SINGLE_GPU_NOTE
+        if not mooncake_importable():
+            skip_reason = ("one GPU: p2pnccl needs its Mooncake transport (NCCL rejects two ranks on one GPU) and "
+                           "Mooncake is not importable here (carry .bundle/extras.tar.xz)")
     for rel, expected_s in TEST_FILES:
         left = deadline - time.monotonic()
         path = sglang_root / rel
         if path.name in done:
             res["files"].append(done[path.name])
             continue
-        if not path.exists():
+        if skip_reason:
+            res["files"].append({"file": path.name, "rc": "skipped", "tests": [
+                {"id": f"{path.stem}::*", "outcome": "skipped", "seconds": 0, "message": skip_reason}]})
+        elif not path.exists():
             res["files"].append({"file": path.name, "rc": "missing", "tests": []})
         elif left < expected_s:
             res["files"].append({"file": path.name, "rc": f"not run: needs ~{expected_s} s, {int(left)} s left "
                                  "(run_all.sh --phase sglang-tests runs it)", "tests": []})
         else:
-            res["files"].append(run_file(path, model, logs, left - 10))
+            res["files"].append(run_file(path, model, logs, left - 10, gpus))
         print(f"sglang test {path.name}: {res['files'][-1]['rc']}", flush=True)
     res["summary"] = summary(res["files"])
     return res
@@ -130,16 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--logs", type=Path, required=True)
+    ap.add_argument("--gpus", type=int, choices=(1, 2), default=None, help="default: E2E_GPUS, else 2")
     a = ap.parse_args(argv)
     previous = json.loads(a.out.read_text()) if a.out.exists() else {}
     exit_on_sigterm()
     res: dict[str, Any] = {}
     try:
-        run(a.sglang_root, a.model, a.logs, config.deadline_from_env(), previous, res)
+        run(a.sglang_root, a.model, a.logs, config.deadline_from_env(), previous, res, a.gpus or config.gpus_from_env())
     finally:
         res["summary"] = summary(res.get("files", []))
         results.write_json(a.out, res)
-    missing = any(f["rc"] == "missing" for f in res["files"])
+    missing = any(f["rc"] in ("missing", "skipped") for f in res["files"])  # a skipped file is not a pass
     return 0 if res["summary"]["failed"] == res["summary"]["error"] == 0 and not missing else 1
 
 

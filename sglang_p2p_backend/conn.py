@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import itertools
 import logging
 import queue
 import socket
@@ -50,8 +51,14 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+try:  # deferred decode KV release (SGLang 0.5.23+); 0.5.17 has none of it and keeps the plain abort path
+    from sglang.srt.disaggregation.common.conn import ABORT_ACK_TAG, AbortAck, AbortNotification
+except ImportError:
+    ABORT_ACK_TAG = AbortAck = AbortNotification = None
+
 from sglang_p2p_backend.engine import messages as wire
 from sglang_p2p_backend.engine.arrivals import ArrivalTracker
+from sglang_p2p_backend.engine.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
 from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.copier import PageCopier
 from sglang_p2p_backend.engine.control import ControlChannel, ControlError
@@ -73,6 +80,8 @@ from sglang_p2p_backend.engine.transport.select import (
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+#: after a "no room for a communicator" answer, a peer is not offered NCCL again for this long
+_NO_ROOM_BACKOFF_S = 0.05
 
 
 def _ids(raw: bytes) -> np.ndarray:
@@ -134,6 +143,10 @@ class _Shard:
 
 
 class P2pNcclKVManager(CommonKVManager):
+    # SGLang 0.5.23+ may hold an aborted room's decode pages until every prefill rank ACKs that no write
+    # into them is in flight (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE); unused by 0.5.17
+    supports_deferred_decode_kv_release = True
+
     def __init__(
         self,
         args: KVArgs,
@@ -194,6 +207,8 @@ class P2pNcclKVManager(CommonKVManager):
             # its sources; aux rows included (they travel in the last chunk's batch)
             self.one_sided.register(self.local_memory.regions())
         self.control = ControlChannel()
+        # prefill: orders "a write of room r starts" against "r is aborted, ACK if nothing is in flight"
+        self._flight_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -257,9 +272,13 @@ class P2pNcclKVManager(CommonKVManager):
         self.rejected_peers: Dict[str, str] = {}
         self.senders: Dict[str, PairSender] = {}
         self.selector = TransportSelector(self.config.transport)
-        # the NCCL communicator pool answers "does one more communicator fit?" here once it is wired in
-        # (engine/comm_pool.py); until then NCCL always fits, as before the pool existed
-        self.nccl_admits: Callable[[str], bool] = lambda session: True
+        # pair communicators live within a GPU-memory budget (engine/comm_budget.py); `auto` asks it whether
+        # one more fits before choosing NCCL over Mooncake for a peer
+        self.comm_budget = CommBudget.from_env("prefill", self._evict_pair) if self.two_sided else None
+        self._offers: Dict[int, "queue.Queue[wire.CommAnswer]"] = {}
+        self._offer_ids = itertools.count(1)
+        self._no_room_until: Dict[str, float] = {}
+        self.nccl_admits: Callable[[str], bool] = self._nccl_admits
         self.one_sided_sender = OneSidedSender(self.one_sided, self.local_memory) if self.one_sided else None
         self.shards = [_Shard() for _ in range(self.config.workers)]
         for i, shard in enumerate(self.shards):
@@ -276,6 +295,13 @@ class P2pNcclKVManager(CommonKVManager):
             self._on_register(msg)
         elif isinstance(msg, wire.RoomMetadata):
             self._on_metadata(msg)
+        elif isinstance(msg, wire.CommAnswer):
+            answer = self._offers.get(msg.offer)
+            if answer is not None:
+                answer.put(msg)
+        elif isinstance(msg, wire.CommRelease) and self.comm_budget is not None:
+            if self.comm_budget.close_if_idle(msg.session):
+                logger.info("p2pnccl: released the idle pair channel of decode rank %s (its budget is full)", msg.session)
 
     def _check_peer(self, reg: wire.PeerRegister) -> Optional[str]:
         args = self.kv_args
@@ -314,6 +340,99 @@ class P2pNcclKVManager(CommonKVManager):
             peer_offers=tuple(self._common_transports(reg)),
         )
         return self.selector.choose(session, facts)
+
+    def _nccl_admits(self, session: str) -> bool:
+        if time.monotonic() < self._no_room_until.get(session, 0.0):
+            return False
+        return self.comm_budget is None or self.comm_budget.fits(session)
+
+    def _evict_pair(self, session: str) -> None:
+        """Close the idle pair channel of `session` for the pool (called with the pool's lock held, so the
+        owning worker cannot start a transfer on it) and tell the decode, which drops its end in order."""
+        sender = self.senders.get(session)
+        generation = sender.close_channel() if sender is not None else None
+        if generation is None:
+            return
+        try:
+            self.control.send(session, wire.CommClosed(self.session, generation))
+        except ControlError as e:
+            logger.warning("p2pnccl: %s", e)
+
+    def _open_pair(self, session: str, sender: PairSender) -> None:
+        """Admit a new pair channel in this rank's budget, agree its cap with the decode's budget, open it.
+        Raises NoRoom when either side has no room now, TransportError when it cannot be opened."""
+        decision = self.comm_budget.admit(session)
+        try:
+            offer = next(self._offer_ids)
+            answers: "queue.Queue[wire.CommAnswer]" = queue.Queue(1)
+            self._offers[offer] = answers
+            try:
+                self.control.send(session, wire.CommOffer(self.session, offer, cap_to_wire(decision.cap)))
+                answer = answers.get(timeout=self.config.connect_timeout)
+            except queue.Empty:
+                raise TransportError(
+                    f"decode rank {session} did not answer the pair-channel offer within "
+                    f"{self.config.connect_timeout:.0f}s (SGLANG_P2P_CONNECT_TIMEOUT)"
+                ) from None
+            finally:
+                self._offers.pop(offer, None)
+            if answer.cap < 0:
+                raise NoRoom(f"decode rank {session}: {answer.reason}")
+            cap = cap_from_wire(answer.cap)
+            sender.open(cap)
+            self.comm_budget.opened(session, cap)
+        except BaseException:
+            self.comm_budget.closed(session)
+            raise
+
+    def _send_two_sided(self, session: str, room: int, src: list, dst: list, alive: Callable[[], bool]) -> None:
+        """Send over the peer's pair channel, opening one within the budget when it has none (or lost it)."""
+        sender = self._pair_sender(session)
+        try:
+            while alive():
+                with self.comm_budget.using(session) as live:
+                    if live and sender.comm is not None:
+                        sender.send(room, self.prefill_rank, src, dst, keep_going=alive)
+                        return
+                if live:  # the pool counts a channel the sender lost: forget it before opening a new one
+                    self.comm_budget.closed(session)
+                self._open_pair(session, sender)
+        except TransportError:
+            self.comm_budget.closed(session)
+            raise
+
+    def _send_one_sided(self, room: int, peer: wire.PeerRegister, src: list, dst: list, aux: Optional[tuple]) -> None:
+        try:
+            self.one_sided_sender.send(peer, src, dst, aux)
+        except PlanError:
+            raise  # found before any byte moved
+        except BaseException:
+            self._poison_unsettled(room)
+            raise
+
+    def _deliver(self, session: str, room: int, src: list, dst: list, aux: Optional[tuple], alive: Callable[[], bool]) -> None:
+        """One chunk to one decode rank over the transport `auto` picks now. Lack of communicator memory never
+        fails it: the peer goes to Mooncake when it can, else the chunk waits for room (until the room ends)."""
+        waiting_since = None
+        while alive():
+            if self._route(session).transport == "mooncake":
+                self._send_one_sided(room, self.decode_peers[session], src, dst, aux)
+                return
+            try:
+                self._send_two_sided(session, room, src, dst, alive)
+            except NoRoom as e:
+                self._no_room_until[session] = time.monotonic() + _NO_ROOM_BACKOFF_S
+                if waiting_since is None:
+                    waiting_since = time.monotonic()
+                    logger.info("p2pnccl: room %s waits for a pair channel to decode rank %s: %s", room, session, e)
+                if self._route(session).transport != "mooncake":
+                    time.sleep(_NO_ROOM_BACKOFF_S)
+                continue
+            if waiting_since is not None:
+                logger.info("p2pnccl: room %s got a pair channel after %.2fs", room, time.monotonic() - waiting_since)
+            if aux is not None and alive():
+                self._send_aux(session, room, *aux)
+            return
 
     def _on_register(self, reg: wire.PeerRegister) -> None:
         problem = self._check_peer(reg)
@@ -359,15 +478,65 @@ class P2pNcclKVManager(CommonKVManager):
             self.update_status(room, KVPoll.WaitingForInput)
 
     def _on_decode_abort(self, frames: List[bytes]) -> None:
-        try:
-            room = int(frames[1])
-            who = f"{frames[2].decode()}:{frames[3].decode()}"
-        except (IndexError, ValueError):
-            logger.warning("p2pnccl: malformed ABORT frames %r", frames[:4])
+        """A decode rank aborted `room`: fail it here. With deferred decode KV release (0.5.23+) the decode
+        holds the room's pages until this rank ACKs; the ACK goes out once no write of the room is in flight
+        (now, or when the last in-flight task of the room ends: `_flight_end`)."""
+        target = None
+        if AbortNotification is not None:
+            note = AbortNotification.from_zmq(frames)
+            if note is None:
+                return
+            room, who = note.room, f"{note.decode_ip}:{note.decode_port}"
+            if self._deferred_release():
+                target = note.deferred_ack_target()  # None for a decode that did not arm (no generation)
+        else:
+            try:
+                room = int(frames[1])
+                who = f"{frames[2].decode()}:{frames[3].decode()}"
+            except (IndexError, ValueError):
+                logger.warning("p2pnccl: malformed ABORT frames %r", frames[:4])
+                return
+        # under the flight lock: a task that starts after this block sees Failed before its first write,
+        # one that started before it is counted in _staging_outstanding, so the ACK waits for it
+        with self._flight_lock:
+            if room in self.request_status:
+                self.record_failure(room, f"Aborted by decode rank {who}")
+                self.update_status(room, KVPoll.Failed)
+            if target is not None:
+                self.register_deferred_ack_target(room, target)
+        if target is not None:
+            self._maybe_ack_drained_abort(room)
+
+    def _deferred_release(self) -> bool:
+        """SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE is on and the release has the machinery (0.5.23+)."""
+        return AbortNotification is not None and bool(getattr(self, "enable_deferred_decode_kv_release", False))
+
+    def _flight_begin(self, room: int) -> None:
+        """A transfer task of `room` starts: counted before `_process` checks the room is alive."""
+        if self._deferred_release():
+            with self._flight_lock:
+                self._staging_outstanding[room] += 1
+
+    def _flight_end(self, room: int) -> None:
+        """A transfer task of `room` ended; the last one of an aborted room sends the held ACKs."""
+        if not self._deferred_release():
             return
-        if room in self.request_status:
-            self.record_failure(room, f"Aborted by decode rank {who}")
-            self.update_status(room, KVPoll.Failed)
+        with self._flight_lock:
+            left = self._staging_outstanding.get(room, 0) - 1
+            if left > 0:
+                self._staging_outstanding[room] = left
+            else:
+                self._staging_outstanding.pop(room, None)
+        if left <= 0:
+            self._maybe_ack_drained_abort(room)  # pops the targets: at most one ACK per abort
+
+    def _poison_unsettled(self, room: int) -> None:
+        """A write into the decode's pages failed in a way that cannot prove it stopped (a Mooncake batch
+        may still run after its sync call returned an error): never ACK; the decode falls back to its
+        release timeout."""
+        if self._deferred_release():
+            with self._flight_lock:
+                self.poison_deferred_ack_room(room)
 
     def _fail_room(self, room: int, reason: str) -> None:
         """Fail `room` here and tell every real decode rank of it (once)."""
@@ -433,12 +602,17 @@ class P2pNcclKVManager(CommonKVManager):
                 sender = self.senders.pop(task.session, None)
                 if sender is not None:
                     sender.close()
+                if self.comm_budget is not None:
+                    self.comm_budget.closed(task.session)
                 continue
+            self._flight_begin(task.room)
             try:
                 self._process(task)
             except Exception as e:  # anything unexpected still ends the room with a reason
                 logger.exception("p2pnccl: transfer of room %s failed", task.room)
                 self._fail_room(task.room, f"prefill transfer error: {e!r}")
+            finally:
+                self._flight_end(task.room)
 
     def _pair_sender(self, session: str) -> PairSender:
         sender = self.senders.get(session)
@@ -481,12 +655,7 @@ class P2pNcclKVManager(CommonKVManager):
                     dst.append(info.dst_state_indices[c] if usable else _NO_IDS)
             aux = (task.aux_index, info.dst_aux_index) if task.is_last and _has_aux(task, info) else None
             try:
-                if self._route(session).transport == "mooncake":
-                    self.one_sided_sender.send(peer, src, dst, aux)
-                else:
-                    self._pair_sender(session).send(room, self.prefill_rank, src, dst, keep_going=alive)
-                    if aux is not None and alive():
-                        self._send_aux(session, room, *aux)
+                self._deliver(session, room, src, dst, aux, alive)
             except (TransportError, ControlError, PlanError) as e:
                 self._fail_room(room, f"KV transfer to decode rank {session} failed: {e}")
                 return
@@ -506,6 +675,9 @@ class P2pNcclKVManager(CommonKVManager):
         self.live_rooms: set = set()
         self.incompatible_prefills: Dict[str, str] = {}
         self.arrivals = ArrivalTracker(self._apply_prefill_final)
+        # the decode admits pair channels within its own budget but never closes one: the prefill owns the
+        # pair's traffic, so the decode asks it to release an idle channel instead (CommRelease)
+        self.comm_budget = CommBudget.from_env("decode") if self.two_sided else None
         self._spawn(self._control_loop, "p2p-decode-control", self._handle_decode_frames)
         self._start_heartbeat_checker_thread()
 
@@ -540,6 +712,7 @@ class P2pNcclKVManager(CommonKVManager):
                 on_chunk=self.arrivals.landed,
                 connect_timeout=self.config.connect_timeout,
                 io_timeout=self.config.io_timeout,
+                on_channel=lambda init, s=session: self._channel_changed(s, init),
             )
         return receiver
 
@@ -553,21 +726,85 @@ class P2pNcclKVManager(CommonKVManager):
     def _handle_decode_frames(self, frames: List[bytes]) -> None:
         msg = wire.decode(frames)
         if msg is None:
-            return  # e.g. ABORT_ACK frames of other backends' protocol: nothing to do
+            if ABORT_ACK_TAG is not None and frames and frames[0] == ABORT_ACK_TAG:
+                self._on_abort_ack(frames)
+            return
         if isinstance(msg, (wire.CommInit, wire.ChunkHeader)) and self.two_sided is None:
             # cannot happen with a compatible prefill (it saw our transports at registration); fail, do not hang
             if isinstance(msg, wire.ChunkHeader):
                 reason = f"prefill {msg.session} sent two-sided chunks but this decode rank runs only {self.transports.names()}"
                 self.arrivals.final(msg.room, msg.prefill_rank, False, reason)
+        elif isinstance(msg, wire.CommOffer):
+            self._on_offer(msg)
         elif isinstance(msg, wire.CommInit):
             self._receiver(msg.session).submit(msg)
         elif isinstance(msg, wire.ChunkHeader):
             self.arrivals.announce(msg.room, msg.prefill_rank, msg.session)
+            self.comm_budget.touch(msg.session)
             self._receiver(msg.session).submit(msg)
+        elif isinstance(msg, wire.CommClosed):
+            receiver = self.receivers.get(msg.session)
+            if receiver is not None:
+                receiver.closed_by_peer(msg.generation)
         elif isinstance(msg, wire.AuxData):
             self._write_aux(msg)
         elif isinstance(msg, wire.Status):
             self.arrivals.final(msg.room, msg.prefill_rank, msg.status == KVPoll.Success, msg.reason)
+
+    def _on_abort_ack(self, frames: List[bytes]) -> None:
+        """A prefill rank's writes into an aborted room drained (SGLang 0.5.23+ deferred release). Chunks of a
+        two-sided channel are scattered into the pages by this rank's receiver thread of that prefill, so the
+        ACK counts only once that thread finished every chunk queued before it; otherwise at once."""
+        ack = AbortAck.from_zmq(frames) if self.enable_deferred_decode_kv_release else None
+        peers = self.arrivals.peers(ack.room, ack.prefill_rank) if ack is not None else []
+        receivers = [self.receivers[p] for p in peers if p in self.receivers]
+        if not receivers:
+            self.handle_abort_ack_message(frames)
+            return
+        left, lock = [len(receivers)], threading.Lock()
+
+        def drained() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.handle_abort_ack_message(frames)  # note_abort_ack for the armed generation
+
+        for receiver in receivers:
+            receiver.submit(drained)
+
+    def _on_offer(self, msg: wire.CommOffer) -> None:
+        """A prefill wants a pair channel: answer the cap this rank's budget affords, or no room (and ask the
+        least recently used prefill with an idle channel to release it, so a retry finds room)."""
+        if self.comm_budget is None:
+            answer = wire.CommAnswer(self.session, msg.offer, -1, f"this decode rank runs no two-sided transport ({self.transports.names()})")
+        else:
+            # a new offer replaces this prefill's channel (its receiver drops the old one at the CommInit)
+            self.comm_budget.closed(msg.session)
+            try:
+                decision = self.comm_budget.admit(msg.session, cap_from_wire(msg.cap), evict=False)
+                answer = wire.CommAnswer(self.session, msg.offer, cap_to_wire(decision.cap))
+            except NoRoom as e:
+                answer = wire.CommAnswer(self.session, msg.offer, -1, f"decode communicator budget full: {e}")
+                others = [p for p in self.comm_budget.idle_peers() if p != msg.session]
+                if others:
+                    self._control_send(others[0], wire.CommRelease(self.session))
+        self._control_send(msg.session, answer)
+
+    def _control_send(self, session: str, msg: wire.Message) -> None:
+        try:
+            self.control.send(session, msg)
+        except ControlError as e:
+            logger.warning("p2pnccl: %s", e)
+
+    def _channel_changed(self, session: str, init: Optional[wire.CommInit]) -> None:
+        """The receiver of `session` joined a channel (`init`) or dropped one (None): keep the budget true."""
+        if self.comm_budget is None:
+            return
+        if init is None:
+            self.comm_budget.closed(session)
+        else:
+            self.comm_budget.opened(session, cap_from_wire(init.cap) if init.cap >= 0 else -1)
 
     def _write_aux(self, msg: wire.AuxData) -> None:
         if not self.room_wanted(msg.room) or msg.aux_index < 0:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+from bench.transfer.pair import pair_device
 from sglang_p2p_backend.engine import messages
 from sglang_p2p_backend.engine.copier import PageCopier
 from sglang_p2p_backend.engine.pipeline import PairReceiver, PairSender
@@ -142,7 +143,7 @@ def _decode(device, cases, ctrl, results, io_timeout):
 
 
 def _worker(rank, cases, ctrl, results, out_q, io_timeout):
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda", pair_device(rank)) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:

@@ -3,6 +3,11 @@
 Used by the transfer benchmark and the GPU tests: rank 0 is the prefill on cuda:0, rank 1 the decode on
 cuda:1. Each child sets the host's NVLink-multicast safety variables before CUDA starts, and the parent
 kills children that outlive the deadline, so a hung NCCL call ends the run instead of the session.
+
+On a host with one GPU both ranks share it (`pair_device`): NCCL refuses two ranks of one communicator on one
+GPU of one host ("Duplicate GPU detected"), so each rank names a host of its own (NCCL_HOSTID) and NCCL moves
+the bytes through its socket transport on loopback. That proves the engine's NCCL code paths (init, caps,
+abort, ordering, byte-exactness) on real NCCL; its speed says nothing about NVLink.
 """
 
 from __future__ import annotations
@@ -15,8 +20,28 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
+from sglang_p2p_backend.testing.launch import one_gpu_env
+
 #: NVLink multicast stays off on the shared test hosts (see the device docs); NCCL reads these once per process
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def pair_device(rank: int) -> int:
+    """The CUDA device of `rank` (call before NCCL starts): its own GPU, or GPU 0 shared on a one-GPU host,
+    with `one_gpu_env` applied to this process."""
+    import torch
+
+    if one_gpu_host():
+        os.environ.update(one_gpu_env(f"rank{rank}"))
+        return 0
+    return rank
+
+
+def one_gpu_host() -> bool:
+    """The pair runs on one shared GPU (NCCL over loopback sockets): figures are not NVLink figures."""
+    import torch
+
+    return torch.cuda.device_count() == 1 or os.environ.get("P2P_PAIR_ONE_GPU") == "1"
 
 
 def _child(fn: Callable, rank: int, device: int, conn, results, args: tuple, env: dict, dump_after: float) -> None:
@@ -27,6 +52,7 @@ def _child(fn: Callable, rank: int, device: int, conn, results, args: tuple, env
     try:
         import torch
 
+        device = pair_device(device)
         torch.cuda.set_device(device)
         results.put((rank, True, fn(rank, conn, *args)))
     except BaseException:  # report everything, the parent decides

@@ -97,6 +97,13 @@ class ArrivalTracker:
                 else:
                     p.failed = True  # chunks still in flight land (and are discarded) later
 
+    def peers(self, room: int, prefill_rank: int) -> list[str]:
+        """The peers that announced chunks of (room, prefill_rank) not all settled yet (none once every
+        announced chunk landed and the room concluded)."""
+        with self._lock:
+            p = self._rooms.get((room, prefill_rank))
+            return sorted(p.peers) if p is not None else []
+
     def pending(self) -> int:
         with self._lock:
             return len(self._rooms)

@@ -149,8 +149,9 @@ class CommPool:
         return self.ladder.index(a) < self.ladder.index(b) if a in self.ladder and b in self.ladder else False
 
     # -- the decision ----------------------------------------------------------------------------------
-    def admit(self, peer: Hashable, max_cap: Cap = None) -> Decision:
-        """Decide how `peer` gets a communicator; commits the decision (see module docstring)."""
+    def admit(self, peer: Hashable, max_cap: Cap = None, *, evict: bool = True) -> Decision:
+        """Decide how `peer` gets a communicator; commits the decision (see module docstring). `evict=False`:
+        never close another peer's communicator (the decode side, which does not own its pairs' traffic)."""
         entry = self._live.get(peer)
         if entry is not None:
             self._live.move_to_end(peer)
@@ -167,8 +168,8 @@ class CommPool:
             return self._open(peer, want, (), f"{len(self._live) + 1} peers: fair cap {want}")
 
         # 1. close idle communicators fatter than the fair cap: rebalance toward the new peer count
-        fat = [p for p in self._idle_lru() if self._fatter(self._live[p].cap, want)]
-        victims = self._pick(fat, want, free, slots_full)
+        fat = [p for p in self._idle_lru() if self._fatter(self._live[p].cap, want)] if evict else []
+        victims = self._pick(fat, want, free, slots_full) if evict else None
         if victims is not None:
             return self._open(peer, want, victims, f"closing {len(victims)} idle communicator(s) above cap {want}")
 
@@ -179,7 +180,7 @@ class CommPool:
                     return self._open(peer, cap, (), f"budget nearly full: lean cap {cap}")
 
         # 3. close least recently used idle communicators for the fair cap, else for the leanest
-        for cap in (want, caps[-1]):
+        for cap in (want, caps[-1]) if evict else ():
             victims = self._pick(self._idle_lru(), cap, free, slots_full)
             if victims is not None:
                 return self._open(peer, cap, victims, f"closing {len(victims)} least recently used idle communicator(s)")
@@ -192,6 +193,19 @@ class CommPool:
                 f"even cap {caps[-1]} ({self.cost.mb_of(caps[-1]):.0f} MB) does not fit: use RDMA or wait"
             ),
         )
+
+    def would_admit(self, peer: Hashable, max_cap: Cap = None, *, evict: bool = True) -> Decision:
+        """What `admit` would answer now, without committing anything."""
+        saved = OrderedDict((p, _Entry(e.cap, e.mb, e.busy, e.opening)) for p, e in self._live.items())
+        try:
+            return self.admit(peer, max_cap, evict=evict)
+        finally:
+            self._live = saved
+
+    def idle(self, peer: Hashable) -> bool:
+        """The peer has a communicator that is up and carries no transfer (it may be closed now)."""
+        e = self._live.get(peer)
+        return e is not None and e.busy == 0 and not e.opening
 
     def _pick(self, candidates: list[Hashable], cap: Cap, free: float, slots_full: bool) -> Optional[tuple]:
         """Fewest least-recently-used candidates whose closing makes room for one communicator at `cap`."""
@@ -217,7 +231,10 @@ class CommPool:
     def opened(self, peer: Hashable, cap: Cap = -1) -> None:
         """The communicator admitted for `peer` is up (idle). `cap`: the cap it really got, when the two ranks
         settled on a leaner one than admitted."""
-        e = self._live[peer]
+        e = self._live.get(peer)
+        if e is None:  # a communicator the pool did not admit (a peer that skipped the offer): count it anyway
+            cap = None if cap == -1 else cap
+            e = self._live[peer] = _Entry(cap, self.cost.mb_of(cap) if cap is not None or None in self.cost.mb else 0.0)
         e.opening = False
         if cap != -1 and cap != e.cap:
             e.cap, e.mb = cap, self.cost.mb_of(cap)

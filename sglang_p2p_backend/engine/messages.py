@@ -60,6 +60,38 @@ class CommInit(msgspec.Struct, tag=True):
     transport: str
     unique_id: bytes
     generation: int
+    #: channel cap both ranks use (0: NCCL's default, -1: not negotiated)
+    cap: int = -1
+
+
+class CommOffer(msgspec.Struct, tag=True):
+    """Prefill -> decode: may we open a pair channel of `cap` channels (0: NCCL default)? Answered by CommAnswer."""
+
+    session: str
+    offer: int
+    cap: int
+
+
+class CommAnswer(msgspec.Struct, tag=True):
+    """Decode -> prefill: the cap the decode's communicator budget affords (<= the offer), or -1 and why not."""
+
+    session: str
+    offer: int
+    cap: int
+    reason: str = ""
+
+
+class CommClosed(msgspec.Struct, tag=True):
+    """Prefill -> decode: the pair channel `generation` was released (pool eviction); drop it after its chunks."""
+
+    session: str
+    generation: int
+
+
+class CommRelease(msgspec.Struct, tag=True):
+    """Decode -> prefill: short of communicator memory; release our pair channel if it is idle."""
+
+    session: str
 
 
 class ChunkSegment(msgspec.Struct, array_like=True):
@@ -98,7 +130,9 @@ class Status(msgspec.Struct, tag=True):
     reason: str = ""
 
 
-Message = Union[PeerRegister, RoomMetadata, CommInit, ChunkHeader, AuxData, Status]
+Message = Union[
+    PeerRegister, RoomMetadata, CommInit, ChunkHeader, AuxData, Status, CommOffer, CommAnswer, CommClosed, CommRelease
+]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -86,13 +86,19 @@ class PairSender(_PairEnd):
         self.local_session = local_session
         self.control = control
 
-    def _ensure_comm(self) -> PairComm:
-        if self.comm is None:
-            self.generation += 1
-            uid = self.transport.new_unique_id()
-            self.control(CommInit(self.local_session, self.transport.name, uid, self.generation))
-            self.comm = self.transport.connect(uid, 0, self.connect_timeout)
+    def open(self, max_ctas: Optional[int] = -1) -> PairComm:
+        """Make a new pair channel (capped at `max_ctas` channels on nccl; -1: the transport's default) and
+        announce it; the decode joins when its receiver reaches the CommInit. Replaces any older channel."""
+        self.reset()
+        self.generation += 1
+        uid = self.transport.new_unique_id(max_ctas)
+        cap = -1 if max_ctas == -1 else (max_ctas or 0)
+        self.control(CommInit(self.local_session, self.transport.name, uid, self.generation, cap))
+        self.comm = self.transport.connect(uid, 0, self.connect_timeout)
         return self.comm
+
+    def _ensure_comm(self) -> PairComm:
+        return self.comm if self.comm is not None else self.open()
 
     def send(
         self,
@@ -147,6 +153,15 @@ class PairSender(_PairEnd):
 
     close = reset
 
+    def close_channel(self) -> Optional[int]:
+        """Orderly release of an idle channel (the pool needs its memory); returns its generation, None if
+        there was none. Local: the decode learns it from a CommClosed on the control channel."""
+        if self.comm is None:
+            return None
+        comm, self.comm = self.comm, None
+        comm.close()
+        return self.generation
+
 
 def _segment_msg(seg: Segment, dst_ids: Sequence[np.ndarray]) -> ChunkSegment:
     ids = np.ascontiguousarray(dst_ids[seg.group][seg.lo : seg.hi], dtype=np.int32)
@@ -193,9 +208,12 @@ class PairReceiver(_PairEnd):
         on_chunk: ChunkDone,
         connect_timeout: float,
         io_timeout: float,
+        on_channel: Callable[[Optional[CommInit]], None] = lambda init: None,
     ):
         super().__init__(transport, staging, copier, connect_timeout, io_timeout)
         self.peer_session = peer_session
+        #: told the CommInit of a channel once joined, None once it is dropped (the decode's comm pool)
+        self.on_channel = on_channel
         self.wanted = wanted
         self.on_chunk = on_chunk
         self.broken_reason = ""
@@ -216,7 +234,12 @@ class PairReceiver(_PairEnd):
         if self.comm is not None:
             self.comm.abort()
             self.comm = None
+            self.on_channel(None)
         self.broken_reason = reason
+
+    def closed_by_peer(self, generation: int) -> None:
+        """The prefill released channel `generation` (pool eviction); queued behind every chunk it sent on it."""
+        self.submit(lambda: self._drop("closed by the prefill (communicator pool)") if generation == self.generation else None)
 
     def _run(self) -> None:
         while True:
@@ -239,6 +262,7 @@ class PairReceiver(_PairEnd):
         try:
             self.comm = self.transport.connect(msg.unique_id, 1, self.connect_timeout)
             self.broken_reason = ""
+            self.on_channel(msg)
         except TransportError as e:
             self.broken_reason = f"could not join the pair channel of prefill {self.peer_session}: {e}"
             logger.warning(self.broken_reason)

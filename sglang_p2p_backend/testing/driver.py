@@ -9,12 +9,16 @@ SGLang's plugin loader ran, then polls all its requests in one loop with the sch
 (sglang-interface.md §2): prefill: Bootstrapping -> WaitingForInput -> init -> send chunks -> Success |
 Failed; decode: ensure prefill info -> init -> WaitingForInput -> send_metadata -> Success (after the aux
 metadata gate) | Failed. The decode checks every destination page byte for byte, that no other page changed,
-and the aux row. Both report leftovers (rooms, staging, threads) after the run.
+and the aux row. Both report leftovers (rooms, staging, threads) after the run. After an abort it sent, the
+decode holds the room's pages as SGLang 0.5.23's deferred release does (until the prefill ranks ACK, or its
+timeout) and reports `released_at`, `release_safe` and `changed_after_release`; the prefill reports
+`write_done_at` and `ack_sent_at` per room (fault `write_delay_s` keeps each write in flight longer).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import os
@@ -28,6 +32,7 @@ import numpy as np
 import torch
 
 from . import runtime
+from .launch import one_gpu_env
 from .pools import HostPools, PoolSpec
 
 FIRST_TOKEN = 4242
@@ -46,6 +51,8 @@ class Req:
     state_slot: int = -1
     sent: int = 0
     started: float = 0.0
+    hold: Optional[tuple] = None  # decode, deferred release: (required_acks, monotonic deadline)
+    snapshot: Optional[list] = None  # decode: the held pages' bytes when they were released
     result: dict = field(default_factory=dict)
 
 
@@ -80,6 +87,8 @@ class Role:
             tp_size=self.tp,
             tp_rank=rank,
             attn_dp=self.attn_dp,
+            # a rank's device is its pools' GPU (two prefill ranks may share one in the tests)
+            local_rank=torch.device(self.spec.device).index if self.spec.device.startswith("cuda") else None,
         )
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
@@ -122,6 +131,50 @@ class Role:
         self.free_slots = list(range(self.spec.state_slots))
         self.used_pages: set[int] = set()
         self.used_slots: set[int] = set()
+        self.write_done_at: dict[int, float] = {}
+        self.ack_sent_at: dict[int, float] = {}
+        if role == "prefill":
+            self.watch_writes(self.faults.get("write_delay_s", 0))
+
+    def watch_writes(self, delay) -> None:
+        """Prefill: record when each room's last write returned (`write_done_at`) and when its deferred
+        ABORT_ACKs went out (`ack_sent_at`). Fault `write_delay_s` (seconds, or {room: seconds}): each write of
+        the manager (a Mooncake batch write, a pair channel send) starts that much later, so it is in flight
+        for that long."""
+        from sglang_p2p_backend.engine.pipeline import PairSender
+
+        mgr, current = self.mgr, threading.local()
+        process = mgr._process
+
+        def tracked_process(task):
+            current.room = task.room
+            return process(task)
+
+        def delayed(send):
+            def wrapper(*a, **kw):
+                room = getattr(current, "room", None)
+                pause = float(delay.get(str(room), 0) if isinstance(delay, dict) else delay or 0)
+                if pause:
+                    time.sleep(pause)
+                try:
+                    return send(*a, **kw)
+                finally:
+                    self.write_done_at[room] = time.time()
+
+            return wrapper
+
+        mgr._process = tracked_process
+        if getattr(mgr, "one_sided_sender", None) is not None:
+            mgr.one_sided_sender.send = delayed(mgr.one_sided_sender.send)
+        PairSender.send = delayed(PairSender.send)
+        if hasattr(mgr, "_send_abort_ack"):  # SGLang 0.5.23+
+            send_ack = mgr._send_abort_ack
+
+            def recorded_ack(room, target):
+                self.ack_sent_at.setdefault(room, time.time())
+                return send_ack(room, target)
+
+            mgr._send_abort_ack = recorded_ack
 
     # ------------------------------------------------------------------ helpers
     def take_pages(self, n: int) -> np.ndarray:
@@ -148,13 +201,54 @@ class Role:
             "request_status": sorted(m.request_status),
             "staging_in_use": m.staging.in_use,
             "failure_records": sorted(m.failure_records),
+            # pair channels still counted by the communicator budget, and the MB they hold
+            "comm_live": sorted(m.comm_budget.pool.live()) if m.comm_budget else [],
+            "comm_used_mb": m.comm_budget.used_mb() if m.comm_budget else 0.0,
+            "comm_peak_mb": m.comm_budget.peak_mb if m.comm_budget else 0.0,
+            "comm_stats": dict(m.comm_budget.stats) if m.comm_budget else {},
         }
         if self.role == "prefill":
             out["transfer_infos"] = sorted(m.transfer_infos)
             out["req_to_decode_prefix_len"] = sorted(m.req_to_decode_prefix_len)
+            # deferred decode KV release (0.5.23+): in-flight counts and ACKs still held
+            out["staging_outstanding"] = sorted(getattr(m, "_staging_outstanding", {}))
+            out["deferred_ack_targets"] = sorted(getattr(m, "_deferred_ack_targets", {}))
         else:
             out["arrivals_pending"] = m.arrivals.pending()
             out["live_rooms"] = sorted(m.live_rooms)
+            out["deferred_abort_rooms"] = sorted(getattr(m, "_deferred_abort_ack_tracker", {}))
+        return out
+
+    # ------------------------------------------------------------------ decode: deferred KV release
+    def maybe_hold(self, req: Req) -> None:
+        """After an abort this decode sent (AbortReq, waiting timeout), keep the room's pages as SGLang 0.5.23's
+        decode does with deferred release (decode.py `_defer_release`): until every prefill rank that could
+        write them ACKed, or SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT."""
+        if req.pages is None or not getattr(self.mgr, "enable_deferred_decode_kv_release", False):
+            return
+        if not getattr(req.handle, "abort_notified", False):
+            return
+        from sglang.srt.environ import envs
+
+        timeout = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
+        req.hold = (len(req.handle.bootstrap_infos), time.monotonic() + timeout)
+        req.phase = "held"
+
+    def try_release(self, req: Req) -> None:
+        required, deadline = req.hold
+        safe = self.mgr.is_abort_release_safe(req.room, required)
+        if not safe and time.monotonic() < deadline:
+            return
+        req.result.update(released_at=time.time(), release_safe=bool(safe))
+        self.mgr.clear_deferred_abort_state(req.room)  # as decode.py's _do_release
+        req.snapshot = self.held_bytes(req)
+        req.phase = "done"
+
+    def held_bytes(self, req: Req) -> list:
+        idx = torch.from_numpy(req.pages.astype(np.int64)).to(self.spec.device)
+        out = [t[idx].cpu().clone() for t in self.pools.kv]
+        if req.state_slot >= 0:
+            out.append(self.pools.state[req.state_slot].cpu().clone())
         return out
 
     # ------------------------------------------------------------------ prefill
@@ -226,6 +320,9 @@ class Role:
         from sglang.srt.disaggregation.utils import KVClassType
 
         P = self.KVPoll
+        if req.phase == "held":
+            self.try_release(req)
+            return
         if req.phase == "new":
             req.handle = self.cls[KVClassType.RECEIVER](mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=req.room)
             req.phase, req.started = "ensure", now
@@ -248,6 +345,7 @@ class Role:
         status = req.handle.poll()
         if status == P.Failed:
             self.fail(req)
+            self.maybe_hold(req)
             return
         if req.phase == "handshake":
             if status == P.WaitingForInput:
@@ -267,6 +365,7 @@ class Role:
                 raise ValueError(f"Unexpected poll case {status} (SGLang raises here too)")
             return
         if "abort_after_s" in self.faults and now - req.result["metadata_at"] >= self.faults["abort_after_s"]:
+            req.result["abort_at"] = time.time()
             req.handle.abort()
             return
         if "exit_after_s" in self.faults and now - req.result["metadata_at"] >= self.faults["exit_after_s"]:
@@ -319,6 +418,13 @@ class Role:
             out["untouched_violations"] = self.pools.untouched(self.used_pages, self.used_slots)[:20]
         linger = float(self.plan.get("linger_s", {}).get(self.role, 0))
         time.sleep(linger)  # let the peer finish before this role's sockets go away
+        for r in reqs:
+            if r.snapshot is not None:  # a released page written after its release: the bug deferral prevents
+                r.result["changed_after_release"] = any(not torch.equal(a, b) for a, b in zip(r.snapshot, self.held_bytes(r)))
+            if r.room in self.write_done_at:
+                r.result["write_done_at"] = self.write_done_at[r.room]
+            if r.room in self.ack_sent_at:
+                r.result["ack_sent_at"] = self.ack_sent_at[r.room]
         out["leftovers"] = self.leftovers()
         self.mgr.close()
         out["threads_left"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("p2p-"))
@@ -375,6 +481,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ns = ap.parse_args(argv)
     with open(ns.plan) as f:
         plan = json.load(f)
+    # a role still running past its deadline prints every thread's stack (then its parent may kill it)
+    faulthandler.dump_traceback_later(float(plan.get("deadline_s", 60)) + 20, exit=False)
+    if plan.get("share_gpu"):  # both roles on one GPU over NCCL: before anything starts NCCL
+        os.environ.update(one_gpu_env(f"{ns.role}{ns.rank}"))
     role = Role(ns.role, plan, ns.rank)
     _touch(plan, f"{ns.role}-{ns.rank}")
     if ns.role == "decode":

@@ -37,6 +37,13 @@ def free_port() -> int:
     raise RuntimeError("no free port found")
 
 
+def one_gpu_env(name: str) -> dict:
+    """What lets the two ranks of a pair share one GPU over NCCL: NCCL refuses two ranks of one communicator on
+    one GPU of one host ("Duplicate GPU detected"), so each process names a host of its own (NCCL_HOSTID) and
+    NCCL moves the bytes through its socket transport on loopback. Real NCCL, real code paths; not NVLink speed."""
+    return {"NCCL_HOSTID": f"p2p-{name}-{os.getpid()}", "NCCL_SOCKET_IFNAME": "lo"}
+
+
 def run_pair(plan: dict, timeout: float = 120.0, env: Optional[dict] = None, workdir: Optional[str] = None) -> dict:
     """Start both roles on 127.0.0.1, wait for them, return {"prefill": result|None, "decode": result|None,
     "returncodes": {...}}. A role that died (a fault plan) has result None."""

@@ -90,9 +90,18 @@ class HostPools:
         idx = torch.from_numpy(pages.astype(np.int64)).to(self.spec.device)
         for r, t in enumerate(self.kv):
             t[idx] = expected_pages(seed, room, r, total, self.spec.item_len)[first_pos : first_pos + len(pages)].to(t.device)
+        self._written()
 
     def fill_state(self, seed: int, room: int, slot: int) -> None:
         self.state[slot] = expected_pages(seed, room, -1, 1, self.spec.state_item_len)[0].to(self.state.device)
+        self._written()
+
+    def _written(self) -> None:
+        """On CUDA, wait for the fill kernels: the pages must be complete before a transport reads them from
+        another thread or process (Mooncake copies them out with its own cudaMemcpy), as SGLang's scheduler
+        hands the backend a wait_event for the forward that wrote them."""
+        if torch.device(self.spec.device).type == "cuda":
+            torch.cuda.synchronize(self.spec.device)
 
     def check(self, seed: int, room: int, pages: np.ndarray, first_pos: int, total: int) -> list[str]:
         """Mismatches (region, page) between `pages` and the request's expected contents."""

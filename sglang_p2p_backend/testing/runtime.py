@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -25,6 +25,7 @@ def setup(
     tp_size: int = 1,
     tp_rank: int = 0,
     attn_dp: int = 1,
+    local_rank: Optional[int] = None,
 ) -> Any:
     """Load plugins, build ServerArgs for `mode` ("prefill"/"decode") with p2pnccl, publish them and build
     gloo process groups for this rank of a `tp_size`-rank server (one process per rank, as SGLang runs its
@@ -60,7 +61,11 @@ def setup(
         rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=tp_rank))
     else:  # 0.5.17
         rc.publish(server_args, role="scheduler")
-    init_distributed_environment(world_size=tp_size, rank=tp_rank, local_rank=tp_rank, backend="gloo")
+    # SGLang makes cuda:local_rank this process's device when CUDA exists: it must be the GPU the rank's KV pools
+    # are on (the copier's kernels launch on the current device), and one this host has
+    if local_rank is None:
+        local_rank = tp_rank % torch.cuda.device_count() if torch.cuda.is_available() else tp_rank
+    init_distributed_environment(world_size=tp_size, rank=tp_rank, local_rank=local_rank, backend="gloo")
     if "tensor_model_parallel_size" in inspect.signature(initialize_model_parallel).parameters:  # 0.5.17
         initialize_model_parallel(tensor_model_parallel_size=tp_size, attention_data_parallel_size=attn_dp, backend="gloo")
     else:  # 0.5.23 reads the widths from the published context

@@ -17,6 +17,10 @@ def _servers():
         yield config.reference("m", model, 40010, 0, flags)
         for backend in ("p2pnccl", "mooncake"):
             yield from config.pd_pair("m", model, backend, 40000, flags)[:2]
+    # run_all.sh --gpus 1: the perf flags for an H200 and for an 80 GB H100
+    for mib in (143771, 81559):
+        for backend in ("p2pnccl", "mooncake"):
+            yield from config.pd_pair("m", model, backend, 40000, config.perf_flags(1, mib), gpus=1)[:2]
 
 
 @pytest.mark.parametrize("server", list(_servers()), ids=lambda s: f"{s.name}-{len(s.args)}")
@@ -30,6 +34,17 @@ def test_extra_args_for_sglangs_own_tests_parse():
     args = ("--model-path", "/m", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "p2pnccl",
             *sglang_tests.EXTRA_ARGS)
     assert checker().problems(Command(label="t", host=None, env={}, program=("python3",), args=args)) == []
+
+
+def test_one_gpu_extra_args_parse_and_move_the_fixtures_decode_to_gpu0():
+    """SGLang's PD fixture passes --base-gpu-id 1 to the decode; the appended single-GPU args must win."""
+    fixture_decode = ("--model-path", "/m", "--disaggregation-mode", "decode", "--base-gpu-id", "1",
+                      "--disaggregation-transfer-backend", "p2pnccl")
+    args = (*fixture_decode, *sglang_tests.extra_args(1))
+    assert checker().problems(Command(label="t", host=None, env={}, program=("python3",), args=args)) == []
+    ns = checker().parser.parse_args(list(args))
+    assert ns.base_gpu_id == 0 and ns.max_total_tokens == 131072 and ns.mem_fraction_static == 0.3
+    assert checker().parser.parse_args(list(fixture_decode) + sglang_tests.extra_args(2)).base_gpu_id == 1
 
 
 def test_sglangs_pd_tests_collect_with_the_plugin_and_use_the_local_model(tmp_path):

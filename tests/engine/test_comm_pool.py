@@ -163,3 +163,29 @@ def test_96p144d_peer_set_stays_within_budget(side, peers, budget_mb):
     assert max(ANCHOR_COST.mb_of(c) for c in live_caps) <= 40 or len(live_caps) * 134 <= budget_mb
     assert no_fit < 100, f"{side}: {no_fit} refusals"
     assert opened > peers // 2 and evicted > 0
+
+
+def test_decode_side_admission_never_evicts():
+    pool = CommPool(300)
+    open_peer(pool, "a")
+    open_peer(pool, "b")
+    d = pool.admit("c", evict=False)  # the evicting pool would close "a" (see above); the decode may not
+    assert d.action is Admission.NO_FIT and d.victims == ()
+    assert set(pool.live()) == {"a", "b"}
+
+
+def test_would_admit_commits_nothing():
+    pool = CommPool(300)
+    open_peer(pool, "a")
+    open_peer(pool, "b")
+    before = (pool.live(), pool.used_mb)
+    d = pool.would_admit("c")
+    assert d.action is Admission.OPEN and d.victims == ("a",)
+    assert (pool.live(), pool.used_mb) == before
+    assert pool.idle("a") and not pool.idle("c")
+
+
+def test_a_channel_the_pool_did_not_admit_is_still_counted():
+    pool = CommPool(1000)
+    pool.opened("x", 4)
+    assert pool.live() == {"x": 4} and pool.used_mb == ANCHOR_COST.mb_of(4)

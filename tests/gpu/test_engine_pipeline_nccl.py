@@ -9,7 +9,8 @@ from bench.transfer.engine_pair import Case, run_cases
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+    # one GPU is enough: both ranks then share it and NCCL moves bytes over loopback (bench/transfer/pair.py)
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
 

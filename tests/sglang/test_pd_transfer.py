@@ -26,6 +26,8 @@ FAST_FAILURE_ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
     "SGLANG_P2P_CONNECT_TIMEOUT": "5",
     "SGLANG_P2P_IO_TIMEOUT": "5",
+    # SGLang 0.5.23+: an aborted room whose prefill is gone holds its decode pages this long (default 30 s)
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "5",
 }
 
 
@@ -214,3 +216,95 @@ def test_prefill_that_never_answers_fails_the_decode_within_its_timeouts():
     assert "Lost connection with prefill" in reason or "timed out" in reason, reason
     assert d["requests"]["81"]["seconds"] < 15
     assert_clean(d)
+
+
+def deferred_release_available() -> bool:
+    """SGLang 0.5.23+ has deferred decode KV release (ABORT with a generation, ABORT_ACK, the decode's hold)."""
+    from sglang.srt.disaggregation.common import conn as common
+
+    return hasattr(common.CommonKVManager, "register_deferred_ack_target")
+
+
+def require_deferred_release() -> None:
+    if not deferred_release_available():
+        pytest.skip("this SGLang release has no deferred decode KV release (added in 0.5.23)")
+
+
+DEFERRED_ENV = {
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1",
+    # well above the write delay: a release before it would be a timeout, not an ACK
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "20",
+}
+
+
+def assert_no_deferred_leftovers(p: dict, d: dict) -> None:
+    assert p["leftovers"]["staging_outstanding"] == [] and p["leftovers"]["deferred_ack_targets"] == [], p["leftovers"]
+    assert d["leftovers"]["deferred_abort_rooms"] == [], d["leftovers"]
+
+
+@pytest.mark.parametrize("transport_env", TRANSPORTS)
+def test_decode_abort_holds_pages_until_the_in_flight_write_ended(transport_env):
+    # the prefill's only write of room 91 starts 3 s late; the decode aborts 0.5 s after its metadata, while
+    # that write is in flight. Mooncake then writes into the aborted room's pages; tcp's send stops before its
+    # first chunk. Either way the decode may give the pages back only after the write ended.
+    require_deferred_release()
+    plan = {
+        "pool": {"layout": "mha", "num_layers": 2, "page_size": 4, "num_pages": 300},
+        "requests": [{"room": 91, "tokens": 4 * 40, "chunk_pages": 40}],
+        "faults": {"prefill": {"write_delay_s": 3.0}, "decode": {"abort_after_s": 0.5}},
+        "linger_s": {"prefill": 5.0, "decode": 1.5},
+        "deadline_s": 40,
+    }
+    result = run_pair(plan, env={**FAST_FAILURE_ENV, **DEFERRED_ENV, **transport_env})
+    assert result["returncodes"] == {"prefill": 0, "decode": 0}, result["workdir"]
+    d, p = result["decode"], result["prefill"]
+    assert "Aborted by AbortReq" in failed_reason(d, 91)
+    assert "Aborted by decode rank 127.0.0.1:" in failed_reason(p, 91)
+    dr, pr = d["requests"]["91"], p["requests"]["91"]
+    assert dr["release_safe"], dr  # released on the prefill's ACK, not on the timeout
+    assert pr["write_done_at"] - dr["abort_at"] > 2.0, (pr, dr)  # the abort came while the write was in flight
+    assert pr["ack_sent_at"] >= pr["write_done_at"], pr
+    assert dr["released_at"] >= pr["write_done_at"], (dr, pr)
+    assert dr["changed_after_release"] is False, dr
+    assert d["untouched_violations"] == []
+    assert_clean(d)
+    assert_clean(p)
+    assert_no_deferred_leftovers(p, d)
+
+
+@pytest.mark.parametrize("transport_env", TRANSPORTS)
+def test_abort_ack_waits_for_the_room_in_flight_only(transport_env):
+    # one decode rank: both rooms go to the same transfer worker. Room 92's write is in flight for 3 s when
+    # the decode aborts both; room 93's chunk is still queued behind it (nothing of it in flight), so its ACK
+    # goes out at once and its pages come back at once, while room 92's wait for the end of its write.
+    require_deferred_release()
+    plan = {
+        "pool": {"layout": "mha", "num_layers": 2, "page_size": 4, "num_pages": 300},
+        "requests": [
+            {"room": 92, "tokens": 4 * 20, "chunk_pages": 20},
+            {"room": 93, "tokens": 4 * 20, "chunk_pages": 20},
+        ],
+        "faults": {"prefill": {"write_delay_s": {"92": 3.0}}, "decode": {"abort_after_s": 0.5}},
+        "linger_s": {"prefill": 5.0, "decode": 1.5},
+        "deadline_s": 40,
+    }
+    result = run_pair(plan, env={**FAST_FAILURE_ENV, **DEFERRED_ENV, **transport_env})
+    assert result["returncodes"] == {"prefill": 0, "decode": 0}, result["workdir"]
+    d, p = result["decode"], result["prefill"]
+    held, idle = d["requests"]["92"], d["requests"]["93"]
+    sent_held, sent_idle = p["requests"]["92"], p["requests"]["93"]
+    for r in (held, idle):
+        assert r["status"] == "Failed" and "Aborted by AbortReq" in r["reason"], r
+        assert r["release_safe"] and r["changed_after_release"] is False, r
+    # room 92: no ACK while its write ran
+    assert sent_held["ack_sent_at"] >= sent_held["write_done_at"], sent_held
+    assert held["released_at"] >= sent_held["write_done_at"], (held, sent_held)
+    assert held["released_at"] - held["abort_at"] > 2.0, held
+    # room 93: nothing in flight, ACK at once (its queued chunk is dropped unwritten later)
+    assert "write_done_at" not in sent_idle, sent_idle
+    assert sent_idle["ack_sent_at"] < sent_held["write_done_at"], (sent_idle, sent_held)
+    assert idle["released_at"] - idle["abort_at"] < 1.5, idle
+    assert d["untouched_violations"] == []
+    assert_clean(d)
+    assert_clean(p)
+    assert_no_deferred_leftovers(p, d)

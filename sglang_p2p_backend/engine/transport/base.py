@@ -74,8 +74,9 @@ class TwoSidedTransport(ABC):
     name: str = "two-sided"
 
     @abstractmethod
-    def new_unique_id(self) -> bytes:
-        """Prefill side: make the id that lets the decode rank join a new pair channel."""
+    def new_unique_id(self, max_ctas: Optional[int] = -1) -> bytes:
+        """Prefill side: make the id that lets the decode rank join a new pair channel; `max_ctas` caps its
+        channels where the transport has any (-1: the transport's default, None: no cap)."""
 
     @abstractmethod
     def connect(self, unique_id: bytes, rank: int, timeout: float) -> PairComm:

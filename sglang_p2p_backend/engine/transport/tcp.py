@@ -78,7 +78,8 @@ class TcpTransport(TwoSidedTransport):
         self._listeners: dict[bytes, socket.socket] = {}
         self._lock = threading.Lock()
 
-    def new_unique_id(self) -> bytes:
+    def new_unique_id(self, max_ctas: Optional[int] = -1) -> bytes:
+        del max_ctas  # one TCP stream has no channels to cap
         lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         lsock.bind((self.host, 0))
         lsock.listen(1)

@@ -1,0 +1,101 @@
+"""The PD suite's byte-exact cases with CUDA pools, through SGLang's classes (plugin loader, `get_kv_class`, the
+bootstrap server, the scheduler's polling), over real NCCL and, where it is installed, Mooncake.
+
+Layouts as the issue names them: DeepSeek MLA (61 layers, 576 bf16 values a token) and an MHA model (32 layers,
+8 KV heads x 128, bf16), page sizes 1, 16 and 64, chunked and in one send(). With two GPUs the prefill's pools
+are on cuda:0 and the decode's on cuda:1; with one GPU both share it and NCCL runs over loopback sockets
+(testing/launch.py `one_gpu_env`): the same code paths, not NVLink speed. Also: the communicator budget with
+two prefill ranks feeding one decode rank whose budget holds one communicator, over NCCL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs SGLang (e2e bundle on GPU hosts)"),
+]
+
+from sglang_p2p_backend.testing.launch import run_pair  # noqa: E402
+
+LAYOUTS = {
+    "mla": {"layout": "mla", "num_layers": 61, "head_dim": 576},
+    "mha": {"layout": "mha", "num_layers": 32, "kv_heads": 8, "head_dim": 128},
+}
+TRANSPORTS = [
+    pytest.param({"SGLANG_P2P_TRANSPORT": "nccl"}, id="nccl"),
+    pytest.param(
+        {"SGLANG_P2P_TRANSPORT": "mooncake", "MC_FORCE_TCP": "1", "GLOG_minloglevel": "2"},
+        id="mooncake-tcp",
+        marks=pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake not installed"),
+    ),
+]
+
+
+def gpu_plan(pool: dict, requests: list, deadline_s: float = 120) -> dict:
+    two = torch.cuda.device_count() >= 2
+    plan = {
+        "pool": {**pool, "device": "cuda:0"},
+        "requests": requests,
+        "deadline_s": deadline_s,
+    }
+    if two:
+        plan["pool_overrides"] = {"decode": {"device": "cuda:1"}}
+    else:
+        plan["share_gpu"] = True
+    return plan
+
+
+def assert_landed(result: dict, rooms: list[int]) -> None:
+    p, d = result["prefill"], result["decode"]
+    assert p is not None and d is not None, f"a role died: {result['returncodes']} (logs in {result['workdir']})"
+    for room in map(str, rooms):
+        assert p["requests"][room]["status"] == "Success", p["requests"][room]
+        r = d["requests"][room]
+        assert r["status"] == "Success" and r["num_bad_pages"] == 0, r
+        assert r["aux_room_ok"] and r["first_token"] == 4242, r
+    assert d["untouched_violations"] == [], d["untouched_violations"]
+    for side in (p, d):
+        left = side["leftovers"]
+        assert left["request_status"] == [] and left["staging_in_use"] == 0, left
+        assert side["threads_left"] == [], side["threads_left"]
+
+
+@pytest.mark.parametrize("transport_env", TRANSPORTS)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("layout", ["mla", "mha"])
+def test_cuda_pools_land_byte_exact(layout, page_size, transport_env):
+    ps = page_size
+    tokens = 2048 if ps > 1 else 700
+    pages = -(-tokens // ps)
+    requests = [
+        {"room": 51, "tokens": tokens, "chunk_pages": max(1, pages // 5)},  # chunked prefill: 5+ send() calls
+        {"room": 52, "tokens": tokens - 3},  # one send(), partial last page
+        {"room": 53, "tokens": tokens, "chunk_pages": max(1, pages // 3), "prefix": 2 * ps},  # decode prefix
+    ]
+    plan = gpu_plan({**LAYOUTS[layout], "page_size": ps, "num_pages": 3 * pages + 8}, requests)
+    # 8 MiB staging in 2 slots: the larger requests take several chunks of the engine's pipeline too
+    env = {**transport_env, "SGLANG_P2P_STAGING_MB": "8"}
+    assert_landed(run_pair(plan, env=env, timeout=240), [51, 52, 53])
+
+
+def test_decode_budget_of_one_communicator_serves_two_prefill_ranks_over_nccl():
+    plan = gpu_plan({"layout": "mla", "num_layers": 8, "head_dim": 576, "page_size": 16, "num_pages": 512},
+                    [{"room": 3201 + i, "tokens": 600, "chunk_pages": 8} for i in range(6)], deadline_s=60)
+    plan.update(tp={"prefill": 2, "decode": 1}, attn_dp={"prefill": 2})
+    if "pool_overrides" not in plan:
+        plan["share_gpu"] = True
+    env = {"SGLANG_P2P_TRANSPORT": "nccl", "SGLANG_P2P_NCCL_BUDGET_MB": "45"}
+    result = run_pair(plan, env=env, timeout=100)
+    d = result["decode"]
+    assert d is not None and all(p is not None for p in result["ranks"]["prefill"]), result["workdir"]
+    for room in range(3201, 3207):
+        r = d["requests"][str(room)]
+        assert r["status"] == "Success" and r["num_bad_pages"] == 0, (room, r)
+    assert d["leftovers"]["comm_peak_mb"] <= 45 and d["leftovers"]["comm_stats"].get("no_room", 0) >= 1, d["leftovers"]
