@@ -228,6 +228,13 @@ class P2pNcclKVManager(CommonKVManager):
         self._threads.append(t)
         return t
 
+    def _control_send(self, session: str, msg: wire.Message) -> None:
+        """Best effort: a peer that cannot be reached is logged; its rooms fail by their own timeouts."""
+        try:
+            self.control.send(session, msg)
+        except ControlError as e:
+            logger.warning("p2pnccl: %s", e)
+
     def _control_loop(self, handle) -> None:
         poller = zmq.Poller()
         poller.register(self.server_socket, zmq.POLLIN)
@@ -351,12 +358,8 @@ class P2pNcclKVManager(CommonKVManager):
         owning worker cannot start a transfer on it) and tell the decode, which drops its end in order."""
         sender = self.senders.get(session)
         generation = sender.close_channel() if sender is not None else None
-        if generation is None:
-            return
-        try:
-            self.control.send(session, wire.CommClosed(self.session, generation))
-        except ControlError as e:
-            logger.warning("p2pnccl: %s", e)
+        if generation is not None:
+            self._control_send(session, wire.CommClosed(self.session, generation))
 
     def _open_pair(self, session: str, sender: PairSender) -> None:
         """Admit a new pair channel in this rank's budget, agree its cap with the decode's budget, open it.
@@ -791,16 +794,9 @@ class P2pNcclKVManager(CommonKVManager):
                     self._control_send(others[0], wire.CommRelease(self.session))
         self._control_send(msg.session, answer)
 
-    def _control_send(self, session: str, msg: wire.Message) -> None:
-        try:
-            self.control.send(session, msg)
-        except ControlError as e:
-            logger.warning("p2pnccl: %s", e)
-
     def _channel_changed(self, session: str, init: Optional[wire.CommInit]) -> None:
-        """The receiver of `session` joined a channel (`init`) or dropped one (None): keep the budget true."""
-        if self.comm_budget is None:
-            return
+        """The receiver of `session` joined a channel (`init`) or dropped one (None): keep the budget true.
+        (Receivers exist only where a two-sided transport runs, so there is a budget.)"""
         if init is None:
             self.comm_budget.closed(session)
         else:

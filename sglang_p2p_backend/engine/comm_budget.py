@@ -125,7 +125,7 @@ class CommBudget:
     def using(self, peer: Hashable) -> Iterator[bool]:
         """Mark the peer's communicator busy for a transfer; yields False when it has none (closed meanwhile)."""
         with self._lock:
-            live = peer in self.pool.live()
+            live = peer in self.pool
             if live:
                 self.pool.acquire(peer)
         try:
@@ -138,7 +138,7 @@ class CommBudget:
     def touch(self, peer: Hashable) -> None:
         """The peer's channel carries traffic now (the decode's view): most recently used."""
         with self._lock:
-            if peer in self.pool.live():
+            if peer in self.pool:
                 self.pool.acquire(peer)
                 self.pool.release(peer)
 

@@ -194,8 +194,14 @@ class CommPool:
             ),
         )
 
+    def __contains__(self, peer: Hashable) -> bool:
+        return peer in self._live
+
     def would_admit(self, peer: Hashable, max_cap: Cap = None, *, evict: bool = True) -> Decision:
         """What `admit` would answer now, without committing anything."""
+        entry = self._live.get(peer)
+        if entry is not None:  # the common case (asked per chunk): no copy, and no LRU touch
+            return Decision(Admission.REUSE, entry.cap, reason="live communicator")
         saved = OrderedDict((p, _Entry(e.cap, e.mb, e.busy, e.opening)) for p, e in self._live.items())
         try:
             return self.admit(peer, max_cap, evict=evict)

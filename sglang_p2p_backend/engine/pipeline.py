@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from .comm_budget import cap_to_wire
 from .copier import PageCopier
 from .messages import ChunkHeader, ChunkSegment, CommInit, Message
 from .plan import Chunk, Segment, plan_chunks
@@ -92,7 +93,7 @@ class PairSender(_PairEnd):
         self.reset()
         self.generation += 1
         uid = self.transport.new_unique_id(max_ctas)
-        cap = -1 if max_ctas == -1 else (max_ctas or 0)
+        cap = -1 if max_ctas == -1 else cap_to_wire(max_ctas)
         self.control(CommInit(self.local_session, self.transport.name, uid, self.generation, cap))
         self.comm = self.transport.connect(uid, 0, self.connect_timeout)
         return self.comm
