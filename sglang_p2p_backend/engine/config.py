@@ -33,6 +33,9 @@ class EngineConfig:
     connect_timeout: float = 30.0  # SGLANG_P2P_CONNECT_TIMEOUT: joining a pair channel
     io_timeout: float = 30.0  # SGLANG_P2P_IO_TIMEOUT: one chunk's send/receive, a staging wait
     workers: int = 4  # SGLANG_P2P_WORKERS: prefill transfer queues (peers are sharded over them)
+    peer_timeout: float = 8.0  # SGLANG_P2P_PEER_TIMEOUT: a peer silent this long is dead, its rooms fail
+    max_peers: int = 512  # SGLANG_P2P_MAX_PEERS: registered peers and control sockets a rank keeps at most
+    tombstone_s: float = 60.0  # SGLANG_P2P_TOMBSTONE_S: how long a concluded room's late messages are answered
 
     @property
     def slot_bytes(self) -> int:
@@ -50,4 +53,7 @@ class EngineConfig:
             connect_timeout=_number("SGLANG_P2P_CONNECT_TIMEOUT", cls.connect_timeout),
             io_timeout=_number("SGLANG_P2P_IO_TIMEOUT", cls.io_timeout),
             workers=_number("SGLANG_P2P_WORKERS", cls.workers, int),
+            peer_timeout=_number("SGLANG_P2P_PEER_TIMEOUT", cls.peer_timeout),
+            max_peers=_number("SGLANG_P2P_MAX_PEERS", cls.max_peers, int),
+            tombstone_s=_number("SGLANG_P2P_TOMBSTONE_S", cls.tombstone_s),
         )

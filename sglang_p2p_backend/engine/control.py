@@ -1,30 +1,47 @@
 """Outbound control channel: one ZMQ PUSH socket per peer endpoint, sends serialised per endpoint.
 
 Inbound traffic arrives on the PULL socket SGLang's manager already binds; this is the other direction.
-Sends are bounded by SNDTIMEO, so a dead peer makes a send fail (ControlError) instead of blocking a worker.
+Sends are bounded by SNDTIMEO, so a dead peer makes a send fail (ControlError) instead of blocking a worker;
+heartbeats do not wait at all (`block=False`). The number of open sockets is capped: the least recently used
+one is closed when a new endpoint would exceed `max_sockets` (ZMQ's own limit is 1,023 sockets a context), so
+no stream of peers can exhaust file descriptors. With an `Authenticator` every frame list is sealed with the
+endpoint's next counter, under the endpoint's lock, so counters reach the peer in order.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
+from typing import Optional
 
 import zmq
 
 from . import messages
+from .auth import Authenticator
 
 
 class ControlError(RuntimeError):
     pass
 
 
+class _Endpoint:
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.counter = 0
+
+
 class ControlChannel:
-    def __init__(self, send_timeout_s: float = 5.0):
+    def __init__(self, send_timeout_s: float = 5.0, max_sockets: int = 512, auth: Optional[Authenticator] = None):
         self._ctx = zmq.Context.instance()
         self._send_timeout_ms = int(send_timeout_s * 1000)
-        self._sockets: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
+        self._max_sockets = max_sockets
+        self._auth = auth
+        self._sockets: "OrderedDict[str, _Endpoint]" = OrderedDict()
         self._lock = threading.Lock()
 
-    def _socket(self, endpoint: str) -> tuple[zmq.Socket, threading.Lock]:
+    def _endpoint(self, endpoint: str) -> _Endpoint:
+        evicted = []
         with self._lock:
             entry = self._sockets.get(endpoint)
             if entry is None:
@@ -33,31 +50,51 @@ class ControlChannel:
                 sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
                 if endpoint.startswith("["):
                     sock.setsockopt(zmq.IPV6, 1)
-                sock.connect(f"tcp://{endpoint}")
-                entry = self._sockets[endpoint] = (sock, threading.Lock())
-            return entry
+                try:
+                    sock.connect(f"tcp://{endpoint}")
+                except zmq.ZMQError:
+                    sock.close()
+                    raise
+                entry = self._sockets[endpoint] = _Endpoint(sock)
+                while len(self._sockets) > self._max_sockets:
+                    evicted.append(self._sockets.popitem(last=False)[1])
+            self._sockets.move_to_end(endpoint)
+        for old in evicted:
+            with old.lock:
+                old.sock.close()
+        return entry
 
-    def send(self, endpoint: str, msg: messages.Message) -> None:
-        self.send_frames(endpoint, messages.encode(msg))
+    def send(self, endpoint: str, msg: messages.Message, block: bool = True) -> None:
+        self.send_frames(endpoint, messages.encode(msg), block)
 
-    def send_frames(self, endpoint: str, frames: list[bytes]) -> None:
-        sock, lock = self._socket(endpoint)
+    def send_frames(self, endpoint: str, frames: list[bytes], block: bool = True) -> None:
+        """Send one frame list; raises ControlError (never a bare ZMQError) when it was not handed to ZMQ."""
         try:
-            with lock:
-                sock.send_multipart(frames)
+            entry = self._endpoint(endpoint)
+            with entry.lock:
+                if entry.sock.closed:  # evicted meanwhile: the next send opens a new one
+                    raise ControlError(f"control socket to {endpoint} was recycled")
+                if self._auth is not None:
+                    entry.counter += 1
+                    frames = self._auth.seal(frames, entry.counter)
+                entry.sock.send_multipart(frames, flags=0 if block else zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise ControlError(f"control message to {endpoint} not delivered: {e}") from e
+
+    def open_endpoints(self) -> int:
+        with self._lock:
+            return len(self._sockets)
 
     def forget(self, endpoint: str) -> None:
         with self._lock:
             entry = self._sockets.pop(endpoint, None)
         if entry is not None:
-            with entry[1]:
-                entry[0].close()
+            with entry.lock:
+                entry.sock.close()
 
     def close(self) -> None:
         with self._lock:
-            entries, self._sockets = list(self._sockets.values()), {}
-        for sock, lock in entries:
-            with lock:
-                sock.close()
+            entries, self._sockets = list(self._sockets.values()), OrderedDict()
+        for entry in entries:
+            with entry.lock:
+                entry.sock.close()

@@ -7,131 +7,210 @@ one transfer worker), which the two-sided data path relies on: CommInit, then Ch
 then AuxData, then Status. A one-sided (Mooncake) peer gets only Status: its chunks and aux row were written
 into its memory before the Status was sent.
 
-Peers are named by their control endpoint "ip:port" (`session`).
+Peers are named by their control endpoint "ip:port" (`session`). Static bounds (lengths, signs) are part of
+each struct and enforced by msgspec while decoding; bounds that depend on the receiver's pools and on the
+sender's registration are checked in `checks.py` before a message is used. With a shared key the frames are
+wrapped in an authenticated envelope first (`auth.py`).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
 import msgspec
+from msgspec import Meta
 
 MAGIC = b"P2P1"
+#: what both sides must speak; compared at registration (agreement.py)
+PROTOCOL_VERSION = 2
+
+# static bounds of wire fields: generous for any deployment, small enough that nothing sized by them is costly
+Session = Annotated[str, Meta(min_length=3, max_length=200)]
+Room = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+Count = Annotated[int, Meta(ge=0, lt=1 << 31)]
+Index = Annotated[int, Meta(ge=-1, lt=1 << 31)]
+Rank = Annotated[int, Meta(ge=0, lt=1 << 16)]
+Ids = Annotated[bytes, Meta(max_length=1 << 24)]  # int32 ids: 4M pages at most per message
+Short = Annotated[str, Meta(max_length=4096)]
+ItemLens = Annotated[list[Count], Meta(max_length=4096)]
+Ptrs = Annotated[list[Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]], Meta(max_length=4096)]
+Cap = Annotated[int, Meta(ge=-1, le=1024)]
+
+
+class Agreement(msgspec.Struct, kw_only=True):
+    """Everything a prefill rank and a decode rank must agree on, exchanged at registration and compared on
+    both sides (agreement.py names every difference with both values)."""
+
+    protocol: int
+    page_size: Count
+    kv_dtype: Short
+    kv_item_lens: ItemLens
+    state_item_lens: Annotated[list[ItemLens], Meta(max_length=64)]
+    #: bytes of one staging slot = the largest chunk either side sends or receives (two-sided transports)
+    slot_bytes: Count
+    #: whether control messages are authenticated (SGLANG_P2P_AUTH_KEY); peers disagreeing never get this far
+    auth: bool
 
 
 class PeerRegister(msgspec.Struct, tag=True):
     """Decode rank -> prefill rank, once per pair: where to send and what the decode pools look like."""
 
-    session: str
-    hostname: str
-    engine_rank: int
-    attn_tp_size: int
-    page_size: int
-    kv_dtype: str
-    kv_ptrs: list[int]
-    kv_item_lens: list[int]
-    aux_ptrs: list[int]
-    aux_item_lens: list[int]
-    state_ptrs: list[list[int]]
-    state_item_lens: list[list[int]]
-    transports: list[str]  # what the decode can receive with, preferred first ("nccl"/"tcp", "mooncake")
+    session: Session
+    #: the decode process's start (time_ns): a new value at the same session is a restarted process
+    incarnation: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+    hostname: Short
+    engine_rank: Count
+    attn_tp_size: Count
+    agreement: Agreement
+    kv_ptrs: Ptrs
+    aux_ptrs: Ptrs
+    aux_item_lens: ItemLens
+    state_ptrs: Annotated[list[Ptrs], Meta(max_length=64)]
+    # the decode's pool sizes: the bounds every destination id it later sends is checked against
+    kv_pages: Count
+    aux_rows: Count
+    state_slots: Annotated[list[Count], Meta(max_length=64)]
+    transports: Annotated[list[Short], Meta(max_length=8)]  # what the decode receives with, preferred first
     # the decode's Mooncake session ("host:rpc_port") when it runs a Mooncake engine: then kv_ptrs, aux_ptrs
     # and state_ptrs are registered there and a prefill may write into them one-sidedly
-    mooncake_session: str = ""
+    mooncake_session: Short = ""
+
+    @property
+    def page_size(self) -> int:
+        return self.agreement.page_size
+
+    @property
+    def kv_item_lens(self) -> list[int]:
+        return self.agreement.kv_item_lens
+
+
+class PeerAnswer(msgspec.Struct, tag=True):
+    """Prefill rank -> decode rank, answering PeerRegister: accepted (problem "") or refused and why, with the
+    prefill's own agreement so the decode compares too, and the prefill rank it will report Status as."""
+
+    session: Session
+    incarnation: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+    prefill_rank: Rank
+    agreement: Agreement
+    problem: Short = ""
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    """Both ways, every SGLANG_P2P_PEER_TIMEOUT/4 seconds to every peer a rank holds rooms or a registration
+    with: a peer silent for SGLANG_P2P_PEER_TIMEOUT is declared dead (liveness.py)."""
+
+    session: Session
+    incarnation: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 
 
 class RoomMetadata(msgspec.Struct, tag=True):
     """Decode rank -> prefill rank, per request: the destination ids (empty for a dummy rank)."""
 
-    session: str
-    room: int
-    kv_ids: bytes  # int32 page ids, aligned with the prefill's page list from decode_prefix_len on
-    aux_index: int
-    state_ids: list[bytes]  # int32 ids per state component, in KVArgs order
-    required_dst_info_num: int
-    decode_prefix_len: int
+    session: Session
+    #: the decode process that published it: a room of an older process is never written with newer pointers
+    incarnation: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+    room: Room
+    kv_ids: Ids  # int32 page ids, aligned with the prefill's page list from decode_prefix_len on
+    aux_index: Index
+    state_ids: Annotated[list[Ids], Meta(max_length=64)]  # int32 ids per state component, in KVArgs order
+    required_dst_info_num: Annotated[int, Meta(ge=1, le=1 << 12)]
+    decode_prefix_len: Count
     is_dummy: bool
 
 
 class CommInit(msgspec.Struct, tag=True):
     """Prefill -> decode: join a new pair channel (two-sided transports). Replaces any older one."""
 
-    session: str
-    transport: str
-    unique_id: bytes
-    generation: int
+    session: Session
+    transport: Short
+    unique_id: Annotated[bytes, Meta(max_length=1024)]
+    generation: Count
     #: channel cap both ranks use (0: NCCL's default, -1: not negotiated)
-    cap: int = -1
+    cap: Cap = -1
 
 
 class CommOffer(msgspec.Struct, tag=True):
     """Prefill -> decode: may we open a pair channel of `cap` channels (0: NCCL default)? Answered by CommAnswer."""
 
-    session: str
-    offer: int
-    cap: int
+    session: Session
+    offer: Count
+    cap: Cap
 
 
 class CommAnswer(msgspec.Struct, tag=True):
     """Decode -> prefill: the cap the decode's communicator budget affords (<= the offer), or -1 and why not."""
 
-    session: str
-    offer: int
-    cap: int
-    reason: str = ""
+    session: Session
+    offer: Count
+    cap: Cap
+    reason: Short = ""
 
 
 class CommClosed(msgspec.Struct, tag=True):
     """Prefill -> decode: the pair channel `generation` was released (pool eviction); drop it after its chunks."""
 
-    session: str
-    generation: int
+    session: Session
+    generation: Count
+
+
+class ChunkRefused(msgspec.Struct, tag=True):
+    """Decode -> prefill: a chunk on pair channel `generation` failed its checks; the decode dropped its end of
+    the channel, so the prefill aborts its end too instead of waiting on a receive that will not come."""
+
+    session: Session
+    generation: Count
+    room: Room
+    reason: Short
 
 
 class CommRelease(msgspec.Struct, tag=True):
     """Decode -> prefill: short of communicator memory; release our pair channel if it is idle."""
 
-    session: str
+    session: Session
 
 
 class ChunkSegment(msgspec.Struct, array_like=True):
-    group: int
-    region_lo: int
-    region_hi: int
-    dst_ids: bytes  # int32 destination ids of this segment
+    group: Annotated[int, Meta(ge=0, lt=64)]
+    region_lo: Count
+    region_hi: Count
+    dst_ids: Ids  # int32 destination ids of this segment
 
 
 class ChunkHeader(msgspec.Struct, tag=True):
     """Prefill -> decode: the next message on the pair channel carries these segments (two-sided)."""
 
-    session: str
-    generation: int
-    room: int
-    prefill_rank: int
-    nbytes: int
-    segments: list[ChunkSegment]
+    session: Session
+    generation: Count
+    room: Room
+    prefill_rank: Rank
+    #: index of this chunk among the room's chunks from this prefill rank (0, 1, ...)
+    seq: Count
+    nbytes: Annotated[int, Meta(ge=0, lt=1 << 40)]
+    segments: Annotated[list[ChunkSegment], Meta(max_length=64)]
 
 
 class AuxData(msgspec.Struct, tag=True):
     """Prefill -> decode: the request's aux (metadata) rows, one bytes per aux buffer (host memory)."""
 
-    room: int
-    aux_index: int
-    rows: list[bytes]
+    session: Session
+    room: Room
+    aux_index: Index
+    rows: Annotated[list[Annotated[bytes, Meta(max_length=1 << 20)]], Meta(max_length=64)]
 
 
 class Status(msgspec.Struct, tag=True):
     """Prefill -> decode: the room concluded on this prefill rank (KVPoll value) with a reason on failure."""
 
-    session: str
-    room: int
-    prefill_rank: int
-    status: int
-    reason: str = ""
+    session: Session
+    room: Room
+    prefill_rank: Rank
+    status: Annotated[int, Meta(ge=0, le=8)]
+    reason: Short = ""
 
 
 Message = Union[
-    PeerRegister, RoomMetadata, CommInit, ChunkHeader, AuxData, Status, CommOffer, CommAnswer, CommClosed, CommRelease
+    PeerRegister, PeerAnswer, Heartbeat, RoomMetadata, CommInit, ChunkHeader, AuxData, Status,
+    CommOffer, CommAnswer, CommClosed, CommRelease, ChunkRefused,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -142,8 +221,22 @@ def encode(msg: Message) -> list[bytes]:
     return [MAGIC, _encoder.encode(msg)]
 
 
+class WireError(ValueError):
+    """A message that must not be used: undecodable, out of its static bounds, or out of the receiver's."""
+
+
+def ours(frames: list[bytes]) -> bool:
+    return len(frames) >= 1 and frames[0] == MAGIC
+
+
 def decode(frames: list[bytes]) -> Optional[Message]:
-    """The message in `frames`, or None when the frames are not ours (SGLang's own frames)."""
-    if len(frames) != 2 or frames[0] != MAGIC:
+    """The message in `frames`, or None when the frames are not ours (SGLang's own frames). Raises WireError
+    for frames of ours that do not decode into a valid message."""
+    if not ours(frames):
         return None
-    return _decoder.decode(frames[1])
+    if len(frames) != 2:
+        raise WireError(f"{len(frames)} frames, expected 2")
+    try:
+        return _decoder.decode(frames[1])
+    except msgspec.DecodeError as e:  # ValidationError included: a field out of its static bounds
+        raise WireError(str(e)) from None

@@ -14,6 +14,7 @@ new one (a higher `generation`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -27,7 +28,8 @@ import torch
 from .comm_budget import cap_to_wire
 from .copier import PageCopier
 from .messages import ChunkHeader, ChunkSegment, CommInit, Message
-from .plan import Chunk, Segment, plan_chunks
+from .checks import ChunkVerdict
+from .plan import Segment, plan_chunks
 from .staging import StagingPool
 from .transport.base import PairComm, TransportError, TwoSidedTransport
 
@@ -108,9 +110,12 @@ class PairSender(_PairEnd):
         src_ids: Sequence[np.ndarray],
         dst_ids: Sequence[np.ndarray],
         keep_going: Callable[[], bool] = lambda: True,
+        next_seq: Optional[Callable[[], int]] = None,
     ) -> int:
         """Move `src_ids[g]` of every group to the peer's `dst_ids[g]`; returns bytes sent. Stops between
-        chunks once `keep_going()` is False (aborted room). Raises TransportError; the channel is then dropped."""
+        chunks once `keep_going()` is False (aborted room). `next_seq()` numbers the room's chunks across
+        calls (the decode checks the sequence). Raises TransportError; the channel is then dropped."""
+        next_seq = next_seq or itertools.count().__next__
         for g, (s, d) in enumerate(zip(src_ids, dst_ids)):
             if len(s) != len(d):
                 raise TransportError(
@@ -134,7 +139,8 @@ class PairSender(_PairEnd):
                         self.copier.gather(chunk, src_ids, buf)
                         segments = [_segment_msg(seg, dst_ids) for seg in chunk.segments]
                         self.control(
-                            ChunkHeader(self.local_session, self.generation, room, prefill_rank, chunk.nbytes, segments)
+                            ChunkHeader(self.local_session, self.generation, room, prefill_rank, next_seq(),
+                                        chunk.nbytes, segments)
                         )
                         last = comm.send(buf[: chunk.nbytes])
                     sent += chunk.nbytes
@@ -154,6 +160,14 @@ class PairSender(_PairEnd):
 
     close = reset
 
+    def abort_channel(self, generation: Optional[int], reason: str) -> None:
+        """Abort the channel (if it is still `generation`; None: whichever is up) from any thread: an op in
+        flight on it fails now instead of at its timeout, and the owning worker drops the channel."""
+        comm = self.comm
+        if comm is not None and (generation is None or generation == self.generation):
+            logger.warning("p2pnccl: aborting pair channel %d to %s: %s", self.generation, self.local_session, reason)
+            comm.abort()
+
     def close_channel(self) -> Optional[int]:
         """Orderly release of an idle channel (the pool needs its memory); returns its generation, None if
         there was none. Local: the decode learns it from a CommClosed on the control channel."""
@@ -167,29 +181,6 @@ class PairSender(_PairEnd):
 def _segment_msg(seg: Segment, dst_ids: Sequence[np.ndarray]) -> ChunkSegment:
     ids = np.ascontiguousarray(dst_ids[seg.group][seg.lo : seg.hi], dtype=np.int32)
     return ChunkSegment(seg.group, seg.region_lo, seg.region_hi, ids.tobytes())
-
-
-def chunk_from_header(header: ChunkHeader, item_lens: Sequence[Sequence[int]]) -> tuple[Chunk, list[np.ndarray]]:
-    """Rebuild the chunk layout and per-group destination ids from a header (a chunk has at most one
-    segment per group; its range is then the whole id array of that group)."""
-    segs = []
-    ids = [np.zeros(0, dtype=np.int32) for _ in item_lens]
-    nbytes = 0
-    for s in header.segments:
-        d = np.frombuffer(s.dst_ids, dtype=np.int32)
-        if s.group >= len(item_lens) or not (0 <= s.region_lo <= s.region_hi <= len(item_lens[s.group])):
-            raise TransportError(f"room {header.room}: chunk names regions this decode rank does not have")
-        if ids[s.group].size:
-            raise TransportError(f"room {header.room}: chunk carries group {s.group} twice")
-        segs.append(Segment(s.group, s.region_lo, s.region_hi, 0, d.size))
-        ids[s.group] = d
-        nbytes += d.size * sum(item_lens[s.group][s.region_lo : s.region_hi])
-    if nbytes != header.nbytes:
-        raise TransportError(
-            f"room {header.room}: chunk of {header.nbytes} bytes does not match this decode rank's layout "
-            f"({nbytes} bytes): prefill and decode KV layouts differ"
-        )
-    return Chunk(tuple(segs), nbytes), ids
 
 
 ChunkDone = Callable[[int, int, Optional[str]], None]  # (room, prefill_rank, error or None)
@@ -210,6 +201,7 @@ class PairReceiver(_PairEnd):
         connect_timeout: float,
         io_timeout: float,
         on_channel: Callable[[Optional[CommInit]], None] = lambda init: None,
+        on_refused: Callable[[ChunkHeader, str], None] = lambda header, reason: None,
     ):
         super().__init__(transport, staging, copier, connect_timeout, io_timeout)
         self.peer_session = peer_session
@@ -217,19 +209,30 @@ class PairReceiver(_PairEnd):
         self.on_channel = on_channel
         self.wanted = wanted
         self.on_chunk = on_chunk
+        #: told a chunk whose bytes cannot be received in step (the channel was dropped): tell the prefill
+        self.on_refused = on_refused
         self.broken_reason = ""
         self._queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"p2p-recv-{peer_session}", daemon=True)
         self._thread.start()
 
     def submit(self, item: object) -> None:
-        """Queue a CommInit, a ChunkHeader, or a callable to run once everything before it was handled."""
+        """Queue a CommInit, a checked chunk `(ChunkHeader, ChunkVerdict)`, or a callable to run once everything
+        before it was handled."""
         self._queue.put(item)
 
     def close(self, timeout: float = 5.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
         self._drop("receiver closed")
+
+    def abort(self, reason: str) -> None:
+        """The peer is dead: fail a receive in flight now (from any thread), then stop the thread."""
+        comm = self.comm
+        if comm is not None:
+            comm.abort()
+        self.close(timeout=1.0)
+        self.broken_reason = reason
 
     def _drop(self, reason: str) -> None:
         if self.comm is not None:
@@ -250,8 +253,8 @@ class PairReceiver(_PairEnd):
             try:
                 if isinstance(item, CommInit):
                     self._join(item)
-                elif isinstance(item, ChunkHeader):
-                    self._receive(item)
+                elif isinstance(item, tuple):
+                    self._receive(*item)
                 else:
                     item()
             except Exception:  # a bug here must not kill the peer's thread silently
@@ -268,27 +271,28 @@ class PairReceiver(_PairEnd):
             self.broken_reason = f"could not join the pair channel of prefill {self.peer_session}: {e}"
             logger.warning(self.broken_reason)
 
-    def _receive(self, header: ChunkHeader) -> None:
+    def _receive(self, header: ChunkHeader, verdict: ChunkVerdict) -> None:
+        """Receive one announced chunk; scatter it only if its checks passed and the room still wants it. A
+        chunk that failed its checks is received into staging and dropped (the channel stays in step); one
+        larger than a staging slot cannot be, so the channel is dropped and the prefill told."""
         if self.comm is None or header.generation != self.generation:
             reason = self.broken_reason or f"no pair channel with prefill {self.peer_session}"
             self.on_chunk(header.room, header.prefill_rank, reason)
             return
+        if not verdict.in_step or header.nbytes > self.staging.slot_bytes:
+            reason = verdict.problem or f"room {header.room}: chunk larger than a staging slot"
+            self._drop(reason)
+            self.on_refused(header, reason)
+            self.on_chunk(header.room, header.prefill_rank, reason)
+            return
         comm = self.comm
-        try:
-            chunk, ids = chunk_from_header(header, self.item_lens)
-        except TransportError as e:
-            # the bytes still come: receive them into staging and drop them, so the channel stays in step
-            chunk, ids = None, []
-            layout_error = str(e)
-        else:
-            layout_error = None
         try:
             buf = self.staging.acquire(self.io_timeout)
             try:
                 with _stream_ctx(comm):
                     comm.recv(buf[: header.nbytes]).wait(self.io_timeout)
-                    if chunk is not None and self.wanted(header.room):
-                        self.copier.scatter(chunk, ids, buf)
+                    if verdict.chunk is not None and self.wanted(header.room):
+                        self.copier.scatter(verdict.chunk, verdict.ids, buf)
                 _wait_stream(comm, self.io_timeout)
             finally:
                 self.staging.release(buf)
@@ -296,4 +300,4 @@ class PairReceiver(_PairEnd):
             self._drop(f"pair channel with prefill {self.peer_session} broke: {e}")
             self.on_chunk(header.room, header.prefill_rank, self.broken_reason)
             return
-        self.on_chunk(header.room, header.prefill_rank, layout_error)
+        self.on_chunk(header.room, header.prefill_rank, verdict.problem)

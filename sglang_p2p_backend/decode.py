@@ -1,0 +1,346 @@
+"""Decode role of the p2pnccl KV manager: registration with prefill ranks, destinations, arrivals.
+
+A decode rank registers with each prefill rank it needs (PeerRegister: its agreement, pools, transports) and
+reads the answer (PeerAnswer), comparing the prefill's agreement itself, so a mismatch is refused and logged
+on both sides with both values. Only accepted prefill ranks are heard: chunk headers, channel offers, aux
+rows and statuses of anyone else are dropped without a thread, socket or table entry. Every chunk is checked
+before its bytes are scattered (engine/checks.py): exact size, in sequence, and only into pages the room
+published; a chunk that fails fails its room and never lands elsewhere. A prefill silent for
+SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail with the reason, its receiver's channel is aborted and its
+thread, budget and socket are released; the next request registers again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+try:  # deferred decode KV release (SGLang 0.5.23+)
+    from sglang.srt.disaggregation.common.conn import ABORT_ACK_TAG, AbortAck
+except ImportError:
+    ABORT_ACK_TAG = AbortAck = None
+
+from sglang_p2p_backend.engine import checks
+from sglang_p2p_backend.engine import messages as wire
+from sglang_p2p_backend.engine.agreement import differences
+from sglang_p2p_backend.engine.arrivals import ArrivalTracker
+from sglang_p2p_backend.engine.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
+from sglang_p2p_backend.engine.pipeline import PairReceiver
+from sglang_p2p_backend.manager import P2pNcclKVManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillPeer:
+    """This decode rank's registration with one prefill rank."""
+
+    state: str  # "pending" (registered, no answer yet), "accepted", "refused"
+    since: float
+    reason: str = ""
+    prefill_rank: int = -1
+    incarnation: int = -1
+
+
+class DecodeKVManager(P2pNcclKVManager):
+    _role = "decode"
+
+    def _init_role(self) -> None:
+        self.receivers: Dict[str, PairReceiver] = {}
+        self.prefills: Dict[str, PrefillPeer] = {}
+        #: rooms waiting for KV: what each published (the only pages its chunks may write)
+        self.live_rooms: Dict[int, checks.Published] = {}
+        self.incompatible_prefills: Dict[str, str] = {}
+        self.arrivals = ArrivalTracker(self._apply_prefill_final)
+        # the decode admits pair channels within its own budget but never closes one: the prefill owns the
+        # pair's traffic, so the decode asks it to release an idle channel instead (CommRelease)
+        self.comm_budget = CommBudget.from_env("decode") if self.two_sided else None
+        self._start_heartbeat_checker_thread()
+
+    # ------------------------------------------------------------------ registration
+    def registration(self) -> wire.PeerRegister:
+        args = self.kv_args
+        return wire.PeerRegister(
+            session=self.session,
+            incarnation=self.incarnation,
+            hostname=self.hostname,
+            engine_rank=int(args.engine_rank),
+            attn_tp_size=int(self.attn_tp_size),
+            agreement=self.agreement,
+            kv_ptrs=[int(p) for p in args.kv_data_ptrs],
+            aux_ptrs=[int(p) for p in args.aux_data_ptrs],
+            aux_item_lens=[int(x) for x in args.aux_item_lens],
+            state_ptrs=[[r.ptr for r in comp] for comp in self.state_regions],
+            kv_pages=min((r.num_items for r in self.kv_regions), default=0),
+            aux_rows=min((r.num_items for r in self.local_memory.aux), default=0),
+            state_slots=[min((r.num_items for r in comp), default=0) for comp in self.state_regions],
+            transports=self.transports.names(),
+            mooncake_session=self.one_sided.session_id() if self.one_sided else "",
+        )
+
+    def ensure_registered(self, endpoint: str) -> None:
+        """Register with prefill rank `endpoint` unless a registration is pending or accepted (a refused or
+        dead one is tried again: the prefill may have been fixed or restarted). Raises ControlError."""
+        peer = self.prefills.get(endpoint)
+        if peer is not None and peer.state in ("pending", "accepted"):
+            return
+        self.prefills[endpoint] = PrefillPeer("pending", time.monotonic())
+        self.watch.watch(endpoint)
+        self.control.send(endpoint, self.registration())
+
+    def _on_answer(self, msg: wire.PeerAnswer) -> None:
+        peer = self.prefills.get(msg.session)
+        if peer is None or peer.state != "pending":
+            self.drop("unexpected", msg.session, "PeerAnswer to no pending registration")
+            return
+        reason = msg.problem or "; ".join(differences(self.agreement, msg.agreement, "decode", "prefill"))
+        if reason:
+            logger.error("p2pnccl: prefill rank %s cannot serve this decode rank: %s", msg.session, reason)
+            peer.state, peer.reason = "refused", reason
+            self.watch.forget(msg.session)
+            self._fail_rooms_served_by(msg.session, f"prefill rank {msg.session} refused this decode rank: {reason}")
+            return
+        peer.state, peer.prefill_rank, peer.incarnation = "accepted", msg.prefill_rank, msg.incarnation
+
+    def publish(self, room: int, published: checks.Published) -> None:
+        self.live_rooms[room] = published
+
+    def room_wanted(self, room: int) -> bool:
+        return room in self.live_rooms and self.request_status.get(room) not in (None, KVPoll.Failed)
+
+    def forget_room(self, room: int) -> None:
+        self.live_rooms.pop(room, None)
+        self.arrivals.forget(room)
+
+    def _fail_rooms_served_by(self, session: str, reason: str) -> None:
+        for room, pub in list(self.live_rooms.items()):
+            if session in pub.prefills:
+                self.room_failed(room, reason)
+
+    # ------------------------------------------------------------------ inbound
+    def _on_message(self, msg: wire.Message) -> None:
+        session = msg.session
+        peer = self.prefills.get(session)
+        if isinstance(msg, wire.PeerAnswer):
+            self._on_answer(msg)
+            return
+        if peer is None or peer.state != "accepted":
+            self.drop("unregistered", session, f"{type(msg).__name__} from a prefill rank this decode rank is not registered with")
+            return
+        if isinstance(msg, wire.Heartbeat):
+            if msg.incarnation == peer.incarnation:
+                self.watch.seen(session)
+            return
+        self.watch.seen(session)
+        if isinstance(msg, (wire.CommOffer, wire.CommInit, wire.ChunkHeader, wire.CommClosed)) and self.two_sided is None:
+            # cannot happen with a compatible prefill (it saw our transports at registration); fail, do not hang
+            self.drop("unexpected", session, f"{type(msg).__name__}: this decode rank runs only {self.transports.names()}")
+            if isinstance(msg, wire.ChunkHeader):
+                self.room_failed(msg.room, f"prefill {session} sent two-sided chunks but this decode rank runs only {self.transports.names()}")
+        elif isinstance(msg, wire.CommOffer):
+            self._on_offer(msg)
+        elif isinstance(msg, wire.CommInit):
+            if msg.transport != self.two_sided.name:
+                self.drop("bounds", session, f"CommInit for transport {msg.transport!r}, this rank runs {self.two_sided.name}")
+            else:
+                self._receiver(session).submit(msg)
+        elif isinstance(msg, wire.ChunkHeader):
+            self._on_chunk(msg, peer)
+        elif isinstance(msg, wire.CommClosed):
+            receiver = self.receivers.get(session)
+            if receiver is not None:
+                receiver.closed_by_peer(msg.generation)
+        elif isinstance(msg, wire.AuxData):
+            self._on_aux(msg)
+        elif isinstance(msg, wire.Status):
+            self._on_status(msg, peer)
+        else:
+            self.drop("unexpected", session, f"{type(msg).__name__} is not for a decode rank")
+
+    def _on_chunk(self, msg: wire.ChunkHeader, peer: PrefillPeer) -> None:
+        if msg.prefill_rank != peer.prefill_rank:
+            self.drop("bounds", msg.session, f"chunk of room {msg.room} names prefill rank {msg.prefill_rank}, "
+                                             f"registered {peer.prefill_rank}")
+        published = self.live_rooms.get(msg.room) if msg.prefill_rank == peer.prefill_rank else None
+        verdict = checks.chunk_header(msg, self.copier.item_lens, self.staging.slot_bytes, published)
+        if published is not None:
+            self.arrivals.announce(msg.room, msg.prefill_rank, msg.session)
+            if verdict.problem:
+                logger.error("p2pnccl: chunk from prefill %s refused: %s", msg.session, verdict.problem)
+        self.comm_budget.touch(msg.session)
+        self._receiver(msg.session).submit((msg, verdict))
+
+    def _on_aux(self, msg: wire.AuxData) -> None:
+        published = self.live_rooms.get(msg.room)
+        try:
+            checks.aux_data(msg, self.kv_args.aux_item_lens, published)
+        except wire.WireError as e:
+            self.drop("bounds", msg.session, f"AuxData of room {msg.room}: {e}")
+            if published is not None:
+                self.room_failed(msg.room, f"prefill {msg.session} sent an invalid aux row: {e}")
+            return
+        if not self.room_wanted(msg.room):
+            return
+        for ptr, item_len, row in zip(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens, msg.rows):
+            ctypes.memmove(ptr + item_len * msg.aux_index, row, len(row))
+
+    def _on_status(self, msg: wire.Status, peer: PrefillPeer) -> None:
+        published = self.live_rooms.get(msg.room)
+        try:
+            success = checks.status(msg.status)
+            if msg.prefill_rank != peer.prefill_rank:
+                raise wire.WireError(f"prefill_rank {msg.prefill_rank} is not the registered {peer.prefill_rank}")
+        except wire.WireError as e:
+            self.drop("bounds", msg.session, f"Status of room {msg.room}: {e}")
+            return
+        if published is None or msg.session not in published.prefills:
+            return  # a late status of a concluded room, or of a room this prefill does not serve
+        self.arrivals.final(msg.room, msg.prefill_rank, success, msg.reason)
+
+    def _on_sglang_frames(self, frames: List[bytes], sender: Optional[str]) -> None:
+        if ABORT_ACK_TAG is not None and frames and frames[0] == ABORT_ACK_TAG:
+            self._on_abort_ack(frames)
+        else:
+            self.drop("unexpected", sender or "?", f"frames {frames[:1]!r} are not for a decode rank")
+
+    def _on_abort_ack(self, frames: List[bytes]) -> None:
+        """A prefill rank's writes into an aborted room drained (SGLang 0.5.23+ deferred release). Chunks of a
+        two-sided channel are scattered into the pages by this rank's receiver thread of that prefill, so the
+        ACK counts only once that thread finished every chunk queued before it; otherwise at once."""
+        ack = AbortAck.from_zmq(frames) if self.enable_deferred_decode_kv_release else None
+        peers = self.arrivals.peers(ack.room, ack.prefill_rank) if ack is not None else []
+        receivers = [self.receivers[p] for p in peers if p in self.receivers]
+        if not receivers:
+            self.handle_abort_ack_message(frames)
+            return
+        left, lock = [len(receivers)], threading.Lock()
+
+        def drained() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.handle_abort_ack_message(frames)  # note_abort_ack for the armed generation
+
+        for receiver in receivers:
+            receiver.submit(drained)
+
+    # ------------------------------------------------------------------ pair channels
+    def _receiver(self, session: str) -> PairReceiver:
+        receiver = self.receivers.get(session)
+        if receiver is None:
+            receiver = self.receivers[session] = PairReceiver(
+                transport=self.two_sided,
+                staging=self.staging,
+                copier=self.copier,
+                peer_session=session,
+                wanted=self.room_wanted,
+                on_chunk=self.arrivals.landed,
+                connect_timeout=self.config.connect_timeout,
+                io_timeout=self.config.io_timeout,
+                on_channel=lambda init, s=session: self._channel_changed(s, init),
+                on_refused=lambda h, reason, s=session: self._control_send(
+                    s, wire.ChunkRefused(self.session, h.generation, h.room, reason), block=False),
+            )
+        return receiver
+
+    def _on_offer(self, msg: wire.CommOffer) -> None:
+        """A prefill wants a pair channel: answer the cap this rank's budget affords, or no room (and ask the
+        least recently used prefill with an idle channel to release it, so a retry finds room)."""
+        # a new offer replaces this prefill's channel (its receiver drops the old one at the CommInit)
+        self.comm_budget.closed(msg.session)
+        try:
+            decision = self.comm_budget.admit(msg.session, cap_from_wire(msg.cap), evict=False)
+            answer = wire.CommAnswer(self.session, msg.offer, cap_to_wire(decision.cap))
+        except NoRoom as e:
+            answer = wire.CommAnswer(self.session, msg.offer, -1, f"decode communicator budget full: {e}")
+            others = [p for p in self.comm_budget.idle_peers() if p != msg.session]
+            if others:
+                self._control_send(others[0], wire.CommRelease(self.session))
+        self._control_send(msg.session, answer)
+
+    def _channel_changed(self, session: str, init: Optional[wire.CommInit]) -> None:
+        """The receiver of `session` joined a channel (`init`) or dropped one (None): keep the budget true."""
+        if init is None:
+            self.comm_budget.closed(session)
+        else:
+            self.comm_budget.opened(session, cap_from_wire(init.cap) if init.cap >= 0 else -1)
+
+    # ------------------------------------------------------------------ liveness
+    def _peer_dead(self, session: str, reason: str) -> None:
+        peer = self.prefills.pop(session, None)
+        if peer is None:
+            return
+        if peer.state == "pending":
+            reason = (f"prefill rank {session} never answered the registration ({reason}); check that it runs "
+                      f"and that both sides set the same SGLANG_P2P_AUTH_KEY")
+        logger.error("p2pnccl: %s", reason)
+        self._fail_rooms_served_by(session, reason)
+        self.arrivals.peer_lost(session, reason)
+        receiver = self.receivers.pop(session, None)
+        if receiver is not None:
+            receiver.abort(reason)
+        if self.comm_budget is not None:
+            self.comm_budget.closed(session)
+        self.control.forget(session)
+
+    def _close_role(self) -> None:
+        for receiver in list(self.receivers.values()):
+            receiver.close()
+
+    # ------------------------------------------------------------------ status
+    def _apply_prefill_final(self, room: int, prefill_rank: int, success: bool, reason: str) -> None:
+        if room not in self.request_status:
+            return
+        if not success:
+            self.room_failed(room, reason or "Failed to get kvcache from prefill instance, it might be dead")
+            return
+        done = self.prefill_response_tracker[room]
+        done.add(prefill_rank)
+        if len(done) >= self.required_prefill_response_num_table.get(room, 1):
+            self.update_status(room, KVPoll.Success)
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Common's check, plus what p2pnccl cannot do; a mismatch fails the requests instead of raising
+        into the decode scheduler."""
+        if bootstrap_addr in self.incompatible_prefills:
+            self._fail_rooms_of(bootstrap_addr, self.incompatible_prefills[bootstrap_addr])
+            return False
+        try:
+            ok = super().try_ensure_parallel_info(bootstrap_addr)
+        except RuntimeError as e:
+            return self._mark_incompatible(bootstrap_addr, str(e))
+        info = self.prefill_info_table.get(bootstrap_addr) if ok else None
+        if info is not None and not self.is_mla_backend and info.attn_tp_size != self.attn_tp_size:
+            self.prefill_info_table.pop(bootstrap_addr, None)
+            return self._mark_incompatible(
+                bootstrap_addr,
+                f"p2pnccl does not slice MHA heads: prefill attention TP is {info.attn_tp_size} but decode "
+                f"attention TP is {self.attn_tp_size}; launch both with the same --tp (or --disaggregation-"
+                f"transfer-backend mooncake, which slices heads)",
+            )
+        return ok
+
+    def _mark_incompatible(self, bootstrap_addr: str, reason: str) -> bool:
+        logger.error("p2pnccl: prefill %s cannot serve this decode: %s", bootstrap_addr, reason)
+        self.incompatible_prefills[bootstrap_addr] = reason
+        self._fail_rooms_of(bootstrap_addr, reason)
+        return False
+
+    def _fail_rooms_of(self, bootstrap_addr: str, reason: str) -> None:
+        for room in list(self.addr_to_rooms_tracker.get(bootstrap_addr, ())):
+            self.room_failed(room, reason)
+
+
+def published_room(kv_indices: np.ndarray, aux_index: Optional[int], states: List[np.ndarray],
+                   prefills: List[str]) -> checks.Published:
+    return checks.Published(np.asarray(kv_indices, dtype=np.int32).reshape(-1),
+                            -1 if aux_index is None else int(aux_index), states, frozenset(prefills))

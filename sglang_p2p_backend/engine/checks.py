@@ -1,0 +1,154 @@
+"""Checks of every wire field against the receiver's own bounds, before anything is used.
+
+msgspec already enforced each message's static bounds while decoding (messages.py). What is checked here needs
+local facts: the receiver's pool sizes and layout, what a registered peer declared, what the decode published
+for a room. Each function takes a decoded message and those facts and returns the validated values, or raises
+`WireError` naming the field; the caller drops the message with a log line naming the peer, and fails the
+room if it knows it. Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .messages import AuxData, ChunkHeader, PeerRegister, RoomMetadata, WireError
+from .plan import Chunk, Segment
+
+_KV_POLL_SUCCESS, _KV_POLL_FAILED = 4, 0  # SGLang's KVPoll values a Status may carry
+
+
+def ids(raw: bytes, limit: int, name: str) -> np.ndarray:
+    """int32 ids from `raw`, each in [0, limit)."""
+    if len(raw) % 4:
+        raise WireError(f"{name}: {len(raw)} bytes is not a whole number of int32 ids")
+    out = np.frombuffer(raw, dtype=np.int32)
+    if out.size:
+        lo, hi = int(out.min()), int(out.max())
+        if lo < 0 or hi >= limit:
+            raise WireError(f"{name}: id {lo if lo < 0 else hi} outside the pool's 0..{limit - 1}")
+    return out
+
+
+@dataclass(frozen=True)
+class Destinations:
+    """A RoomMetadata after its checks (prefill side)."""
+
+    kv_ids: np.ndarray
+    state_ids: list[np.ndarray]
+
+
+def room_metadata(msg: RoomMetadata, peer: PeerRegister) -> Destinations:
+    """The destinations of a RoomMetadata from the registered decode rank `peer`, within the pools it
+    declared at registration (so a one-sided write can never leave them)."""
+    if msg.session != peer.session:
+        raise WireError(f"session {msg.session!r} is not the registered {peer.session!r}")
+    if not -1 <= msg.aux_index < peer.aux_rows:
+        raise WireError(f"aux_index {msg.aux_index} outside the decode's {peer.aux_rows} aux rows")
+    if len(msg.state_ids) > len(peer.state_slots):
+        raise WireError(f"state_ids names {len(msg.state_ids)} state components, the decode registered {len(peer.state_slots)}")
+    kv = ids(msg.kv_ids, peer.kv_pages, "kv_ids")
+    states = [ids(raw, peer.state_slots[c], f"state_ids[{c}]") for c, raw in enumerate(msg.state_ids)]
+    return Destinations(kv, states)
+
+
+@dataclass
+class Published:
+    """What a decode rank published for one room: the only pages and slots a chunk of it may write."""
+
+    kv_ids: np.ndarray
+    aux_index: int
+    state_ids: list[np.ndarray]
+    prefills: frozenset  # sessions of the prefill ranks that serve the room
+    next_seq: dict = field(default_factory=dict)  # prefill_rank -> index of its next chunk
+    _sorted: list = field(default_factory=list)
+
+    def allowed(self, group: int) -> np.ndarray:
+        if not self._sorted:
+            self._sorted = [np.unique(self.kv_ids)] + [np.unique(s) for s in self.state_ids]
+        return self._sorted[group] if group < len(self._sorted) else np.zeros(0, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class ChunkVerdict:
+    """A checked chunk header: the layout and ids to scatter, or why it must not be scattered. `in_step` is
+    False when its bytes cannot even be received into a staging slot (the pair channel must be dropped)."""
+
+    chunk: Optional[Chunk]
+    ids: list[np.ndarray]
+    problem: Optional[str] = None
+    in_step: bool = True
+
+
+def _subset(d: np.ndarray, allowed: np.ndarray) -> bool:
+    if not d.size:
+        return True
+    if not allowed.size:
+        return False
+    pos = np.searchsorted(allowed, d)
+    return bool(np.all(pos < allowed.size) and np.all(allowed[np.minimum(pos, allowed.size - 1)] == d))
+
+
+def chunk_header(
+    header: ChunkHeader,
+    item_lens: Sequence[Sequence[int]],
+    slot_bytes: int,
+    published: Optional[Published],
+) -> ChunkVerdict:
+    """Check a chunk against the receiver's layout, staging and the room's published destinations: exact byte
+    count, at most one slot, every destination id among the room's own, chunk index in sequence."""
+    if header.nbytes > slot_bytes:
+        return ChunkVerdict(None, [], f"room {header.room}: chunk of {header.nbytes} bytes exceeds this decode rank's "
+                            f"staging slot of {slot_bytes} bytes", in_step=False)
+    try:
+        if published is None:
+            raise WireError("room is not waiting for KV on this decode rank")
+        if header.session not in published.prefills:
+            raise WireError(f"prefill {header.session} does not serve this room")
+        expected = published.next_seq.get(header.prefill_rank, 0)
+        if header.seq != expected:
+            raise WireError(f"chunk {header.seq} arrived where chunk {expected} was expected")
+        published.next_seq[header.prefill_rank] = expected + 1
+        segs, out = [], [np.zeros(0, dtype=np.int32) for _ in item_lens]
+        nbytes = 0
+        for s in header.segments:
+            if s.group >= len(item_lens) or not (0 <= s.region_lo <= s.region_hi <= len(item_lens[s.group])):
+                raise WireError(f"segment names group {s.group} regions {s.region_lo}..{s.region_hi}, which this decode rank does not have")
+            if out[s.group].size:
+                raise WireError(f"chunk carries group {s.group} twice")
+            d = np.frombuffer(s.dst_ids, dtype=np.int32) if len(s.dst_ids) % 4 == 0 else None
+            if d is None or not _subset(d, published.allowed(s.group)):
+                raise WireError(f"group {s.group} destinations are not pages this room published")
+            segs.append(Segment(s.group, s.region_lo, s.region_hi, 0, d.size))
+            out[s.group] = d
+            nbytes += d.size * sum(item_lens[s.group][s.region_lo : s.region_hi])
+        if nbytes != header.nbytes:
+            raise WireError(f"chunk of {header.nbytes} bytes does not match this decode rank's layout ({nbytes} "
+                            f"bytes): prefill and decode KV layouts differ")
+    except WireError as e:
+        return ChunkVerdict(None, [], f"room {header.room}: {e}")
+    return ChunkVerdict(Chunk(tuple(segs), nbytes), out)
+
+
+def aux_data(msg: AuxData, item_lens: Sequence[int], published: Optional[Published]) -> None:
+    """The aux rows go to the row the decode published for the room, each at most that buffer's row size."""
+    if published is None:
+        raise WireError("room is not waiting for KV on this decode rank")
+    if msg.session not in published.prefills:
+        raise WireError(f"prefill {msg.session} does not serve this room")
+    if msg.aux_index != published.aux_index or msg.aux_index < 0:
+        raise WireError(f"aux_index {msg.aux_index} is not the room's row {published.aux_index}")
+    if len(msg.rows) > len(item_lens):
+        raise WireError(f"{len(msg.rows)} aux rows for {len(item_lens)} aux buffers")
+    for i, (row, n) in enumerate(zip(msg.rows, item_lens)):
+        if len(row) > n:
+            raise WireError(f"aux row {i} of {len(row)} bytes exceeds the buffer's {n}-byte rows")
+
+
+def status(value: int) -> bool:
+    """True for Success, False for Failed; anything else is not a final status."""
+    if value not in (_KV_POLL_SUCCESS, _KV_POLL_FAILED):
+        raise WireError(f"status {value} is neither Success nor Failed")
+    return value == _KV_POLL_SUCCESS

@@ -1,0 +1,297 @@
+"""The p2pnccl KV manager: what both roles share (memory, transports, control channel, auth, liveness).
+
+SGLang builds one manager class for both roles (`get_kv_class(..., KVClassType.MANAGER)(args, mode, ...)`);
+`P2pNcclKVManager.__new__` hands the call to the role's class, `prefill.PrefillKVManager` or
+`decode.DecodeKVManager`, both subclasses of this one, as vLLM's connector splits scheduler and worker roles.
+
+Inbound control traffic (ours and SGLang's own ABORT / ABORT_ACK frames) arrives on the PULL socket SGLang's
+Common manager binds. One thread reads it: it opens the authenticated envelope when a key is set
+(engine/auth.py), decodes and bound-checks our messages (engine/messages.py, engine/checks.py), drops
+what fails with a counted, rate-limited log line naming the peer and the problem, refreshes the sender's
+liveness and hands the message to the role. A second thread sends heartbeats to every watched peer and
+declares peers silent for `SGLANG_P2P_PEER_TIMEOUT` seconds dead (engine/liveness.py); the role then fails
+their rooms, aborts their pair channels and forgets them. Every loop catches, logs and goes on; a loop that
+cannot go on marks the manager broken, and every room then fails with that reason instead of hanging.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable, List, Optional
+
+import torch
+import zmq
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import CommonKVManager
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from sglang_p2p_backend.engine import messages as wire
+from sglang_p2p_backend.engine.agreement import local_agreement
+from sglang_p2p_backend.engine.auth import AuthError, Authenticator, key_from_env
+from sglang_p2p_backend.engine.config import EngineConfig
+from sglang_p2p_backend.engine.control import ControlChannel, ControlError
+from sglang_p2p_backend.engine.copier import PageCopier
+from sglang_p2p_backend.engine.liveness import PeerWatch
+from sglang_p2p_backend.engine.memory import page_views, regions_from_lists
+from sglang_p2p_backend.engine.onesided import LocalMemory
+from sglang_p2p_backend.engine.staging import StagingPool
+from sglang_p2p_backend.engine.transport import one_sided_transport, two_sided_transport
+from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError, TwoSidedTransport
+from sglang_p2p_backend.engine.transport.select import process_transports, rdma_present
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+_LOG_FIRST = 20  # dropped messages of one kind logged one by one, then every 1,000th
+
+
+def _no_staging(nbytes: int) -> torch.Tensor:
+    raise TransportError("this rank runs no two-sided transport (SGLANG_P2P_TRANSPORT=mooncake): no staging")
+
+
+def _role_class(mode: Any) -> type:
+    name = "prefill.PrefillKVManager" if mode == DisaggregationMode.PREFILL else "decode.DecodeKVManager"
+    module, cls = name.split(".")
+    return getattr(importlib.import_module(f"sglang_p2p_backend.{module}"), cls)
+
+
+class P2pNcclKVManager(CommonKVManager):
+    # SGLang 0.5.23+ may hold an aborted room's decode pages until every prefill rank ACKs that no write
+    # into them is in flight (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE); unused by 0.5.17
+    supports_deferred_decode_kv_release = True
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if cls is P2pNcclKVManager and (len(args) > 1 or "disaggregation_mode" in kwargs):
+            cls = _role_class(args[1] if len(args) > 1 else kwargs["disaggregation_mode"])
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: Optional[bool] = False,
+        **kwargs: Any,
+    ):
+        self.config = EngineConfig.from_env()
+        key = key_from_env()
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self.session = f"{self.local_ip}:{self.rank_port}"
+        #: this process's start: a peer tells a restarted process at the same session by a new value
+        self.incarnation = time.time_ns()
+        self.hostname = socket.gethostname()
+        self.prefill_rank = self.attn_tp_rank * (self.pp_size * self.attn_cp_size) + (
+            self.pp_rank * self.attn_cp_size + self.attn_cp_rank
+        )
+        self.device = self._kv_device(args)
+        self.kv_regions = regions_from_lists(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
+        self.state_regions = [
+            regions_from_lists(p, n, i)
+            for p, n, i in zip(
+                getattr(args, "state_data_ptrs", []) or [],
+                getattr(args, "state_data_lens", []) or [],
+                getattr(args, "state_item_lens", []) or [],
+            )
+        ]
+        self.views = [page_views(self.kv_regions, self.device)] + [
+            page_views(r, self.device) for r in self.state_regions
+        ]
+        self.copier = PageCopier(self.views)
+        aux = regions_from_lists(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
+        self.local_memory = LocalMemory(self.kv_regions, self.state_regions, aux)
+        self.transports = process_transports(
+            self.config.transport,
+            gpu=self.device.type == "cuda",
+            rdma_present=rdma_present(),
+            mooncake_available=importlib.util.find_spec("mooncake") is not None,
+        )
+        self.two_sided: Optional[TwoSidedTransport] = None
+        if self.transports.two_sided:
+            self.two_sided = two_sided_transport(
+                self.transports.two_sided, self.device, self.local_ip, self.config.io_timeout
+            )
+        self.staging = StagingPool(
+            self.two_sided.alloc_staging if self.two_sided else _no_staging,
+            self.config.slot_bytes,
+            self.config.staging_slots,
+        )
+        self.one_sided: Optional[OneSidedTransport] = None
+        if self.transports.mooncake:
+            self.one_sided = one_sided_transport(
+                self.transports.mooncake,
+                self.local_ip,
+                getattr(args, "ib_device", None),
+                int(getattr(args, "gpu_id", 0) or 0),
+                self.config.io_timeout,
+            )
+            # both sides register: the decode so the prefill may write into it, the prefill so RDMA may read
+            # its sources; aux rows included (they travel in the last chunk's batch)
+            self.one_sided.register(self.local_memory.regions())
+        self.auth = Authenticator(key, self.session, self.incarnation) if key else None
+        self.control = ControlChannel(max_sockets=self.config.max_peers, auth=self.auth)
+        self.agreement = local_agreement(
+            page_size=args.page_size,
+            kv_dtype=args.kv_cache_dtype_str,
+            kv_item_lens=[r.item_len for r in self.kv_regions],
+            state_item_lens=[[r.item_len for r in comp] for comp in self.state_regions],
+            slot_bytes=self.staging.slot_bytes,
+            auth=self.auth is not None,
+        )
+        self.watch = PeerWatch(self.config.peer_timeout)
+        self.dropped: Counter = Counter()  # dropped inbound messages by kind (tests, metrics)
+        #: set when a background loop cannot go on: every room then fails with this reason
+        self.broken: Optional[str] = None
+        # prefill: orders "a write of room r starts" against "r is aborted, ACK if nothing is in flight"
+        self._flight_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: List[threading.Thread] = []
+        self._init_role()
+        self._spawn(self._control_step, f"p2p-{self._role}-control")
+        self._spawn(self._liveness_step, f"p2p-{self._role}-liveness")
+
+    _role = "manager"
+
+    def _init_role(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ threads
+    def _kv_device(self, args: KVArgs) -> torch.device:
+        if self.config.transport != "tcp" and torch.cuda.is_available():
+            return torch.device("cuda", int(getattr(args, "gpu_id", 0) or 0))
+        return torch.device("cpu")
+
+    def _spawn(self, step: Callable[[], None], name: str) -> threading.Thread:
+        """Run `step` until close(): an exception is logged and the loop goes on; anything that is not an
+        Exception (the interpreter is going down, memory is gone) marks the manager broken, loudly."""
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    step()
+                except Exception:
+                    logger.exception("p2pnccl: %s: error (the thread goes on)", name)
+                except BaseException as e:
+                    self._fatal(f"p2pnccl thread {name} stopped: {e!r}")
+                    raise
+
+        t = threading.Thread(target=loop, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def _fatal(self, reason: str) -> None:
+        logger.critical("%s; every room of this rank fails from now on", reason)
+        self.broken = reason
+        for room in list(self.request_status):
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
+
+    def _control_step(self) -> None:
+        if not self.server_socket.poll(_POLL_MS, zmq.POLLIN):
+            return
+        frames = self.server_socket.recv_multipart()
+        sender = None
+        if self.auth is not None:
+            try:
+                sender, frames = self.auth.open(frames)
+            except AuthError as e:
+                self.drop("auth", "?", str(e))
+                return
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError as e:
+            self.drop("malformed", sender or "?", str(e))
+            return
+        if msg is None:
+            self._on_sglang_frames(frames, sender)
+            return
+        claimed = getattr(msg, "session", None)
+        if sender is not None and claimed is not None and claimed != sender:
+            self.drop("impersonation", sender, f"{type(msg).__name__} claims session {claimed}")
+            return
+        self._on_message(msg)
+
+    def _liveness_step(self) -> None:
+        if self._stop.wait(self.watch.interval_s):
+            return
+        beat = wire.Heartbeat(self.session, self.incarnation)
+        for peer in self.watch.peers():
+            try:
+                self.control.send(peer, beat, block=False)
+            except ControlError:
+                pass  # a full queue to a peer is its silence, which expired() reports
+        for peer, silent in self.watch.expired():
+            self._peer_dead(
+                peer,
+                f"peer {peer} stopped answering: no message for {silent:.1f}s (SGLANG_P2P_PEER_TIMEOUT="
+                f"{self.watch.timeout_s:g}); it is dead, hung or unreachable",
+            )
+        self._sweep()
+
+    def drop(self, kind: str, peer: str, detail: str) -> None:
+        """Count and log a dropped inbound message (rate-limited: a flood must not flood the log)."""
+        self.dropped[kind] += 1
+        n = self.dropped[kind]
+        if n <= _LOG_FIRST or n % 1000 == 0:
+            logger.warning("p2pnccl: dropped a control message (%s #%d) from %s: %s", kind, n, peer, detail)
+
+    # ------------------------------------------------------------------ role hooks
+    def _on_message(self, msg: wire.Message) -> None:
+        raise NotImplementedError
+
+    def _on_sglang_frames(self, frames: List[bytes], sender: Optional[str]) -> None:
+        raise NotImplementedError
+
+    def _peer_dead(self, peer: str, reason: str) -> None:
+        raise NotImplementedError
+
+    def _sweep(self) -> None:
+        """Periodic clean-up of the role's tables (expired tombstones, orphans)."""
+
+    def _close_role(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ sending
+    def _control_send(self, session: str, msg: wire.Message, block: bool = True) -> bool:
+        """Best effort: a peer that cannot be reached is logged; its rooms fail by liveness or timeouts."""
+        try:
+            self.control.send(session, msg, block)
+            return True
+        except ControlError as e:
+            logger.warning("p2pnccl: %s", e)
+            return False
+
+    def _send_multipart_locked(self, endpoint: str, parts: List[bytes], is_ipv6: bool = False) -> None:
+        """SGLang's own frames (ABORT_ACK, status) go through the control channel too, so they are
+        authenticated like ours and share its bounded sockets."""
+        self.control.send_frames(endpoint.removeprefix("tcp://"), parts)
+
+    def room_failed(self, room: int, reason: str) -> None:
+        """Fail a room of this rank that is still open (nothing is recorded for a concluded room)."""
+        if self.request_status.get(room) not in (None, KVPoll.Failed, KVPoll.Success):
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
+
+    def close(self) -> None:
+        """Stop this manager's threads and release its channels, staging and sockets (tests, shutdown)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        # unblock anything waiting on a peer first (pending accepts, staging waits), then stop the threads
+        if self.two_sided is not None:
+            self.two_sided.close()
+        self.staging.close()
+        self._close_role()
+        for t in self._threads:
+            t.join(timeout=5)
+        # after the workers stopped: deregistering memory under a running write is not safe
+        if self.one_sided is not None:
+            self.one_sided.close()
+        self.control.close()

@@ -1,0 +1,152 @@
+"""Prefill side of the two-sided pair channels: one `PairSender` per decode rank, opened within the
+communicator budget after an offer/answer with the decode, aborted when the peer dies or refuses a chunk.
+
+Only the prefill closes pair channels (engine/comm_budget.py): its own victims when admitting a new one, idle
+ones a decode asks it to release (CommRelease). Senders belong to the transfer worker that owns the peer;
+other threads only abort a sender's channel (thread-safe on every transport), never replace it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import time
+from typing import Callable, Dict, Optional
+
+from sglang_p2p_backend.engine import messages as wire
+from sglang_p2p_backend.engine.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
+from sglang_p2p_backend.engine.config import EngineConfig
+from sglang_p2p_backend.engine.control import ControlChannel, ControlError
+from sglang_p2p_backend.engine.copier import PageCopier
+from sglang_p2p_backend.engine.pipeline import PairSender
+from sglang_p2p_backend.engine.staging import StagingPool
+from sglang_p2p_backend.engine.transport.base import TransportError, TwoSidedTransport
+
+logger = logging.getLogger(__name__)
+
+
+class PairChannels:
+    def __init__(
+        self,
+        transport: TwoSidedTransport,
+        staging: StagingPool,
+        copier: PageCopier,
+        control: ControlChannel,
+        session: str,
+        config: EngineConfig,
+    ):
+        self.transport = transport
+        self.staging = staging
+        self.copier = copier
+        self.control = control
+        self.session = session
+        self.config = config
+        self.senders: Dict[str, PairSender] = {}
+        self.budget = CommBudget.from_env("prefill", self._evict)
+        self._offers: Dict[int, "queue.Queue[wire.CommAnswer]"] = {}
+        self._offer_ids = itertools.count(1)
+        #: after a "no room" answer, a peer is not offered a channel again until then (auto picks Mooncake)
+        self.no_room_until: Dict[str, float] = {}
+
+    def admits(self, session: str) -> bool:
+        """Would `session` get a channel now (auto's NCCL-budget input)?"""
+        return time.monotonic() >= self.no_room_until.get(session, 0.0) and self.budget.fits(session)
+
+    def answered(self, msg: wire.CommAnswer) -> None:
+        answer = self._offers.get(msg.offer)
+        if answer is not None:
+            answer.put(msg)
+
+    def released(self, session: str) -> None:
+        """The decode is short of communicator memory: close our channel to it if idle."""
+        if self.budget.close_if_idle(session):
+            logger.info("p2pnccl: released the idle pair channel of decode rank %s (its budget is full)", session)
+
+    def abort(self, session: str, generation: Optional[int], reason: str) -> None:
+        """Abort the peer's channel (of `generation`, or whichever is up) from any thread: a worker blocked on
+        it returns with an error and drops it; the next chunk opens a new one."""
+        sender = self.senders.get(session)
+        if sender is not None:
+            sender.abort_channel(generation, reason)
+
+    def reset(self, session: str) -> None:
+        """On the worker that owns the peer: forget its sender and channel (re-registered or dead)."""
+        sender = self.senders.pop(session, None)
+        if sender is not None:
+            sender.close()
+        self.budget.closed(session)
+        self.no_room_until.pop(session, None)
+
+    def _sender(self, session: str) -> PairSender:
+        sender = self.senders.get(session)
+        if sender is None:
+            sender = self.senders[session] = PairSender(
+                transport=self.transport,
+                staging=self.staging,
+                copier=self.copier,
+                local_session=self.session,
+                control=lambda m, s=session: self.control.send(s, m),
+                connect_timeout=self.config.connect_timeout,
+                io_timeout=self.config.io_timeout,
+            )
+        return sender
+
+    def _evict(self, session: str) -> None:
+        """Close the idle pair channel of `session` for the pool (called with the pool's lock held, so the
+        owning worker cannot start a transfer on it) and tell the decode, which drops its end in order."""
+        sender = self.senders.get(session)
+        generation = sender.close_channel() if sender is not None else None
+        if generation is not None:
+            try:
+                self.control.send(session, wire.CommClosed(self.session, generation))
+            except ControlError as e:
+                logger.warning("p2pnccl: %s", e)
+
+    def _open(self, session: str, sender: PairSender) -> None:
+        """Admit a new pair channel in this rank's budget, agree its cap with the decode's budget, open it.
+        Raises NoRoom when either side has no room now, TransportError when it cannot be opened."""
+        decision = self.budget.admit(session)
+        try:
+            offer = next(self._offer_ids)
+            answers: "queue.Queue[wire.CommAnswer]" = queue.Queue(1)
+            self._offers[offer] = answers
+            try:
+                self.control.send(session, wire.CommOffer(self.session, offer, cap_to_wire(decision.cap)))
+                answer = answers.get(timeout=self.config.connect_timeout)
+            except queue.Empty:
+                raise TransportError(
+                    f"decode rank {session} did not answer the pair-channel offer within "
+                    f"{self.config.connect_timeout:.0f}s (SGLANG_P2P_CONNECT_TIMEOUT)"
+                ) from None
+            finally:
+                self._offers.pop(offer, None)
+            if answer.cap < 0:
+                raise NoRoom(f"decode rank {session}: {answer.reason}")
+            cap = cap_from_wire(answer.cap)
+            sender.open(cap)
+            self.budget.opened(session, cap)
+        except BaseException:
+            self.budget.closed(session)
+            raise
+
+    def send(self, session: str, room: int, prefill_rank: int, src: list, dst: list,
+             next_seq: Callable[[], int], alive: Callable[[], bool]) -> None:
+        """Send over the peer's pair channel, opening one within the budget when it has none (or lost it)."""
+        sender = self._sender(session)
+        try:
+            while alive():
+                with self.budget.using(session) as live:
+                    if live and sender.comm is not None:
+                        sender.send(room, prefill_rank, src, dst, keep_going=alive, next_seq=next_seq)
+                        return
+                if live:  # the pool counts a channel the sender lost: forget it before opening a new one
+                    self.budget.closed(session)
+                self._open(session, sender)
+        except TransportError:
+            self.budget.closed(session)
+            raise
+
+    def close(self) -> None:
+        for sender in list(self.senders.values()):
+            sender.close()

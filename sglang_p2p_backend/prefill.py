@@ -1,0 +1,522 @@
+"""Prefill role of the p2pnccl KV manager: registrations, room destinations, transfer workers.
+
+A decode rank registers once per pair (PeerRegister: its agreement, pools and transports). The registration
+is compared with this rank's agreement and answered (PeerAnswer) either way, so a mismatch is refused on both
+sides; a live registration is never replaced by another process claiming its session (a restarted decode
+is accepted once the old one was declared dead). Only registered decode ranks may publish destinations
+(RoomMetadata), each checked against the pools they declared; anything else is dropped before a byte, a
+socket or a table entry is spent on it. Chunks move on transfer workers sharded by decode peer (one peer's
+chunks stay ordered): two-sided (NCCL, tcp) through `PairSender`, one-sided (Mooncake) through
+`OneSidedSender`, then Status. A decode silent for SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail, its
+pair channel is aborted (not waited on) and its registration, budget and socket are released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import queue
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import numpy.typing as npt
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+try:  # deferred decode KV release (SGLang 0.5.23+); 0.5.17 has none of it and keeps the plain abort path
+    from sglang.srt.disaggregation.common.conn import AbortNotification
+except ImportError:
+    AbortNotification = None
+
+from sglang_p2p_backend.engine import checks
+from sglang_p2p_backend.engine import messages as wire
+from sglang_p2p_backend.engine.agreement import differences
+from sglang_p2p_backend.engine.comm_budget import NoRoom
+from sglang_p2p_backend.engine.control import ControlError
+from sglang_p2p_backend.engine.onesided import OneSidedSender, aux_descriptors
+from sglang_p2p_backend.engine.plan import PlanError
+from sglang_p2p_backend.engine.transport.base import TransportError
+from sglang_p2p_backend.engine.transport.select import Choice, PeerFacts, TransportSelector
+from sglang_p2p_backend.manager import P2pNcclKVManager
+from sglang_p2p_backend.pair_channels import PairChannels
+
+logger = logging.getLogger(__name__)
+
+#: after a "no room for a communicator" answer, a peer is not offered NCCL again for this long
+_NO_ROOM_BACKOFF_S = 0.05
+_NO_IDS = np.zeros(0, dtype=np.int32)
+
+
+@dataclass
+class TransferInfo:
+    """One decode rank's destinations for one room. Field names follow Mooncake's, which Common code reads
+    (`endpoint`, `dst_port`, `is_dummy`, `required_dst_info_num`)."""
+
+    session: str
+    room: int
+    dst_kv_indices: np.ndarray
+    dst_aux_index: int
+    dst_state_indices: List[np.ndarray]
+    required_dst_info_num: int
+    decode_prefix_len: int
+    is_dummy: bool
+    next_seq: Callable[[], int] = field(default_factory=lambda: itertools.count().__next__)
+
+    @property
+    def endpoint(self) -> str:
+        return self.session.rsplit(":", 1)[0]
+
+    @property
+    def dst_port(self) -> int:
+        return int(self.session.rsplit(":", 1)[1])
+
+
+@dataclass
+class TransferTask:
+    room: int
+    kv_indices: np.ndarray
+    index_slice: slice
+    is_last: bool
+    aux_index: Optional[int]
+    state_indices: Optional[list]
+    wait_event: Any = None
+
+
+@dataclass
+class _ResetPeer:
+    """Queued behind a peer's earlier chunks: drop its pair channel (re-registered, or dead)."""
+
+    session: str
+
+
+class _Bounded(OrderedDict):
+    """A dict that keeps its newest `limit` entries (tables a stranger can add to)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+class PrefillKVManager(P2pNcclKVManager):
+    _role = "prefill"
+
+    def _init_role(self) -> None:
+        self.decode_peers: Dict[str, wire.PeerRegister] = {}
+        self.rejected_peers: Dict[str, str] = _Bounded(self.config.max_peers)
+        self.selector = TransportSelector(self.config.transport)
+        # pair communicators live within a GPU-memory budget (engine/comm_budget.py); `auto` asks it whether
+        # one more fits before choosing NCCL over Mooncake for a peer
+        self.channels = (
+            PairChannels(self.two_sided, self.staging, self.copier, self.control, self.session, self.config)
+            if self.two_sided else None
+        )
+        self.comm_budget = self.channels.budget if self.channels else None
+        self.nccl_admits: Callable[[str], bool] = self.channels.admits if self.channels else (lambda s: True)
+        self.one_sided_sender = OneSidedSender(self.one_sided, self.local_memory) if self.one_sided else None
+        #: rooms concluded here before their destinations arrived: late RoomMetadata is answered Failed
+        self.concluded: Dict[int, tuple] = _Bounded(1 << 16)
+        self.owned_rooms: set = set()  # rooms with a live sender on this rank
+        self._born: Dict[int, float] = {}  # room -> when its first destinations arrived
+        self.shards = [queue.SimpleQueue() for _ in range(self.config.workers)]
+        for i, shard in enumerate(self.shards):
+            self._spawn(lambda s=shard: self._transfer_step(s), f"p2p-transfer-{i}")
+
+    # ------------------------------------------------------------------ inbound
+    def _on_message(self, msg: wire.Message) -> None:
+        peer = self.decode_peers.get(getattr(msg, "session", ""))
+        if isinstance(msg, wire.PeerRegister):
+            self._on_register(msg)
+        elif isinstance(msg, wire.RoomMetadata):
+            self._on_metadata(msg)
+        elif peer is None:
+            self.drop("unregistered", msg.session, f"{type(msg).__name__} from a decode rank that is not registered")
+        elif isinstance(msg, wire.Heartbeat):
+            if msg.incarnation == peer.incarnation:
+                self.watch.seen(msg.session)
+        elif isinstance(msg, (wire.CommAnswer, wire.CommRelease, wire.ChunkRefused)) and self.channels is None:
+            self.drop("unexpected", msg.session, f"{type(msg).__name__}: this prefill rank runs no pair channels")
+        elif isinstance(msg, wire.CommAnswer):
+            self.channels.answered(msg)
+        elif isinstance(msg, wire.CommRelease):
+            self.channels.released(msg.session)
+        elif isinstance(msg, wire.ChunkRefused):
+            self.channels.abort(msg.session, msg.generation, f"decode rank refused a chunk: {msg.reason}")
+            self._fail_room(msg.room, f"decode rank {msg.session} refused a chunk: {msg.reason}")
+        else:
+            self.drop("unexpected", msg.session, f"{type(msg).__name__} is not for a prefill rank")
+
+    def _answer(self, reg: wire.PeerRegister, problem: str = "") -> None:
+        self._control_send(reg.session, wire.PeerAnswer(self.session, self.incarnation, self.prefill_rank, self.agreement, problem))
+
+    def _check_peer(self, reg: wire.PeerRegister) -> Optional[str]:
+        problems = differences(self.agreement, reg.agreement, "prefill", "decode")
+        if not self._common_transports(reg):
+            problems.append(
+                f"no transport in common: this prefill rank moves pages with {self.transports.names()}, the decode "
+                f"rank receives with {list(reg.transports)}; set the same SGLANG_P2P_TRANSPORT on prefill and decode"
+            )
+        return "; ".join(problems) or None
+
+    def _on_register(self, reg: wire.PeerRegister) -> None:
+        old = self.decode_peers.get(reg.session)
+        if old is not None and old.incarnation != reg.incarnation and self.watch.alive(reg.session):
+            # never replace a live registration: a second process claiming the session is refused until the
+            # registered one has been silent for SGLANG_P2P_PEER_TIMEOUT (a real restart takes longer)
+            self.drop("duplicate-session", reg.session, "registration for a session a live decode process holds")
+            self._answer(reg, f"session {reg.session} is held by a live decode process; a restarted decode is "
+                              f"accepted once the old one is silent for {self.watch.timeout_s:g}s (SGLANG_P2P_PEER_TIMEOUT)")
+            return
+        problem = self._check_peer(reg)
+        if problem is None and old is None and len(self.decode_peers) >= self.config.max_peers:
+            problem = f"this prefill rank has {len(self.decode_peers)} decode ranks registered (SGLANG_P2P_MAX_PEERS)"
+        if problem:
+            logger.error("p2pnccl: decode rank %s refused: %s", reg.session, problem)
+            self.rejected_peers[reg.session] = problem
+            self._answer(reg, problem)
+            return
+        self.rejected_peers.pop(reg.session, None)
+        self.decode_peers[reg.session] = reg
+        self.watch.watch(reg.session)
+        if old is None or old.incarnation != reg.incarnation:
+            self.selector.forget(reg.session)
+            if self.one_sided is not None and reg.mooncake_session:
+                # a failed Mooncake session is skipped until its decode rank registers again: now
+                self.one_sided.peer_registered(reg.mooncake_session)
+            # a new process behind the session: its old pair channel is gone; the owning worker creates a
+            # fresh one on its next chunk
+            self._shard_of(reg.session).put(_ResetPeer(reg.session))
+        self._answer(reg)
+
+    def _on_metadata(self, msg: wire.RoomMetadata) -> None:
+        room, peer = msg.room, self.decode_peers.get(msg.session)
+        if peer is None:
+            problem = self.rejected_peers.get(msg.session)
+            if problem is None:
+                self.drop("unregistered", msg.session, f"RoomMetadata of room {room} from an unregistered decode rank")
+            else:  # the decode failed the room when it read our answer; fail our side too
+                self._fail_room(room, f"decode rank {msg.session} refused: {problem}", notify=False)
+            return
+        if msg.incarnation != peer.incarnation:
+            self.drop("stale", msg.session, f"RoomMetadata of room {room} from decode process {msg.incarnation}, "
+                                            f"registered is {peer.incarnation}")
+            return
+        self.watch.seen(msg.session)
+        if room in self.concluded:
+            self._control_send(msg.session, wire.Status(self.session, room, self.prefill_rank, int(KVPoll.Failed), self.concluded[room][0]))
+            return
+        try:
+            dst = checks.room_metadata(msg, peer)
+        except wire.WireError as e:
+            self.drop("bounds", msg.session, f"RoomMetadata of room {room}: {e}")
+            reason = f"decode rank {msg.session} published invalid destinations: {e}"
+            self._control_send(msg.session, wire.Status(self.session, room, self.prefill_rank, int(KVPoll.Failed), reason))
+            self._fail_room(room, reason)
+            return
+        infos = self.transfer_infos.setdefault(room, {})
+        if msg.session not in infos and len(infos) >= msg.required_dst_info_num:
+            self.drop("bounds", msg.session, f"room {room} already has its {len(infos)} destinations")
+            return
+        infos[msg.session] = TransferInfo(
+            msg.session, room, dst.kv_ids, msg.aux_index, dst.state_ids, msg.required_dst_info_num,
+            msg.decode_prefix_len, msg.is_dummy,
+        )
+        self._born.setdefault(room, time.monotonic())
+        if len(infos) == msg.required_dst_info_num:
+            self.resolve_kv_replica_factor(infos)
+            self.req_to_decode_prefix_len[room] = msg.decode_prefix_len
+            self.update_status(room, KVPoll.WaitingForInput)
+
+    def _on_sglang_frames(self, frames: List[bytes], sender: Optional[str]) -> None:
+        if frames and frames[0] == b"ABORT":
+            self._on_decode_abort(frames, sender)
+        else:
+            self.drop("unexpected", sender or "?", f"frames {frames[:1]!r} are not for a prefill rank")
+
+    def _on_decode_abort(self, frames: List[bytes], sender: Optional[str]) -> None:
+        """A decode rank aborted `room`: fail it here (or remember it, if this rank has not started it). With
+        deferred decode KV release (0.5.23+) the decode holds the room's pages until this rank ACKs; the ACK
+        goes out once no write of the room is in flight (now, or when its last task ends: `_flight_end`)."""
+        target = None
+        try:
+            if AbortNotification is not None:
+                note = AbortNotification.from_zmq(frames)
+                if note is None:
+                    raise ValueError("not an AbortNotification")
+                room, who = note.room, f"{note.decode_ip}:{note.decode_port}"
+                if self._deferred_release():
+                    target = note.deferred_ack_target()  # None for a decode that did not arm (no generation)
+            else:
+                room, who = int(frames[1]), f"{frames[2].decode()}:{frames[3].decode()}"
+        except (IndexError, ValueError, UnicodeDecodeError) as e:
+            self.drop("malformed", sender or "?", f"ABORT frames: {e}")
+            return
+        if who not in self.decode_peers or (sender is not None and sender != who):
+            self.drop("unregistered", sender or who, f"ABORT of room {room} not from a registered decode rank")
+            return
+        # under the flight lock: a task that starts after this block sees Failed before its first write,
+        # one that started before it is counted in _staging_outstanding, so the ACK waits for it
+        with self._flight_lock:
+            if room in self.request_status:
+                self.room_failed(room, f"Aborted by decode rank {who}")
+            else:  # not started here yet: its sender fails at creation (P2pNcclKVSender)
+                self.concluded[room] = (f"Aborted by decode rank {who}", time.monotonic())
+            if target is not None:
+                self.register_deferred_ack_target(room, target)
+        if target is not None:
+            self._maybe_ack_drained_abort(room)
+
+    # ------------------------------------------------------------------ peers
+    def _peer_dead(self, session: str, reason: str) -> None:
+        if self.decode_peers.pop(session, None) is None:
+            return
+        logger.error("p2pnccl: %s", reason)
+        for room, infos in list(self.transfer_infos.items()):
+            info = infos.get(session)
+            if info is not None and not info.is_dummy:
+                self._fail_room(room, f"KV transfer to decode rank {session} failed: {reason}", block=False)
+        if self.channels is not None:
+            self.channels.abort(session, None, reason)  # a worker blocked on the peer returns now
+        self._shard_of(session).put(_ResetPeer(session))
+        self.selector.forget(session)
+        self.control.forget(session)
+
+    def _sweep(self) -> None:
+        now, ttl = time.monotonic(), self.config.tombstone_s
+        for room, (_, at) in list(self.concluded.items()):
+            if now - at > ttl:
+                self.concluded.pop(room, None)
+        # destinations of a room this rank never started (its sender was never created): forget them
+        for room, born in list(self._born.items()):
+            if room in self.owned_rooms:
+                continue
+            if room not in self.transfer_infos:
+                self._born.pop(room, None)
+            elif now - born > ttl:
+                self._fail_room(room, f"prefill rank {self.session} never started room {room} within {ttl:g}s", block=False)
+                for table in (self.transfer_infos, self.request_status, self.req_to_decode_prefix_len, self._born):
+                    table.pop(room, None)
+
+    def room_started(self, room: int) -> None:
+        """A sender for `room` exists on this rank (P2pNcclKVSender)."""
+        self.owned_rooms.add(room)
+        reason = self.concluded.pop(room, (None,))[0]
+        if reason:
+            self.room_failed(room, reason)
+
+    def room_cleared(self, room: int) -> None:
+        self.owned_rooms.discard(room)
+        self._born.pop(room, None)
+
+    def _close_role(self) -> None:
+        for shard in self.shards:
+            shard.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        if self.channels is not None:
+            self.channels.close()
+
+    # ------------------------------------------------------------------ status
+    def _fail_room(self, room: int, reason: str, notify: bool = True, block: bool = True) -> None:
+        """Fail `room` here (if still open) and tell every real decode rank of it (once)."""
+        already = self.request_status.get(room) in (None, KVPoll.Failed)
+        self.room_failed(room, reason)
+        if notify and not already:
+            self._notify_decode(room, KVPoll.Failed, reason, block)
+
+    def _notify_decode(self, room: int, status: int, reason: str = "", block: bool = True) -> None:
+        for info in list((self.transfer_infos.get(room) or {}).values()):
+            if not info.is_dummy and info.session in self.decode_peers:
+                self._control_send(info.session, wire.Status(self.session, room, self.prefill_rank, int(status), reason), block)
+
+    def notify_aborted(self, room: int) -> None:
+        if self.transfer_infos.get(room):
+            self._notify_decode(room, KVPoll.Failed, "Aborted on prefill by AbortReq")
+        else:  # the decode's destinations have not come yet: answer them Failed when they do
+            self.concluded[room] = ("Aborted on prefill by AbortReq", time.monotonic())
+
+    def _deferred_release(self) -> bool:
+        """SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE is on and the release has the machinery (0.5.23+)."""
+        return AbortNotification is not None and bool(getattr(self, "enable_deferred_decode_kv_release", False))
+
+    def _flight_begin(self, room: int) -> None:
+        """A transfer task of `room` starts: counted before `_process` checks the room is alive."""
+        if self._deferred_release():
+            with self._flight_lock:
+                self._staging_outstanding[room] += 1
+
+    def _flight_end(self, room: int) -> None:
+        """A transfer task of `room` ended; the last one of an aborted room sends the held ACKs."""
+        if not self._deferred_release():
+            return
+        with self._flight_lock:
+            left = self._staging_outstanding.get(room, 0) - 1
+            if left > 0:
+                self._staging_outstanding[room] = left
+            else:
+                self._staging_outstanding.pop(room, None)
+        if left <= 0:
+            self._maybe_ack_drained_abort(room)  # pops the targets: at most one ACK per abort
+
+    def _poison_unsettled(self, room: int) -> None:
+        """A write into the decode's pages failed in a way that cannot prove it stopped (a Mooncake batch
+        may still run after its sync call returned an error): never ACK; the decode falls back to its
+        release timeout."""
+        if self._deferred_release():
+            with self._flight_lock:
+                self.poison_deferred_ack_room(room)
+
+    # ------------------------------------------------------------------ transfers
+    def _shard_of(self, session: str) -> "queue.SimpleQueue[object]":
+        return self.shards[sum(session.encode()) % len(self.shards)]
+
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: npt.NDArray[np.int32],
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: Optional[int] = None,
+        state_indices: Optional[List] = None,
+        num_kv_tokens: Optional[int] = None,
+        *,
+        wait_event: Any = None,
+        **_: Any,
+    ) -> None:
+        status = self.request_status.get(bootstrap_room)
+        if status is None or status == KVPoll.Failed:
+            return
+        infos = self.transfer_infos.get(bootstrap_room)
+        if not infos:
+            return
+        task = TransferTask(
+            bootstrap_room,
+            np.array(kv_indices, dtype=np.int32, copy=True),
+            index_slice,
+            is_last_chunk,
+            aux_index,
+            state_indices,
+            wait_event,
+        )
+        real = sorted(s for s, i in infos.items() if not i.is_dummy)
+        self._shard_of(real[0] if real else "").put(task)
+
+    def _transfer_step(self, shard: "queue.SimpleQueue[object]") -> None:
+        task = shard.get()
+        if task is None:
+            return
+        if isinstance(task, _ResetPeer):
+            if self.channels is not None:
+                self.channels.reset(task.session)
+            return
+        self._flight_begin(task.room)
+        try:
+            self._process(task)
+        except Exception as e:  # anything unexpected still ends the room with a reason
+            logger.exception("p2pnccl: transfer of room %s failed", task.room)
+            self._fail_room(task.room, f"prefill transfer error: {e!r}")
+        finally:
+            self._flight_end(task.room)
+
+    def _process(self, task: TransferTask) -> None:
+        room = task.room
+        if task.wait_event is not None:
+            task.wait_event.synchronize()
+        infos = self.transfer_infos.get(room)
+        if infos is None or self.request_status.get(room) in (None, KVPoll.Failed):
+            return
+        alive = lambda: self.request_status.get(room) not in (None, KVPoll.Failed)  # noqa: E731
+        for session, info in list(infos.items()):
+            if info.is_dummy:
+                continue
+            if not alive():
+                return
+            if session not in self.decode_peers:
+                reason = self.rejected_peers.get(session, "it is not registered (or was declared dead)")
+                self._fail_room(room, f"decode rank {session} cannot receive: {reason}")
+                return
+            src, dst = [task.kv_indices], [info.dst_kv_indices[task.index_slice]]
+            if task.is_last and task.state_indices:
+                # group g is state component g-1 on both paths: a component without ids moves nothing
+                for c, ids in enumerate(task.state_indices[: len(self.state_regions)]):
+                    usable = ids is not None and c < len(info.dst_state_indices)
+                    src.append(np.asarray(ids, dtype=np.int32).reshape(-1) if usable else _NO_IDS)
+                    dst.append(info.dst_state_indices[c] if usable else _NO_IDS)
+            aux = (task.aux_index, info.dst_aux_index) if task.is_last and task.aux_index is not None and info.dst_aux_index >= 0 else None
+            try:
+                self._deliver(info, src, dst, aux, alive)
+            except (TransportError, ControlError, PlanError) as e:
+                self._fail_room(room, f"KV transfer to decode rank {session} failed: {e}")
+                return
+        if task.is_last and alive():
+            self._notify_decode(room, KVPoll.Success)
+            self.update_status(room, KVPoll.Success)
+
+    def _route(self, session: str) -> Choice:
+        """Which transport serves this decode rank now (logged once per peer, and when it changes)."""
+        reg = self.decode_peers[session]
+        facts = PeerFacts(
+            same_host=reg.hostname == self.hostname,
+            rdma_present=self.transports.mooncake == "rdma",
+            nccl_fits=lambda: self.nccl_admits(session),
+            gpu=self.device.type == "cuda",
+            mooncake_available=self.one_sided is not None,
+            peer_offers=tuple(self._common_transports(reg)),
+        )
+        return self.selector.choose(session, facts)
+
+    def _common_transports(self, reg: wire.PeerRegister) -> List[str]:
+        offered = [t for t in reg.transports if t != "mooncake" or reg.mooncake_session]
+        return [t for t in self.transports.names() if t in offered]
+
+    def _deliver(self, info: TransferInfo, src: list, dst: list, aux: Optional[tuple], alive: Callable[[], bool]) -> None:
+        """One chunk to one decode rank over the transport `auto` picks now. Lack of communicator memory never
+        fails it: the peer goes to Mooncake when it can, else the chunk waits for room (until the room ends)."""
+        session, room = info.session, info.room
+        waiting_since = None
+        while alive():
+            peer = self.decode_peers.get(session)
+            if peer is None:
+                raise TransportError(f"decode rank {session} was declared dead")
+            if self._route(session).transport == "mooncake":
+                self._send_one_sided(room, peer, src, dst, aux)
+                return
+            try:
+                self.channels.send(session, room, self.prefill_rank, src, dst, info.next_seq, alive)
+            except NoRoom as e:
+                self.channels.no_room_until[session] = time.monotonic() + _NO_ROOM_BACKOFF_S
+                if waiting_since is None:
+                    waiting_since = time.monotonic()
+                    logger.info("p2pnccl: room %s waits for a pair channel to decode rank %s: %s", room, session, e)
+                if self._route(session).transport != "mooncake":
+                    time.sleep(_NO_ROOM_BACKOFF_S)
+                continue
+            if waiting_since is not None:
+                logger.info("p2pnccl: room %s got a pair channel after %.2fs", room, time.monotonic() - waiting_since)
+            if aux is not None and alive():
+                self._send_aux(session, room, *aux)
+            return
+
+    def _send_one_sided(self, room: int, peer: wire.PeerRegister, src: list, dst: list, aux: Optional[tuple]) -> None:
+        try:
+            self.one_sided_sender.send(peer, src, dst, aux)
+        except PlanError:
+            raise  # found before any byte moved
+        except BaseException:
+            self._poison_unsettled(room)
+            raise
+
+    def _send_aux(self, session: str, room: int, src_index: int, dst_index: int) -> None:
+        """The aux rows as host bytes on the control channel (two-sided peers: NCCL cannot reach host memory)."""
+        src, _, lens = aux_descriptors(self.local_memory.aux, self.decode_peers[session], src_index, dst_index)
+        rows = [ctypes.string_at(int(a), int(n)) for a, n in zip(src, lens)]
+        self.control.send(session, wire.AuxData(self.session, room, dst_index, rows))
