@@ -181,12 +181,16 @@ class P2pNcclKVReceiver(CommonKVReceiver):
             )
             try:
                 mgr.ensure_registered(endpoint)  # again after a refusal or a peer's death
-                mgr.control.send(endpoint, msg)
+                mgr.control.send(endpoint, msg)  # even to a refusing prefill: it fails its side of the room
             except ControlError as e:
                 mgr.record_failure(room, f"send_metadata to prefill rank {endpoint} failed: {e}")
                 self.conclude_state = KVPoll.Failed
                 mgr.update_status(room, KVPoll.Failed)
                 return
+        for endpoint in endpoints:
+            refused = mgr.refusal(endpoint)
+            if refused:
+                mgr.room_failed(room, refused)
         self.init_time = time.time()
 
     def poll(self) -> KVPoll:

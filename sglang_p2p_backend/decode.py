@@ -38,6 +38,9 @@ from sglang_p2p_backend.manager import P2pNcclKVManager
 
 logger = logging.getLogger(__name__)
 
+#: a prefill rank that refused this decode rank is asked again no sooner than this (it may be fixed or restarted)
+_RETRY_REFUSED_S = 5.0
+
 
 @dataclass
 class PrefillPeer:
@@ -90,7 +93,7 @@ class DecodeKVManager(P2pNcclKVManager):
         """Register with prefill rank `endpoint` unless a registration is pending or accepted (a refused or
         dead one is tried again: the prefill may have been fixed or restarted). Raises ControlError."""
         peer = self.prefills.get(endpoint)
-        if peer is not None and peer.state in ("pending", "accepted"):
+        if peer is not None and (peer.state in ("pending", "accepted") or time.monotonic() - peer.since < _RETRY_REFUSED_S):
             return
         self.prefills[endpoint] = PrefillPeer("pending", time.monotonic())
         self.watch.watch(endpoint)
@@ -104,7 +107,7 @@ class DecodeKVManager(P2pNcclKVManager):
         reason = msg.problem or "; ".join(differences(self.agreement, msg.agreement, "decode", "prefill"))
         if reason:
             logger.error("p2pnccl: prefill rank %s cannot serve this decode rank: %s", msg.session, reason)
-            peer.state, peer.reason = "refused", reason
+            peer.state, peer.reason, peer.since = "refused", reason, time.monotonic()
             self.watch.forget(msg.session)
             self._fail_rooms_served_by(msg.session, f"prefill rank {msg.session} refused this decode rank: {reason}")
             return
@@ -112,6 +115,11 @@ class DecodeKVManager(P2pNcclKVManager):
 
     def publish(self, room: int, published: checks.Published) -> None:
         self.live_rooms[room] = published
+
+    def refusal(self, endpoint: str) -> Optional[str]:
+        """Why prefill rank `endpoint` refused this decode rank, if it did (rooms to it fail at once)."""
+        peer = self.prefills.get(endpoint)
+        return f"prefill rank {endpoint} refused this decode rank: {peer.reason}" if peer and peer.state == "refused" else None
 
     def room_wanted(self, room: int) -> bool:
         return room in self.live_rooms and self.request_status.get(room) not in (None, KVPoll.Failed)

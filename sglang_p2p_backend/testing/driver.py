@@ -44,6 +44,9 @@ class Req:
     tokens: int
     chunk_pages: int
     prefix: int = 0  # decode prefix tokens (page aligned)
+    #: {"side": "prefill"|"decode", "at": ...}: abort this request on that side at that point (prefill: "bootstrap",
+    #: "chunk" after `n` chunks, "last" after the last chunk; decode: "init" before its metadata, "transfer" after it)
+    abort: Optional[dict] = None
     handle: Any = None
     phase: str = "new"
     pages: Optional[np.ndarray] = None
@@ -59,7 +62,8 @@ class Req:
 def _requests(plan: dict, role: str) -> list[Req]:
     """The plan's requests this role sees (a request may name `roles` to reach only one side)."""
     return [
-        Req(r["room"], r["tokens"], r.get("chunk_pages", 1 << 30), r.get("prefix", 0))
+        Req(r["room"], r["tokens"], r.get("chunk_pages", 1 << 30), r.get("prefix", 0),
+            r["abort"] if r.get("abort", {}).get("side") == role else None)
         for r in plan["requests"]
         if role in r.get("roles", ("prefill", "decode"))
     ]
@@ -186,7 +190,17 @@ class Role:
 
     def finish(self, req: Req, ok: bool, reason: str = "") -> None:
         req.phase = "done"
-        req.result.update(status="Success" if ok else "Failed", reason=reason, seconds=time.monotonic() - req.started)
+        req.result.update(status="Success" if ok else "Failed", reason=reason, seconds=time.monotonic() - req.started,
+                          ended_at=time.time())
+
+    def aborts_at(self, req: Req, point: str) -> bool:
+        """The plan aborts `req` on this side at `point`: abort it as the scheduler would (AbortReq)."""
+        if req.abort is None or req.abort.get("at") != point:
+            return False
+        req.result["aborted_at"] = point
+        req.handle.abort()
+        req.abort = None
+        return True
 
     def fail(self, req: Req) -> None:
         try:
@@ -206,6 +220,9 @@ class Role:
             "comm_used_mb": m.comm_budget.used_mb() if m.comm_budget else 0.0,
             "comm_peak_mb": m.comm_budget.peak_mb if m.comm_budget else 0.0,
             "comm_stats": dict(m.comm_budget.stats) if m.comm_budget else {},
+            "control_sockets": m.control.open_endpoints(),
+            "dropped": dict(m.dropped),
+            "watched_peers": sorted(m.watch.peers()),
         }
         if self.role == "prefill":
             out["transfer_infos"] = sorted(m.transfer_infos)
@@ -213,9 +230,15 @@ class Role:
             # deferred decode KV release (0.5.23+): in-flight counts and ACKs still held
             out["staging_outstanding"] = sorted(getattr(m, "_staging_outstanding", {}))
             out["deferred_ack_targets"] = sorted(getattr(m, "_deferred_ack_targets", {}))
+            out["decode_peers"] = sorted(m.decode_peers)
+            out["rejected_peers"] = sorted(m.rejected_peers)
+            out["concluded"] = sorted(m.concluded)
+            out["owned_rooms"] = sorted(m.owned_rooms)
         else:
             out["arrivals_pending"] = m.arrivals.pending()
             out["live_rooms"] = sorted(m.live_rooms)
+            out["prefills"] = {k: p.state for k, p in m.prefills.items()}
+            out["receivers"] = sorted(m.receivers)
             out["deferred_abort_rooms"] = sorted(getattr(m, "_deferred_abort_ack_tracker", {}))
         return out
 
@@ -257,6 +280,7 @@ class Role:
         if req.phase == "new":
             req.handle = self.cls_sender(req)
             req.phase, req.started = "bootstrap", now
+            self.aborts_at(req, "bootstrap")
             return
         status = req.handle.poll()
         if status == P.Failed:
@@ -299,7 +323,13 @@ class Role:
             if "exit_after_chunks" in self.faults and req.sent >= self.faults["exit_after_chunks"] * req.chunk_pages:
                 time.sleep(0.3)
                 os._exit(17)
+            if "stop_after_chunks" in self.faults and req.sent >= self.faults["stop_after_chunks"] * req.chunk_pages:
+                stop_self(self.plan, self.role)
             if last:
+                req.phase = "inflight"
+                self.aborts_at(req, "last")
+            elif req.abort and req.abort.get("at") == "chunk" and req.sent >= req.abort.get("n", 1) * req.chunk_pages:
+                self.aborts_at(req, "chunk")
                 req.phase = "inflight"
             return
         if status == P.Success:
@@ -337,6 +367,7 @@ class Role:
                 if dp_rank is not None:
                     req.handle.init(dp_rank)
                     req.phase = "handshake"
+                    self.aborts_at(req, "init")
             else:
                 req.result["ensure_tries"] += 1
                 if req.result["ensure_tries"] >= 15:  # the scheduler's _max_ensure_retries
@@ -370,6 +401,10 @@ class Role:
             return
         if "exit_after_s" in self.faults and now - req.result["metadata_at"] >= self.faults["exit_after_s"]:
             os._exit(17)
+        if "stop_after_s" in self.faults and now - req.result["metadata_at"] >= self.faults["stop_after_s"]:
+            stop_self(self.plan, self.role)
+        if req.abort and now - req.result["metadata_at"] >= req.abort.get("after_s", 0) and self.aborts_at(req, "transfer"):
+            return
         # SGLang's metadata gate: Success counts only once the aux row's bootstrap_room landed
         if status == P.Success and int(self.meta.bootstrap_room[req.aux][0]) != 0:
             self.verify(req)
@@ -398,6 +433,7 @@ class Role:
     # ------------------------------------------------------------------ loop
     def run(self, reqs: list[Req], deadline_s: float) -> dict:
         step = self.step_prefill if self.role == "prefill" else self.step_decode
+        fds_start, threads_start = _fds(), threading.active_count()
         start = time.monotonic()
         t0 = start
         while any(r.phase != "done" for r in reqs):
@@ -426,9 +462,22 @@ class Role:
             if r.room in self.ack_sent_at:
                 r.result["ack_sent_at"] = self.ack_sent_at[r.room]
         out["leftovers"] = self.leftovers()
+        out["resources"] = {"fds_start": fds_start, "fds_end": _fds(),
+                            "threads_start": threads_start, "threads_end": threading.active_count()}
         self.mgr.close()
         out["threads_left"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("p2p-"))
         return out
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1
+
+
+def stop_self(plan: dict, role: str) -> None:
+    """Fault: this process stops (SIGSTOP) as a hung or frozen server would; the time goes to `stopped_at`."""
+    with open(os.path.join(plan["workdir"], f"{role}.stopped_at"), "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _serve_bootstrap(host: str, port: int, parent: int) -> None:
@@ -485,7 +534,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     faulthandler.dump_traceback_later(float(plan.get("deadline_s", 60)) + 20, exit=False)
     if plan.get("share_gpu"):  # both roles on one GPU over NCCL: before anything starts NCCL
         os.environ.update(one_gpu_env(f"{ns.role}{ns.rank}"))
+    os.environ.update(plan.get("env", {}).get(ns.role, {}))  # per-role settings (mismatch tests)
     role = Role(ns.role, plan, ns.rank)
+    with open(os.path.join(plan["workdir"], f"{ns.role}-{ns.rank}.session"), "w") as f:
+        f.write(role.mgr.session)  # where a test's hostile sender finds this rank's control socket
     _touch(plan, f"{ns.role}-{ns.rank}")
     if ns.role == "decode":
         _wait_for(plan, [f"prefill-{r}" for r in range(int(plan.get("tp", {}).get("prefill", 1)))])

@@ -44,47 +44,70 @@ def one_gpu_env(name: str) -> dict:
     return {"NCCL_HOSTID": f"p2p-{name}-{os.getpid()}", "NCCL_SOCKET_IFNAME": "lo"}
 
 
+class PairRun:
+    """A prefill-role and a decode-role driver (one process per rank) running one plan on 127.0.0.1."""
+
+    def __init__(self, plan: dict, env: Optional[dict] = None, workdir: Optional[str] = None):
+        self.workdir = workdir or tempfile.mkdtemp(prefix="p2p-pair-")
+        plan = dict(plan)
+        plan.setdefault("bootstrap_port", free_port())
+        plan.setdefault("dist_ports", {"prefill": free_port(), "decode": free_port()})
+        plan["workdir"] = self.workdir
+        plan_path = os.path.join(self.workdir, "plan.json")
+        with open(plan_path, "w") as f:
+            json.dump(plan, f)
+        # every address SGLang hands out stays on loopback
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", SGLANG_HOST_IP="127.0.0.1", **(env or {}))
+        tp = {role: int(plan.get("tp", {}).get(role, 1)) for role in ("prefill", "decode")}
+        self.procs, self.outs, self.logs = {}, {}, {}
+        for role in ("prefill", "decode"):
+            for rank in range(tp[role]):
+                key = (role, rank)
+                self.outs[key] = os.path.join(self.workdir, f"{role}-{rank}.json")
+                self.logs[key] = open(os.path.join(self.workdir, f"{role}-{rank}.log"), "w")
+                self.procs[key] = subprocess.Popen(
+                    [sys.executable, "-m", "sglang_p2p_backend.testing.driver", "--role", role, "--rank", str(rank),
+                     "--plan", plan_path, "--out", self.outs[key]],
+                    env=full_env,
+                    stdout=self.logs[key],
+                    stderr=subprocess.STDOUT,
+                )
+
+    def session(self, role: str, rank: int = 0, timeout: float = 60.0) -> str:
+        """The control endpoint ("ip:port") of a rank, once its manager is up."""
+        path = os.path.join(self.workdir, f"{role}-{rank}.session")
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path) or not open(path).read():
+            if time.monotonic() > deadline or self.procs[(role, rank)].poll() is not None:
+                raise RuntimeError(f"{role} rank {rank} did not start (see {self.workdir})")
+            time.sleep(0.05)
+        return open(path).read()
+
+    def wait(self, timeout: float = 120.0, roles: tuple = ("prefill", "decode")) -> dict:
+        """Wait for the ranks of `roles` (the others are killed once those ended), return {"prefill": result|None,
+        "decode": result|None, "returncodes": {...}}. A rank that died (a fault plan) has result None."""
+        deadline = time.monotonic() + timeout
+        codes = {}
+        order = sorted(self.procs, key=lambda k: k[0] not in roles)
+        for key in order:
+            p = self.procs[key]
+            try:
+                codes[key] = p.wait(max(1.0, deadline - time.monotonic()) if key[0] in roles else 0.1)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                codes[key] = "timeout" if key[0] in roles else "killed"
+        result = {"workdir": self.workdir, "ranks": {"prefill": [], "decode": []}}
+        for key in self.procs:
+            self.logs[key].close()
+            out = self.outs[key]
+            result["ranks"][key[0]].append(json.load(open(out)) if os.path.exists(out) else None)
+        # rank 0 of each role, the common case of one rank a server
+        result["returncodes"] = {role: codes[(role, 0)] for role in ("prefill", "decode")}
+        result["prefill"], result["decode"] = result["ranks"]["prefill"][0], result["ranks"]["decode"][0]
+        return result
+
+
 def run_pair(plan: dict, timeout: float = 120.0, env: Optional[dict] = None, workdir: Optional[str] = None) -> dict:
-    """Start both roles on 127.0.0.1, wait for them, return {"prefill": result|None, "decode": result|None,
-    "returncodes": {...}}. A role that died (a fault plan) has result None."""
-    workdir = workdir or tempfile.mkdtemp(prefix="p2p-pair-")
-    plan = dict(plan)
-    plan.setdefault("bootstrap_port", free_port())
-    plan.setdefault("dist_ports", {"prefill": free_port(), "decode": free_port()})
-    plan["workdir"] = workdir
-    plan_path = os.path.join(workdir, "plan.json")
-    with open(plan_path, "w") as f:
-        json.dump(plan, f)
-    # every address SGLang hands out stays on loopback
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", SGLANG_HOST_IP="127.0.0.1", **(env or {}))
-    tp = {role: int(plan.get("tp", {}).get(role, 1)) for role in ("prefill", "decode")}
-    procs, outs, logs = {}, {}, {}
-    for role in ("prefill", "decode"):
-        for rank in range(tp[role]):
-            key = (role, rank)
-            outs[key] = os.path.join(workdir, f"{role}-{rank}.json")
-            logs[key] = open(os.path.join(workdir, f"{role}-{rank}.log"), "w")
-            procs[key] = subprocess.Popen(
-                [sys.executable, "-m", "sglang_p2p_backend.testing.driver", "--role", role, "--rank", str(rank),
-                 "--plan", plan_path, "--out", outs[key]],
-                env=full_env,
-                stdout=logs[key],
-                stderr=subprocess.STDOUT,
-            )
-    deadline = time.monotonic() + timeout
-    codes = {}
-    for key, p in procs.items():
-        try:
-            codes[key] = p.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            codes[key] = "timeout"
-    result = {"workdir": workdir, "ranks": {"prefill": [], "decode": []}}
-    for key in procs:
-        logs[key].close()
-        result["ranks"][key[0]].append(json.load(open(outs[key])) if os.path.exists(outs[key]) else None)
-    # rank 0 of each role, the common case of one rank a server
-    result["returncodes"] = {role: codes[(role, 0)] for role in ("prefill", "decode")}
-    result["prefill"], result["decode"] = result["ranks"]["prefill"][0], result["ranks"]["decode"][0]
-    return result
+    """Start both roles on 127.0.0.1, wait for them, return their results (see `PairRun.wait`)."""
+    return PairRun(plan, env, workdir).wait(timeout)

@@ -17,7 +17,7 @@ common = pytest.importorskip("sglang.srt.disaggregation.common.conn")
 if not hasattr(common, "AbortAck"):
     pytest.skip("this SGLang release has no deferred decode KV release (added in 0.5.23)", allow_module_level=True)
 
-from sglang_p2p_backend.conn import P2pNcclKVManager  # noqa: E402
+from sglang_p2p_backend.decode import DecodeKVManager  # noqa: E402
 from sglang_p2p_backend.engine.arrivals import ArrivalTracker  # noqa: E402
 from sglang_p2p_backend.engine.pipeline import PairReceiver  # noqa: E402
 
@@ -30,8 +30,8 @@ class _Copier:
 
 
 def decode_manager():
-    """Just the decode state `_handle_decode_frames` and SGLang's deferred-ACK helpers use."""
-    mgr = P2pNcclKVManager.__new__(P2pNcclKVManager)
+    """Just the decode state `_on_sglang_frames` and SGLang's deferred-ACK helpers use."""
+    mgr = DecodeKVManager.__new__(DecodeKVManager)
     mgr.enable_deferred_decode_kv_release = True
     mgr._deferred_abort_ack_tracker = {}
     mgr._deferred_abort_generation = 0
@@ -69,7 +69,7 @@ def test_ack_counts_only_after_the_receiver_finished_the_chunks_before_it(receiv
     mgr.arrivals.announce(ROOM, RANK, PEER)  # a chunk of the room was announced and is being scattered
     scatter_may_end = threading.Event()
     receiver.submit(lambda: scatter_may_end.wait(5))
-    mgr._handle_decode_frames(ack(ROOM, generation))
+    mgr._on_sglang_frames(ack(ROOM, generation), None)
     time.sleep(0.2)
     assert not mgr.is_abort_release_safe(ROOM, 1), "ACK counted while a scatter of the room was still running"
     scatter_may_end.set()
@@ -82,7 +82,7 @@ def test_ack_counts_at_once_without_chunks_in_flight_and_stale_generations_do_no
     receiver.submit(lambda: time.sleep(1))  # another room's chunk: must not delay this room's ACK
     old = mgr.register_deferred_abort_room(ROOM)
     generation = mgr.register_deferred_abort_room(ROOM)  # the room was aborted again (reused)
-    mgr._handle_decode_frames(ack(ROOM, old))
+    mgr._on_sglang_frames(ack(ROOM, old), None)
     assert not mgr.is_abort_release_safe(ROOM, 1)
-    mgr._handle_decode_frames(ack(ROOM, generation))
+    mgr._on_sglang_frames(ack(ROOM, generation), None)
     assert mgr.is_abort_release_safe(ROOM, 1)

@@ -1,0 +1,92 @@
+"""A hostile neighbour for tests: raw frames pushed at a rank's control socket on 127.0.0.1.
+
+Forged messages are built with the real message types (so they decode), mutated ones are valid frames with
+bytes flipped, cut or grown, from a seeded generator (reproducible). Every send is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Iterable
+
+import msgspec
+import numpy as np
+import zmq
+
+from sglang_p2p_backend.engine import messages as wire
+
+
+def push(endpoint: str, messages: Iterable[list[bytes]], pause_s: float = 0.0) -> int:
+    """Send every frame list to `endpoint` ("ip:port") from one PUSH socket; returns how many were sent."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.SNDTIMEO, 2000)
+    sock.connect(f"tcp://{endpoint}")
+    n = 0
+    try:
+        for frames in messages:
+            sock.send_multipart(frames)
+            n += 1
+            if pause_s:
+                time.sleep(pause_s)
+    finally:
+        sock.close()
+    return n
+
+
+def phantom(i: int) -> str:
+    """A session nobody listens on (a port in the discard range of 127.0.0.1 that no test binds)."""
+    return f"127.0.0.{2 + i // 60000}:{1024 + i % 60000}"
+
+
+def forged_metadata(count: int, room: int = 1) -> list[list[bytes]]:
+    """RoomMetadata from `count` sessions that never registered (to a prefill rank)."""
+    ids = np.arange(4, dtype=np.int32).tobytes()
+    return [
+        wire.encode(wire.RoomMetadata(phantom(i), 1, room + i, ids, 1, [], 1, 0, False))
+        for i in range(count)
+    ]
+
+
+def forged_offers(count: int) -> list[list[bytes]]:
+    """CommOffers from `count` phantom prefill ranks (to a decode rank): each asks for channel budget."""
+    return [wire.encode(wire.CommOffer(phantom(i), i + 1, 16)) for i in range(count)]
+
+
+def forged_chunks(count: int, room: int = 1) -> list[list[bytes]]:
+    """ChunkHeaders from `count` phantom prefill ranks (to a decode rank): each would start a receiver."""
+    seg = wire.ChunkSegment(0, 0, 1, np.arange(4, dtype=np.int32).tobytes())
+    return [wire.encode(wire.ChunkHeader(phantom(i), 1, room, 0, 0, 64, [seg])) for i in range(count)]
+
+
+def mutated(frames: list[list[bytes]], count: int, seed: int = 0) -> list[list[bytes]]:
+    """`count` mutations of the given valid frame lists: flipped bytes, cut or grown payloads, garbage
+    msgpack, wrong frame counts, huge array headers."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        magic, body = rng.choice(frames)
+        kind = i % 6
+        if kind == 0:
+            b = bytearray(body)
+            for _ in range(rng.randint(1, 8)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            out.append([magic, bytes(b)])
+        elif kind == 1:
+            out.append([magic, body[: rng.randrange(len(body))]])
+        elif kind == 2:
+            out.append([magic, body + bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))])
+        elif kind == 3:
+            out.append([magic, bytes(rng.randrange(256) for _ in range(rng.randint(0, 200)))])
+        elif kind == 4:
+            out.append([magic, body, body][: rng.choice((1, 3))])
+        else:  # an array header claiming 2^32-1 elements
+            out.append([magic, b"\xdd\xff\xff\xff\xff" + body[:8]])
+    return out
+
+
+def encode_raw(obj: object) -> list[bytes]:
+    """Our magic around any msgpack value (a message of a type the receiver does not know, say)."""
+    return [wire.MAGIC, msgspec.msgpack.encode(obj)]
