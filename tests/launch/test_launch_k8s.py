@@ -18,7 +18,7 @@ from k8s_schema import LWS_SCHEMA, LWS_VERSION, problems
 from launch_cases import REPO, TOPOLOGIES, flags, variant  # noqa: F401  (variant is a fixture)
 from sglang_p2p_backend.launch import cli, lws
 from sglang_p2p_backend.launch.config import ROLES, ConfigError, load_config
-from sglang_p2p_backend.launch.k8s import KubeFile, checked, leader_service, render_files
+from sglang_p2p_backend.launch.k8s import KubeFile, checked, lb_name, leader_service, render_files
 from sglang_p2p_backend.launch.k8s_profile import kube_spec
 from sglang_p2p_backend.launch.release import SUPPORTED
 from sglang_p2p_lb.cli import build_parser, config_from_args
@@ -142,9 +142,13 @@ def test_pods_services_and_lb_agree(topology):
         assert f["--disaggregation-mode"] == [role] and f["--port"] == [str(parts.port)]
         if role == "prefill":
             assert f["--disaggregation-bootstrap-port"] == [str(bootstrap)]
-    lb_service = by_name(files, "Service")[f"{files[-1].name.removesuffix('.yaml')}"]
+    lb_service = services[lb_name(cfg)]
     assert lb_cfg.port == cfg.lb.port == lb_service["spec"]["ports"][0]["targetPort"]
     assert selected(lb_service["spec"]["selector"], all_pods) == []  # the LB Service never reaches a server
+    (deployment,) = objects(files, "Deployment")
+    lb_pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for selector in (lb_service["spec"]["selector"], deployment["spec"]["selector"]["matchLabels"]):
+        assert selector and all(lb_pod_labels.get(k) == v for k, v in selector.items())
 
 
 # --------------------------------------------------------------------------- what the profiles ask for
