@@ -15,7 +15,7 @@ from typing import Any
 
 from . import lws
 from .config import ROLES, ConfigError, LaunchConfig
-from .k8s_profile import KubeSpec
+from .k8s_profile import SHM_VOLUME, KubeSpec
 from .render import LB_PROGRAM, SGLANG_PROGRAM, Command, lb_args, server_args
 from .validate import problems
 
@@ -137,7 +137,7 @@ def _server_container(cfg: LaunchConfig, kube: KubeSpec, role: str, release: str
         # torch.distributed group cannot rejoin): only a server that stopped answering for a minute
         "livenessProbe": _http_probe(spec.port, "/health", 6, timeout_s=10),
         "volumeMounts": [
-            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
             *({"name": v.name, "mountPath": v.path, "readOnly": v.read_only} for v in kube.volumes),
         ],
     }
@@ -154,7 +154,7 @@ def _server_container(cfg: LaunchConfig, kube: KubeSpec, role: str, release: str
 def _volumes(kube: KubeSpec) -> list[dict[str, Any]]:
     # NCCL's shared-memory transport and torch's shared tensors between the node's ranks; the runtime's
     # default /dev/shm is 64 MB
-    out: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": kube.shm_size}}]
+    out: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": kube.shm_size}}]
     for v in kube.volumes:
         if v.host_path is not None:
             out.append({"name": v.name, "hostPath": {"path": v.host_path, "type": "Directory"}})

@@ -24,6 +24,7 @@ _SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 # RFC 1123 label: namespaces, volume names
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 IMAGE_REPOSITORY = "sglang-p2p-backend"  # the tag docs/launch.md builds launch/Dockerfile as
+SHM_VOLUME = "dshm"  # the renderer's /dev/shm volume
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,9 @@ def _volumes(r: _Reader, raw: Any) -> tuple[Volume, ...]:
         v = r.mapping(item, where, _VOLUME_KEYS)
         name, path = r.text(v.get("name"), f"{where}.name", ""), r.text(v.get("path"), f"{where}.path", "")
         host_path, claim = r.text(v.get("host_path"), f"{where}.host_path", None), r.text(v.get("claim"), f"{where}.claim", None)
-        if not name or not _DNS_LABEL.match(name):
-            r.problems.append(f"{r.path}: `{where}.name` must be a lowercase DNS label such as `models`, got {name!r}")
+        if not name or not _DNS_LABEL.match(name) or name == SHM_VOLUME:
+            r.problems.append(f"{r.path}: `{where}.name` must be a lowercase DNS label such as `models` other "
+                              f"than `{SHM_VOLUME}` (the pod's /dev/shm), got {name!r}")
         if not path or not path.startswith("/"):
             r.problems.append(f"{r.path}: `{where}.path` must be an absolute path in the container, got {path!r}")
         if (host_path is None) == (claim is None):

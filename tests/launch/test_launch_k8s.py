@@ -297,6 +297,7 @@ def test_port_clash_inside_a_pod_names_the_pod(variant):
         ({"volumes": [{"name": "models", "path": "/models", "host_path": "/m", "claim": "pvc"}]},
          "needs exactly one of `host_path` and `claim`"),
         ({"lb_service_type": "Ingress"}, "must be one of ClusterIP, NodePort, LoadBalancer"),
+        ({"volumes": [{"name": "dshm", "path": "/data", "claim": "pvc"}]}, "other than `dshm`"),
         ({"namespace": "Team_A"}, "is not a lowercase DNS label"),
         ({"host_network": "yes"}, "`kubernetes.host_network` must be true or false"),
     ],
