@@ -9,6 +9,7 @@ LB dials the leaders' Service names instead of host addresses.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Any
@@ -131,7 +132,7 @@ def _server_container(cfg: LaunchConfig, kube: KubeSpec, role: str, release: str
         "resources": {"limits": {kube.gpu_resource: str(spec.gpus), **kube.resources}},
         # nodes > 0 serve /health only once their schedulers are up: loading weights and JIT-compiling
         # takes far longer than any liveness budget, so liveness starts after the first success
-        "startupProbe": _http_probe(spec.port, "/health", -(-kube.startup_timeout_s // PROBE_PERIOD_S)),
+        "startupProbe": _http_probe(spec.port, "/health", math.ceil(kube.startup_timeout_s / PROBE_PERIOD_S)),
         "readinessProbe": _http_probe(spec.port, "/health", 3),
         # a failed liveness restarts the pod, and LWS then recreates the whole group (one member of a
         # torch.distributed group cannot rejoin): only a server that stopped answering for a minute

@@ -56,10 +56,10 @@ class KubeSpec:
     cluster_domain: str
 
 
-def _boolean(r: _Reader, raw: Mapping[str, Any], key: str, default: bool) -> bool:
+def _boolean(r: _Reader, raw: Mapping[str, Any], key: str, default: bool, where: str = "kubernetes") -> bool:
     value = raw.get(key, default)
     if not isinstance(value, bool):
-        r.problems.append(f"{r.path}: `kubernetes.{key}` must be true or false, got {value!r}")
+        r.problems.append(f"{r.path}: `{where}.{key}` must be true or false, got {value!r}")
         return default
     return value
 
@@ -91,7 +91,7 @@ def _volumes(r: _Reader, raw: Any) -> tuple[Volume, ...]:
             r.problems.append(f"{r.path}: `{where}.path` must be an absolute path in the container, got {path!r}")
         if (host_path is None) == (claim is None):
             r.problems.append(f"{r.path}: `{where}` needs exactly one of `host_path` and `claim` (a PVC name)")
-        out.append(Volume(name or "", path or "", host_path, claim, _boolean(r, v, "read_only", False)))
+        out.append(Volume(name or "", path or "", host_path, claim, _boolean(r, v, "read_only", False, where)))
     return tuple(out)
 
 
