@@ -4,5 +4,7 @@
 stop the topology at run time, `render` turns it into command lines (pure, no SGLang import), `release`
 holds the few flag spellings that differ between supported SGLang releases, `sglang_parser` checks the
 rendered commands with SGLang's own argument parser (plugin loaded), `identity` works out which node this
-process is, and `cli` (`python -m sglang_p2p_backend.launch`) ties them together.
+process is, `k8s` renders the topology as Kubernetes objects (LeaderWorkerSet per group) with
+`k8s_profile` (the cluster profile's `kubernetes:` section), `lws` (what LWS and the kubelet make of a
+LeaderWorkerSet) and `k8s_output` (YAML), and `cli` (`python -m sglang_p2p_backend.launch`) ties them together.
 """

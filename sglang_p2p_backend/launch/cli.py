@@ -1,8 +1,9 @@
-"""Command line of the launcher: `python -m sglang_p2p_backend.launch {node,lb,check} --config FILE ...`.
+"""Command line of the launcher: `python -m sglang_p2p_backend.launch {node,lb,check,k8s} --config FILE ...`.
 
 node   renders this node's SGLang server command and replaces this process with it
 lb     renders the load balancer's command and replaces this process with it
 check  validates the topology and every rendered command with SGLang's parser, starts nothing
+k8s    renders the topology as Kubernetes objects (LeaderWorkerSets, Services, the LB's Deployment) as YAML
 --dry-run (node, lb) prints every command of the whole topology and starts nothing.
 
 Every path validates the whole topology before anything starts, so a broken config stops on every node
@@ -18,6 +19,9 @@ from typing import Mapping, Sequence
 
 from .config import ROLES, ConfigError, LaunchConfig, load_config
 from .identity import resolve_node
+from .k8s import checked, render_files, server_pod_commands
+from .k8s_output import stream_text, write_folder
+from .k8s_profile import kube_spec
 from .release import SUPPORTED, UnsupportedReleaseError, installed_release, resolve_release
 from .render import Command, dry_run_text, lb_command, server_command, topology_commands
 from .validate import validate
@@ -47,11 +51,17 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--dry-run", action="store_true", help="print every command of the topology, start nothing")
         s.add_argument("--print-only", action="store_true", help="print this command, start nothing")
     sub.add_parser("check", parents=[common], help="validate the topology and every command, start nothing")
+    k8s = sub.add_parser("k8s", parents=[common], help="render Kubernetes objects (LeaderWorkerSet) as YAML")
+    k8s.add_argument("--out", help="write one YAML file per group and one for the LB here (default: stdout)")
+    k8s.add_argument("--namespace", help="replaces the cluster profile's kubernetes.namespace")
+    k8s.add_argument("--image", help="replaces kubernetes.image: an image built from launch/Dockerfile")
     return p
 
 
-def _check_with_sglang(cfg: LaunchConfig, release: str, required: bool) -> str:
-    """Runs SGLang's parser over every server command; returns a note for the operator."""
+def _check_with_sglang(
+    cfg: LaunchConfig, release: str, required: bool, servers: list[Command] | None = None
+) -> str:
+    """Runs SGLang's parser over every server command (default: the node launches'); returns a note."""
     installed = installed_release()
     if installed is None:
         if required:
@@ -65,9 +75,22 @@ def _check_with_sglang(cfg: LaunchConfig, release: str, required: bool) -> str:
         return f"# not checked with SGLang's parser: rendered for {release}, {installed} is installed"
     from .sglang_parser import checker  # imports SGLang: seconds, so only when checking
 
-    servers = [c for c in topology_commands(cfg, release) if c.program[-1] != "sglang_p2p_lb"]
+    if servers is None:
+        servers = [c for c in topology_commands(cfg, release) if c.program[-1] != "sglang_p2p_lb"]
     checker().check(servers, cfg.source)
     return f"# every server command was accepted by SGLang {release}'s parser with the p2pnccl plugin loaded"
+
+
+def _render_k8s(args: argparse.Namespace, cfg: LaunchConfig, release: str) -> int:
+    kube = kube_spec(cfg, release, namespace=args.namespace, image=args.image)
+    files = render_files(checked(cfg), kube, release)
+    note = "" if args.no_check else _check_with_sglang(cfg, release, False, server_pod_commands(files)) + "\n"
+    header = f"rendered from {cfg.source} for SGLang {release} by `python -m sglang_p2p_backend.launch k8s`"
+    if args.out:
+        sys.stdout.write(write_folder(files, args.out, header) + note)
+    else:
+        sys.stdout.write(stream_text(files, header) + note)  # the note is a YAML comment
+    return 0
 
 
 def _exec(cmd: Command) -> None:
@@ -78,8 +101,11 @@ def _exec(cmd: Command) -> None:
 def run(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     args = _parser().parse_args(argv)
     try:
-        cfg = validate(load_config(args.config, hostfile=args.hostfile, model_path=args.model_path))
+        cfg = load_config(args.config, hostfile=args.hostfile, model_path=args.model_path)
         release = resolve_release(args.sglang_version)
+        if args.command == "k8s":  # pods instead of hosts: validated as placed there
+            return _render_k8s(args, cfg, release)
+        validate(cfg)
         if args.command == "check":
             print(_check_with_sglang(cfg, release, required=True))
             return 0

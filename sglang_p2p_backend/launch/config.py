@@ -21,7 +21,7 @@ _TOPOLOGY_KEYS = {"name", "model", "cluster", "prefill", "decode", "lb", "hosts"
 _ROLE_KEYS = {"groups", "nodes", "gpus", "tp", "base_gpu_id", "port", "bootstrap_port", "dist_init_port", "args", "env"}
 _PROFILE_KEYS = {"model_path", "num_routed_experts", "attention_dp", "common", *ROLES}
 _SECTION_KEYS = {"args", "env"}
-_CLUSTER_KEYS = {"gpus_per_node", "ib_devices", "python", "bind_host", "ports", "env"}
+_CLUSTER_KEYS = {"gpus_per_node", "ib_devices", "python", "bind_host", "ports", "env", "kubernetes"}
 _PORT_KEYS = {"http", "bootstrap", "dist_init", "lb"}
 _LB_KEYS = {"host", "port", "policy", "args"}
 _FLAG_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
@@ -96,6 +96,10 @@ class LaunchConfig:
     lb: LBSpec
     hosts: tuple[str, ...]
     hosts_source: str = field(default="hosts:")
+    # the cluster profile's `kubernetes:` section, as written: only `k8s_profile` reads it, so a launch on
+    # hosts never depends on it
+    kubernetes: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    cluster_source: str = ""
 
     def role(self, name: str) -> RoleSpec:
         return self.prefill if name == "prefill" else self.decode
@@ -310,6 +314,7 @@ def load_config(
         args=MappingProxyType(r.args(lb.get("args"), "lb.args")),
     )
     ib_devices = rc.text(cluster.get("ib_devices"), "ib_devices", None)
+    kubernetes = rc.mapping(cluster.get("kubernetes"), "kubernetes", None)
     python = rc.text(cluster.get("python"), "python", "python3") or "python3"
     bind_host = rc.text(cluster.get("bind_host"), "bind_host", "0.0.0.0") or "0.0.0.0"
     name = r.text(topo.get("name"), "name", topo_path.stem) or topo_path.stem
@@ -331,4 +336,6 @@ def load_config(
         lb=lb_spec,
         hosts=hosts,
         hosts_source=hosts_source,
+        kubernetes=MappingProxyType(dict(kubernetes)),
+        cluster_source=str(cluster_path),
     )

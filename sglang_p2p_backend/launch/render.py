@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .config import PER_RANK_KEY, LaunchConfig, Node
 from .release import attention_dp_flags
@@ -77,32 +77,46 @@ def flag_tokens(args: Mapping[str, Any], attn_dp: int) -> list[str]:
     return out
 
 
-def server_command(cfg: LaunchConfig, node: Node, release: str) -> Command:
-    spec = cfg.role(node.role)
-    master = cfg.group_nodes(node.role, node.group)[0]
-    attn_dp = attn_dp_size(cfg, node.role)
+def server_args(
+    cfg: LaunchConfig, role: str, release: str, *, bind_host: str, dist_init_addr: str, node_rank: str,
+    base_gpu_id: int | None,
+) -> list[str]:
+    """One server's flags. The caller supplies what depends on where it runs: on a host list these are
+    literal values, in a Kubernetes pod they are $(VAR) references the kubelet fills in."""
+    spec = cfg.role(role)
+    attn_dp = attn_dp_size(cfg, role)
     args = [
         "--model-path", cfg.model_path,
-        "--host", cfg.bind_host,
+        "--host", bind_host,
         "--port", str(spec.port),
-        "--disaggregation-mode", node.role,
+        "--disaggregation-mode", role,
         "--disaggregation-transfer-backend", TRANSFER_BACKEND,
     ]
-    if node.role == "prefill":
+    if role == "prefill":
         args += ["--disaggregation-bootstrap-port", str(spec.bootstrap_port)]
     if cfg.ib_devices:
         args += ["--disaggregation-ib-device", cfg.ib_devices]
     args += [
-        "--dist-init-addr", host_port(master.host or "", spec.dist_init_port),
+        "--dist-init-addr", dist_init_addr,
         "--nnodes", str(spec.nodes),
-        "--node-rank", str(node.node_rank),
+        "--node-rank", node_rank,
         "--tp-size", str(spec.tp),
     ]
     if cfg.attention_dp:
         args += attention_dp_flags(release, attn_dp)
-    if spec.base_gpu_id is not None:
-        args += ["--base-gpu-id", str(spec.base_gpu_id)]
-    args += flag_tokens(spec.args, attn_dp)
+    if base_gpu_id is not None:
+        args += ["--base-gpu-id", str(base_gpu_id)]
+    return args + flag_tokens(spec.args, attn_dp)
+
+
+def server_command(cfg: LaunchConfig, node: Node, release: str) -> Command:
+    spec = cfg.role(node.role)
+    master = cfg.group_nodes(node.role, node.group)[0]
+    args = server_args(
+        cfg, node.role, release, bind_host=cfg.bind_host,
+        dist_init_addr=host_port(master.host or "", spec.dist_init_port),
+        node_rank=str(node.node_rank), base_gpu_id=spec.base_gpu_id,
+    )
     return Command(
         label=f"{node.label} on {node.host}",
         host=node.host,
@@ -112,20 +126,24 @@ def server_command(cfg: LaunchConfig, node: Node, release: str) -> Command:
     )
 
 
-def lb_command(cfg: LaunchConfig) -> Command:
-    """mini_lb / sgl-router flags: each prefill group's master with its bootstrap port, each decode's master."""
+def lb_args(cfg: LaunchConfig, master_host: Callable[[str, int], str], bind_host: str) -> list[str]:
+    """mini_lb / sgl-router flags: each prefill group's master with its bootstrap port, each decode's master.
+    `master_host(role, group)` is the address the LB dials: a host of the list, or a Service's DNS name."""
     args: list[str] = []
     for role in ("prefill", "decode"):
         spec = cfg.role(role)
         for group in range(spec.groups):
-            master = cfg.group_nodes(role, group)[0]
-            args += [f"--{role}", f"http://{host_port(master.host or '', spec.port)}"]
+            args += [f"--{role}", f"http://{host_port(master_host(role, group), spec.port)}"]
             if role == "prefill":
                 args.append(str(spec.bootstrap_port))
-    args += ["--host", cfg.bind_host, "--port", str(cfg.lb.port)]
+    args += ["--host", bind_host, "--port", str(cfg.lb.port)]
     if cfg.lb.policy:
         args += ["--policy", cfg.lb.policy]
-    args += flag_tokens(cfg.lb.args, 1)
+    return args + flag_tokens(cfg.lb.args, 1)
+
+
+def lb_command(cfg: LaunchConfig) -> Command:
+    args = lb_args(cfg, lambda role, group: cfg.group_nodes(role, group)[0].host or "", cfg.bind_host)
     host = cfg.lb_host()
     return Command(label=f"load balancer on {host}", host=host, env={}, program=(cfg.python, *LB_PROGRAM), args=tuple(args))
 

@@ -1,4 +1,5 @@
-"""Shared cases for the launcher tests: the shipped topologies and a writer for variants of them."""
+"""Shared cases for the launcher tests: the shipped topologies, a writer for variants of them, and a reader
+of rendered flags."""
 
 from __future__ import annotations
 
@@ -28,3 +29,16 @@ def variant(tmp_path: Path) -> Callable[..., Path]:
         return out
 
     return make
+
+
+def flags(args: tuple[str, ...]) -> dict[str, list[str]]:
+    """--flag -> its values (a flag given twice would be a rendering bug, so it fails here)."""
+    out: dict[str, list[str]] = {}
+    key = None
+    for tok in args:
+        if tok.startswith("--"):
+            assert tok not in out, f"{tok} rendered twice"
+            key, out[tok] = tok, []
+        else:
+            out[key].append(tok)
+    return out

@@ -11,22 +11,9 @@ from sglang_p2p_backend.launch.identity import resolve_node
 from sglang_p2p_backend.launch.render import dry_run_text, lb_command, server_command, topology_commands
 from sglang_p2p_backend.launch.validate import validate
 
-from launch_cases import EXPECTED_TOPOLOGIES, REPO, TOPOLOGIES
+from launch_cases import EXPECTED_TOPOLOGIES, REPO, TOPOLOGIES, flags
 
 P3X3 = REPO / "configs/topologies/p3x3-d4.yaml"
-
-
-def flags(args: tuple[str, ...]) -> dict[str, list[str]]:
-    """--flag -> its values (a flag given twice would be a rendering bug, so it fails here)."""
-    out: dict[str, list[str]] = {}
-    key = None
-    for tok in args:
-        if tok.startswith("--"):
-            assert tok not in out, f"{tok} rendered twice"
-            key, out[tok] = tok, []
-        else:
-            out[key].append(tok)
-    return out
 
 
 def test_every_required_topology_ships_and_validates():
