@@ -188,12 +188,13 @@ class DecodeKVManager(P2pNcclKVManager):
 
     def _on_aux(self, msg: wire.AuxData) -> None:
         published = self.live_rooms.get(msg.room)
+        if published is None:
+            return  # a late row of a concluded room
         try:
             checks.aux_data(msg, self.kv_args.aux_item_lens, published)
         except wire.WireError as e:
             self.drop("bounds", msg.session, f"AuxData of room {msg.room}: {e}")
-            if published is not None:
-                self.room_failed(msg.room, f"prefill {msg.session} sent an invalid aux row: {e}")
+            self.room_failed(msg.room, f"prefill {msg.session} sent an invalid aux row: {e}")
             return
         if not self.room_wanted(msg.room):
             return

@@ -238,5 +238,5 @@ def decode(frames: list[bytes]) -> Optional[Message]:
         raise WireError(f"{len(frames)} frames, expected 2")
     try:
         return _decoder.decode(frames[1])
-    except msgspec.DecodeError as e:  # ValidationError included: a field out of its static bounds
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # ValidationError included: out of static bounds
         raise WireError(str(e)) from None

@@ -101,7 +101,8 @@ class Role:
         backend = TransferBackend("p2pnccl")
         self.cls = {t: get_kv_class(backend, t) for t in KVClassType}
         self.pools = HostPools.allocate(self.spec)
-        self.meta = runtime.metadata_buffers(64)
+        aux_rows = max(64, len(plan["requests"]) + 2)
+        self.meta = runtime.metadata_buffers(aux_rows)
         self.bootstrap = None
         if role == "prefill" and rank == 0:
             self.bootstrap = start_bootstrap_process(self.host, self.bootstrap_port)
@@ -131,7 +132,7 @@ class Role:
         self.mgr = self.cls[KVClassType.MANAGER](args, mode, self.server_args, self.spec.layout == "mla")
         self.rng = np.random.default_rng(self.seed + (1 if role == "decode" else 2))
         self.free_pages = list(self.rng.permutation(np.arange(1, self.spec.num_pages)))
-        self.free_aux = list(range(1, 64))
+        self.free_aux = list(range(1, aux_rows))
         self.free_slots = list(range(self.spec.state_slots))
         self.used_pages: set[int] = set()
         self.used_slots: set[int] = set()
@@ -403,13 +404,14 @@ class Role:
             os._exit(17)
         if "stop_after_s" in self.faults and now - req.result["metadata_at"] >= self.faults["stop_after_s"]:
             stop_self(self.plan, self.role)
-        if req.abort and now - req.result["metadata_at"] >= req.abort.get("after_s", 0) and self.aborts_at(req, "transfer"):
-            return
         # SGLang's metadata gate: Success counts only once the aux row's bootstrap_room landed
         if status == P.Success and int(self.meta.bootstrap_room[req.aux][0]) != 0:
             self.verify(req)
             req.handle.clear()
             self.finish(req, True)
+            return
+        if req.abort and now - req.result["metadata_at"] >= req.abort.get("after_s", 0):
+            self.aborts_at(req, "transfer")
 
     def prefill_dp_rank(self, req: Req) -> Optional[int]:
         """Which prefill DP rank holds the request, resolved as decode.py's _resolve_prefill_dp_rank does."""
