@@ -54,7 +54,8 @@ CHECK_LANES_1GPU = 3
 #   (their fixture starts both servers with one environment), so
 # * perf and SGLang's tests use p2pnccl's Mooncake transport over tcp (the CUDA build of Mooncake copies GPU
 #   memory through host buffers), and SGLang's mooncake backend runs on tcp as well, so both move pages the
-#   same way (no intra-node NVLink: there is one GPU). E2E_P2P_1GPU=nccl|mooncake overrides the choice.
+#   same way (no intra-node NVLink: there is one GPU). E2E_P2P_1GPU=nccl|mooncake overrides the choice; for
+#   SGLang's tests, nccl sets SGLANG_P2P_ONE_GPU_NCCL=1 (each server takes a host id when it loads the plugin).
 # MC_FORCE_TCP=1, not "true": SGLang 0.5.17 compares it with "1" to skip RDMA device selection (its own
 # `mooncake_tcp` backend alias sets exactly that).
 BACKEND_ENV_1GPU = {
@@ -91,15 +92,14 @@ def p2p_transport_1gpu(step: str) -> str:
     value = os.environ.get("E2E_P2P_1GPU", "").strip() or P2P_1GPU_DEFAULT[step]
     if value not in ("nccl", "mooncake"):
         raise ValueError(f"E2E_P2P_1GPU must be nccl or mooncake, got {value!r}")
-    if step == "sglang_tests" and value == "nccl":
-        raise ValueError("SGLang's tests start prefill and decode with one environment: they cannot run p2pnccl "
-                         "over NCCL on one GPU (unset E2E_P2P_1GPU for them)")
     return value
 
 
 def backend_env(backend: str, gpus: int, step: str = "check", role: str = "") -> dict[str, str]:
     """The environment a backend's `role` server ("prefill" / "decode") gets on top of COMMON_ENV."""
     if gpus == 1 and backend == "p2pnccl" and p2p_transport_1gpu(step) == "nccl":
+        if step == "sglang_tests":  # one environment for both servers: each takes a host id at plugin load
+            return {"SGLANG_P2P_TRANSPORT": "nccl", "SGLANG_P2P_ONE_GPU_NCCL": "1", "NCCL_SOCKET_IFNAME": "lo"}
         from sglang_p2p_backend.testing.launch import one_gpu_env
 
         return {"SGLANG_P2P_TRANSPORT": "nccl", **one_gpu_env(role or "server")}

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The whole end-to-end check on a 2-GPU host (torch 2.11.0+cu130, Python 3.12, no internet), one command:
 #
-#   bash e2e/run_all.sh [--gpus 1|2] [--phase check|sglang-tests|perf|all|mooncake-bench|unpack]
+#   bash e2e/run_all.sh [--gpus 1|2] [--phase check|sglang-tests|perf|all|mooncake-bench|liveness|faults|unpack]
 #                       [--skip-sglang-tests] [--budget-s SECONDS]
 #
 # It unpacks whichever bundle archives (.bundle/sglang.tar.xz, .bundle/extras.tar.xz, built by
@@ -15,6 +15,10 @@
 #                                                                                  (needs both archives)
 #   mooncake-bench: bench/mooncake/pd_path.py with both roles' pools on GPU 0, Mooncake tcp transport only ->
 #          $OUT/mooncake_pd_<kind>.json                                             (needs both archives)
+#   liveness: SGLang's test_peer_failures_abort_without_hanging E2E_LIVENESS_RUNS times (default 30) against one
+#          P/D launch with E2E_LIVENESS_BACKEND (p2pnccl over NCCL, or mooncake), then its chunked-prefill abort
+#          test -> $OUT/liveness_<backend>.json                  (needs sglang.tar.xz; mooncake: extras too)
+#   faults: kill -9 / SIGSTOP of decode and prefill under load behind our LB, restart -> $OUT/faults.json
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
 #   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
@@ -43,8 +47,8 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|unpack) ;;
-  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench or unpack" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|unpack) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults or unpack" >&2; exit 2 ;; esac
 case "$GPUS" in 1|2) ;;
   *) echo "run_all.sh: --gpus must be 1 or 2" >&2; exit 2 ;; esac
 export E2E_GPUS=$GPUS  # read by e2e.check, e2e.perf, e2e.sglang_tests (e2e/config.py)
@@ -168,7 +172,23 @@ run_mooncake_bench() {  # our full PD path (SGLang's KV classes) with both pools
     --out "$OUTDIR/mooncake_pd_$KIND.json" --logs "$E2E_ROOT/logs/mooncake_bench"
 }
 
+run_liveness() {  # SGLang's liveness test N times: p2pnccl over NCCL (E2E_P2P_1GPU=nccl on one GPU) or mooncake
+  local backend=${E2E_LIVENESS_BACKEND:-p2pnccl}
+  if [ "$backend" = mooncake ]; then need_mooncake liveness || return 0; fi
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny
+  E2E_P2P_1GPU=${E2E_P2P_1GPU:-nccl} step liveness python3 -m e2e.sglang_tests --sglang-root "$E2E_ROOT/sglang" \
+    --model "$MODELS/llama-tiny" --out "$OUTDIR/liveness_$backend.json" --logs "$E2E_ROOT/logs/liveness_$backend" \
+    --repeat "${E2E_LIVENESS_RUNS:-30}" --backend "$backend"
+}
+
+run_faults() {
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny
+  step faults python3 -m e2e.faults --models "$MODELS" --out "$OUTDIR/faults.json" --logs "$E2E_ROOT/logs/faults"
+}
+
 case "$PHASE" in
+  liveness) run_liveness ;;
+  faults) run_faults ;;
   check) run_check ;;
   sglang-tests) run_sglang_tests ;;
   perf) run_perf ;;

@@ -71,16 +71,17 @@ def parse_junit(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def test_env(model: Path, gpus: int = 2) -> dict[str, str]:
-    env = {**os.environ, **config.COMMON_ENV, **config.backend_env("p2pnccl", gpus, "sglang_tests")}
+def test_env(model: Path, gpus: int = 2, backend: str = "p2pnccl") -> dict[str, str]:
+    env = {**os.environ, **config.COMMON_ENV, **config.backend_env(backend, gpus, "sglang_tests")}
     env.pop("SGLANG_IS_IN_CI", None)  # in CI mode the fixture forces mooncake + RDMA devices
-    env.update(SGLANG_TEST_PD_DISAGG_BACKEND="p2pnccl", E2E_TEST_MODEL=str(model),
+    env.update(SGLANG_TEST_PD_DISAGG_BACKEND=backend, E2E_TEST_MODEL=str(model),
                E2E_TEST_EXTRA_ARGS=shlex.join(extra_args(gpus)),
                PYTHONPATH=os.pathsep.join([str(SHIMS), env.get("PYTHONPATH", "")]))
     return env
 
 
-def run_file(path: Path, model: Path, logs: Path, timeout_s: float, gpus: int = 2) -> dict[str, Any]:
+def run_file(path: Path, model: Path, logs: Path, timeout_s: float, gpus: int = 2,
+             backend: str = "p2pnccl") -> dict[str, Any]:
     junit = logs / f"{path.stem}.junit.xml"
     log = logs / f"{path.stem}.log"
     cmd = [sys.executable, "-m", "pytest", "-p", "e2e.sglang_pd_plugin", "-p", "no:cacheprovider", "-v",
@@ -89,7 +90,7 @@ def run_file(path: Path, model: Path, logs: Path, timeout_s: float, gpus: int = 
     with open(log, "w") as f:
         # SGLang's fixture starts its servers and LB with plain Popen, so they share pytest's process group:
         # one killpg ends them all when the file runs out of time
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=test_env(model, gpus),
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=test_env(model, gpus, backend),
                              start_new_session=True)
         record_pid(p.pid)
         try:
@@ -149,6 +150,52 @@ def run(sglang_root: Path, model: Path, logs: Path, deadline: float,
     return res
 
 
+LIVENESS = "sglang/test/manual/disaggregation/test_disaggregation_peer_liveness_abort.py"
+REPEATED_TEST = "test_peer_failures_abort_without_hanging"
+
+
+def repeated_liveness_file(sglang_root: Path, logs: Path, runs: int) -> Path:
+    """A test module that runs SGLang's `test_peer_failures_abort_without_hanging` `runs` times against one
+    launch of its P/D pair (its class's setUpClass): each run is 36 requests under injected KVPoll.Failed; then
+    the file's other class (clean generate and explicit abort by rid) once."""
+    path = logs / f"test_liveness_x{runs}.py"
+    path.write_text(
+        "import importlib.util\n"
+        f"_spec = importlib.util.spec_from_file_location('sglang_liveness', {str(sglang_root / LIVENESS)!r})\n"
+        "_m = importlib.util.module_from_spec(_spec)\n"
+        "_spec.loader.exec_module(_m)\n"
+        # no module-level name may hold SGLang's classes: pytest collects every TestCase subclass it finds
+        "class TestRepeated(_m.TestDisaggregationPeerLivenessAbort):\n"
+        "    pass\n\n\n"
+        "class TestCleanRecovery(_m.TestDisaggregationPeerLivenessCleanRecovery):\n"
+        "    pass\n\n\n"
+        f"for _i in range({runs}):\n"
+        f"    setattr(TestRepeated, f'test_run_{{_i:02d}}', _m.TestDisaggregationPeerLivenessAbort.{REPEATED_TEST})\n"
+        f"TestRepeated.{REPEATED_TEST} = None  # only the numbered copies run\n"
+    )
+    return path
+
+
+def run_repeated(sglang_root: Path, model: Path, logs: Path, deadline: float, runs: int, backend: str,
+                 gpus: int) -> dict[str, Any]:
+    """Pass rate of the liveness test over `runs` runs for one backend, plus SGLang's chunked-prefill abort test."""
+    logs.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"backend": backend, "gpus": gpus, "transport": config.transport_info(backend, gpus, "sglang_tests"),
+                           "model": model.name, "extra_server_args": extra_args(gpus), "files": []}
+    for path in (repeated_liveness_file(sglang_root, logs, runs), sglang_root / TEST_FILES[0][0]):
+        left = deadline - time.monotonic()
+        if left < 120:
+            res["files"].append({"file": path.name, "rc": f"not run: {int(left)} s left", "tests": []})
+            continue
+        res["files"].append(run_file(path, model, logs, left - 10, gpus, backend))
+        print(f"sglang test {path.name} ({backend}): {res['files'][-1]['rc']}", flush=True)
+    runs_done = [t for t in res["files"][0]["tests"] if "test_run_" in t["id"]]
+    res["repeated"] = {"test": REPEATED_TEST, "runs": len(runs_done),
+                       "passed": sum(t["outcome"] == "passed" for t in runs_done), "asked": runs}
+    res["summary"] = summary(res["files"])
+    return res
+
+
 def summary(files: list[dict[str, Any]]) -> dict[str, int]:
     outcomes = [t["outcome"] for f in files for t in f["tests"]]
     return {k: outcomes.count(k) for k in ("passed", "failed", "error", "skipped")}
@@ -161,7 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--logs", type=Path, required=True)
     ap.add_argument("--gpus", type=int, choices=(1, 2), default=None, help="default: E2E_GPUS, else 2")
+    ap.add_argument("--repeat", type=int, default=0, help="run the liveness test this many times (pass rate)")
+    ap.add_argument("--backend", default="p2pnccl", help="with --repeat: p2pnccl or mooncake")
     a = ap.parse_args(argv)
+    if a.repeat:
+        exit_on_sigterm()
+        res = run_repeated(a.sglang_root, a.model, a.logs, config.deadline_from_env(), a.repeat, a.backend,
+                           a.gpus or config.gpus_from_env())
+        results.write_json(a.out, res)
+        return 0
     previous = json.loads(a.out.read_text()) if a.out.exists() else {}
     exit_on_sigterm()
     res: dict[str, Any] = {}

@@ -174,17 +174,20 @@ class DecodeKVManager(P2pNcclKVManager):
             self.drop("unexpected", session, f"{type(msg).__name__} is not for a decode rank")
 
     def _on_chunk(self, msg: wire.ChunkHeader, peer: PrefillPeer) -> None:
-        if msg.prefill_rank != peer.prefill_rank:
-            self.drop("bounds", msg.session, f"chunk of room {msg.room} names prefill rank {msg.prefill_rank}, "
-                                             f"registered {peer.prefill_rank}")
-        published = self.live_rooms.get(msg.room) if msg.prefill_rank == peer.prefill_rank else None
-        verdict = checks.chunk_header(msg, self.copier.item_lens, self.staging.slot_bytes, published)
-        if published is not None:
+        if msg.room in self.live_rooms and msg.prefill_rank == peer.prefill_rank:
             self.arrivals.announce(msg.room, msg.prefill_rank, msg.session)
-            if verdict.problem:
-                logger.error("p2pnccl: chunk from prefill %s refused: %s", msg.session, verdict.problem)
         self.comm_budget.touch(msg.session)
-        self._receiver(msg.session).submit((msg, verdict))
+        self._receiver(msg.session).submit(msg)
+
+    def _check_chunk(self, header: wire.ChunkHeader) -> checks.ChunkVerdict:
+        """The receiver's checks of a chunk (its thread, arrival order): the room's published pages and sequence."""
+        peer = self.prefills.get(header.session)
+        rank_ok = peer is not None and header.prefill_rank == peer.prefill_rank
+        published = self.live_rooms.get(header.room) if rank_ok else None
+        verdict = checks.chunk_header(header, self.copier.item_lens, self.staging.slot_bytes, published)
+        if verdict.problem and (published is not None or not rank_ok):
+            logger.error("p2pnccl: chunk from prefill %s refused: %s", header.session, verdict.problem)
+        return verdict
 
     def _on_aux(self, msg: wire.AuxData) -> None:
         published = self.live_rooms.get(msg.room)
@@ -258,6 +261,7 @@ class DecodeKVManager(P2pNcclKVManager):
                 on_channel=lambda init, s=session: self._channel_changed(s, init),
                 on_refused=lambda h, reason, s=session: self._control_send(
                     s, wire.ChunkRefused(self.session, h.generation, h.room, reason), block=False),
+                check=self._check_chunk,
             )
         return receiver
 

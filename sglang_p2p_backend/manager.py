@@ -49,6 +49,7 @@ from sglang_p2p_backend.engine.transport.select import process_transports, rdma_
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+_CHECK_S = 0.5  # how often peers' silence is checked
 _LOG_FIRST = 20  # dropped messages of one kind logged one by one, then every 1,000th
 
 
@@ -145,6 +146,7 @@ class P2pNcclKVManager(CommonKVManager):
             auth=self.auth is not None,
         )
         self.watch = PeerWatch(self.config.peer_timeout)
+        self._last_beat = 0.0
         self.dropped: Counter = Counter()  # dropped inbound messages by kind (tests, metrics)
         #: set when a background loop cannot go on: every room then fails with this reason
         self.broken: Optional[str] = None
@@ -219,14 +221,18 @@ class P2pNcclKVManager(CommonKVManager):
         self._on_message(msg)
 
     def _liveness_step(self) -> None:
-        if self._stop.wait(self.watch.interval_s):
+        # silence is checked every _CHECK_S, so a dead peer is noticed within timeout + _CHECK_S
+        if self._stop.wait(min(_CHECK_S, self.watch.interval_s)):
             return
-        beat = wire.Heartbeat(self.session, self.incarnation)
-        for peer in self.watch.peers():
-            try:
-                self.control.send(peer, beat, block=False)
-            except ControlError:
-                pass  # a full queue to a peer is its silence, which expired() reports
+        now = time.monotonic()
+        if now - self._last_beat >= self.watch.interval_s:
+            self._last_beat = now
+            beat = wire.Heartbeat(self.session, self.incarnation)
+            for peer in self.watch.peers():
+                try:
+                    self.control.send(peer, beat, block=False)
+                except ControlError:
+                    pass  # a full queue to a peer is its silence, which expired() reports
         for peer, silent in self.watch.expired():
             self._peer_dead(
                 peer,

@@ -14,6 +14,7 @@ cheap (no NCCL, no engine import) and does three things, as the SGLang contract 
 from __future__ import annotations
 
 import logging
+import os
 from importlib import metadata
 from typing import Any
 
@@ -98,9 +99,20 @@ def _register_kv_class_hook() -> None:
     HookRegistry.apply_hooks()
 
 
+def _one_gpu_nccl() -> None:
+    """`SGLANG_P2P_ONE_GPU_NCCL=1` (tests on one GPU only): NCCL refuses two ranks of one communicator on one
+    GPU of one host, so each server names a host of its own (NCCL_HOSTID from the first process of the server
+    that loads the plugin, inherited by its schedulers) and NCCL moves pages through its socket transport on
+    loopback. Lets a fixture that starts prefill and decode with one environment run p2pnccl over real NCCL."""
+    if os.environ.get("SGLANG_P2P_ONE_GPU_NCCL") == "1" and "NCCL_HOSTID" not in os.environ:
+        os.environ["NCCL_HOSTID"] = f"p2p-one-gpu-{os.getpid()}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
 def load() -> None:
     """Entry point of the `sglang.srt.plugins` group."""
     check_sglang_version()
+    _one_gpu_nccl()
     _extend_cli_choices()
     _inject_enum_member()
     _register_kv_class_hook()

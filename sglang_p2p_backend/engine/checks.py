@@ -10,7 +10,7 @@ room if it knows it. Pure functions, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -91,26 +91,18 @@ def _subset(d: np.ndarray, allowed: np.ndarray) -> bool:
     return bool(np.all(pos < allowed.size) and np.all(allowed[np.minimum(pos, allowed.size - 1)] == d))
 
 
-def chunk_header(
+def chunk_layout(
     header: ChunkHeader,
     item_lens: Sequence[Sequence[int]],
     slot_bytes: int,
-    published: Optional[Published],
+    allowed: Optional[Callable[[int], np.ndarray]] = None,
 ) -> ChunkVerdict:
-    """Check a chunk against the receiver's layout, staging and the room's published destinations: exact byte
-    count, at most one slot, every destination id among the room's own, chunk index in sequence."""
+    """Check a chunk against the receiver's layout and staging: exact byte count, at most one slot, groups and
+    regions it has; with `allowed` (group -> sorted ids), every destination id among those."""
     if header.nbytes > slot_bytes:
         return ChunkVerdict(None, [], f"room {header.room}: chunk of {header.nbytes} bytes exceeds this decode rank's "
                             f"staging slot of {slot_bytes} bytes", in_step=False)
     try:
-        if published is None:
-            raise WireError("room is not waiting for KV on this decode rank")
-        if header.session not in published.prefills:
-            raise WireError(f"prefill {header.session} does not serve this room")
-        expected = published.next_seq.get(header.prefill_rank, 0)
-        if header.seq != expected:
-            raise WireError(f"chunk {header.seq} arrived where chunk {expected} was expected")
-        published.next_seq[header.prefill_rank] = expected + 1
         segs, out = [], [np.zeros(0, dtype=np.int32) for _ in item_lens]
         nbytes = 0
         for s in header.segments:
@@ -118,8 +110,10 @@ def chunk_header(
                 raise WireError(f"segment names group {s.group} regions {s.region_lo}..{s.region_hi}, which this decode rank does not have")
             if out[s.group].size:
                 raise WireError(f"chunk carries group {s.group} twice")
-            d = np.frombuffer(s.dst_ids, dtype=np.int32) if len(s.dst_ids) % 4 == 0 else None
-            if d is None or not _subset(d, published.allowed(s.group)):
+            if len(s.dst_ids) % 4:
+                raise WireError(f"group {s.group} destinations are not whole int32 ids")
+            d = np.frombuffer(s.dst_ids, dtype=np.int32)
+            if allowed is not None and not _subset(d, allowed(s.group)):
                 raise WireError(f"group {s.group} destinations are not pages this room published")
             segs.append(Segment(s.group, s.region_lo, s.region_hi, 0, d.size))
             out[s.group] = d
@@ -130,6 +124,31 @@ def chunk_header(
     except WireError as e:
         return ChunkVerdict(None, [], f"room {header.room}: {e}")
     return ChunkVerdict(Chunk(tuple(segs), nbytes), out)
+
+
+def chunk_header(
+    header: ChunkHeader,
+    item_lens: Sequence[Sequence[int]],
+    slot_bytes: int,
+    published: Optional[Published],
+) -> ChunkVerdict:
+    """`chunk_layout`, and the room's own rules: the room waits for KV from this prefill, the chunk is next in
+    its sequence, and it writes only pages the room published."""
+    problem = None
+    if published is None:
+        problem = "room is not waiting for KV on this decode rank"
+    elif header.session not in published.prefills:
+        problem = f"prefill {header.session} does not serve this room"
+    else:
+        expected = published.next_seq.get(header.prefill_rank, 0)
+        if header.seq != expected:
+            problem = f"chunk {header.seq} arrived where chunk {expected} was expected"
+        else:
+            published.next_seq[header.prefill_rank] = expected + 1
+    if problem is not None:
+        verdict = chunk_layout(header, item_lens, slot_bytes)  # can its bytes still be received in step?
+        return ChunkVerdict(None, [], f"room {header.room}: {problem}", verdict.in_step)
+    return chunk_layout(header, item_lens, slot_bytes, published.allowed)
 
 
 def aux_data(msg: AuxData, item_lens: Sequence[int], published: Optional[Published]) -> None:

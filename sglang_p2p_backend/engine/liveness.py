@@ -3,8 +3,8 @@
 Every message from a peer counts as a sign of life (heartbeats are only the floor when nothing else flows).
 Pure bookkeeping: the manager's liveness thread sends the heartbeats, asks `expired()` each tick and fails
 the rooms of the peers it returns. `SGLANG_P2P_PEER_TIMEOUT` (seconds, default 8) is the silence after which
-a peer is dead; heartbeats go out every quarter of it, so one or two lost heartbeats are not a death, and a
-dead peer's rooms fail within timeout + one tick (under 10 s at defaults).
+a peer is dead; heartbeats go out every quarter of it, so one or two lost heartbeats are not a death, and
+silence is checked twice a second, so a dead peer's rooms fail within timeout + 0.5 s (under 10 s at defaults).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import torch
 from .comm_budget import cap_to_wire
 from .copier import PageCopier
 from .messages import ChunkHeader, ChunkSegment, CommInit, Message
-from .checks import ChunkVerdict
+from .checks import ChunkVerdict, chunk_layout
 from .plan import Segment, plan_chunks
 from .staging import StagingPool
 from .transport.base import PairComm, TransportError, TwoSidedTransport
@@ -202,6 +202,7 @@ class PairReceiver(_PairEnd):
         io_timeout: float,
         on_channel: Callable[[Optional[CommInit]], None] = lambda init: None,
         on_refused: Callable[[ChunkHeader, str], None] = lambda header, reason: None,
+        check: Optional[Callable[[ChunkHeader], ChunkVerdict]] = None,
     ):
         super().__init__(transport, staging, copier, connect_timeout, io_timeout)
         self.peer_session = peer_session
@@ -211,14 +212,15 @@ class PairReceiver(_PairEnd):
         self.on_chunk = on_chunk
         #: told a chunk whose bytes cannot be received in step (the channel was dropped): tell the prefill
         self.on_refused = on_refused
+        #: a chunk header's checks, in this thread and in arrival order (default: the layout and staging only)
+        self.check = check or (lambda h: chunk_layout(h, self.item_lens, staging.slot_bytes))
         self.broken_reason = ""
         self._queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"p2p-recv-{peer_session}", daemon=True)
         self._thread.start()
 
     def submit(self, item: object) -> None:
-        """Queue a CommInit, a checked chunk `(ChunkHeader, ChunkVerdict)`, or a callable to run once everything
-        before it was handled."""
+        """Queue a CommInit, a ChunkHeader, or a callable to run once everything before it was handled."""
         self._queue.put(item)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -253,8 +255,8 @@ class PairReceiver(_PairEnd):
             try:
                 if isinstance(item, CommInit):
                     self._join(item)
-                elif isinstance(item, tuple):
-                    self._receive(*item)
+                elif isinstance(item, ChunkHeader):
+                    self._receive(item, self.check(item))
                 else:
                     item()
             except Exception:  # a bug here must not kill the peer's thread silently

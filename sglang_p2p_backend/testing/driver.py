@@ -446,9 +446,9 @@ class Role:
                         r.result.update(status="Hung", phase=r.phase)
                         r.phase = "done"
                 break
-            for r in reqs:
-                if r.phase != "done":
-                    step(r, now)
+            pending = [r for r in reqs if r.phase != "done"]
+            for r in pending[:1] if self.plan.get("serial") else pending:  # serial: one request at a time
+                step(r, now)
             time.sleep(0.002)
         elapsed = time.monotonic() - t0
         out = {"role": self.role, "elapsed_s": elapsed, "requests": {str(r.room): r.result for r in reqs}}
