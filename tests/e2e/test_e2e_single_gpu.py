@@ -45,9 +45,8 @@ def test_one_gpu_check_runs_p2pnccl_over_nccl_with_a_host_id_per_server(tmp_path
     assert p.env["SGLANG_P2P_TRANSPORT"] == d.env["SGLANG_P2P_TRANSPORT"] == "nccl"
     assert p.env["NCCL_HOSTID"] != d.env["NCCL_HOSTID"] and p.env["NCCL_SOCKET_IFNAME"] == "lo"
     assert config.transport_info("p2pnccl", 1)["transport"] == "nccl"
-    monkeypatch.setenv("E2E_P2P_1GPU", "nccl")
-    with pytest.raises(ValueError, match="one environment"):
-        config.backend_env("p2pnccl", 1, "sglang_tests")
+    monkeypatch.setenv("E2E_P2P_1GPU", "nccl")  # SGLang's tests: one environment, a host id per server process
+    assert config.backend_env("p2pnccl", 1, "sglang_tests")["SGLANG_P2P_ONE_GPU_NCCL"] == "1"
     monkeypatch.setenv("E2E_P2P_1GPU", "mooncake")
     p, d, _ = config.pd_pair("m", tmp_path / "llama-tiny", "p2pnccl", 40000, config.CHECK_FLAGS, gpus=1)
     assert p.env["SGLANG_P2P_TRANSPORT"] == "mooncake" and "NCCL_HOSTID" not in p.env
