@@ -167,7 +167,9 @@ class Dispatcher:
             return error_response(413, f"request body too large: {e.text}")
         except TimeoutError:
             self.metrics.rejected.labels("body_timeout").inc()
-            return error_response(408, f"request body not received within {self.cfg.body_timeout:g}s", "RequestTimeoutError")
+            resp = error_response(408, f"request body not received within {self.cfg.body_timeout:g}s", "RequestTimeoutError")
+            resp.force_close()  # the rest of the body never comes: do not linger for it
+            return resp
         try:
             body = payload.parse_json_object(raw)
             payload.check_fields(route, body)

@@ -120,7 +120,11 @@ class LoadBalancer:
         """Serve on cfg.host:cfg.port (port 0 picks a free one); returns the base URL."""
         for warning in auth.startup_warnings(self.cfg.auth, self.cfg.host):
             log.warning("%s", warning)
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, keepalive_timeout=self.cfg.header_timeout)
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, keepalive_timeout=self.cfg.header_timeout,
+            # after answering early (408, 413) aiohttp drains the unread body before closing; 10 s by default
+            lingering_time=1.0,
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=4096)
         await site.start()

@@ -192,6 +192,7 @@ class SimWorker:
         self.fail_next = 0
         self.fail_status = 500
         self.hang_next = 0
+        self.pause_after_first = 0  # decode: stop writing (but keep the stream open) after the first token
         self._rr = itertools.count()
         self._ids = itertools.count()
         self._runners: list[web.AppRunner] = []
@@ -333,13 +334,14 @@ class SimWorker:
         return web.json_response(st, dumps=_dumps)
 
     async def admin(self, request: web.Request) -> web.Response:
-        """Fault injection: {"healthy": bool, "fail_next": n, "fail_status": s, "hang_next": n, "reset": true}."""
+        """Fault injection: {"healthy": bool, "fail_next": n, "fail_status": s, "hang_next": n, "pause_after_first": n, "reset": true}."""
         body = await request.json()
         if "healthy" in body:
             self.healthy = bool(body["healthy"])
         self.fail_next = int(body.get("fail_next", self.fail_next))
         self.fail_status = int(body.get("fail_status", self.fail_status))
         self.hang_next = int(body.get("hang_next", self.hang_next))
+        self.pause_after_first = int(body.get("pause_after_first", self.pause_after_first))
         if body.get("reset"):
             self.stats = Stats()
         return web.json_response({"ok": True})
@@ -514,6 +516,9 @@ class SimWorker:
             st.used_tokens += kv
         try:
             for step in range(1, n_out + 1):
+                if decoding and step == 2 and self.pause_after_first > 0:
+                    self.pause_after_first -= 1
+                    await asyncio.sleep(3600)
                 if decoding and step > 1:
                     slow = 1 + self.cfg.decode_slowdown * max(0, st.running_reqs - 1)
                     await asyncio.sleep(self.cfg.decode_ms_per_token * slow / 1000)
