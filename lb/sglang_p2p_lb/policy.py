@@ -151,8 +151,11 @@ class LoadAwarePolicy:
         i, j, d_rank = self.pick(prefills, decodes, pc, ctx)
         return Choice(prefills[i], decodes[j], pc[i][0], d_rank)
 
-    def pick(self, prefills: Sequence[Worker], decodes: Sequence[Worker], pc: Sequence[tuple[int, float]], ctx: PairContext) -> tuple[int, int, int]:
-        """Indices of the best pair given each prefill's (rank, cost), and the decode's rank."""
+    def pick(self, prefills: Sequence[Worker], decodes: Sequence[Worker], pc: Sequence[tuple[int, float]], ctx: PairContext, p_pref: Sequence[float] | None = None) -> tuple[int, int, int]:
+        """Indices of the best pair given each prefill's (rank, cost), and the decode's rank.
+
+        `p_pref` (lower is better) ranks near-best prefills after the pair bonus and before latency.
+        """
         prm = self.params
         dc = [decode_cost(w, ctx, prm.kv_weight) for w in decodes]
         p_near = _near_best([c for _, c in pc], prm.prefill_tol_tokens, prm.prefill_tol_frac)
@@ -166,7 +169,8 @@ class LoadAwarePolicy:
             # latency is a tie-break only; unknown latency ranks as best so new workers get tried
             lat = (p.latency or 0.0) + (d.latency or 0.0)
             # quantize so near-equal latencies do not beat the load comparison that follows
-            return (-self.pair_bonus(p, d, ctx), round(lat, 3), pc[i][1] / p_scale + dc[j][1] / d_scale, self.rng.random())
+            pref = p_pref[i] if p_pref is not None else 0.0
+            return (-self.pair_bonus(p, d, ctx), pref, round(lat, 3), pc[i][1] / p_scale + dc[j][1] / d_scale, self.rng.random())
 
         i, j = min(((i, j) for i in p_near for j in d_near), key=key)
         return i, j, dc[j][0]

@@ -368,6 +368,8 @@ class SimWorker:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         self.stats.flushes += 1
+        if self.radix:
+            self.radix = PrefixTree(self.radix.max_size)
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n")
 
     async def get_stats(self, request: web.Request) -> web.Response:
