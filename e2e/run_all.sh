@@ -3,6 +3,7 @@
 #
 #   bash e2e/run_all.sh [--gpus 1|2] [--phase check|sglang-tests|perf|all|mooncake-bench|unpack]
 #                       [--skip-sglang-tests] [--budget-s SECONDS]
+#   (phases also: lb)
 #
 # It unpacks whichever bundle archives (.bundle/sglang.tar.xz, .bundle/extras.tar.xz, built by
 # e2e/build_bundle.sh) this working tree carries into $E2E_ROOT (default /tmp/e2e, which survives between calls
@@ -15,6 +16,9 @@
 #                                                                                  (needs both archives)
 #   mooncake-bench: bench/mooncake/pd_path.py with both roles' pools on GPU 0, Mooncake tcp transport only ->
 #          $OUT/mooncake_pd_<kind>.json                                             (needs both archives)
+#   lb:    our LB in front of 2 prefill + 2 decode llama-tiny servers (p2pnccl): load_aware, prefix_aware, random,
+#          round_robin on a bursty mixed and a shared-prefix workload, then SIGKILL of a prefill and a decode
+#          mid-run and their restart -> $OUT/lb_real_<kind>.json (e2e/lb_real.py; ~6 min with --gpus 1)
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
 #   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
@@ -43,8 +47,8 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|unpack) ;;
-  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench or unpack" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|lb|unpack) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, lb or unpack" >&2; exit 2 ;; esac
 case "$GPUS" in 1|2) ;;
   *) echo "run_all.sh: --gpus must be 1 or 2" >&2; exit 2 ;; esac
 export E2E_GPUS=$GPUS  # read by e2e.check, e2e.perf, e2e.sglang_tests (e2e/config.py)
@@ -168,8 +172,14 @@ run_mooncake_bench() {  # our full PD path (SGLang's KV classes) with both pools
     --out "$OUTDIR/mooncake_pd_$KIND.json" --logs "$E2E_ROOT/logs/mooncake_bench"
 }
 
+run_lb() {  # every server on GPU 0 whatever --gpus says; p2pnccl over NCCL with an NCCL_HOSTID per server
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny
+  step lb_real python3 -m e2e.lb_real --models "$MODELS" --out "$OUTDIR/lb_real_$KIND.json" --logs "$E2E_ROOT/logs/lb_real"
+}
+
 case "$PHASE" in
   check) run_check ;;
+  lb) run_lb ;;
   sglang-tests) run_sglang_tests ;;
   perf) run_perf ;;
   all) run_check; run_perf ;;
