@@ -299,25 +299,32 @@ async def scenario_prefix(procs: Procs, args) -> dict:
     spec = SharedPrefixSpec(duration=args.duration)
     service_s = (5 + mean_shared_prefix_prompt(spec) * args.prefill_ms_per_token) / 1000
     capacity = 2 / service_s  # requests/s of the two prefills with no cache hit at all
-    rate = args.load * capacity
-    turns = shared_prefix(spec, rate / spec.turns, seed=args.seed)
-    info = {"workers": "2 prefill (radix cache each) + 1 decode", "sim_knobs": knobs, "workload": asdict(spec),
-            "mean_prompt_tokens": round(mean_shared_prefix_prompt(spec)), "uncached_capacity_rps": round(capacity, 2), "offered_load_uncached": args.load,
-            "rate_rps": round(rate, 2), "requests": len(turns)}
-    results = {}
-    for kind, policy in PREFIX_POLICIES:
-        if args.only and kind not in args.only and f"{kind}:{policy}" not in args.only:
-            continue
-        name = f"{kind}:{policy}"
-        print(f"[prefix] {name} ...", flush=True)
+    configs = [c for c in PREFIX_POLICIES if not args.only or c[0] in args.only or f"{c[0]}:{c[1]}" in args.only]
+    runs = []
+    for load in args.prefix_loads or [args.load]:
+        rate = load * capacity
+        turns = shared_prefix(spec, rate / spec.turns, seed=args.seed)
+        info = {"workers": "2 prefill (radix cache each) + 1 decode", "sim_knobs": knobs, "workload": asdict(spec),
+                "mean_prompt_tokens": round(mean_shared_prefix_prompt(spec)), "uncached_capacity_rps": round(capacity, 2), "offered_load_uncached": load,
+                "rate_rps": round(rate, 2), "requests": len(turns)}
 
         async def go(url, p):
             return await run_chat_load(url, turns, prefills, spec.max_new_tokens)
 
+        runs.append({"setup": info, "results": await each_lb(procs, f"prefix@{load}", configs, prefills, decodes, args, go)})
+    return {"runs": runs}
+
+
+async def each_lb(procs: Procs, tag: str, configs, prefills, decodes, args, go) -> dict:
+    """Run `go(url, proc)` through each (kind, policy) LB in turn; results by "kind:policy"."""
+    results = {}
+    for kind, policy in configs:
+        name = f"{kind}:{policy}"
+        print(f"[{tag}] {name} ...", flush=True)
         results[name] = await with_lb(procs, kind, policy, prefills, decodes, args, go)
         print(f"  {results[name]}", flush=True)
         await asyncio.sleep(1.0)
-    return {"setup": info, "results": results}
+    return results
 
 
 def lb_configs(args) -> list[tuple[str, str]]:
@@ -356,18 +363,10 @@ async def scenario_policies(procs: Procs, args) -> dict:
     reqs = generate(spec, rate, seed=args.seed)
     info = {"workers": "3 prefill + 1 decode (P3x3-D4 shape: 3 prefill servers, one decode server)", "sim_knobs": knobs, "workload": asdict(spec),
             "mean_prompt_tokens": round(mean_prompt(spec)), "prefill_capacity_rps": round(capacity, 2), "offered_load": args.load, "rate_rps": round(rate, 2), "requests": len(reqs)}
-    results = {}
-    for kind, policy in lb_configs(args):
-        name = f"{kind}:{policy}"
-        print(f"[policies] {name} ...", flush=True)
+    async def go(url, p):
+        return await run_load(url, reqs, prefills, args.seed)
 
-        async def go(url, p):
-            return await run_load(url, reqs, prefills, args.seed)
-
-        results[name] = await with_lb(procs, kind, policy, prefills, decodes, args, go)
-        print(f"  {results[name]}", flush=True)
-        await asyncio.sleep(1.0)
-    return {"setup": info, "results": results}
+    return {"setup": info, "results": await each_lb(procs, "policies", lb_configs(args), prefills, decodes, args, go)}
 
 
 async def direct_pd(s: aiohttp.ClientSession, prefill, decode: str, body: dict, stream: bool):
@@ -531,6 +530,7 @@ def main() -> int:
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--prefix-cache-tokens", type=int, default=16000, help="prefix scenario: radix cache per simulated prefill")
+    ap.add_argument("--prefix-loads", type=float, nargs="*", default=None, help="prefix scenario: offered loads (share of the uncached prefill capacity); default --load")
     ap.add_argument("--overhead-requests", type=int, default=300)
     ap.add_argument("--throughput-secs", type=float, default=8.0)
     ap.add_argument("--sglang-router-python", default=os.environ.get("SGLANG_ROUTER_PYTHON"), help="python of a venv with sglang-router==0.3.2")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from .workers import Worker
 
@@ -151,7 +151,7 @@ class LoadAwarePolicy:
         i, j, d_rank = self.pick(prefills, decodes, pc, ctx)
         return Choice(prefills[i], decodes[j], pc[i][0], d_rank)
 
-    def pick(self, prefills: Sequence[Worker], decodes: Sequence[Worker], pc: Sequence[tuple[int, float]], ctx: PairContext, p_pref: Sequence[float] | None = None) -> tuple[int, int, int]:
+    def pick(self, prefills: Sequence[Worker], decodes: Sequence[Worker], pc: Sequence[tuple[int, float]], ctx: PairContext, p_pref: Sequence[Any] | None = None) -> tuple[int, int, int]:
         """Indices of the best pair given each prefill's (rank, cost), and the decode's rank.
 
         `p_pref` (lower is better) ranks near-best prefills after the pair bonus and before latency.
@@ -169,7 +169,7 @@ class LoadAwarePolicy:
             # latency is a tie-break only; unknown latency ranks as best so new workers get tried
             lat = (p.latency or 0.0) + (d.latency or 0.0)
             # quantize so near-equal latencies do not beat the load comparison that follows
-            pref = p_pref[i] if p_pref is not None else 0.0
+            pref = p_pref[i] if p_pref is not None else ()
             return (-self.pair_bonus(p, d, ctx), pref, round(lat, 3), pc[i][1] / p_scale + dc[j][1] / d_scale, self.rng.random())
 
         i, j = min(((i, j) for i in p_near for j in d_near), key=key)

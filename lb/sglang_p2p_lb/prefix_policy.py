@@ -10,8 +10,8 @@ this request's KV is ready: its outstanding uncached tokens plus this prompt's t
 expected in its cache. So a cache hit wins while the holder's queue is shorter than the work the hit
 saves, and a hot prefix spills to other servers as soon as its holder's queue grows past that (a hit
 costs only its uncached tokens in the holder's load, so the trade-off is made in one unit). Matches
-below `cache_threshold` of the prompt count as misses; among prefills of near-equal cost the one with the
-smaller tree wins (where a new prefix evicts least), and when request loads are imbalanced by both
+below `cache_threshold` of the prompt count as misses; among prefills of near-equal cost the longer expected
+hit wins, then the smaller tree (where a new prefix evicts least), and when request loads are imbalanced by both
 balance thresholds cache affinity is dropped for pure load, as in smg. The decode and the pair
 preferences (same node, live channel) are load_aware's.
 
@@ -60,8 +60,9 @@ def cached_share(matched_blocks: int, prompt_bytes: int) -> float:
     return min(1.0, matched_blocks * BLOCK_BYTES / prompt_bytes) if prompt_bytes else 0.0
 
 
-# tree sizes within this many blocks count as equal, so the tie-break after them still has a say
+# tree sizes (blocks) and expected hits (tokens) within these steps count as equal in the tie-breaks
 TREE_SIZE_QUANTUM = 64
+CACHED_QUANTUM = 64
 
 
 class _TreeOwner:
@@ -106,11 +107,12 @@ class PrefixAwarePolicy(LoadAwarePolicy, _TreeOwner):
             r = min(range(len(costs)), key=lambda k: costs[k][0])  # first on ties: rank 0 of an idle server
             pc.append((r, costs[r][0]))
             cached.append(costs[r][1])
-        # among near-equal costs, the smaller tree (smg's rule for a miss): a new prefix goes where it
-        # evicts least, so the servers' caches split the working set instead of all holding all of it;
-        # latency must not decide here, as the server with the most hits looks fastest per token
-        sizes = [self.tree.size((w.url, r)) // TREE_SIZE_QUANTUM for w, (r, _) in zip(prefills, pc)]
-        i, j, d_rank = self.pick(prefills, decodes, pc, ctx, sizes)
+        # among near-equal costs: the longer expected hit (moving a prefix within the tolerance only
+        # copies it into a second cache, evicting others), then the smaller tree (smg's rule for a miss:
+        # a new prefix goes where it evicts least, so the caches split the working set). Latency must
+        # not decide here: the server with the most hits looks fastest per token.
+        prefs = [(-round(c / CACHED_QUANTUM), self.tree.size((w.url, r)) // TREE_SIZE_QUANTUM) for c, w, (r, _) in zip(cached, prefills, pc)]
+        i, j, d_rank = self.pick(prefills, decodes, pc, ctx, prefs)
         if hashes:
             self.tree.insert(hashes, (prefills[i].url, pc[i][0]))
         return Choice(prefills[i], decodes[j], pc[i][0], d_rank, prefill_tokens=max(1, round(ctx.tokens - cached[i])) if cached[i] else None)
