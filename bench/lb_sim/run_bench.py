@@ -129,7 +129,8 @@ def lb_argv(kind: str, policy: str, prefills, decodes, port: int, args) -> list[
         workers += ["--decode", url]
     common = [*workers, "--host", "127.0.0.1", "--port", str(port)]
     if kind == "ours":
-        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", policy, "--log-level", "warning"]
+        tree = getattr(args, "tree_flags", []) if policy in ("prefix_aware", "cache_aware") else []
+        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", policy, "--log-level", "warning", *tree]
     prom = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     if kind == "mini_lb":
         return None if not args.sglang_router_python else [args.sglang_router_python, "-m", "sglang_router.launch_router", "--mini-lb", "--pd-disaggregation", *common]
@@ -300,11 +301,14 @@ async def scenario_prefix(procs: Procs, args) -> dict:
     service_s = (5 + mean_shared_prefix_prompt(spec) * args.prefill_ms_per_token) / 1000
     capacity = 2 / service_s  # requests/s of the two prefills with no cache hit at all
     configs = [c for c in PREFIX_POLICIES if not args.only or c[0] in args.only or f"{c[0]}:{c[1]}" in args.only]
+    # the LB's prefix tree sized like a prefill's cache (~5 bytes a simulated word, 64-byte blocks) and
+    # trimmed every second, so what it believes cached is what still fits there
+    args.tree_flags = ["--max-tree-size", str(cache_tokens * 5 // 64), "--eviction-interval-secs", "1"]
     runs = []
     for load in args.prefix_loads or [args.load]:
         rate = load * capacity
         turns = shared_prefix(spec, rate / spec.turns, seed=args.seed)
-        info = {"workers": "2 prefill (radix cache each) + 1 decode", "sim_knobs": knobs, "workload": asdict(spec),
+        info = {"workers": "2 prefill (radix cache each) + 1 decode", "sim_knobs": knobs, "tree_flags": args.tree_flags, "workload": asdict(spec),
                 "mean_prompt_tokens": round(mean_shared_prefix_prompt(spec)), "uncached_capacity_rps": round(capacity, 2), "offered_load_uncached": load,
                 "rate_rps": round(rate, 2), "requests": len(turns)}
 

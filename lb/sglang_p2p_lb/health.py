@@ -6,8 +6,8 @@ consecutive checks that time out (default 1: a server that accepts the connectio
 requests hang), or after `failure_threshold` consecutive transport failures seen by requests (passive).
 An ejection by probe timeout also fails the requests in flight on that worker (Worker.notify_stalled).
 It is re-admitted after `success_threshold` consecutive good checks. Probes run at a fixed rate: a slow
-probe of one worker never delays the others, so a stall is seen within interval + timeout. When a worker answers for the first time its `/get_server_info` is read for
-its DP size.
+probe of one worker never delays the others, so a stall is seen within interval + timeout. When a
+worker answers for the first time its `/get_server_info` is read for its DP size.
 """
 
 from __future__ import annotations

@@ -74,10 +74,14 @@ class _TreeOwner:
         self._clock = clock
         self._last_evict = clock()
 
-    def maybe_evict(self) -> None:
+    def maybe_evict(self, prefills: Sequence[Worker]) -> None:
+        """Every eviction interval: trim each tree, and forget workers no longer routable (removed or
+        ejected: a worker that comes back after a restart has lost its cache anyway)."""
         now = self._clock()
         if now - self._last_evict >= self.prefix.eviction_interval:
             self._last_evict = now
+            urls = {w.url for w in prefills}
+            self.tree.retain(t for t in self.tree.tenants() if t[0] in urls)
             self.tree.evict()
 
 
@@ -98,7 +102,7 @@ class PrefixAwarePolicy(LoadAwarePolicy, _TreeOwner):
         return out
 
     def choose(self, prefills, decodes, ctx) -> Choice:
-        self.maybe_evict()
+        self.maybe_evict(prefills)
         hashes = block_hashes(ctx.prompt)
         affinity = bool(hashes) and not imbalanced([request_load(w, ctx) for w in prefills], self.prefix.balance_abs_threshold, self.prefix.balance_rel_threshold)
         pc, cached = [], []
@@ -129,7 +133,7 @@ class CacheAwarePolicy(_TreeOwner):
         self.rng = rng or random.Random()
 
     def choose(self, prefills, decodes, ctx) -> Choice:
-        self.maybe_evict()
+        self.maybe_evict(prefills)
         hashes = block_hashes(ctx.prompt)
         loads = [request_load(w, ctx) for w in prefills]
         if not hashes or imbalanced(loads, self.prefix.balance_abs_threshold, self.prefix.balance_rel_threshold):

@@ -8,8 +8,9 @@ is an abort (its KV never arrived). A 4xx or any other 5xx is the worker's verdi
 returned as is: a deterministic 500 would fail on every pair. Timeouts are not retried either (the worker
 may still be working on it). Bounded waits: `first_byte_timeout` for the prefill answer and the decode's
 first streamed event, `idle_stream_timeout` between streamed chunks, and a worker that health checks
-find stalled (probe timeout) fails the requests in flight on it at once (Worker.notify_stalled). Once bytes have reached the client they pass through unchanged (except the
-mini_lb logprob merge when `return_logprob` is set). A client that disconnects cancels both legs: aiohttp
+find stalled (probe timeout) fails the requests in flight on it at once (Worker.notify_stalled).
+Once bytes have reached the client they pass through unchanged (except the mini_lb logprob merge when
+`return_logprob` is set). A client that disconnects cancels both legs: aiohttp
 cancels the handler and closing the upstream responses closes their connections, which SGLang treats as
 an abort.
 """
@@ -49,8 +50,7 @@ class ProxyConfig:
     first_byte_timeout: float = 300.0
     # Between two streamed chunks; a decode that retracts requests under KV pressure pauses for a while.
     idle_stream_timeout: float = 120.0
-    body_timeout: float = 60.0
-    worker_api_key: str | None = None  # sent to workers as a bearer token (smg forwards --api-key so)  # the whole request body; a request counts in flight only once it is read
+    body_timeout: float = 60.0  # the whole request body; a request counts in flight only once it is read
     max_retries: int = 2
     max_concurrent: int = 4096
     passive_failure_threshold: int = 3

@@ -116,6 +116,10 @@ def test_eviction_runs_on_the_interval():
     now[0] = 11.0
     pol.choose(ps, ds, ctx(b"b" * 10))
     assert pol.tree.size((ps[0].url, 0)) == 2
+    # a worker gone from the routable set is forgotten at the next round
+    now[0] = 22.0
+    pol.choose([P(2)], ds, ctx(b"c" * 10))
+    assert pol.tree.tenants() == []
 
 
 def test_sim_radix_cache_reports_cached_tokens_and_speeds_up_prefill():
