@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--health-check-interval-secs", dest="hc_interval", type=float, default=HealthConfig.interval)
     g.add_argument("--health-check-timeout-secs", dest="hc_timeout", type=float, default=HealthConfig.timeout)
     g.add_argument("--health-failure-threshold", type=int, default=3)
-    g.add_argument("--health-timeout-failure-threshold", type=int, default=HealthConfig.timeout_failure_threshold, help="consecutive timed-out checks that eject a worker and fail its in-flight requests")
+    g.add_argument("--health-liveness-endpoint", default=HealthConfig.liveness_endpoint, help="answered by SGLang's HTTP process alone: no answer means the worker stopped")
+    g.add_argument("--health-liveness-timeout-secs", type=float, default=HealthConfig.liveness_timeout)
+    g.add_argument("--health-timeout-failure-threshold", type=int, default=HealthConfig.timeout_failure_threshold, help="consecutive liveness timeouts that eject a worker and fail its in-flight requests")
     g.add_argument("--health-success-threshold", type=int, default=2)
     g.add_argument("--health-check-endpoint", default="/health")
     g.add_argument("--disable-health-check", action="store_true")
@@ -151,6 +153,8 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
             timeout=args.hc_timeout,
             failure_threshold=args.health_failure_threshold,
             timeout_failure_threshold=args.health_timeout_failure_threshold,
+            liveness_endpoint=args.health_liveness_endpoint,
+            liveness_timeout=args.health_liveness_timeout_secs,
             success_threshold=args.health_success_threshold,
             endpoint=args.health_check_endpoint,
             enabled=not args.disable_health_check,

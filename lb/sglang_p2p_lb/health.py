@@ -1,13 +1,16 @@
-"""Worker health: the eject / re-admit state machine (pure) and the periodic checker that drives it.
+"""Worker health: the eject / re-admit state machine (pure) and the periodic probes that drive it.
 
-A worker is ejected after `failure_threshold` consecutive failed checks, after `timeout_failure_threshold`
-consecutive checks that time out (default 1: a server that accepts the connection but cannot answer
-`/health` within the timeout is stopped or hung, and waiting for more rounds only lengthens the time its
-requests hang), or after `failure_threshold` consecutive transport failures seen by requests (passive).
-An ejection by probe timeout also fails the requests in flight on that worker (Worker.notify_stalled).
-It is re-admitted after `success_threshold` consecutive good checks. Probes run at a fixed rate: a slow
-probe of one worker never delays the others, so a stall is seen within interval + timeout. When a
-worker answers for the first time its `/get_server_info` is read for its DP size.
+Two probes per worker, each at a fixed rate (a slow probe of one worker never delays the others):
+* health (`endpoint`, `/health`): a worker is ejected after `failure_threshold` consecutive failures
+  (non-200, refused, or no answer within `timeout`) and re-admitted after `success_threshold` good ones.
+  SGLang's `/health` generates a token through the scheduler and may legitimately take up to its own
+  SGLANG_HEALTH_CHECK_TIMEOUT (20 s) while a long prefill runs, hence the 25 s default timeout.
+* liveness (`liveness_endpoint`, `/model_info`, which SGLang answers from its HTTP process without the
+  scheduler): no answer within `liveness_timeout` means the process accepts connections but stopped
+  (SIGSTOP, frozen). After `timeout_failure_threshold` (1) such timeouts the worker is ejected and the
+  requests in flight on it fail at once (Worker.notify_stalled): within interval + liveness_timeout.
+Requests' own transport failures eject a worker too (passive, proxy.py). When a worker answers for the
+first time its `/get_server_info` is read for its DP size.
 """
 
 from __future__ import annotations
@@ -25,24 +28,36 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class HealthConfig:
-    # interval + timeout bounds the time to eject a stalled worker: 4 s at these defaults
     interval: float = 2.0
-    timeout: float = 2.0
+    timeout: float = 25.0
     failure_threshold: int = 3
-    timeout_failure_threshold: int = 1
     success_threshold: int = 2
     endpoint: str = "/health"
+    # interval + liveness_timeout bounds the time to eject a stopped worker: 4 s at these defaults
+    liveness_endpoint: str = "/model_info"
+    liveness_timeout: float = 2.0
+    timeout_failure_threshold: int = 1
     enabled: bool = True
 
 
-def record_failure(w: Worker, reason: str, threshold: int, timed_out: bool = False, timeout_threshold: int | None = None) -> bool:
-    """Count one failure; True when this one ejects the worker (timeouts also count against their own threshold)."""
+def record_stall(w: Worker, reason: str, threshold: int) -> bool:
+    """Count one liveness timeout; True when this one ejects the worker."""
+    w.consecutive_successes = 0
+    w.consecutive_timeouts += 1
+    w.last_error = reason
+    if w.healthy and w.consecutive_timeouts >= threshold:
+        w.healthy = False
+        log.warning("ejecting %s worker %s: %s", w.role, w.url, reason)
+        return True
+    return False
+
+
+def record_failure(w: Worker, reason: str, threshold: int) -> bool:
+    """Count one failure; True when this one ejects the worker."""
     w.consecutive_successes = 0
     w.consecutive_failures += 1
-    w.consecutive_timeouts = w.consecutive_timeouts + 1 if timed_out else 0
     w.last_error = reason
-    over = w.consecutive_failures >= threshold or (timeout_threshold is not None and w.consecutive_timeouts >= timeout_threshold)
-    if w.healthy and over:
+    if w.healthy and w.consecutive_failures >= threshold:
         w.healthy = False
         log.warning("ejecting %s worker %s after %d failures: %s", w.role, w.url, w.consecutive_failures, reason)
         return True
@@ -84,29 +99,40 @@ class HealthChecker:
     def __init__(self, pool: WorkerPool, session: aiohttp.ClientSession, cfg: HealthConfig, metrics=None, dp_aware: bool = True) -> None:
         self.pool, self.session, self.cfg, self.metrics, self.dp_aware = pool, session, cfg, metrics, dp_aware
         self._info_done: set[int] = set()
-        self._probing: dict[int, asyncio.Task] = {}
+        self._probing: dict[tuple[int, str], asyncio.Task] = {}
 
     async def check(self, w: Worker) -> bool:
-        timed_out = False
         try:
             async with self.session.get(w.url + self.cfg.endpoint, timeout=aiohttp.ClientTimeout(total=self.cfg.timeout)) as r:
                 ok, reason = r.status == 200, f"health check returned {r.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            timed_out = isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError))
-            ok = False
-            reason = f"health check timed out after {self.cfg.timeout:g}s (stopped or hung)" if timed_out else f"health check failed: {type(e).__name__}: {e}"
+            ok, reason = False, f"health check failed: {type(e).__name__}: {e}"
         if self.metrics is not None:
             self.metrics.health_checks.labels(w.role, "ok" if ok else "fail").inc()
         if ok:
             record_success(w, self.cfg.success_threshold)
             if id(w) not in self._info_done:
                 await self.discover(w)
-        elif record_failure(w, reason, self.cfg.failure_threshold, timed_out, self.cfg.timeout_failure_threshold):
-            if self.metrics is not None:
-                self.metrics.ejections.labels(w.role).inc()
-            if timed_out:
-                w.notify_stalled(reason)
+        elif record_failure(w, reason, self.cfg.failure_threshold) and self.metrics is not None:
+            self.metrics.ejections.labels(w.role).inc()
         return ok
+
+    async def live(self, w: Worker) -> bool:
+        """Liveness: only a timeout counts (a refused connection or an error status is the health probe's)."""
+        try:
+            async with self.session.get(w.url + self.cfg.liveness_endpoint, timeout=aiohttp.ClientTimeout(total=self.cfg.liveness_timeout)) as r:
+                await r.read()
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            reason = f"no answer to {self.cfg.liveness_endpoint} within {self.cfg.liveness_timeout:g}s (stopped or hung)"
+            if record_stall(w, reason, self.cfg.timeout_failure_threshold):
+                if self.metrics is not None:
+                    self.metrics.ejections.labels(w.role).inc()
+                w.notify_stalled(reason)
+            return False
+        except aiohttp.ClientError:
+            return True  # not a stall; the health probe judges it
+        w.consecutive_timeouts = 0
+        return True
 
     async def discover(self, w: Worker) -> None:
         """Read DP size once the worker answers (a server that is still starting is retried next round)."""
@@ -121,14 +147,16 @@ class HealthChecker:
         await asyncio.gather(*(self.check(w) for w in self.pool))
 
     def probe_round(self) -> None:
-        """Start a probe of every worker that has none in flight (fixed rate: no round waits on a slow one)."""
+        """Start each probe of every worker that has none of that kind in flight (fixed rate)."""
         for w in self.pool:
-            if id(w) not in self._probing:
-                task = asyncio.create_task(self.check(w))
-                self._probing[id(w)] = task
-                task.add_done_callback(lambda t, k=id(w): self._done_probe(k, t))
+            for kind, probe in (("health", self.check), ("live", self.live)):
+                key = (id(w), kind)
+                if key not in self._probing:
+                    task = asyncio.create_task(probe(w))
+                    self._probing[key] = task
+                    task.add_done_callback(lambda t, k=key: self._done_probe(k, t))
 
-    def _done_probe(self, key: int, task: asyncio.Task) -> None:
+    def _done_probe(self, key: tuple[int, str], task: asyncio.Task) -> None:
         self._probing.pop(key, None)
         if not task.cancelled() and task.exception() is not None:  # never let one bad probe stop checking
             log.error("health check failed unexpectedly", exc_info=task.exception())

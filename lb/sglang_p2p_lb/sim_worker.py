@@ -235,6 +235,7 @@ class SimWorker:
         self.fail_status = 500
         self.hang_next = 0
         self.pause_after_first = 0  # decode: stop writing (but keep the stream open) after the first token
+        self.health_delay = 0.0
         self._rr = itertools.count()
         self._ids = itertools.count()
         self._runners: list[web.AppRunner] = []
@@ -307,6 +308,8 @@ class SimWorker:
     # ---------------------------------------------------------------- info routes
     async def health(self, request: web.Request) -> web.Response:
         self.stats.health_checks += 1
+        if self.health_delay:  # SGLang's /health waits for scheduler output, up to 20 s in a long prefill
+            await asyncio.sleep(self.health_delay)
         return web.Response(status=200 if self.healthy else 503)
 
     async def server_info(self, request: web.Request) -> web.Response:

@@ -145,7 +145,7 @@ def test_sigstopped_decode_in_flight_requests_answered_within_bound():
         proc = subprocess.Popen([sys.executable, "-m", "sglang_p2p_lb.sim_worker", "--role", "decode", "--host", "127.0.0.1", "--port", str(port), "--decode-ms-per-token", "5"])
         stopped = False
         try:
-            hc = HealthConfig(interval=0.3, timeout=0.5, failure_threshold=3, success_threshold=1)
+            hc = HealthConfig(interval=0.3, timeout=5.0, liveness_timeout=0.5, failure_threshold=3, success_threshold=1)
             # a long first-byte / idle bound, so only stall detection can end the requests in time
             proxy = ProxyConfig(max_retries=0, request_timeout=60, first_byte_timeout=60, idle_stream_timeout=60)
             async with cluster(1, 0, health=hc, proxy=proxy) as c:
@@ -171,11 +171,11 @@ def test_sigstopped_decode_in_flight_requests_answered_within_bound():
                 outs = await asyncio.wait_for(asyncio.gather(*plain), 5.0)
                 elapsed = time.perf_counter() - t0
                 # bound: one probe interval + one probe timeout, plus scheduling slack on a shared machine
-                assert elapsed < hc.interval + hc.timeout + 1.5, elapsed
+                assert elapsed < hc.interval + hc.liveness_timeout + 1.5, elapsed
                 assert all(f.startswith(b"data: {") for f in firsts)
                 assert all(b"stopped answering" in t and b'"code":504' in t for t in tails)
                 assert [o[0] for o in outs] == [504] * 3 and all("stopped answering" in o[2]["error"]["message"] for o in outs)
-                assert d.healthy is False and "timed out" in d.last_error
+                assert d.healthy is False and "stopped or hung" in d.last_error
                 # nothing left on the LB's books, and new requests get a clear 503 while it is out
                 assert await wait_until(lambda: c.lb.dispatcher.inflight == 0)
                 status, _, out = await c.post("/generate", GEN)
@@ -191,6 +191,23 @@ def test_sigstopped_decode_in_flight_requests_answered_within_bound():
                 os.kill(proc.pid, signal.SIGCONT)
             proc.terminate()
             proc.wait(10)
+
+    run(body)
+
+
+def test_slow_health_answer_is_not_a_stall():
+    """SGLang's /health waits for scheduler output (seconds in a long prefill): only liveness timeouts eject."""
+
+    async def body():
+        hc = HealthConfig(interval=0.1, timeout=5.0, liveness_timeout=0.3, failure_threshold=3, success_threshold=1)
+        async with cluster(1, 1, sim={"decode_ms_per_token": 5}, health=hc) as c:
+            for w in c.prefills + c.decodes:
+                w.health_delay = 1.0
+            long = {"text": "x", "sampling_params": {"max_new_tokens": 300}, "stream": True}
+            status, raw, _ = await c.post("/generate", long)  # ~1.5 s of streaming while /health lags 1 s
+            assert status == 200 and raw.endswith(b"data: [DONE]\n\n") and b"error" not in raw
+            assert all(w.healthy for w in c.lb.pool)
+            assert sum(w.stats.health_checks for w in c.prefills + c.decodes) >= 2
 
     run(body)
 
