@@ -40,28 +40,26 @@ class HealthConfig:
     enabled: bool = True
 
 
-def record_stall(w: Worker, reason: str, threshold: int) -> bool:
-    """Count one liveness timeout; True when this one ejects the worker."""
+def _eject_at(w: Worker, count: int, threshold: int, reason: str) -> bool:
     w.consecutive_successes = 0
-    w.consecutive_timeouts += 1
     w.last_error = reason
-    if w.healthy and w.consecutive_timeouts >= threshold:
+    if w.healthy and count >= threshold:
         w.healthy = False
-        log.warning("ejecting %s worker %s: %s", w.role, w.url, reason)
+        log.warning("ejecting %s worker %s after %d in a row: %s", w.role, w.url, count, reason)
         return True
     return False
+
+
+def record_stall(w: Worker, reason: str, threshold: int) -> bool:
+    """Count one liveness timeout; True when this one ejects the worker."""
+    w.consecutive_timeouts += 1
+    return _eject_at(w, w.consecutive_timeouts, threshold, reason)
 
 
 def record_failure(w: Worker, reason: str, threshold: int) -> bool:
     """Count one failure; True when this one ejects the worker."""
-    w.consecutive_successes = 0
     w.consecutive_failures += 1
-    w.last_error = reason
-    if w.healthy and w.consecutive_failures >= threshold:
-        w.healthy = False
-        log.warning("ejecting %s worker %s after %d failures: %s", w.role, w.url, w.consecutive_failures, reason)
-        return True
-    return False
+    return _eject_at(w, w.consecutive_failures, threshold, reason)
 
 
 def record_success(w: Worker, threshold: int) -> bool:
