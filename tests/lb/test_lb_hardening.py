@@ -303,6 +303,9 @@ def test_refused_connection_and_503_are_retried():
             c.decodes[1].fail_next, c.decodes[1].fail_status = 1, 503
             for _ in range(4):
                 assert (await c.post("/generate", GEN))[0] == 200
-            assert c.prefills[1].stats.completed == 4
+            # every request went through the live prefill; the 503 decode's attempt may have
+            # finished its prefill before the retry, so that prefill can count one more
+            assert c.prefills[1].stats.completed >= 4 and c.decodes[1].stats.failed == 1
+            assert sum(d.stats.completed for d in c.decodes) == 4
 
     run(body)
