@@ -98,8 +98,8 @@ async def _open(port: int, data: bytes):
 
 def test_slowloris_sockets_do_not_block_real_requests():
     async def body():
-        proxy = ProxyConfig(max_concurrent=4, body_timeout=1.0, request_timeout=20)
-        async with cluster(1, 1, proxy=proxy, header_timeout=1.0) as c:
+        proxy = ProxyConfig(max_concurrent=4, body_timeout=2.0, request_timeout=20)
+        async with cluster(1, 1, proxy=proxy, header_timeout=2.0) as c:
             port = c.lb.cfg.port
             t0 = time.perf_counter()
             partial_headers = [await _open(port, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Le") for _ in range(10)]
@@ -110,7 +110,7 @@ def test_slowloris_sockets_do_not_block_real_requests():
             assert c.lb.dispatcher.inflight == 0
             results = await asyncio.gather(*(c.post("/generate", GEN) for _ in range(4)))
             assert [r[0] for r in results] == [200] * 4
-            assert time.perf_counter() - t0 < 1.0  # served while every slow socket was still open
+            assert time.perf_counter() - t0 < 2.0  # served while every slow socket was still open
 
             async def answer(reader) -> bytes:
                 return await asyncio.wait_for(reader.read(), 5.0)  # until the LB closes the connection
@@ -119,8 +119,8 @@ def test_slowloris_sockets_do_not_block_real_requests():
             bodies = await asyncio.gather(*(answer(r) for r, _ in partial_bodies))
             elapsed = time.perf_counter() - t0
             assert heads == [b""] * 10  # closed without an answer
-            assert all(b.startswith(b"HTTP/1.1 408") and b"not received within 1s" in b for b in bodies)
-            assert elapsed < 4.0
+            assert all(b.startswith(b"HTTP/1.1 408") and b"not received within 2s" in b for b in bodies)
+            assert elapsed < 6.0  # 2 s timeouts, 1 s of lingering after the 408, slack
             for _, w in partial_headers + partial_bodies:
                 w.close()
             assert c.prefills[0].stats.requests == 4
