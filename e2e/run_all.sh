@@ -3,6 +3,7 @@
 #
 #   bash e2e/run_all.sh [--gpus 1|2] [--phase check|sglang-tests|perf|all|mooncake-bench|liveness|faults|unpack]
 #                       [--skip-sglang-tests] [--budget-s SECONDS]
+#   (phases also: lb)
 #
 # It unpacks whichever bundle archives (.bundle/sglang.tar.xz, .bundle/extras.tar.xz, built by
 # e2e/build_bundle.sh) this working tree carries into $E2E_ROOT (default /tmp/e2e, which survives between calls
@@ -19,6 +20,9 @@
 #          P/D launch with E2E_LIVENESS_BACKEND (p2pnccl over NCCL, or mooncake), then its chunked-prefill abort
 #          test -> $OUT/liveness_<backend>.json                  (needs sglang.tar.xz; mooncake: extras too)
 #   faults: kill -9 / SIGSTOP of decode and prefill under load behind our LB, restart -> $OUT/faults.json
+#   lb:    our LB in front of 2 prefill + 2 decode llama-tiny servers (p2pnccl): load_aware, prefix_aware, random,
+#          round_robin on a bursty mixed and a shared-prefix workload, then SIGKILL of a prefill and a decode
+#          mid-run and their restart -> $OUT/lb_real_<kind>.json (e2e/lb_real.py; ~6 min with --gpus 1)
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
 #   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
@@ -47,8 +51,8 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|unpack) ;;
-  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults or unpack" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|unpack) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb or unpack" >&2; exit 2 ;; esac
 case "$GPUS" in 1|2) ;;
   *) echo "run_all.sh: --gpus must be 1 or 2" >&2; exit 2 ;; esac
 export E2E_GPUS=$GPUS  # read by e2e.check, e2e.perf, e2e.sglang_tests (e2e/config.py)
@@ -186,10 +190,16 @@ run_faults() {
   step faults python3 -m e2e.faults --models "$MODELS" --out "$OUTDIR/faults.json" --logs "$E2E_ROOT/logs/faults"
 }
 
+run_lb() {  # every server on GPU 0 whatever --gpus says; p2pnccl over NCCL with an NCCL_HOSTID per server
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny
+  step lb_real python3 -m e2e.lb_real --models "$MODELS" --out "$OUTDIR/lb_real_$KIND.json" --logs "$E2E_ROOT/logs/lb_real"
+}
+
 case "$PHASE" in
   liveness) run_liveness ;;
   faults) run_faults ;;
   check) run_check ;;
+  lb) run_lb ;;
   sglang-tests) run_sglang_tests ;;
   perf) run_perf ;;
   all) run_check; run_perf ;;

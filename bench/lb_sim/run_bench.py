@@ -10,6 +10,8 @@ waits for the prefill's KV "transfer"). Three scenarios:
 * `overhead`: zero-latency 1P1D; the latency the LB adds = p50 through the LB minus p50 of a client that
   does the PD dispatch itself (both legs concurrently, same bootstrap fields).
 * `throughput`: zero-latency decode streaming as fast as it can; tokens per second one LB process passes.
+* `prefix`: multi-turn chats over a dozen long few-shot prompts (Zipf-popular) on 2 prefills with a radix
+  cache each + 1 decode; cache hit rate (the prefills' own counters) and TTFT per policy.
 
 Writes bench/results/lb_sim_<host>.json and .png. Peer routers run from their own virtualenvs
 (`--sglang-router-python`, `--smg-bin`; see docs/lb.md); missing ones are skipped and noted.
@@ -36,7 +38,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import WorkloadSpec, generate, mean_prompt, prompt_text  # noqa: E402
+from workload import SharedPrefixSpec, WorkloadSpec, generate, mean_prompt, mean_shared_prefix_prompt, prompt_text, shared_prefix  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -127,7 +129,8 @@ def lb_argv(kind: str, policy: str, prefills, decodes, port: int, args) -> list[
         workers += ["--decode", url]
     common = [*workers, "--host", "127.0.0.1", "--port", str(port)]
     if kind == "ours":
-        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", policy, "--log-level", "warning"]
+        tree = getattr(args, "tree_flags", []) if policy in ("prefix_aware", "cache_aware") else []
+        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", policy, "--log-level", "warning", *tree]
     prom = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     if kind == "mini_lb":
         return None if not args.sglang_router_python else [args.sglang_router_python, "-m", "sglang_router.launch_router", "--mini-lb", "--pd-disaggregation", *common]
@@ -210,9 +213,8 @@ def skew_stats(samples: list[list[float]]) -> dict:
     }
 
 
-async def run_load(lb_url: str, reqs, prefills, seed: int) -> dict:
-    rng = random.Random(seed)
-    bodies = [orjson.dumps({"text": prompt_text(r.words, rng), "sampling_params": {"max_new_tokens": r.max_new_tokens, "ignore_eos": True}, "stream": True}) for r in reqs]
+async def fire_schedule(lb_url: str, times: list[float], bodies: list[bytes], prefills) -> tuple[list, list]:
+    """Send each body at its time (open loop); (status, ttft, e2e, events) per request and load samples."""
     samples: list = []
     stop = asyncio.Event()
     out: list = []
@@ -221,8 +223,8 @@ async def run_load(lb_url: str, reqs, prefills, seed: int) -> dict:
         sampler = asyncio.create_task(sample_prefill_loads(s, prefills, samples, stop))
         t0 = time.perf_counter()
 
-        async def fire(r, body):
-            delay = r.at - (time.perf_counter() - t0)
+        async def fire(at, body):
+            delay = at - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
             try:
@@ -230,9 +232,13 @@ async def run_load(lb_url: str, reqs, prefills, seed: int) -> dict:
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 out.append((-1, None, 0.0, 0))
 
-        await asyncio.gather(*(fire(r, b) for r, b in zip(reqs, bodies)))
+        await asyncio.gather(*(fire(at, b) for at, b in zip(times, bodies)))
         stop.set()
         await sampler
+    return out, samples
+
+
+def latency_stats(out: list) -> dict:
     ok = [o for o in out if o[0] == 200 and o[1] is not None]
     ttft = [o[1] for o in ok]
     return {
@@ -244,8 +250,85 @@ async def run_load(lb_url: str, reqs, prefills, seed: int) -> dict:
         "ttft_p99_ms": round(pct(ttft, 99) * 1000, 1) if ttft else None,
         "ttft_mean_ms": round(statistics.fmean(ttft) * 1000, 1) if ttft else None,
         "e2e_p50_ms": round(pct([o[2] for o in ok], 50) * 1000, 1) if ok else None,
+    }
+
+
+async def run_load(lb_url: str, reqs, prefills, seed: int) -> dict:
+    rng = random.Random(seed)
+    bodies = [orjson.dumps({"text": prompt_text(r.words, rng), "sampling_params": {"max_new_tokens": r.max_new_tokens, "ignore_eos": True}, "stream": True}) for r in reqs]
+    out, samples = await fire_schedule(lb_url, [r.at for r in reqs], bodies, prefills)
+    return {**latency_stats(out), **skew_stats(samples)}
+
+
+async def prefill_stats(prefills, reset: bool = False) -> list[dict]:
+    """The simulated prefills' own counters (and, with reset, a cold cache and zeroed counters)."""
+    async with aiohttp.ClientSession() as s:
+        out = []
+        for url, _ in prefills:
+            if reset:
+                await (await s.post(url + "/flush_cache")).read()
+                await (await s.post(url + "/admin", json={"reset": True})).read()
+            async with s.get(url + "/stats") as r:
+                out.append(await r.json())
+        return out
+
+
+async def run_chat_load(lb_url: str, turns, prefills, max_new_tokens: int) -> dict:
+    await prefill_stats(prefills, reset=True)
+    bodies = [orjson.dumps({"text": r.text, "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}, "stream": True}) for r in turns]
+    out, samples = await fire_schedule(lb_url, [r.at for r in turns], bodies, prefills)
+    st = await prefill_stats(prefills)
+    prompt, cached = sum(x["prompt_tokens"] for x in st), sum(x["cached_tokens"] for x in st)
+    served = [x["completed"] for x in st]
+    return {
+        **latency_stats(out),
+        "cache_hit_rate": round(cached / prompt, 3) if prompt else None,
+        "prefill_requests": served,
         **skew_stats(samples),
     }
+
+
+PREFIX_POLICIES = [("ours", p) for p in ("random", "round_robin", "load_aware", "cache_aware", "prefix_aware")] + [("smg", "cache_aware")]
+
+
+async def scenario_prefix(procs: Procs, args) -> dict:
+    """Shared-prefix chats on 2 prefills (radix cache each) + 1 decode: cache hit rate and TTFT per policy."""
+    cache_tokens = args.prefix_cache_tokens
+    knobs = ["--prefill-base-ms", "5", "--prefill-ms-per-token", str(args.prefill_ms_per_token), "--decode-ms-per-token", "5", "--decode-slowdown", "0.005",
+             "--prefix-cache-tokens", str(cache_tokens), "--page-tokens", "16"]
+    prefills, decodes = start_sims(procs, 2, 1, knobs)
+    spec = SharedPrefixSpec(duration=args.duration)
+    service_s = (5 + mean_shared_prefix_prompt(spec) * args.prefill_ms_per_token) / 1000
+    capacity = 2 / service_s  # requests/s of the two prefills with no cache hit at all
+    configs = [c for c in PREFIX_POLICIES if not args.only or c[0] in args.only or f"{c[0]}:{c[1]}" in args.only]
+    # the LB's prefix tree sized like a prefill's cache (~5 bytes a simulated word, 64-byte blocks) and
+    # trimmed every second, so what it believes cached is what still fits there
+    args.tree_flags = ["--max-tree-size", str(cache_tokens * 5 // 64), "--eviction-interval-secs", "1"]
+    runs = []
+    for load in args.prefix_loads or [args.load]:
+        rate = load * capacity
+        turns = shared_prefix(spec, rate / spec.turns, seed=args.seed)
+        info = {"workers": "2 prefill (radix cache each) + 1 decode", "sim_knobs": knobs, "tree_flags": args.tree_flags, "workload": asdict(spec),
+                "mean_prompt_tokens": round(mean_shared_prefix_prompt(spec)), "uncached_capacity_rps": round(capacity, 2), "offered_load_uncached": load,
+                "rate_rps": round(rate, 2), "requests": len(turns)}
+
+        async def go(url, p):
+            return await run_chat_load(url, turns, prefills, spec.max_new_tokens)
+
+        runs.append({"setup": info, "results": await each_lb(procs, f"prefix@{load}", configs, prefills, decodes, args, go)})
+    return {"runs": runs}
+
+
+async def each_lb(procs: Procs, tag: str, configs, prefills, decodes, args, go) -> dict:
+    """Run `go(url, proc)` through each (kind, policy) LB in turn; results by "kind:policy"."""
+    results = {}
+    for kind, policy in configs:
+        name = f"{kind}:{policy}"
+        print(f"[{tag}] {name} ...", flush=True)
+        results[name] = await with_lb(procs, kind, policy, prefills, decodes, args, go)
+        print(f"  {results[name]}", flush=True)
+        await asyncio.sleep(1.0)
+    return results
 
 
 def lb_configs(args) -> list[tuple[str, str]]:
@@ -284,18 +367,10 @@ async def scenario_policies(procs: Procs, args) -> dict:
     reqs = generate(spec, rate, seed=args.seed)
     info = {"workers": "3 prefill + 1 decode (P3x3-D4 shape: 3 prefill servers, one decode server)", "sim_knobs": knobs, "workload": asdict(spec),
             "mean_prompt_tokens": round(mean_prompt(spec)), "prefill_capacity_rps": round(capacity, 2), "offered_load": args.load, "rate_rps": round(rate, 2), "requests": len(reqs)}
-    results = {}
-    for kind, policy in lb_configs(args):
-        name = f"{kind}:{policy}"
-        print(f"[policies] {name} ...", flush=True)
+    async def go(url, p):
+        return await run_load(url, reqs, prefills, args.seed)
 
-        async def go(url, p):
-            return await run_load(url, reqs, prefills, args.seed)
-
-        results[name] = await with_lb(procs, kind, policy, prefills, decodes, args, go)
-        print(f"  {results[name]}", flush=True)
-        await asyncio.sleep(1.0)
-    return {"setup": info, "results": results}
+    return {"setup": info, "results": await each_lb(procs, "policies", lb_configs(args), prefills, decodes, args, go)}
 
 
 async def direct_pd(s: aiohttp.ClientSession, prefill, decode: str, body: dict, stream: bool):
@@ -452,27 +527,30 @@ def plot(doc: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenarios", nargs="+", default=["policies", "overhead", "throughput"])
+    ap.add_argument("--scenarios", nargs="+", default=["policies", "overhead", "throughput"], help="policies, overhead, throughput, prefix (shared-prefix chats)")
     ap.add_argument("--only", nargs="*", default=None, help="limit to LB kinds or kind:policy names")
     ap.add_argument("--duration", type=float, default=40.0)
     ap.add_argument("--load", type=float, default=0.8)
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prefix-cache-tokens", type=int, default=16000, help="prefix scenario: radix cache per simulated prefill")
+    ap.add_argument("--prefix-loads", type=float, nargs="*", default=None, help="prefix scenario: offered loads (share of the uncached prefill capacity); default --load")
     ap.add_argument("--overhead-requests", type=int, default=300)
     ap.add_argument("--throughput-secs", type=float, default=8.0)
     ap.add_argument("--sglang-router-python", default=os.environ.get("SGLANG_ROUTER_PYTHON"), help="python of a venv with sglang-router==0.3.2")
     ap.add_argument("--smg-bin", default=os.environ.get("SMG_BIN"), help="smg executable of a venv with smg==1.13.0")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--label", default=None, help='what ran it, in words (e.g. "CPU, 2 cores, simulator")')
     args = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / f"lb_sim_{platform.node() or 'host'}.json"
     doc: dict = json.loads(out.read_text()) if out.exists() else {}
-    doc["machine"] = machine()
+    doc["machine"] = {**machine(), **({"label": args.label} if args.label else {})}
     doc["peers"] = {"sglang-router": "0.3.2" if args.sglang_router_python else None, "smg": "1.13.0" if args.smg_bin else None}
     procs = Procs()
     try:
         for sc in args.scenarios:
-            fn = {"policies": scenario_policies, "overhead": scenario_overhead, "throughput": scenario_throughput}[sc]
+            fn = {"policies": scenario_policies, "overhead": scenario_overhead, "throughput": scenario_throughput, "prefix": scenario_prefix}[sc]
             doc[sc] = asyncio.run(fn(procs, args))
             procs.stop_all()
             doc["written"] = time.strftime("%Y-%m-%d %H:%M:%S")

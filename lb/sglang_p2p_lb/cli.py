@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from typing import Sequence
 
+from . import auth
 from .health import HealthConfig
 from .policy import POLICIES
+from .prefix_policy import PrefixParams
 from .proxy import ProxyConfig
 from .server import LBConfig, LoadBalancer
 from .workers import normalize_url
@@ -60,16 +63,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--policy", choices=POLICIES, default="load_aware", help="pair selection policy (default load_aware)")
     p.add_argument("--node", action="append", metavar="URL=LABEL", help="node (host) label of a worker for pair affinity; default: the URL's host")
+    g = p.add_argument_group("prefix-aware policy (sgl-router / smg cache_aware flags)")
+    g.add_argument("--cache-threshold", type=float, default=PrefixParams.cache_threshold, help="prefix matches shorter than this share of the prompt are ignored")
+    g.add_argument("--balance-abs-threshold", type=int, default=PrefixParams.balance_abs_threshold, help="requests: with --balance-rel-threshold, the imbalance at which cache affinity is dropped for pure load")
+    g.add_argument("--balance-rel-threshold", type=float, default=PrefixParams.balance_rel_threshold)
+    g.add_argument("--eviction-interval-secs", "--eviction-interval", dest="eviction_interval", type=float, default=PrefixParams.eviction_interval, help="how often each worker's prefix tree is trimmed to --max-tree-size")
+    g.add_argument("--max-tree-size", type=int, default=PrefixParams.max_tree_size, help="prefix-tree entries (64-byte prompt blocks) kept per worker")
+    g = p.add_argument_group("keys (Authorization: Bearer)")
+    g.add_argument("--api-key", default=os.environ.get(auth.API_KEY_ENV), help=f"client key for every route but /health and /metrics; also sent to the workers (env {auth.API_KEY_ENV})")
+    g.add_argument("--admin-api-key", default=os.environ.get(auth.ADMIN_KEY_ENV), help=f"key for POST/DELETE /workers and /flush_cache, which are refused without one (env {auth.ADMIN_KEY_ENV})")
+    g.add_argument("--control-plane-api-keys", action="append", default=[os.environ[auth.SMG_CONTROL_PLANE_ENV]] if os.environ.get(auth.SMG_CONTROL_PLANE_ENV) else [], metavar="ID:NAME:ROLE:KEY", help=f"smg's form of admin keys (role admin; env {auth.SMG_CONTROL_PLANE_ENV})")
     g = p.add_argument_group("timeouts and limits")
-    g.add_argument("--request-timeout-secs", "--request-timeout", dest="request_timeout", type=float, default=1800.0)
+    g.add_argument("--request-timeout-secs", "--request-timeout", dest="request_timeout", type=float, default=1800.0, help="total time for one upstream leg")
+    g.add_argument("--first-byte-timeout-secs", dest="first_byte_timeout", type=float, default=ProxyConfig.first_byte_timeout, help="prefill answer and first streamed decode event")
+    g.add_argument("--idle-stream-timeout-secs", dest="idle_stream_timeout", type=float, default=ProxyConfig.idle_stream_timeout, help="longest gap between two streamed chunks")
+    g.add_argument("--header-timeout-secs", dest="header_timeout", type=float, default=15.0, help="a connection must send its request headers within this (also the keep-alive idle time)")
+    g.add_argument("--body-timeout-secs", dest="body_timeout", type=float, default=ProxyConfig.body_timeout, help="a request must send its whole body within this")
     g.add_argument("--connect-timeout-secs", dest="connect_timeout", type=float, default=5.0)
-    g.add_argument("--max-retries", type=int, default=2, help="extra attempts on a new pair when a leg fails before any byte reached the client")
+    g.add_argument("--max-retries", type=int, default=2, help="extra attempts on a new pair after a refused/reset connection or a 503, before any byte reached the client")
     g.add_argument("--max-concurrent-requests", type=int, default=4096, help="requests in flight before the LB answers 503 (0: unbounded)")
     g.add_argument("--max-body-mb", type=float, default=64.0)
     g = p.add_argument_group("health and load")
-    g.add_argument("--health-check-interval-secs", dest="hc_interval", type=float, default=5.0)
-    g.add_argument("--health-check-timeout-secs", dest="hc_timeout", type=float, default=3.0)
+    g.add_argument("--health-check-interval-secs", dest="hc_interval", type=float, default=HealthConfig.interval)
+    g.add_argument("--health-check-timeout-secs", dest="hc_timeout", type=float, default=HealthConfig.timeout)
     g.add_argument("--health-failure-threshold", type=int, default=3)
+    g.add_argument("--health-liveness-endpoint", default=HealthConfig.liveness_endpoint, help="answered by SGLang's HTTP process alone: no answer means the worker stopped")
+    g.add_argument("--health-liveness-timeout-secs", type=float, default=HealthConfig.liveness_timeout)
+    g.add_argument("--health-timeout-failure-threshold", type=int, default=HealthConfig.timeout_failure_threshold, help="consecutive liveness timeouts that eject a worker and fail its in-flight requests")
     g.add_argument("--health-success-threshold", type=int, default=2)
     g.add_argument("--health-check-endpoint", default="/health")
     g.add_argument("--disable-health-check", action="store_true")
@@ -97,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
     decodes = [normalize_url(u) for group in args.decode or [] for u in group]
     if not prefills or not decodes:
         raise ValueError("need at least one --prefill and one --decode (more can be added later with POST /workers)")
+    admin_keys = ([args.admin_api_key] if args.admin_api_key else []) + auth.parse_control_plane_keys(args.control_plane_api_keys)
     return LBConfig(
         prefills=prefills,
         decodes=decodes,
@@ -104,8 +125,21 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         host=args.host,
         port=args.port,
         policy=args.policy,
+        prefix=PrefixParams(
+            cache_threshold=args.cache_threshold,
+            balance_abs_threshold=args.balance_abs_threshold,
+            balance_rel_threshold=args.balance_rel_threshold,
+            eviction_interval=args.eviction_interval,
+            max_tree_size=args.max_tree_size,
+        ),
+        auth=auth.AuthConfig.from_keys(admin_keys, args.api_key),
+        worker_api_key=args.api_key,
+        header_timeout=args.header_timeout,
         proxy=ProxyConfig(
             request_timeout=args.request_timeout,
+            first_byte_timeout=args.first_byte_timeout,
+            idle_stream_timeout=args.idle_stream_timeout,
+            body_timeout=args.body_timeout,
             connect_timeout=args.connect_timeout,
             max_retries=args.max_retries,
             max_concurrent=args.max_concurrent_requests,
@@ -118,6 +152,9 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
             interval=args.hc_interval,
             timeout=args.hc_timeout,
             failure_threshold=args.health_failure_threshold,
+            timeout_failure_threshold=args.health_timeout_failure_threshold,
+            liveness_endpoint=args.health_liveness_endpoint,
+            liveness_timeout=args.health_liveness_timeout_secs,
             success_threshold=args.health_success_threshold,
             endpoint=args.health_check_endpoint,
             enabled=not args.disable_health_check,

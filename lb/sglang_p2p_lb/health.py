@@ -1,9 +1,16 @@
-"""Worker health: the eject / re-admit state machine (pure) and the periodic checker that drives it.
+"""Worker health: the eject / re-admit state machine (pure) and the periodic probes that drive it.
 
-A worker is ejected after `failure_threshold` consecutive failed checks, or after the same number of
-consecutive transport failures seen by requests (passive); it is re-admitted after `success_threshold`
-consecutive good checks. When a worker answers for the first time its `/get_server_info` is read for
-its DP size.
+Two probes per worker, each at a fixed rate (a slow probe of one worker never delays the others):
+* health (`endpoint`, `/health`): a worker is ejected after `failure_threshold` consecutive failures
+  (non-200, refused, or no answer within `timeout`) and re-admitted after `success_threshold` good ones.
+  SGLang's `/health` generates a token through the scheduler and may legitimately take up to its own
+  SGLANG_HEALTH_CHECK_TIMEOUT (20 s) while a long prefill runs, hence the 25 s default timeout.
+* liveness (`liveness_endpoint`, `/model_info`, which SGLang answers from its HTTP process without the
+  scheduler): no answer within `liveness_timeout` means the process accepts connections but stopped
+  (SIGSTOP, frozen). After `timeout_failure_threshold` (1) such timeouts the worker is ejected and the
+  requests in flight on it fail at once (Worker.notify_stalled): within interval + liveness_timeout.
+Requests' own transport failures eject a worker too (passive, proxy.py). When a worker answers for the
+first time its `/get_server_info` is read for its DP size.
 """
 
 from __future__ import annotations
@@ -21,29 +28,43 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class HealthConfig:
-    interval: float = 5.0
-    timeout: float = 3.0
+    interval: float = 2.0
+    timeout: float = 25.0
     failure_threshold: int = 3
     success_threshold: int = 2
     endpoint: str = "/health"
+    # interval + liveness_timeout bounds the time to eject a stopped worker: 4 s at these defaults
+    liveness_endpoint: str = "/model_info"
+    liveness_timeout: float = 2.0
+    timeout_failure_threshold: int = 1
     enabled: bool = True
 
 
-def record_failure(w: Worker, reason: str, threshold: int) -> bool:
-    """Count one failure; True when this one ejects the worker."""
+def _eject_at(w: Worker, count: int, threshold: int, reason: str) -> bool:
     w.consecutive_successes = 0
-    w.consecutive_failures += 1
     w.last_error = reason
-    if w.healthy and w.consecutive_failures >= threshold:
+    if w.healthy and count >= threshold:
         w.healthy = False
-        log.warning("ejecting %s worker %s after %d failures: %s", w.role, w.url, w.consecutive_failures, reason)
+        log.warning("ejecting %s worker %s after %d in a row: %s", w.role, w.url, count, reason)
         return True
     return False
 
 
+def record_stall(w: Worker, reason: str, threshold: int) -> bool:
+    """Count one liveness timeout; True when this one ejects the worker."""
+    w.consecutive_timeouts += 1
+    return _eject_at(w, w.consecutive_timeouts, threshold, reason)
+
+
+def record_failure(w: Worker, reason: str, threshold: int) -> bool:
+    """Count one failure; True when this one ejects the worker."""
+    w.consecutive_failures += 1
+    return _eject_at(w, w.consecutive_failures, threshold, reason)
+
+
 def record_success(w: Worker, threshold: int) -> bool:
     """Count one success; True when this one re-admits an ejected worker."""
-    w.consecutive_failures = 0
+    w.consecutive_failures = w.consecutive_timeouts = 0
     w.consecutive_successes += 1
     if not w.healthy and w.consecutive_successes >= threshold:
         w.healthy = True
@@ -76,6 +97,7 @@ class HealthChecker:
     def __init__(self, pool: WorkerPool, session: aiohttp.ClientSession, cfg: HealthConfig, metrics=None, dp_aware: bool = True) -> None:
         self.pool, self.session, self.cfg, self.metrics, self.dp_aware = pool, session, cfg, metrics, dp_aware
         self._info_done: set[int] = set()
+        self._probing: dict[tuple[int, str], asyncio.Task] = {}
 
     async def check(self, w: Worker) -> bool:
         try:
@@ -93,6 +115,23 @@ class HealthChecker:
             self.metrics.ejections.labels(w.role).inc()
         return ok
 
+    async def live(self, w: Worker) -> bool:
+        """Liveness: only a timeout counts (a refused connection or an error status is the health probe's)."""
+        try:
+            async with self.session.get(w.url + self.cfg.liveness_endpoint, timeout=aiohttp.ClientTimeout(total=self.cfg.liveness_timeout)) as r:
+                await r.read()
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            reason = f"no answer to {self.cfg.liveness_endpoint} within {self.cfg.liveness_timeout:g}s (stopped or hung)"
+            if record_stall(w, reason, self.cfg.timeout_failure_threshold):
+                if self.metrics is not None:
+                    self.metrics.ejections.labels(w.role).inc()
+                w.notify_stalled(reason)
+            return False
+        except aiohttp.ClientError:
+            return True  # not a stall; the health probe judges it
+        w.consecutive_timeouts = 0
+        return True
+
     async def discover(self, w: Worker) -> None:
         """Read DP size once the worker answers (a server that is still starting is retried next round)."""
         info = await fetch_server_info(self.session, w, self.cfg.timeout)
@@ -105,10 +144,26 @@ class HealthChecker:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.pool))
 
+    def probe_round(self) -> None:
+        """Start each probe of every worker that has none of that kind in flight (fixed rate)."""
+        for w in self.pool:
+            for kind, probe in (("health", self.check), ("live", self.live)):
+                key = (id(w), kind)
+                if key not in self._probing:
+                    task = asyncio.create_task(probe(w))
+                    self._probing[key] = task
+                    task.add_done_callback(lambda t, k=key: self._done_probe(k, t))
+
+    def _done_probe(self, key: tuple[int, str], task: asyncio.Task) -> None:
+        self._probing.pop(key, None)
+        if not task.cancelled() and task.exception() is not None:  # never let one bad probe stop checking
+            log.error("health check failed unexpectedly", exc_info=task.exception())
+
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.interval)
-            try:
-                await self.check_all()
-            except Exception:  # never let one bad round stop health checking
-                log.exception("health check round failed")
+        try:
+            while True:
+                await asyncio.sleep(self.cfg.interval)
+                self.probe_round()
+        finally:
+            for t in list(self._probing.values()):
+                t.cancel()

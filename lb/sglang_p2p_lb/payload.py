@@ -5,6 +5,7 @@ Kept free of I/O so it is unit-testable; the LB turns a `BadRequest` into a 400 
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import orjson
@@ -43,6 +44,15 @@ def _is_int_list(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
 
 
+def _is_matrix(x: Any) -> bool:
+    """A non-empty list of non-empty lists of numbers (one request's input_embeds)."""
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(isinstance(r, list) and r and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r) for r in x)
+    )
+
+
 def generate_batch_size(body: dict[str, Any]) -> int | None:
     """Batch size of a native `/generate` body, None for a single request (mini_lb's rule).
 
@@ -65,9 +75,11 @@ def generate_batch_size(body: dict[str, Any]) -> int | None:
     if body.get("input_embeds") is not None:
         emb = body["input_embeds"]
         # input_embeds is [seq][hidden] for one request, [batch][seq][hidden] for a batch
-        if isinstance(emb, list) and emb and isinstance(emb[0], list) and emb[0] and isinstance(emb[0][0], list):
+        if _is_matrix(emb):
+            return None
+        if isinstance(emb, list) and emb and all(_is_matrix(x) for x in emb):
             return len(emb)
-        return None
+        raise BadRequest("'input_embeds' must be a non-empty [seq][hidden] list of numbers, or a list of such for a batch")
     raise BadRequest("a /generate body needs 'text', 'input_ids' or 'input_embeds'")
 
 
@@ -76,19 +88,27 @@ def _text_tokens(text: str) -> int:
 
 
 def chat_texts(messages: Any) -> list[str]:
+    """The text of every message and text part, in order; names the offending field on a wrong type."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
     texts = []
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m:
-            raise BadRequest("each message must be an object with a 'role'")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'")
         content = m.get("content")
         if isinstance(content, str):
             texts.append(content)
         elif isinstance(content, list):
-            texts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+            for j, part in enumerate(content):
+                if not isinstance(part, dict):
+                    raise BadRequest(f"'messages[{i}].content[{j}]' must be an object")
+                text = part.get("text")
+                if text is not None and not isinstance(text, str):
+                    raise BadRequest(f"'messages[{i}].content[{j}].text' must be a string")
+                if text:
+                    texts.append(text)
         elif content is not None:
-            raise BadRequest("message 'content' must be a string or a list of parts")
+            raise BadRequest(f"'messages[{i}].content' must be a string or a list of parts")
     return texts
 
 
@@ -104,6 +124,7 @@ def prompt_tokens(route: str, body: dict[str, Any]) -> int:
             return len(ids) if _is_int_list(ids) else sum(len(x) for x in ids)
         emb = body["input_embeds"]
         return len(emb) if generate_batch_size(body) is None else sum(len(x) for x in emb)
+
     if route == COMPLETIONS:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
@@ -121,12 +142,89 @@ def prompt_tokens(route: str, body: dict[str, Any]) -> int:
     raise BadRequest(f"unknown route {route!r}")
 
 
+# Fields the LB reads or that every route shares, with the types SGLang accepts. Checked up front so a
+# wrong type is the client's 400 naming the field, never a TypeError (a 500) inside the LB.
+_NUMBER = (int, float)
+_COMMON_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "stream": ((bool,), "a boolean"),
+    "return_logprob": ((bool, list), "a boolean (or a list of booleans for a batch)"),
+    "model": ((str,), "a string"),
+    "max_tokens": ((int,), "an integer"),
+    "max_completion_tokens": ((int,), "an integer"),
+    "n": ((int,), "an integer"),
+    "temperature": (_NUMBER, "a number"),
+    "top_p": (_NUMBER, "a number"),
+    "stream_options": ((dict,), "an object"),
+    "rid": ((str, list), "a string or a list of strings"),
+}
+
+
+def _type_ok(v: Any, types: tuple[type, ...]) -> bool:
+    # bool is an int in Python but not in JSON schemas: True is no max_tokens
+    return isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
+
+
+def check_fields(route: str, body: dict[str, Any]) -> None:
+    """Raise BadRequest naming the first field of a known name with a wrong type (null means absent)."""
+    for name, (types, what) in _COMMON_FIELDS.items():
+        v = body.get(name)
+        if v is not None and not _type_ok(v, types):
+            raise BadRequest(f"'{name}' must be {what}, got {type(v).__name__}")
+    so = body.get("stream_options")
+    if isinstance(so, dict) and so.get("include_usage") is not None and not isinstance(so["include_usage"], bool):
+        raise BadRequest("'stream_options.include_usage' must be a boolean")
+    sp = body.get("sampling_params")
+    if sp is None:
+        return
+    items = sp if isinstance(sp, list) and route == GENERATE else [sp]
+    for k, item in enumerate(items):
+        where = "sampling_params" if items is not sp else f"sampling_params[{k}]"
+        if not isinstance(item, dict):
+            raise BadRequest(f"'{where}' must be an object")
+        for name in ("max_new_tokens", "min_new_tokens", "n"):
+            v = item.get(name)
+            if v is not None and not _type_ok(v, (int,)):
+                raise BadRequest(f"'{where}.{name}' must be an integer, got {type(v).__name__}")
+        for name in ("temperature", "top_p", "top_k"):
+            v = item.get(name)
+            if v is not None and not _type_ok(v, _NUMBER):
+                raise BadRequest(f"'{where}.{name}' must be a number, got {type(v).__name__}")
+
+
 def is_stream(body: dict[str, Any]) -> bool:
     """True when the client asked for a streamed response; rejects non-boolean values."""
     s = body.get("stream", False)
     if not isinstance(s, bool):
         raise BadRequest("'stream' must be a boolean")
     return s
+
+
+def prompt_key(route: str, body: dict[str, Any]) -> bytes:
+    """The prompt as bytes for prefix matching: UTF-8 text, or 4 bytes per token id (first item of a batch).
+
+    Only prefixes are compared, so any stable encoding works; a chat is its messages' roles and texts in
+    order, which is what the chat template puts first. Call after validation (prompt_tokens).
+    """
+    if route == GENERATE:
+        text, ids = body.get("text"), body.get("input_ids")
+        if text is not None:
+            return (text if isinstance(text, str) else text[0]).encode()
+        if ids is not None:
+            first = ids if _is_int_list(ids) else ids[0]
+            return array("I", (i & 0xFFFFFFFF for i in first)).tobytes()
+        return b""
+    if route == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return prompt.encode()
+        first = prompt if _is_int_list(prompt) else prompt[0]
+        return first.encode() if isinstance(first, str) else array("I", (i & 0xFFFFFFFF for i in first)).tobytes()
+    parts = []
+    for m in body["messages"]:
+        content = m.get("content")
+        text = content if isinstance(content, str) else "".join(p.get("text") or "" for p in content or [])
+        parts.append(f"<{m['role']}>{text}")
+    return "".join(parts).encode()
 
 
 def wants_logprobs(route: str, body: dict[str, Any]) -> bool:

@@ -4,18 +4,19 @@
 prefills and decodes whose load is within a tolerance of the best, it prefers a pair on the same node
 (KV moves over NVLink), then a pair that already has a live transfer channel, then the lowest observed
 latency. `random` is mini_lb's behaviour; `round_robin` and `power_of_two` match sgl-router / smg's
-per-side policies (power_of_two compares the same load numbers as load_aware).
+per-side policies (power_of_two compares the same load numbers as load_aware). `prefix_aware` and the
+smg-like `cache_aware` add prefix-cache affinity for the prefill (prefix_policy.py).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from .workers import Worker
 
-POLICIES = ("load_aware", "random", "round_robin", "power_of_two")
+POLICIES = ("load_aware", "prefix_aware", "cache_aware", "random", "round_robin", "power_of_two")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Choice:
     decode: Worker
     prefill_rank: int | None  # None: let the room decide (room % dp_size), as mini_lb does
     decode_rank: int | None
+    prefill_tokens: int | None = None  # expected uncached prompt tokens, when the policy estimates a cache hit
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class PairContext:
     live_channels: frozenset[tuple[str, str]] = frozenset()
     poll_max_age: float = 10.0
     now: float | None = None
+    tokens: int = 0  # estimated prompt tokens of the request
+    prompt: bytes = b""  # the prompt for prefix matching (payload.prompt_key)
 
 
 @dataclass(frozen=True)
@@ -143,8 +147,16 @@ class LoadAwarePolicy:
         return bonus
 
     def choose(self, prefills, decodes, ctx) -> Choice:
-        prm = self.params
         pc = [prefill_cost(w, ctx) for w in prefills]
+        i, j, d_rank = self.pick(prefills, decodes, pc, ctx)
+        return Choice(prefills[i], decodes[j], pc[i][0], d_rank)
+
+    def pick(self, prefills: Sequence[Worker], decodes: Sequence[Worker], pc: Sequence[tuple[int, float]], ctx: PairContext, p_pref: Sequence[Any] | None = None) -> tuple[int, int, int]:
+        """Indices of the best pair given each prefill's (rank, cost), and the decode's rank.
+
+        `p_pref` (lower is better) ranks near-best prefills after the pair bonus and before latency.
+        """
+        prm = self.params
         dc = [decode_cost(w, ctx, prm.kv_weight) for w in decodes]
         p_near = _near_best([c for _, c in pc], prm.prefill_tol_tokens, prm.prefill_tol_frac)
         d_near = _near_best([c for _, c in dc], prm.decode_tol_reqs, prm.decode_tol_frac)
@@ -157,15 +169,20 @@ class LoadAwarePolicy:
             # latency is a tie-break only; unknown latency ranks as best so new workers get tried
             lat = (p.latency or 0.0) + (d.latency or 0.0)
             # quantize so near-equal latencies do not beat the load comparison that follows
-            return (-self.pair_bonus(p, d, ctx), round(lat, 3), pc[i][1] / p_scale + dc[j][1] / d_scale, self.rng.random())
+            pref = p_pref[i] if p_pref is not None else ()
+            return (-self.pair_bonus(p, d, ctx), pref, round(lat, 3), pc[i][1] / p_scale + dc[j][1] / d_scale, self.rng.random())
 
         i, j = min(((i, j) for i in p_near for j in d_near), key=key)
-        return Choice(prefills[i], decodes[j], pc[i][0], dc[j][0])
+        return i, j, dc[j][0]
 
 
-def make_policy(name: str, rng: random.Random | None = None, params: LoadAwareParams | None = None) -> Policy:
+def make_policy(name: str, rng: random.Random | None = None, params: LoadAwareParams | None = None, prefix=None) -> Policy:
     if name == "load_aware":
         return LoadAwarePolicy(params, rng)
+    if name in ("prefix_aware", "cache_aware"):
+        from .prefix_policy import CacheAwarePolicy, PrefixAwarePolicy  # it builds on this module
+
+        return PrefixAwarePolicy(prefix, params, rng) if name == "prefix_aware" else CacheAwarePolicy(prefix, params, rng)
     if name == "random":
         return RandomPolicy(rng)
     if name == "round_robin":

@@ -1,11 +1,16 @@
 """PD dispatch of one generation request: pick a pair, send both legs at once, pass the decode answer back.
 
 Per attempt: the prefill and decode requests start concurrently. The client sees nothing until the decode
-has produced its first SSE event (streaming) or its whole body; until then a failed leg (transport error,
-5xx/408/429, or a decode whose first event is an abort) cancels the other leg and the request is retried
-on a new pair with a new room, excluding the worker that failed. A 4xx from either leg is the client's
-fault and is returned as is. Once bytes have reached the client they pass through unchanged (except the
-mini_lb logprob merge when `return_logprob` is set). A client that disconnects cancels both legs: aiohttp
+has produced its first SSE event (streaming) or its whole body; until then a failed leg cancels the other
+leg. The request is retried on a new pair with a new room, excluding the worker that failed, only where
+that is safe: the connection was refused or reset, the worker answered 503, or the decode's first event
+is an abort (its KV never arrived). A 4xx or any other 5xx is the worker's verdict on this request and is
+returned as is: a deterministic 500 would fail on every pair. Timeouts are not retried either (the worker
+may still be working on it). Bounded waits: `first_byte_timeout` for the prefill answer and the decode's
+first streamed event, `idle_stream_timeout` between streamed chunks, and a worker that health checks
+find stalled (probe timeout) fails the requests in flight on it at once (Worker.notify_stalled).
+Once bytes have reached the client they pass through unchanged (except the mini_lb logprob merge when
+`return_logprob` is set). A client that disconnects cancels both legs: aiohttp
 cancels the handler and closing the upstream responses closes their connections, which SGLang treats as
 an abort.
 """
@@ -31,7 +36,8 @@ from .workers import Lease, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
-RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# 503 is SGLang's "not ready / overloaded, try elsewhere"; every other status is the worker's answer
+RETRYABLE_STATUS = frozenset({503})
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -39,6 +45,12 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 class ProxyConfig:
     request_timeout: float = 1800.0
     connect_timeout: float = 5.0
+    # A 128k-token prompt queued behind others on a busy prefill can take minutes before its first token;
+    # 300 s is ~10x that and still bounds a hung scheduler well inside request_timeout.
+    first_byte_timeout: float = 300.0
+    # Between two streamed chunks; a decode that retracts requests under KV pressure pauses for a while.
+    idle_stream_timeout: float = 120.0
+    body_timeout: float = 60.0  # the whole request body; a request counts in flight only once it is read
     max_retries: int = 2
     max_concurrent: int = 4096
     passive_failure_threshold: int = 3
@@ -57,10 +69,24 @@ class LegFailure:
     status: int | None = None
     body: bytes = b""
     content_type: str = "application/json"
+    retryable: bool = False
+    code: int = 502  # status of the LB's own answer when there is no upstream body to pass on
 
-    @property
-    def retryable(self) -> bool:
-        return self.status is None or self.status in RETRYABLE_STATUS
+
+def safe_to_retry(e: BaseException) -> bool:
+    """Refused or reset connections: the request never ran or its worker is gone. Timeouts are not."""
+    if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return False
+    return isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError))
+
+
+def _status_failure(side: str, w: Worker, status: int, raw: bytes, content_type: str) -> LegFailure:
+    return LegFailure(side, w, f"status {status}: {raw[:300]!r}", status, raw, content_type, retryable=status in RETRYABLE_STATUS)
+
+
+def _transport_failure(side: str, w: Worker, e: BaseException) -> LegFailure:
+    timeout = isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError))
+    return LegFailure(side, w, f"{type(e).__name__}: {e}", retryable=safe_to_retry(e), code=504 if timeout else 502)
 
 
 def error_response(status: int, message: str, kind: str | None = None) -> web.Response:
@@ -76,6 +102,13 @@ def _is_abort_event(obj: Any) -> bool:
         return True
     fr = (obj.get("meta_info") or {}).get("finish_reason") if isinstance(obj.get("meta_info"), dict) else None
     return isinstance(fr, dict) and fr.get("type") == "abort"
+
+
+def _abort_status(obj: Any) -> int:
+    """The status an abort event carries (SGLang puts it in finish_reason.status_code), 500 if none."""
+    fr = (obj.get("meta_info") or {}).get("finish_reason") if isinstance(obj.get("meta_info"), dict) else None
+    code = fr.get("status_code") if isinstance(fr, dict) else (obj.get("error") or {}).get("code") if isinstance(obj.get("error"), dict) else None
+    return code if isinstance(code, int) else 500
 
 
 def parse_prefill_answer(raw: bytes) -> Any:
@@ -103,56 +136,78 @@ class Dispatcher:
     # ------------------------------------------------------------------ entry point
     async def handle(self, route: str, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
-        if self.cfg.max_concurrent and self.inflight >= self.cfg.max_concurrent:
-            self.metrics.rejected.labels("capacity").inc()
-            return self._done(route, t0, error_response(503, f"load balancer at capacity: {self.inflight} requests in flight (--max-concurrent-requests)"))
-        self.inflight += 1
-        self.metrics.inflight.inc()
         try:
+            parsed = await self._read_body(route, request)
+            if isinstance(parsed, web.Response):
+                return self._done(route, t0, parsed)
+            # only a fully read, valid request takes a slot: slow senders cannot starve real requests
+            if self.cfg.max_concurrent and self.inflight >= self.cfg.max_concurrent:
+                self.metrics.rejected.labels("capacity").inc()
+                return self._done(route, t0, error_response(503, f"load balancer at capacity: {self.inflight} requests in flight (--max-concurrent-requests)"))
+            self.inflight += 1
+            self.metrics.inflight.inc()
             try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge as e:
-                self.metrics.rejected.labels("too_large").inc()
-                return self._done(route, t0, error_response(413, f"request body too large: {e.text}"))
-            try:
-                body = payload.parse_json_object(raw)
-                stream = payload.is_stream(body)
-                tokens = payload.prompt_tokens(route, body)
-                batch = payload.generate_batch_size(body) if route == payload.GENERATE else None
-            except payload.BadRequest as e:
-                self.metrics.rejected.labels("bad_request").inc()
-                return self._done(route, t0, error_response(400, str(e)))
-            resp = await self._dispatch(route, request, body, stream, tokens, batch, t0)
+                resp = await self._dispatch(route, request, *parsed, t0)
+            finally:
+                self.inflight -= 1
+                self.metrics.inflight.dec()
             return self._done(route, t0, resp)
         except asyncio.CancelledError:
             self.metrics.disconnects.inc()
             self.metrics.requests.labels(route, "499").inc()
             raise
-        finally:
-            self.inflight -= 1
-            self.metrics.inflight.dec()
+
+    async def _read_body(self, route: str, request: web.Request) -> tuple | web.Response:
+        """(body, stream, tokens, batch, prompt key) of a valid request, or the 4xx answer."""
+        try:
+            async with asyncio.timeout(self.cfg.body_timeout):
+                raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as e:
+            self.metrics.rejected.labels("too_large").inc()
+            return error_response(413, f"request body too large: {e.text}")
+        except TimeoutError:
+            self.metrics.rejected.labels("body_timeout").inc()
+            resp = error_response(408, f"request body not received within {self.cfg.body_timeout:g}s", "RequestTimeoutError")
+            resp.force_close()  # the rest of the body never comes: do not linger for it
+            return resp
+        try:
+            body = payload.parse_json_object(raw)
+            payload.check_fields(route, body)
+            stream = payload.is_stream(body)
+            tokens = payload.prompt_tokens(route, body)
+            batch = payload.generate_batch_size(body) if route == payload.GENERATE else None
+            key = payload.prompt_key(route, body)
+        except payload.BadRequest as e:
+            self.metrics.rejected.labels("bad_request").inc()
+            return error_response(400, str(e))
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            # a shape the validators missed is still the client's malformed body, never the LB's 500
+            log.warning("unexpected body shape on /%s: %s: %s", route, type(e).__name__, e)
+            self.metrics.rejected.labels("bad_request").inc()
+            return error_response(400, f"malformed request body: {type(e).__name__}: {e}")
+        return body, stream, tokens, batch, key
 
     def _done(self, route: str, t0: float, resp: web.StreamResponse) -> web.StreamResponse:
         self.metrics.requests.labels(route, str(resp.status)).inc()
         self.metrics.duration.labels(route).observe(time.perf_counter() - t0)
         return resp
 
-    def choose(self, exclude_p: set[str], exclude_d: set[str]) -> Choice | LegFailure | str:
+    def choose(self, exclude_p: set[str], exclude_d: set[str], tokens: int = 0, key: bytes = b"") -> Choice | str:
         ps = self.pool.routable("prefill", exclude_p)
         ds = self.pool.routable("decode", exclude_d)
         if not ps or not ds:
             missing = "prefill" if not ps else "decode"
             total = len(self.pool.all(missing))  # type: ignore[arg-type]
             return f"no healthy {missing} worker available ({total} registered, {len(exclude_p if not ps else exclude_d)} failed for this request)"
-        ctx = PairContext(frozenset(self.pool.live_channels(self.cfg.channel_ttl)), self.cfg.poll_max_age)
+        ctx = PairContext(frozenset(self.pool.live_channels(self.cfg.channel_ttl)), self.cfg.poll_max_age, tokens=tokens, prompt=key)
         return self.policy.choose(ps, ds, ctx)
 
-    async def _dispatch(self, route, request, body, stream, tokens, batch, t0) -> web.StreamResponse:
+    async def _dispatch(self, route, request, body, stream, tokens, batch, key, t0) -> web.StreamResponse:
         exclude_p: set[str] = set()
         exclude_d: set[str] = set()
         last: LegFailure | None = None
         for attempt in range(self.cfg.max_retries + 1):
-            choice = self.choose(exclude_p, exclude_d)
+            choice = self.choose(exclude_p, exclude_d, tokens, key)
             if isinstance(choice, str):
                 if last is not None:
                     break
@@ -177,7 +232,7 @@ class Dispatcher:
         if f.status is not None and f.body:
             # the upstream's own answer (what mini_lb would have returned), status and body unchanged
             return web.Response(status=f.status, body=f.body, headers={"Content-Type": f.content_type})
-        return error_response(502 if f.status is None else f.status, f"{f.side} worker {f.worker.url} failed: {f.reason}")
+        return error_response(f.code if f.status is None else f.status, f"{f.side} worker {f.worker.url} failed: {f.reason}")
 
     # ------------------------------------------------------------------ one attempt
     async def _attempt(self, route, request, body, stream, tokens, batch, choice: Choice, t0: float):
@@ -186,28 +241,38 @@ class Dispatcher:
         p_data = orjson.dumps(p_body)
         d_data = p_data if d_body is p_body else orjson.dumps(d_body)
         p_rank = choice.prefill_rank if choice.prefill_rank is not None else rooms[0] % p.dp_size
-        lease = Lease(p, d, p_rank, choice.decode_rank or 0, tokens, batch or 1)
+        lease = Lease(p, d, p_rank, choice.decode_rank or 0, tokens, batch or 1, choice.prefill_tokens)
         self.pool.note_channel(p, d)
         want_prefill_body = payload.wants_logprobs(route, body)
         p_task = asyncio.create_task(self._prefill_leg(route, p, p_data, lease, want_prefill_body))
         d_task = asyncio.create_task(self._decode_open(route, d, d_data, stream))
+        loop = asyncio.get_running_loop()
+        stalled: asyncio.Future = loop.create_future()
+
+        def on_stall(w: Worker, why: str) -> None:
+            if not stalled.done():
+                stalled.set_result((w, why))
+
+        p.stall_watchers.add(on_stall)
+        d.stall_watchers.add(on_stall)
         opened: _Opened | None = None
         try:
-            pending = {p_task, d_task}
-            while d_task in pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if p_task in done and isinstance(p_task.result(), LegFailure):
-                    return p_task.result()  # fail fast: the decode would wait for KV that never comes
+            first_byte = await self._first_byte(p_task, d_task, stalled, stream, p, d)
+            if first_byte is not None:
+                return first_byte
             d_out = d_task.result()
             if isinstance(d_out, LegFailure):
                 return d_out
             opened = d_out
+            p.stall_watchers.discard(on_stall)  # the decode has its KV; the prefill no longer matters
             if stream:
                 return await self._stream(route, request, p_task, opened.resp, opened.first, lease, want_prefill_body, t0)
             data = await self._merge_logprobs(p_task, opened.first) if want_prefill_body else opened.first
             self.metrics.ttfb.labels(route).observe(time.perf_counter() - t0)
             return web.Response(status=opened.resp.status, body=data, headers={"Content-Type": opened.resp.headers.get("Content-Type", "application/json")})
         finally:
+            p.stall_watchers.discard(on_stall)
+            d.stall_watchers.discard(on_stall)
             if not d_task.done():
                 d_task.cancel()
             elif opened is None and not d_task.cancelled() and isinstance(d_task.result(), _Opened):
@@ -221,6 +286,33 @@ class Dispatcher:
                 else:
                     p_task.cancel()
 
+    async def _first_byte(self, p_task, d_task, stalled, stream: bool, p: Worker, d: Worker) -> LegFailure | None:
+        """Wait until the decode leg has its first event (stream) or body; a LegFailure ends the attempt.
+
+        Bounded by first_byte_timeout for the prefill's answer and, when streaming, the decode's first
+        event (a non-streamed decode answers only when it has generated everything: request_timeout).
+        """
+        loop = asyncio.get_running_loop()
+        deadline: float | None = loop.time() + self.cfg.first_byte_timeout
+        pending = {p_task, d_task}
+        while d_task in pending:
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
+            done, _ = await asyncio.wait(pending | {stalled}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            pending -= done
+            if stalled in done:
+                w, why = stalled.result()
+                return LegFailure(w.role, w, f"worker stopped answering ({why})", code=504)
+            if p_task in done and isinstance(p_task.result(), LegFailure):
+                return p_task.result()  # fail fast: the decode would wait for KV that never comes
+            if not done:
+                late = p if p_task in pending else d if stream else None
+                if late is None:
+                    deadline = None  # prefill answered; a non-streamed decode is bounded by request_timeout
+                    continue
+                self._note_failure(late, f"no answer within --first-byte-timeout-secs {self.cfg.first_byte_timeout:g}")
+                return LegFailure(late.role, late, f"no {'answer' if late is p else 'first token'} within {self.cfg.first_byte_timeout:g}s (first-byte timeout)", code=504)
+        return None
+
     def _keep(self, task: asyncio.Task) -> None:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -231,15 +323,15 @@ class Dispatcher:
             async with self.session.post(f"{w.url}/{route}", data=data, headers=JSON_HEADERS) as r:
                 raw = await r.read()
                 if r.status != 200:
-                    return LegFailure("prefill", w, f"status {r.status}: {raw[:300]!r}", r.status, raw, r.headers.get("Content-Type", "application/json"))
+                    return _status_failure("prefill", w, r.status, raw, r.headers.get("Content-Type", "application/json"))
                 if not raw.startswith(b"data:") or (ev := sse.event_payload(raw.split(sse.EVENT_SEP, 1)[0])) is None or not _is_abort_event(ev):
                     w.observe_latency((time.perf_counter() - t) * 1000.0 / max(1, lease.tokens))
                     record_success(w, 1 << 30)
                     return raw if want_body else b""
-                return LegFailure("prefill", w, f"prefill aborted: {raw[:300]!r}", 500, raw)
+                return LegFailure("prefill", w, f"prefill aborted: {raw[:300]!r}", 500, raw, retryable=not 400 <= _abort_status(ev) < 500)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             self._passive_failure(w, e)
-            return LegFailure("prefill", w, f"{type(e).__name__}: {e}")
+            return _transport_failure("prefill", w, e)
         finally:
             lease.release_prefill()
 
@@ -249,7 +341,7 @@ class Dispatcher:
             r = await self.session.post(f"{w.url}/{route}", data=data, headers=JSON_HEADERS)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             self._passive_failure(w, e)
-            return LegFailure("decode", w, f"{type(e).__name__}: {e}")
+            return _transport_failure("decode", w, e)
         if r.status == 200:
             record_success(w, 1 << 30)  # resets the passive failure count, never re-admits by itself
         try:
@@ -257,7 +349,7 @@ class Dispatcher:
                 raw = await r.read()
                 if r.status != 200:
                     r.release()
-                    return LegFailure("decode", w, f"status {r.status}: {raw[:300]!r}", r.status, raw, r.headers.get("Content-Type", "application/json"))
+                    return _status_failure("decode", w, r.status, raw, r.headers.get("Content-Type", "application/json"))
                 return _Opened(r, raw)
             buf = b""
             while sse.EVENT_SEP not in buf:
@@ -266,15 +358,19 @@ class Dispatcher:
                     break
                 buf += chunk
             first = buf.split(sse.EVENT_SEP, 1)[0]
-            if _is_abort_event(sse.event_payload(first)):
+            ev = sse.event_payload(first)
+            if _is_abort_event(ev):
                 rest = await r.read()
                 r.release()
-                return LegFailure("decode", w, f"decode aborted before its first token: {first[:300]!r}", 500, buf + rest, "text/event-stream")
+                # an abort before the first token means the KV never arrived (a prefill or transfer
+                # failure): safe to retry on another pair, unless the worker called it the client's fault
+                code = _abort_status(ev)
+                return LegFailure("decode", w, f"decode aborted before its first token: {first[:300]!r}", 500, buf + rest, "text/event-stream", retryable=not 400 <= code < 500)
             return _Opened(r, buf)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             r.close()
             self._passive_failure(w, e)
-            return LegFailure("decode", w, f"{type(e).__name__}: {e}")
+            return _transport_failure("decode", w, e)
         except BaseException:
             r.close()
             raise
@@ -282,8 +378,11 @@ class Dispatcher:
     def _passive_failure(self, w: Worker, e: BaseException) -> None:
         # only transport errors count: a 5xx may be the request's fault, a refused connection is not
         if isinstance(e, (aiohttp.ClientConnectionError, OSError)) and not isinstance(e, aiohttp.ServerTimeoutError):
-            if record_failure(w, f"request transport error: {type(e).__name__}: {e}", self.cfg.passive_failure_threshold):
-                self.metrics.ejections.labels(w.role).inc()
+            self._note_failure(w, f"request transport error: {type(e).__name__}: {e}")
+
+    def _note_failure(self, w: Worker, reason: str) -> None:
+        if record_failure(w, reason, self.cfg.passive_failure_threshold):
+            self.metrics.ejections.labels(w.role).inc()
 
     async def _prefill_answer(self, p_task: asyncio.Task) -> Any:
         try:
@@ -308,6 +407,13 @@ class Dispatcher:
 
     async def _stream(self, route, request, p_task, d_resp: aiohttp.ClientResponse, first: bytes, lease: Lease, merge: bool, t0: float) -> web.StreamResponse:
         out = web.StreamResponse(status=d_resp.status, headers={"Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+        why: list[str] = []
+
+        def on_stall(w: Worker, reason: str) -> None:
+            why.append(f"worker stopped answering ({reason})")
+            d_resp.close()  # wakes the pending read with a connection error
+
+        lease.d.stall_watchers.add(on_stall)
         try:
             await out.prepare(request)
             if merge:
@@ -316,14 +422,15 @@ class Dispatcher:
             else:
                 await out.write(first)
                 self.metrics.ttfb.labels(route).observe(time.perf_counter() - t0)
-                async for chunk in d_resp.content.iter_any():
+                async for chunk in self._chunks(d_resp):
                     await out.write(chunk)
             await out.write_eof()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            # the decode died mid-stream; the status line is gone, so end the stream with an error event
-            log.warning("decode %s failed mid-stream: %s", lease.d.url, e)
+            # the decode died or stalled mid-stream; the status line is gone, so end with an error event
+            reason = why[0] if why else f"no data for {self.cfg.idle_stream_timeout:g}s (idle-stream timeout)" if isinstance(e, TimeoutError) else type(e).__name__
+            log.warning("decode %s failed mid-stream: %s", lease.d.url, reason)
             self.metrics.upstream_errors.labels("decode", "midstream").inc()
-            await out.write(sse.event({"error": {"message": f"decode worker {lease.d.url} failed mid-stream: {type(e).__name__}", "code": 502}}))
+            await out.write(sse.event({"error": {"message": f"decode worker {lease.d.url} failed mid-stream: {reason}", "code": 504 if why or isinstance(e, TimeoutError) else 502}}))
             await out.write_eof()
         except (ConnectionResetError, ConnectionError):
             # the client went away while we wrote: same as a cancellation, close both legs
@@ -331,12 +438,23 @@ class Dispatcher:
             d_resp.close()
             raise asyncio.CancelledError from None
         finally:
+            lease.d.stall_watchers.discard(on_stall)
             d_resp.close()
         return out
 
+    async def _chunks(self, d_resp: aiohttp.ClientResponse):
+        """The decode's streamed bytes as they come; TimeoutError after idle_stream_timeout without any."""
+        idle = self.cfg.idle_stream_timeout
+        while True:
+            async with asyncio.timeout(idle):
+                chunk = await d_resp.content.readany()
+            if not chunk:
+                return
+            yield chunk
+
     async def _stream_merged(self, out: web.StreamResponse, d_resp, first: bytes, pre: dict[int, Any]) -> None:
         buf = first
-        async for chunk in d_resp.content.iter_any():
+        async for chunk in self._chunks(d_resp):
             buf += chunk
             events, buf = sse.split_events(buf)
             for ev in events:

@@ -11,11 +11,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from . import payload
+from . import auth, payload
 from .health import HealthChecker, HealthConfig
 from .loads import LoadPoller
 from .metrics import Metrics
 from .policy import Policy, make_policy
+from .prefix_policy import PrefixParams
 from .proxy import Dispatcher, ProxyConfig, error_response
 from .workers import Worker, WorkerPool
 
@@ -30,6 +31,7 @@ class LBConfig:
     host: str = "0.0.0.0"
     port: int = 30000
     policy: str = "load_aware"
+    prefix: PrefixParams = field(default_factory=PrefixParams)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     load_poll_interval: float = 1.0
@@ -37,6 +39,12 @@ class LBConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     dp_aware: bool = True
     health_generate_timeout: float = 30.0
+    auth: auth.AuthConfig = field(default_factory=auth.AuthConfig)
+    # Forwarded to workers as a bearer token, as smg forwards --api-key (SGLang servers run with --api-key).
+    worker_api_key: str | None = None
+    # Closes a connection that has not sent complete request headers this long after it opened or after
+    # its previous response (aiohttp's keep-alive timer), and idle keep-alive connections: slowloris.
+    header_timeout: float = 15.0
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -53,7 +61,7 @@ class LoadBalancer:
             self.pool.add(Worker(url, "prefill", port, node=cfg.nodes.get(url.rstrip("/"), "")))
         for url in cfg.decodes:
             self.pool.add(Worker(url, "decode", node=cfg.nodes.get(url.rstrip("/"), "")))
-        self.policy = policy or make_policy(cfg.policy)
+        self.policy = policy or make_policy(cfg.policy, prefix=cfg.prefix)
         self.metrics = Metrics(self.pool)
         self.session: aiohttp.ClientSession | None = None
         self.dispatcher: Dispatcher | None = None
@@ -66,7 +74,8 @@ class LoadBalancer:
     async def _startup(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=self.cfg.proxy.request_timeout, connect=self.cfg.proxy.connect_timeout)
         # no per-host cap: the LB must not queue requests behind a connection limit of its own
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False)
+        headers = {"Authorization": f"Bearer {self.cfg.worker_api_key}"} if self.cfg.worker_api_key else None
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False, headers=headers)
         self.dispatcher = Dispatcher(self.pool, self.policy, self.session, self.cfg.proxy, self.metrics)
         self.health = HealthChecker(self.pool, self.session, self.cfg.health, self.metrics, self.cfg.dp_aware)
         self.loads = LoadPoller(self.pool, self.session, self.cfg.load_poll_interval)
@@ -87,7 +96,7 @@ class LoadBalancer:
             await self.session.close()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[auth.middleware(self.cfg.auth, error_response)])
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         r = app.router
@@ -109,7 +118,13 @@ class LoadBalancer:
 
     async def start(self) -> str:
         """Serve on cfg.host:cfg.port (port 0 picks a free one); returns the base URL."""
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        for warning in auth.startup_warnings(self.cfg.auth, self.cfg.host):
+            log.warning("%s", warning)
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, keepalive_timeout=self.cfg.header_timeout,
+            # after answering early (408, 413) aiohttp drains the unread body before closing; 10 s by default
+            lingering_time=1.0,
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=4096)
         await site.start()

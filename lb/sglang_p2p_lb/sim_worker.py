@@ -22,6 +22,13 @@ Timing model (the knobs are command-line flags):
   (SGLang's `follow_bootstrap_room`); a `routed_dp_rank` that contradicts the room fails the request with
   400, as SGLang 0.5.23 does. A decode rank is `routed_dp_rank` when given, else round robin.
 
+Radix cache (`--prefix-cache-tokens N`, off by default): each prefill DP rank models SGLang's radix cache
+as an LRU prefix tree of `--page-tokens` pages (prefix_tree.py) holding at most N tokens. When a request
+gets its slot, the pages of its prompt already cached are skipped (prefill time counts only the uncached
+tokens, at least one), and its pages are inserted after the prefill. The prefill reports
+`num_waiting_uncached_tokens` accordingly, counts `prompt_tokens` / `cached_tokens` in `/stats`, and the
+decode's answer carries the prefill's `meta_info.cached_tokens` (passed through the bootstrap server).
+
 Token counting (deterministic, documented so tests can compute it): `input_ids` count one token per id;
 text counts one token per whitespace-separated word (at least 1); a chat request counts its message texts
 plus 4 tokens per message. Every generated token is the text " tok" with id 1000 + position.
@@ -41,6 +48,7 @@ import orjson
 from aiohttp import web
 
 from . import payload, sse
+from .prefix_tree import PrefixTree, block_hashes
 
 MODEL = "sim-model"
 TOKEN_TEXT = " tok"
@@ -63,6 +71,8 @@ class SimConfig:
     kv_capacity_tokens: int = 1_000_000
     max_running_requests: int = 4096
     bootstrap_timeout: float = 30.0
+    prefix_cache_tokens: int = 0  # radix cache capacity per prefill DP rank; 0: no cache
+    page_tokens: int = 16
     model: str = MODEL
     record_output: bool = False  # keep the exact bytes of each answer (tests compare pass-through)
 
@@ -89,6 +99,8 @@ class Stats:
     bootstrap_failures: int = 0
     dp_mismatch: int = 0
     flushes: int = 0
+    prompt_tokens: int = 0  # prefill: prompt tokens prefilled, and how many of them came from the cache
+    cached_tokens: int = 0
     health_checks: int = 0
     load_polls: int = 0
     rooms: list[int] = field(default_factory=list)
@@ -105,14 +117,17 @@ class RoomRegistry:
 
     def _entry(self, room: int) -> tuple[asyncio.Event, list[Any]]:
         if room not in self._rooms:
-            # [status, dp_rank, created]; status None until the prefill ends
-            self._rooms[room] = (asyncio.Event(), [None, None, time.monotonic()])
+            # [status, dp_rank, created, cached tokens]; status None until the prefill ends
+            self._rooms[room] = (asyncio.Event(), [None, None, time.monotonic(), 0])
         return self._rooms[room]
 
-    def finish(self, room: int, ok: bool, rank: int) -> None:
+    def finish(self, room: int, ok: bool, rank: int, cached: int = 0) -> None:
         ev, st = self._entry(room)
-        st[0], st[1] = ("ok" if ok else "failed"), rank
+        st[0], st[1], st[3] = ("ok" if ok else "failed"), rank, cached
         ev.set()
+
+    def cached(self, room: int) -> int:
+        return self._rooms[room][1][3] if room in self._rooms else 0
 
     async def wait(self, room: int, timeout: float) -> tuple[str, int | None]:
         ev, st = self._entry(room)
@@ -156,6 +171,30 @@ def _prompt_sizes(route: str, body: dict[str, Any]) -> list[int]:
     return [words + CHAT_TOKENS_PER_MESSAGE * len(msgs)]
 
 
+def _token_seqs(route: str, body: dict[str, Any]) -> list[list[Any]]:
+    """Per-item prompt tokens by the simulator's counting rule (words, ids, 4 role tokens per message)."""
+    def words(t: str) -> list[Any]:
+        return t.split() or [""]
+
+    if route == payload.GENERATE:
+        n = payload.generate_batch_size(body)
+        if body.get("text") is not None:
+            return [words(t) for t in ([body["text"]] if n is None else body["text"])]
+        if body.get("input_ids") is not None:
+            return [list(x) for x in ([body["input_ids"]] if n is None else body["input_ids"])]
+        return [[0] * s for s in _prompt_sizes(route, body)]  # embeddings: no reuse modelled
+    if route == payload.COMPLETIONS:
+        p = body["prompt"]
+        items = [p] if isinstance(p, str) or isinstance(p[0], int) else p
+        return [words(x) if isinstance(x, str) else list(x) for x in items]
+    seq: list[Any] = []
+    for m in body["messages"]:
+        c = m.get("content")
+        text = c if isinstance(c, str) else " ".join(x.get("text") or "" for x in c or [])
+        seq += [f"<{m['role']}>"] * CHAT_TOKENS_PER_MESSAGE + (text.split() if text.strip() else [])
+    return [seq]
+
+
 def _max_new_tokens(route: str, body: dict[str, Any]) -> int:
     if route == payload.GENERATE:
         sp = body.get("sampling_params") or {}
@@ -187,11 +226,16 @@ class SimWorker:
         self.cfg = cfg
         self.ranks = [RankState(slots=asyncio.Semaphore(cfg.prefill_concurrency)) for _ in range(cfg.dp_size)]
         self.rooms = RoomRegistry()
+        pages = cfg.prefix_cache_tokens // max(1, cfg.page_tokens)
+        self.radix = PrefixTree(pages) if pages else None  # one tenant per DP rank
+        self._cached: dict[str, int] = {}  # decode: rid -> cached tokens its prefill reported
         self.stats = Stats()
         self.healthy = True
         self.fail_next = 0
         self.fail_status = 500
         self.hang_next = 0
+        self.pause_after_first = 0  # decode: stop writing (but keep the stream open) after the first token
+        self.health_delay = 0.0
         self._rr = itertools.count()
         self._ids = itertools.count()
         self._runners: list[web.AppRunner] = []
@@ -264,6 +308,8 @@ class SimWorker:
     # ---------------------------------------------------------------- info routes
     async def health(self, request: web.Request) -> web.Response:
         self.stats.health_checks += 1
+        if self.health_delay:  # SGLang's /health waits for scheduler output, up to 20 s in a long prefill
+            await asyncio.sleep(self.health_delay)
         return web.Response(status=200 if self.healthy else 503)
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -325,6 +371,8 @@ class SimWorker:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         self.stats.flushes += 1
+        if self.radix:
+            self.radix = PrefixTree(self.radix.max_size)
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n")
 
     async def get_stats(self, request: web.Request) -> web.Response:
@@ -333,13 +381,14 @@ class SimWorker:
         return web.json_response(st, dumps=_dumps)
 
     async def admin(self, request: web.Request) -> web.Response:
-        """Fault injection: {"healthy": bool, "fail_next": n, "fail_status": s, "hang_next": n, "reset": true}."""
+        """Fault injection: {"healthy": bool, "fail_next": n, "fail_status": s, "hang_next": n, "pause_after_first": n, "reset": true}."""
         body = await request.json()
         if "healthy" in body:
             self.healthy = bool(body["healthy"])
         self.fail_next = int(body.get("fail_next", self.fail_next))
         self.fail_status = int(body.get("fail_status", self.fail_status))
         self.hang_next = int(body.get("hang_next", self.hang_next))
+        self.pause_after_first = int(body.get("pause_after_first", self.pause_after_first))
         if body.get("reset"):
             self.stats = Stats()
         return web.json_response({"ok": True})
@@ -359,7 +408,7 @@ class SimWorker:
             return web.json_response({"error": f"prefill of room {room} failed"}, status=500)
         if want_rank is not None and int(want_rank) != rank:
             return web.json_response({"error": f"room {room} is held by prefill dp rank {rank}, not {want_rank}"}, status=409)
-        return web.json_response({"status": "ok", "dp_rank": rank})
+        return web.json_response({"status": "ok", "dp_rank": rank, "cached_tokens": self.rooms.cached(room)})
 
     # ---------------------------------------------------------------- generation
     def _handler(self, route: str):
@@ -420,33 +469,49 @@ class SimWorker:
         rank = ranks[0]
         st = self.ranks[rank]
         tokens = sum(sizes)
+        hashes = [block_hashes(seq, self.cfg.page_tokens) for seq in _token_seqs(route, body)] if self.radix else []
+        waiting = tokens - sum(self._cache_hits(hashes, sizes, rank))  # the estimate at arrival
+        hits = [0] * len(sizes)
         ok = False
         st.waiting_reqs += 1
-        st.waiting_tokens += tokens
+        st.waiting_tokens += waiting
         queued = True
         try:
             async with st.slots:
                 st.waiting_reqs -= 1
                 st.running_reqs += 1
                 queued = False
+                hits = self._cache_hits(hashes, sizes, rank)  # what the cache holds when it is scheduled
                 try:
-                    await asyncio.sleep((self.cfg.prefill_base_ms + tokens * self.cfg.prefill_ms_per_token) / 1000)
+                    await asyncio.sleep((self.cfg.prefill_base_ms + (tokens - sum(hits)) * self.cfg.prefill_ms_per_token) / 1000)
                 finally:
                     st.running_reqs -= 1
-                    st.waiting_tokens -= tokens
+                    st.waiting_tokens -= waiting
+                for h in hashes:
+                    self.radix.insert(h, rank)
+                if self.radix:
+                    self.radix.evict()
             if self.cfg.transfer_ms:
                 await asyncio.sleep(self.cfg.transfer_ms / 1000)
             ok = True
         finally:
             if queued:  # cancelled while waiting for a slot
                 st.waiting_reqs -= 1
-                st.waiting_tokens -= tokens
+                st.waiting_tokens -= waiting
             # a cancelled or failed prefill fails its rooms, so the decode side learns at once
-            for room, rk in zip(rooms, ranks):
-                self.rooms.finish(room, ok, rk)
+            for room, rk, hit in zip(rooms, ranks, hits):
+                self.rooms.finish(room, ok, rk, hit)
         self.stats.completed += 1
+        self.stats.prompt_tokens += tokens
+        self.stats.cached_tokens += sum(hits)
         logprobs = [[[-1.0, 100 + i, None] for i in range(s)] for s in sizes] if body.get("return_logprob") else None
         return await self._respond(route, request, body, rid, sizes, 1, stream, logprobs, first_token_wait=None)
+
+    def _cache_hits(self, hashes: list[list[int]], sizes: list[int], rank: int) -> list[int]:
+        """Cached tokens per item; at least one token of each prompt is always computed, as in SGLang."""
+        if not self.radix:
+            return [0] * len(sizes)
+        return [min(self.radix.match(h, rank) * self.cfg.page_tokens, max(0, s - 1)) for h, s in zip(hashes, sizes)]
 
     async def _decode(self, route, request, body, rid, sizes, max_new, host, port, rooms, routed, stream) -> web.StreamResponse:
         rank = routed if routed is not None else next(self._rr) % self.cfg.dp_size
@@ -462,6 +527,7 @@ class SimWorker:
                 try:
                     async with self._session.get(url, params=q, timeout=aiohttp.ClientTimeout(total=self.cfg.bootstrap_timeout + 5)) as r:
                         if r.status == 200:
+                            self._cached[rid] = self._cached.get(rid, 0) + (await r.json()).get("cached_tokens", 0)
                             return None
                         return f"{r.status} {(await r.text())[:200]}"
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -474,7 +540,10 @@ class SimWorker:
                 return "Failed to get kvcache from prefill instance, it might be dead: " + errs[0]
             return None
 
-        return await self._respond(route, request, body, rid, sizes, max_new, stream, None, first_token_wait=kv_ready, rank=rank)
+        try:
+            return await self._respond(route, request, body, rid, sizes, max_new, stream, None, first_token_wait=kv_ready, rank=rank)
+        finally:
+            self._cached.pop(rid, None)
 
     # ---------------------------------------------------------------- output shapes
     async def _respond(self, route, request, body, rid, sizes, n_out, stream, in_logprobs, first_token_wait, rank: int = 0):
@@ -514,6 +583,9 @@ class SimWorker:
             st.used_tokens += kv
         try:
             for step in range(1, n_out + 1):
+                if decoding and step == 2 and self.pause_after_first > 0:
+                    self.pause_after_first -= 1
+                    await asyncio.sleep(3600)
                 if decoding and step > 1:
                     slow = 1 + self.cfg.decode_slowdown * max(0, st.running_reqs - 1)
                     await asyncio.sleep(self.cfg.decode_ms_per_token * slow / 1000)
@@ -550,7 +622,7 @@ class SimWorker:
             "finish_reason": {"type": "length", "length": step} if last else None,
             "prompt_tokens": prompt,
             "completion_tokens": step,
-            "cached_tokens": 0,
+            "cached_tokens": self._cached.get(rid, 0),
         }
         if body.get("return_logprob"):
             meta["input_token_logprobs"] = in_logprobs[i] if in_logprobs else [[-0.25, 7, None]]
@@ -630,6 +702,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-slowdown", type=float, default=SimConfig.decode_slowdown, help="relative slowdown per extra running request")
     p.add_argument("--kv-capacity-tokens", type=int, default=SimConfig.kv_capacity_tokens)
     p.add_argument("--bootstrap-timeout", type=float, default=SimConfig.bootstrap_timeout)
+    p.add_argument("--prefix-cache-tokens", type=int, default=SimConfig.prefix_cache_tokens, help="prefill: radix cache capacity per DP rank in tokens (0: no cache)")
+    p.add_argument("--page-tokens", type=int, default=SimConfig.page_tokens, help="prefill: radix cache page size")
     p.add_argument("--model", default=MODEL)
     return p
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 from urllib.parse import urlsplit
 
 Role = Literal["prefill", "decode"]
@@ -66,6 +66,7 @@ class Worker:
     healthy: bool = True
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    consecutive_timeouts: int = 0
     last_error: str = ""
     # local load per DP rank
     inflight_reqs: list[int] = field(default_factory=lambda: [0])
@@ -73,6 +74,8 @@ class Worker:
     polled: PolledLoad | None = None
     latency: float | None = None  # EWMA seconds of one leg (prefill: per 1k prompt tokens)
     selected: int = 0
+    # callbacks of the attempts in flight on this worker, told when health checks find it stalled
+    stall_watchers: set[Callable[["Worker", str], None]] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         self.url = normalize_url(self.url)
@@ -128,6 +131,11 @@ class Worker:
             return  # DP size comes from /get_server_info; a poll that disagrees is not used
         self.polled = PolledLoad(time.monotonic(), tokens, reqs, kv_usage, list(self.inflight_tokens), list(self.inflight_reqs))
 
+    def notify_stalled(self, reason: str) -> None:
+        """Fail the requests in flight here: the worker accepts connections but stopped answering."""
+        for cb in list(self.stall_watchers):
+            cb(self, reason)
+
     def observe_latency(self, seconds: float) -> None:
         self.latency = seconds if self.latency is None else (1 - LATENCY_ALPHA) * self.latency + LATENCY_ALPHA * seconds
 
@@ -152,11 +160,13 @@ class Worker:
 class Lease:
     """The load one dispatched request puts on its pair; each side is released exactly once."""
 
-    __slots__ = ("p", "d", "p_rank", "d_rank", "tokens", "items", "_p_open", "_d_open")
+    __slots__ = ("p", "d", "p_rank", "d_rank", "tokens", "p_tokens", "items", "_p_open", "_d_open")
 
-    def __init__(self, p: Worker, d: Worker, p_rank: int, d_rank: int, tokens: int, items: int) -> None:
+    def __init__(self, p: Worker, d: Worker, p_rank: int, d_rank: int, tokens: int, items: int, p_tokens: int | None = None) -> None:
+        # p_tokens: the prefill work when part of the prompt is expected in the prefill's cache
         self.p, self.d, self.p_rank, self.d_rank, self.tokens, self.items = p, d, p_rank, d_rank, tokens, items
-        p.inflight_tokens[p_rank] += tokens
+        self.p_tokens = tokens if p_tokens is None else p_tokens
+        p.inflight_tokens[p_rank] += self.p_tokens
         p.inflight_reqs[p_rank] += items
         d.inflight_reqs[d_rank] += items
         d.inflight_tokens[d_rank] += tokens
@@ -167,7 +177,7 @@ class Lease:
     def release_prefill(self) -> None:
         if self._p_open:
             self._p_open = False
-            self.p.inflight_tokens[self.p_rank] -= self.tokens
+            self.p.inflight_tokens[self.p_rank] -= self.p_tokens
             self.p.inflight_reqs[self.p_rank] -= self.items
 
     def release_decode(self) -> None:

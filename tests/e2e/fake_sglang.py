@@ -3,7 +3,7 @@
     python fake_sglang.py --port N [--shift NATS] [--delay-pool S]
 
 /generate answers greedily and deterministically from the prompt (so two instances agree token for token),
-streams cumulative meta_info like SGLang, and ``--shift`` adds a logprob offset from the 3rd token on: what
+streams cumulative meta_info like SGLang (with prompt_tokens and a toy cached_tokens), and ``--shift`` adds a logprob offset from the 3rd token on: what
 a wrong KV looks like. /metrics exposes sglang:kv_transfer_latency_ms, one observation of 2 ms per request.
 It prints "Memory pool end" like SGLang once it is about to serve (after --delay-pool seconds).
 """
@@ -13,7 +13,7 @@ import time
 
 from aiohttp import web
 
-STATE = {"n": 0}
+STATE = {"n": 0, "heads": set()}
 
 
 def answer(prompt, n_new, shift):
@@ -23,8 +23,9 @@ def answer(prompt, n_new, shift):
     return ids, lps
 
 
-def meta(ids, lps, k):
-    return {"output_token_logprobs": [[lp, t, None] for t, lp in zip(ids[:k], lps[:k])],
+def meta(ids, lps, k, prompt_tokens=0, cached_tokens=0):
+    return {"prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
+            "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids[:k], lps[:k])],
             "output_top_logprobs": [[[lp, t, None], [lp - 1.0, t + 1, None]] for t, lp in zip(ids[:k], lps[:k])],
             "completion_tokens": k, "finish_reason": {"type": "length"} if k == len(ids) else None}
 
@@ -38,12 +39,17 @@ def make_app(shift):
         prompt = body.get("input_ids", body.get("text"))
         ids, lps = answer(prompt, body["sampling_params"]["max_new_tokens"], shift)
         STATE["n"] += 1
+        # a toy prefix cache: the first 16 prompt tokens count as cached once a prompt began with them
+        head = tuple(prompt[:16]) if isinstance(prompt, list) else prompt[:16]
+        cached = min(16, len(prompt) - 1) if head in STATE["heads"] else 0
+        STATE["heads"].add(head)
+        info = dict(prompt_tokens=len(prompt), cached_tokens=cached)
         if not body.get("stream"):
-            return web.json_response({"text": "x" * len(ids), "meta_info": meta(ids, lps, len(ids))})
+            return web.json_response({"text": "x" * len(ids), "meta_info": meta(ids, lps, len(ids), **info)})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(req)
         for k in range(1, len(ids) + 1):
-            item = {"text": "x" * k, "meta_info": meta(ids, lps, k)}
+            item = {"text": "x" * k, "meta_info": meta(ids, lps, k, **info)}
             await resp.write(f"data: {json.dumps(item)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp

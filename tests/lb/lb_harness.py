@@ -17,6 +17,8 @@ from sglang_p2p_lb.sim_worker import SimConfig, SimWorker
 
 # every test body runs under this bound, well inside pytest's own timeout
 TEST_TIMEOUT = 30.0
+ADMIN_KEY = "test-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def run(coro_fn: Callable[[], Awaitable[Any]], timeout: float = TEST_TIMEOUT) -> Any:
@@ -34,9 +36,9 @@ class Cluster:
     decodes: list[SimWorker]
     http: aiohttp.ClientSession
 
-    async def post(self, path: str, body: Any, raw: bytes | None = None) -> tuple[int, bytes, Any]:
+    async def post(self, path: str, body: Any, raw: bytes | None = None, headers: dict | None = None) -> tuple[int, bytes, Any]:
         data = raw if raw is not None else orjson.dumps(body)
-        async with self.http.post(self.url + path, data=data, headers={"Content-Type": "application/json"}) as r:
+        async with self.http.post(self.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
             content = await r.read()
             try:
                 parsed = orjson.loads(content)
@@ -44,8 +46,8 @@ class Cluster:
                 parsed = None
             return r.status, content, parsed
 
-    async def get(self, path: str) -> tuple[int, Any]:
-        async with self.http.get(self.url + path) as r:
+    async def get(self, path: str, headers: dict | None = None) -> tuple[int, Any]:
+        async with self.http.get(self.url + path, headers=headers) as r:
             content = await r.read()
             try:
                 return r.status, orjson.loads(content)

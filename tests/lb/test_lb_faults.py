@@ -12,10 +12,10 @@ from sglang_p2p_lb.proxy import ProxyConfig
 GEN = {"text": "a b c", "sampling_params": {"max_new_tokens": 2}}
 
 
-def test_retry_on_another_prefill_after_500():
+def test_retry_on_another_prefill_after_503():
     async def body():
         async with cluster(2, 1, policy="round_robin") as c:
-            c.prefills[0].fail_next = 1
+            c.prefills[0].fail_next, c.prefills[0].fail_status = 1, 503
             status, _, out = await c.post("/generate", GEN)
             assert status == 200 and out["text"] == " tok tok"
             assert c.prefills[0].stats.failed == 1 and c.prefills[1].stats.completed == 1
@@ -73,7 +73,7 @@ def test_prefill_4xx_returned_not_retried():
 def test_decode_failure_retried_on_other_decode():
     async def body():
         async with cluster(1, 2, policy="round_robin") as c:
-            c.decodes[0].fail_next = 1
+            c.decodes[0].fail_next, c.decodes[0].fail_status = 1, 503
             status, raw, _ = await c.post("/generate", {**GEN, "stream": True})
             assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
             assert c.decodes[0].stats.failed == 1 and c.decodes[1].stats.completed == 1
@@ -190,7 +190,7 @@ def test_hung_decode_bounded_by_request_timeout():
             t = time.perf_counter()
             status, _, out = await c.post("/generate", GEN)
             assert 0.9 < time.perf_counter() - t < 5.0
-            assert status == 502 and "decode worker" in out["error"]["message"] and "TimeoutError" in out["error"]["message"]
+            assert status == 504 and "decode worker" in out["error"]["message"] and "TimeoutError" in out["error"]["message"]
             assert [w.inflight_reqs for w in c.lb.pool] == [[0], [0]]
 
     run(body)

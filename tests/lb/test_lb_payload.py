@@ -127,4 +127,4 @@ def test_cli_config_and_errors(capsys):
         cli.main(["--prefill", "http://127.0.0.1:1"])
     assert "need at least one --prefill and one --decode" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.main(["--prefill", "http://a:1", "--decode", "http://b:2", "--policy", "cache_aware"])
+        cli.main(["--prefill", "http://a:1", "--decode", "http://b:2", "--policy", "least_surprise"])

@@ -3,7 +3,8 @@
 import asyncio
 
 
-from lb_harness import cluster, run, wait_until
+from lb_harness import ADMIN, ADMIN_KEY, cluster, run, wait_until
+from sglang_p2p_lb.auth import AuthConfig
 from sglang_p2p_lb import sse
 
 
@@ -116,7 +117,7 @@ def test_load_aware_sends_short_prompts_away_from_a_long_prefill():
 
 def test_random_policy_works_and_info_routes():
     async def body():
-        async with cluster(2, 2, policy="random") as c:
+        async with cluster(2, 2, policy="random", auth=AuthConfig.from_keys([ADMIN_KEY], None)) as c:
             for _ in range(4):
                 assert (await c.post("/generate", {"text": "q", "sampling_params": {"max_new_tokens": 1}}))[0] == 200
             status, info = await c.get("/get_server_info")
@@ -125,7 +126,7 @@ def test_random_policy_works_and_info_routes():
             assert (await c.get("/get_model_info")) == (200, {"model_path": "sim-model", "tokenizer_path": "sim-model", "is_generation": True})
             status, models = await c.get("/v1/models")
             assert status == 200 and models["data"][0]["id"] == "sim-model"
-            status, _, out = await c.post("/flush_cache", None, raw=b"")
+            status, _, out = await c.post("/flush_cache", None, raw=b"", headers=ADMIN)
             assert status == 200 and out == {"status": "ok", "flushed": 4}
             assert all(w.stats.flushes == 1 for w in c.prefills + c.decodes)
             assert (await c.get("/health")) == (200, {"status": "ok", "healthy_prefill": 2, "healthy_decode": 2})
@@ -141,25 +142,25 @@ def test_random_policy_works_and_info_routes():
 
 def test_workers_added_and_removed_at_run_time():
     async def body():
-        async with cluster(1, 1) as c:
+        async with cluster(1, 1, auth=AuthConfig.from_keys([ADMIN_KEY], None)) as c:
             extra = c.prefills[0].__class__(c.prefills[0].cfg.__class__(role="prefill", record_output=True))
             await extra.start()
             try:
                 new = {"url": extra.url, "role": "prefill", "bootstrap_port": extra.cfg.bootstrap_port}
-                status, _, out = await c.post("/workers", new)
+                status, _, out = await c.post("/workers", new, headers=ADMIN)
                 assert status == 200 and out["worker"]["healthy"] is True
-                assert (await c.post("/workers", new))[0] == 409
-                assert (await c.post("/workers", {"url": "nope", "role": "prefill"}))[0] == 400
-                assert (await c.post("/workers", {"url": extra.url, "role": "router"}))[0] == 400
+                assert (await c.post("/workers", new, headers=ADMIN))[0] == 409
+                assert (await c.post("/workers", {"url": "nope", "role": "prefill"}, headers=ADMIN))[0] == 400
+                assert (await c.post("/workers", {"url": extra.url, "role": "router"}, headers=ADMIN))[0] == 400
                 status, listing = await c.get("/workers")
                 assert [w["url"] for w in listing["workers"] if w["role"] == "prefill"] == [c.prefills[0].url, extra.url]
                 # remove the original prefill: all traffic goes to the new one
-                async with c.http.delete(c.url + "/workers", params={"url": c.prefills[0].url}) as r:
+                async with c.http.delete(c.url + "/workers", params={"url": c.prefills[0].url}, headers=ADMIN) as r:
                     assert r.status == 200
                 for _ in range(3):
                     assert (await c.post("/generate", {"text": "z", "sampling_params": {"max_new_tokens": 1}}))[0] == 200
                 assert c.prefills[0].stats.requests == 0 and extra.stats.requests == 3
-                async with c.http.delete(c.url + "/workers", params={"url": c.prefills[0].url}) as r:
+                async with c.http.delete(c.url + "/workers", params={"url": c.prefills[0].url}, headers=ADMIN) as r:
                     assert r.status == 404
             finally:
                 await extra.stop()
