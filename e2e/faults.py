@@ -100,7 +100,7 @@ def one_fault(stack: Stack, servers: dict[str, Server], lb: Server, role: str, h
     return out
 
 
-def run(models: Path, logs: Path, deadline: float, gpus: int) -> dict[str, Any]:
+def run(models: Path, logs: Path, deadline: float, gpus: int, only: tuple = FAULTS) -> dict[str, Any]:
     flags = [*extra_args(gpus), "--chunked-prefill-size", "256"]
     p, d, lb = config.pd_pair("faults", models / "llama-tiny", "p2pnccl", 31000, flags, gpus, "check")
     res: dict[str, Any] = {"model": "llama-tiny", "gpus": gpus, "transport": config.transport_info("p2pnccl", gpus, "check"),
@@ -112,6 +112,8 @@ def run(models: Path, logs: Path, deadline: float, gpus: int) -> dict[str, Any]:
             res["error"] = {s.name: s.error or s.log_tail(10) for s in (p, d, lb)}
             return res
         for i, (role, how) in enumerate(FAULTS):
+            if (role, how) not in only:
+                continue
             if deadline - time.monotonic() < 200:
                 res["faults"].append({"fault": f"{how} {role}", "not_run": "no time left in this call"})
                 continue
@@ -126,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--logs", type=Path, required=True)
     ap.add_argument("--gpus", type=int, choices=(1, 2), default=None)
+    ap.add_argument("--only", default="", help="comma list of faults to run, e.g. 'stop prefill' (default: all)")
     a = ap.parse_args(argv)
     exit_on_sigterm()
-    res = run(a.models, a.logs, config.deadline_from_env(), a.gpus or config.gpus_from_env())
+    only = tuple(f for f in FAULTS if f"{f[1]} {f[0]}" in a.only.split(",")) if a.only else FAULTS
+    res = run(a.models, a.logs, config.deadline_from_env(), a.gpus or config.gpus_from_env(), only)
     results.write_json(a.out, res)
     return 0 if res["faults"] and "error" not in res else 1
 

@@ -187,7 +187,8 @@ run_liveness() {  # SGLang's liveness test N times: p2pnccl over NCCL (E2E_P2P_1
 
 run_faults() {
   step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny
-  step faults python3 -m e2e.faults --models "$MODELS" --out "$OUTDIR/faults.json" --logs "$E2E_ROOT/logs/faults"
+  step faults python3 -m e2e.faults --models "$MODELS" --out "$OUTDIR/faults.json" --logs "$E2E_ROOT/logs/faults" \
+    --only "${E2E_FAULTS:-}"
 }
 
 run_lb() {  # every server on GPU 0 whatever --gpus says; p2pnccl over NCCL with an NCCL_HOSTID per server
