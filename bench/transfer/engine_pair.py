@@ -167,7 +167,8 @@ def run_cases(cases: list[Case], io_timeout: float = 60.0) -> tuple[list, list]:
             rank, value = out_q.get(timeout=1)
             got[rank] = value
         except queue.Empty:
-            if not all(p.is_alive() for p in procs) and out_q.empty():
+            # give up only on a rank that ended without a result (one that finished posted it first)
+            if any(not p.is_alive() and r not in got for r, p in enumerate(procs)) and out_q.empty():
                 time.sleep(1)
                 if out_q.empty():
                     break

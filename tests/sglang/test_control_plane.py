@@ -22,6 +22,11 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 POOL = {"layout": "mla", "num_layers": 4, "page_size": 1, "num_pages": 1200}
 KEY = {"SGLANG_P2P_AUTH_KEY": "0123456789abcdef-test-key"}
+# tests that push frames keep both ranks reading for a while after their rooms end, so every pushed frame is
+# handled (and counted) even when a loaded machine delays the push past the transfers
+LINGER = {"prefill": 3.0, "decode": 3.0}
+# their rooms are slowed down on purpose (the frames must reach live rooms): SGLang's waiting timeout above that
+HOSTILE_ENV = {**FAST_FAILURE_ENV, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120"}
 
 
 def slow_rooms(rooms, tokens=120, chunk_pages=10):
@@ -46,9 +51,9 @@ def test_staging_mismatch_is_refused_on_both_sides_naming_both_values():
 
 
 def test_out_of_bounds_aux_row_is_dropped_and_fails_only_its_room():
-    plan = {"pool": POOL, "requests": slow_rooms([201, 202], tokens=200), "faults": {"prefill": {"chunk_delay_s": 0.15}},
-            "deadline_s": 40}
-    run = PairRun(plan, env=FAST_FAILURE_ENV)
+    plan = {"pool": POOL, "requests": slow_rooms([201, 202], tokens=200), "faults": {"prefill": {"chunk_delay_s": 0.4}},
+            "deadline_s": 60, "linger_s": LINGER}
+    run = PairRun(plan, env=HOSTILE_ENV)
     prefill, decode = run.session("prefill"), run.session("decode")
     time.sleep(2.0)  # both rooms published and transferring
     hostile.push(decode, [
@@ -66,9 +71,9 @@ def test_out_of_bounds_aux_row_is_dropped_and_fails_only_its_room():
 
 
 def test_flood_of_2000_messages_from_strangers_allocates_nothing():
-    plan = {"pool": POOL, "requests": slow_rooms(range(301, 306)), "faults": {"prefill": {"chunk_delay_s": 0.1}},
-            "deadline_s": 60}
-    run = PairRun(plan, env=FAST_FAILURE_ENV)
+    plan = {"pool": POOL, "requests": slow_rooms(range(301, 306)), "faults": {"prefill": {"chunk_delay_s": 0.2}},
+            "deadline_s": 60, "linger_s": LINGER}
+    run = PairRun(plan, env=HOSTILE_ENV)
     prefill, decode = run.session("prefill"), run.session("decode")
     time.sleep(1.5)
     sent = hostile.push(prefill, hostile.forged_metadata(1000))
@@ -101,9 +106,9 @@ def forged_register(session: str, page_size: int) -> list:
 
 @pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "key"])
 def test_forged_register_and_offers_cannot_reshape_a_live_pair(keyed):
-    plan = {"pool": POOL, "requests": slow_rooms(range(401, 405)), "faults": {"prefill": {"chunk_delay_s": 0.1}},
-            "deadline_s": 60}
-    run = PairRun(plan, env={**FAST_FAILURE_ENV, **(KEY if keyed else {})})
+    plan = {"pool": POOL, "requests": slow_rooms(range(401, 405)), "faults": {"prefill": {"chunk_delay_s": 0.2}},
+            "deadline_s": 60, "linger_s": LINGER}
+    run = PairRun(plan, env={**HOSTILE_ENV, **(KEY if keyed else {})})
     prefill, decode = run.session("prefill"), run.session("decode")
     time.sleep(1.5)
     hostile.push(prefill, [forged_register(decode, 99)])  # the live decode's session, another page size
@@ -196,8 +201,8 @@ def test_a_stopped_peer_fails_its_rooms_within_seconds(stopped):
 def test_mutated_frames_never_break_a_transfer():
     plan = {"pool": {**POOL, "layout": "mha", "page_size": 16, "state_slots": 8}, "deadline_s": 60,
             "requests": [{"room": 701 + i, "tokens": 16 * 20 + i, "chunk_pages": 4} for i in range(4)],
-            "faults": {"prefill": {"chunk_delay_s": 0.05}}}
-    run = PairRun(plan, env=FAST_FAILURE_ENV)
+            "faults": {"prefill": {"chunk_delay_s": 0.2}}, "linger_s": LINGER}
+    run = PairRun(plan, env=HOSTILE_ENV)
     prefill, decode = run.session("prefill"), run.session("decode")
     time.sleep(1.0)
     seeds = hostile.forged_metadata(4) + hostile.forged_chunks(4) + hostile.forged_offers(4) + [
