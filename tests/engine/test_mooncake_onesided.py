@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from sglang_p2p_backend.engine.memory import Region
+from sglang_p2p_backend.engine.agreement import local_agreement
 from sglang_p2p_backend.engine.messages import PeerRegister
 from sglang_p2p_backend.engine.onesided import LocalMemory, OneSidedSender, chunk_descriptors
 from sglang_p2p_backend.engine.plan import PlanError
@@ -39,11 +40,13 @@ class Side:
         )
 
     def register(self, mooncake_session: str = "127.0.0.1:1") -> PeerRegister:
+        agreement = local_agreement(page_size=1, kv_dtype="bfloat16", kv_item_lens=[ITEM] * REGIONS,
+                                    state_item_lens=[[SLOT_ITEM]], slot_bytes=1 << 20, auth=False)
         return PeerRegister(
-            session="127.0.0.1:2", hostname="h", engine_rank=0, attn_tp_size=1, page_size=1, kv_dtype="bfloat16",
-            kv_ptrs=[a.ctypes.data for a in self.kv], kv_item_lens=[ITEM] * REGIONS,
-            aux_ptrs=[a.ctypes.data for a in self.aux], aux_item_lens=list(self.aux_items),
-            state_ptrs=[[self.state.ctypes.data]], state_item_lens=[[SLOT_ITEM]],
+            session="127.0.0.1:2", incarnation=1, hostname="h", engine_rank=0, attn_tp_size=1, agreement=agreement,
+            kv_ptrs=[a.ctypes.data for a in self.kv], aux_ptrs=[a.ctypes.data for a in self.aux],
+            aux_item_lens=list(self.aux_items), state_ptrs=[[self.state.ctypes.data]],
+            kv_pages=PAGES, aux_rows=AUX_ROWS, state_slots=[SLOTS],
             transports=["mooncake"], mooncake_session=mooncake_session,
         )
 
