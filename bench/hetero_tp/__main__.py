@@ -141,7 +141,7 @@ def main() -> int:
     finally:
         transport.close()
     out = {"bench": "hetero_tp", "transport": "tcp (loopback, one process)", "machine": ns.machine,
-           "host": platform.node(), "cpus": os.cpu_count(),
+           "host": platform.node(), "cpus": os.cpu_count(), "load_average_1m_at_end": os.getloadavg()[0],
            "pool": {"layers": LAYERS, "kv_heads": HEADS, "head_bytes": HEAD_BYTES, "page_size": PAGE,
                     "staging_slot_bytes": SLOT},
            "note": "same KV bytes in every case; each decode rank checked byte for byte against its heads",
