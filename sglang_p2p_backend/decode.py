@@ -5,7 +5,8 @@ reads the answer (PeerAnswer), comparing the prefill's agreement itself, so a mi
 on both sides with both values. Only accepted prefill ranks are heard: chunk headers, channel offers, aux
 rows and statuses of anyone else are dropped without a thread, socket or table entry. Every chunk is checked
 before its bytes are scattered (engine/checks.py): exact size, in sequence, and only into pages the room
-published; a chunk that fails fails its room and never lands elsewhere. A prefill silent for
+published (with a different attention TP, only the heads of this rank that prefill rank owns: engine/heads.py);
+a chunk that fails fails its room and never lands elsewhere. A prefill silent for
 SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail with the reason, its receiver's channel is aborted and its
 thread, budget and socket are released; the next request registers again.
 """
@@ -32,6 +33,7 @@ from sglang_p2p_backend.engine import checks
 from sglang_p2p_backend.engine import messages as wire
 from sglang_p2p_backend.engine.agreement import differences
 from sglang_p2p_backend.engine.arrivals import ArrivalTracker
+from sglang_p2p_backend.engine.heads import Heads, HeadsError, pair_heads
 from sglang_p2p_backend.engine.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
 from sglang_p2p_backend.engine.pipeline import PairReceiver
 from sglang_p2p_backend.manager import P2pNcclKVManager
@@ -51,6 +53,8 @@ class PrefillPeer:
     reason: str = ""
     prefill_rank: int = -1
     incarnation: int = -1
+    #: the heads of this rank's rows the prefill writes (different attention TP, MHA/GQA); None: whole pages
+    kv_heads: Optional[Heads] = None
 
 
 class DecodeKVManager(P2pNcclKVManager):
@@ -105,6 +109,12 @@ class DecodeKVManager(P2pNcclKVManager):
             self.drop("unexpected", msg.session, "PeerAnswer to no pending registration")
             return
         reason = msg.problem or "; ".join(differences(self.agreement, msg.agreement, "decode", "prefill"))
+        kv_heads = None
+        if not reason:
+            try:
+                kv_heads = self._heads_from(msg)
+            except HeadsError as e:
+                reason = f"KV heads cannot be paired: {e}"
         if reason:
             logger.error("p2pnccl: prefill rank %s cannot serve this decode rank: %s", msg.session, reason)
             peer.state, peer.reason, peer.since = "refused", reason, time.monotonic()
@@ -112,6 +122,18 @@ class DecodeKVManager(P2pNcclKVManager):
             self._fail_rooms_served_by(msg.session, f"prefill rank {msg.session} refused this decode rank: {reason}")
             return
         peer.state, peer.prefill_rank, peer.incarnation = "accepted", msg.prefill_rank, msg.incarnation
+        peer.kv_heads = kv_heads
+
+    def _heads_from(self, msg: wire.PeerAnswer) -> Optional[Heads]:
+        """The heads prefill rank `msg` writes into this rank's rows (the same pairing it computed). Raises
+        HeadsError."""
+        theirs = msg.agreement
+        if self.agreement.mla or theirs.mla:
+            return None
+        heads = pair_heads(total=max(self.kv_total_heads, theirs.kv_total_heads), page_size=self.agreement.page_size,
+                           src_tp=theirs.attn_tp_size, src_rank=msg.attn_tp_rank, dst_tp=self.attn_tp_size,
+                           dst_rank=self.attn_tp_rank)
+        return heads.dst if heads is not None else None
 
     def publish(self, room: int, published: checks.Published) -> None:
         self.live_rooms[room] = published
@@ -184,7 +206,8 @@ class DecodeKVManager(P2pNcclKVManager):
         peer = self.prefills.get(header.session)
         rank_ok = peer is not None and header.prefill_rank == peer.prefill_rank
         published = self.live_rooms.get(header.room) if rank_ok else None
-        verdict = checks.chunk_header(header, self.copier.item_lens, self.staging.slot_bytes, published)
+        verdict = checks.chunk_header(header, self.copier.item_lens, self.staging.slot_bytes, published,
+                                      peer.kv_heads if peer is not None else None)
         if verdict.problem and (published is not None or not rank_ok):
             logger.error("p2pnccl: chunk from prefill %s refused: %s", header.session, verdict.problem)
         return verdict
@@ -322,8 +345,8 @@ class DecodeKVManager(P2pNcclKVManager):
             self.update_status(room, KVPoll.Success)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Common's check, plus what p2pnccl cannot do; a mismatch fails the requests instead of raising
-        into the decode scheduler."""
+        """Common's check; a mismatch fails the requests instead of raising into the decode scheduler. What
+        p2pnccl cannot pair (KV layouts, head counts) is refused at registration (engine/agreement.py)."""
         if bootstrap_addr in self.incompatible_prefills:
             self._fail_rooms_of(bootstrap_addr, self.incompatible_prefills[bootstrap_addr])
             return False
@@ -331,15 +354,6 @@ class DecodeKVManager(P2pNcclKVManager):
             ok = super().try_ensure_parallel_info(bootstrap_addr)
         except RuntimeError as e:
             return self._mark_incompatible(bootstrap_addr, str(e))
-        info = self.prefill_info_table.get(bootstrap_addr) if ok else None
-        if info is not None and not self.is_mla_backend and info.attn_tp_size != self.attn_tp_size:
-            self.prefill_info_table.pop(bootstrap_addr, None)
-            return self._mark_incompatible(
-                bootstrap_addr,
-                f"p2pnccl does not slice MHA heads: prefill attention TP is {info.attn_tp_size} but decode "
-                f"attention TP is {self.attn_tp_size}; launch both with the same --tp (or --disaggregation-"
-                f"transfer-backend mooncake, which slices heads)",
-            )
         return ok
 
     def _mark_incompatible(self, bootstrap_addr: str, reason: str) -> bool:

@@ -136,6 +136,10 @@ class P2pNcclKVManager(CommonKVManager):
             # its sources; aux rows included (they travel in the last chunk's batch)
             self.one_sided.register(self.local_memory.regions())
         self.auth = Authenticator(key, self.session, self.incarnation) if key else None
+        #: the model's KV head count (MHA/GQA; SGLang sets it on the prefill only): heads.py pairs ranks by it
+        self.kv_total_heads = 0 if is_mla_backend else int(
+            getattr(args, "total_kv_head_num", 0) or int(getattr(args, "kv_head_num", 0) or 0) * self.attn_tp_size
+        )
         self.control = ControlChannel(max_sockets=self.config.max_peers, auth=self.auth)
         self.agreement = local_agreement(
             page_size=args.page_size,
@@ -144,6 +148,9 @@ class P2pNcclKVManager(CommonKVManager):
             state_item_lens=[[r.item_len for r in comp] for comp in self.state_regions],
             slot_bytes=self.staging.slot_bytes,
             auth=self.auth is not None,
+            mla=bool(is_mla_backend),
+            attn_tp_size=self.attn_tp_size,
+            kv_total_heads=self.kv_total_heads,
         )
         self.watch = PeerWatch(self.config.peer_timeout)
         self._last_beat = 0.0

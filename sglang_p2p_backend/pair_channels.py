@@ -19,6 +19,7 @@ from sglang_p2p_backend.engine.comm_budget import CommBudget, NoRoom, cap_from_w
 from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.copier import PageCopier
+from sglang_p2p_backend.engine.heads import PairHeads
 from sglang_p2p_backend.engine.pipeline import PairSender
 from sglang_p2p_backend.engine.staging import StagingPool
 from sglang_p2p_backend.engine.transport.base import TransportError, TwoSidedTransport
@@ -131,14 +132,14 @@ class PairChannels:
             raise
 
     def send(self, session: str, room: int, prefill_rank: int, src: list, dst: list,
-             next_seq: Callable[[], int], alive: Callable[[], bool]) -> None:
+             next_seq: Callable[[], int], alive: Callable[[], bool], heads: Optional[PairHeads] = None) -> None:
         """Send over the peer's pair channel, opening one within the budget when it has none (or lost it)."""
         sender = self._sender(session)
         try:
             while alive():
                 with self.budget.using(session) as live:
                     if live and sender.comm is not None:
-                        sender.send(room, prefill_rank, src, dst, keep_going=alive, next_seq=next_seq)
+                        sender.send(room, prefill_rank, src, dst, keep_going=alive, next_seq=next_seq, heads=heads)
                         return
                 if live:  # the pool counts a channel the sender lost: forget it before opening a new one
                     self.budget.closed(session)

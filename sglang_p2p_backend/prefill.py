@@ -29,6 +29,7 @@ except ImportError:
 from sglang_p2p_backend.engine import checks
 from sglang_p2p_backend.engine import messages as wire
 from sglang_p2p_backend.engine.agreement import differences
+from sglang_p2p_backend.engine.heads import HeadsError, PairHeads, pair_heads
 from sglang_p2p_backend.engine.onesided import OneSidedSender
 from sglang_p2p_backend.engine.transport.select import TransportSelector
 from sglang_p2p_backend.manager import P2pNcclKVManager
@@ -58,6 +59,8 @@ class PrefillKVManager(TransferWorkers, P2pNcclKVManager):
 
     def _init_role(self) -> None:
         self.decode_peers: Dict[str, wire.PeerRegister] = {}
+        #: per decode rank with a different attention TP (MHA/GQA): the heads it takes from this rank
+        self.peer_heads: Dict[str, Optional[PairHeads]] = {}
         self.rejected_peers: Dict[str, str] = _Bounded(self.config.max_peers)
         self.selector = TransportSelector(self.config.transport)
         # pair communicators live within a GPU-memory budget (engine/comm_budget.py); `auto` asks it whether
@@ -102,10 +105,23 @@ class PrefillKVManager(TransferWorkers, P2pNcclKVManager):
             self.drop("unexpected", msg.session, f"{type(msg).__name__} is not for a prefill rank")
 
     def _answer(self, reg: wire.PeerRegister, problem: str = "") -> None:
-        self._control_send(reg.session, wire.PeerAnswer(self.session, self.incarnation, self.prefill_rank, self.agreement, problem))
+        self._control_send(reg.session, wire.PeerAnswer(self.session, self.incarnation, self.prefill_rank, self.agreement,
+                                                        problem, self.attn_tp_rank))
+
+    def _heads_for(self, reg: wire.PeerRegister) -> Optional[PairHeads]:
+        """The heads this rank sends decode rank `reg` (None: whole pages). Raises HeadsError."""
+        if self.agreement.mla or reg.agreement.mla:
+            return None
+        return pair_heads(total=self.kv_total_heads, page_size=self.agreement.page_size, src_tp=self.attn_tp_size,
+                          src_rank=self.attn_tp_rank, dst_tp=reg.agreement.attn_tp_size, dst_rank=reg.engine_rank)
 
     def _check_peer(self, reg: wire.PeerRegister) -> Optional[str]:
         problems = differences(self.agreement, reg.agreement, "prefill", "decode")
+        if not problems:
+            try:
+                self._heads_for(reg)
+            except HeadsError as e:
+                problems.append(f"KV heads cannot be paired: {e}")
         if not self._common_transports(reg):
             problems.append(
                 f"no transport in common: this prefill rank moves pages with {self.transports.names()}, the decode "
@@ -131,6 +147,7 @@ class PrefillKVManager(TransferWorkers, P2pNcclKVManager):
             self._answer(reg, problem)
             return
         self.rejected_peers.pop(reg.session, None)
+        self.peer_heads[reg.session] = self._heads_for(reg)
         self.decode_peers[reg.session] = reg
         self.watch.watch(reg.session)
         if old is None or old.incarnation != reg.incarnation:
@@ -225,6 +242,7 @@ class PrefillKVManager(TransferWorkers, P2pNcclKVManager):
     def _peer_dead(self, session: str, reason: str) -> None:
         if self.decode_peers.pop(session, None) is None:
             return
+        self.peer_heads.pop(session, None)
         logger.error("p2pnccl: %s", reason)
         for room, infos in list(self.transfer_infos.items()):
             info = infos.get(session)

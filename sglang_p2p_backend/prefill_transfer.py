@@ -3,7 +3,8 @@
 `add_transfer_request` (SGLang's sender calls it per send()) queues a task on the worker that owns the room's
 decode peer (peers are sharded over SGLANG_P2P_WORKERS queues, so one peer's chunks stay ordered). A worker
 moves the chunk to every real decode rank of the room: two-sided over the pair channel (pair_channels.py),
-or one-sided with Mooncake (engine/onesided.py); after the last chunk, Status. With SGLang 0.5.23's deferred
+or one-sided with Mooncake (engine/onesided.py), only the heads that rank owns when its attention TP differs
+(engine/heads.py; a rank holding a replica another rank sends moves no KV); after the last chunk, Status. With SGLang 0.5.23's deferred
 decode KV release, tasks in flight are counted per room, so an aborted room's ACK waits for them.
 Mixed into `prefill.PrefillKVManager`, whose state it uses.
 """
@@ -31,6 +32,7 @@ except ImportError:
 from sglang_p2p_backend.engine import messages as wire
 from sglang_p2p_backend.engine.comm_budget import NoRoom
 from sglang_p2p_backend.engine.control import ControlError
+from sglang_p2p_backend.engine.heads import PairHeads
 from sglang_p2p_backend.engine.onesided import aux_descriptors
 from sglang_p2p_backend.engine.plan import PlanError
 from sglang_p2p_backend.engine.transport.base import TransportError
@@ -187,7 +189,12 @@ class TransferWorkers:
                 reason = self.rejected_peers.get(session, "it is not registered (or was declared dead)")
                 self._fail_room(room, f"decode rank {session} cannot receive: {reason}")
                 return
-            src, dst = [task.kv_indices], [info.dst_kv_indices[task.index_slice]]
+            heads = self.peer_heads.get(session)
+            if heads is not None and not heads.src.count:
+                # a replica of heads another prefill rank sends this decode rank: no KV, only aux and Status
+                src, dst = [_NO_IDS], [_NO_IDS]
+            else:
+                src, dst = [task.kv_indices], [info.dst_kv_indices[task.index_slice]]
             if task.is_last and task.state_indices:
                 # group g is state component g-1 on both paths: a component without ids moves nothing
                 for c, ids in enumerate(task.state_indices[: len(self.state_regions)]):
@@ -196,7 +203,7 @@ class TransferWorkers:
                     dst.append(info.dst_state_indices[c] if usable else _NO_IDS)
             aux = (task.aux_index, info.dst_aux_index) if task.is_last and task.aux_index is not None and info.dst_aux_index >= 0 else None
             try:
-                self._deliver(info, src, dst, aux, alive)
+                self._deliver(info, src, dst, aux, alive, heads)
             except (TransportError, ControlError, PlanError) as e:
                 self._fail_room(room, f"KV transfer to decode rank {session} failed: {e}")
                 return
@@ -221,9 +228,11 @@ class TransferWorkers:
         offered = [t for t in reg.transports if t != "mooncake" or reg.mooncake_session]
         return [t for t in self.transports.names() if t in offered]
 
-    def _deliver(self, info: TransferInfo, src: list, dst: list, aux: Optional[tuple], alive: Callable[[], bool]) -> None:
-        """One chunk to one decode rank over the transport `auto` picks now. Lack of communicator memory never
-        fails it: the peer goes to Mooncake when it can, else the chunk waits for room (until the room ends)."""
+    def _deliver(self, info: TransferInfo, src: list, dst: list, aux: Optional[tuple], alive: Callable[[], bool],
+                 heads: Optional[PairHeads] = None) -> None:
+        """One chunk to one decode rank over the transport `auto` picks now (`heads`: only that head range of
+        the KV pages). Lack of communicator memory never fails it: the peer goes to Mooncake when it can, else
+        the chunk waits for room (until the room ends)."""
         session, room = info.session, info.room
         waiting_since = None
         while alive():
@@ -231,10 +240,10 @@ class TransferWorkers:
             if peer is None:
                 raise TransportError(f"decode rank {session} was declared dead")
             if self._route(session).transport == "mooncake":
-                self._send_one_sided(room, peer, src, dst, aux)
+                self._send_one_sided(room, peer, src, dst, aux, heads)
                 return
             try:
-                self.channels.send(session, room, self.prefill_rank, src, dst, info.next_seq, alive)
+                self.channels.send(session, room, self.prefill_rank, src, dst, info.next_seq, alive, heads)
             except NoRoom as e:
                 self.channels.no_room_until[session] = time.monotonic() + _NO_ROOM_BACKOFF_S
                 if waiting_since is None:
@@ -249,9 +258,10 @@ class TransferWorkers:
                 self._send_aux(session, room, *aux)
             return
 
-    def _send_one_sided(self, room: int, peer: wire.PeerRegister, src: list, dst: list, aux: Optional[tuple]) -> None:
+    def _send_one_sided(self, room: int, peer: wire.PeerRegister, src: list, dst: list, aux: Optional[tuple],
+                        heads: Optional[PairHeads] = None) -> None:
         try:
-            self.one_sided_sender.send(peer, src, dst, aux)
+            self.one_sided_sender.send(peer, src, dst, aux, heads)
         except PlanError:
             raise  # found before any byte moved
         except BaseException:

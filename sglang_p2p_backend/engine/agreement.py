@@ -4,18 +4,26 @@ The decode sends its `Agreement` in PeerRegister; the prefill compares it with i
 own agreement in PeerAnswer, which the decode compares in turn. So a mismatch refuses the pair on both sides,
 each logging every differing parameter with both values and the setting that fixes it. Pool sizes are not
 here: they need not match (each side checks the other's ids against the other's registered sizes).
+
+The KV layout is compared per head, not per page, when the attention TP sizes differ on an MHA/GQA pool: a
+decode rank then receives only its heads (heads.py), so what must match is the bytes of one head of one token
+in every region; the prefill's KV head count (SGLang's `total_kv_head_num`) says how many heads each side holds.
+What cannot be paired (state components, which are split over TP in their own ways; head counts that do not
+spread over a TP size) is refused with both layouts named.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .heads import heads_per_rank, layout_problem
 from .messages import PROTOCOL_VERSION, Agreement
 
 # field -> (what it is, how to make both sides agree)
 _FIXES: dict[str, tuple[str, str]] = {
     "protocol": ("p2pnccl protocol version", "install the same sglang-p2p-backend release on prefill and decode"),
     "page_size": ("page size", "launch both with the same --page-size"),
+    "mla": ("KV pool kind (MLA)", "prefill and decode must run the same model"),
     "kv_dtype": ("KV cache dtype", "launch both with the same --kv-cache-dtype"),
     "kv_item_lens": (
         "KV layout (bytes per page of every KV region)",
@@ -39,12 +47,49 @@ def _describe(name: str, value: Any) -> str:
 
 def differences(mine: Agreement, theirs: Agreement, my_role: str, their_role: str) -> list[str]:
     """One line per differing parameter: what it is, both values, and the fix. Empty when they agree."""
+    sliced = not mine.mla and not theirs.mla and mine.attn_tp_size != theirs.attn_tp_size
     out = []
     for name, (what, fix) in _FIXES.items():
+        if sliced and name == "kv_item_lens":
+            out += _head_layout_differences(mine, theirs, my_role, their_role)
+            continue
         a, b = getattr(mine, name), getattr(theirs, name)
         if a != b:
             out.append(f"{what} differs: {my_role} {_describe(name, a)}, {their_role} {_describe(name, b)}; {fix}")
+    if sliced and (mine.state_item_lens or theirs.state_item_lens):
+        out.append(f"state components with different attention TP ({my_role} {mine.attn_tp_size}, {their_role} "
+                   f"{theirs.attn_tp_size}) are not sliced by p2pnccl; launch both with the same attention TP")
     return out
+
+
+def _head_layout(a: Agreement, total: int) -> tuple[int, list[int]]:
+    """(heads per rank, bytes of one head of one token row per region) of one side; -1 where not whole."""
+    n = heads_per_rank(total, a.attn_tp_size)
+    row = [x // a.page_size if a.page_size and x % a.page_size == 0 else -1 for x in a.kv_item_lens]
+    return n, [r // n if r >= 0 and r % n == 0 else -1 for r in row]
+
+
+def _describe_heads(role: str, a: Agreement, total: int) -> str:
+    n, per_head = _head_layout(a, total)
+    return (f"{role} attention TP {a.attn_tp_size}: {len(a.kv_item_lens)} regions of {n} of {total} heads x "
+            f"{sorted(set(per_head))} bytes per token, page size {a.page_size}")
+
+
+def _head_layout_differences(mine: Agreement, theirs: Agreement, my_role: str, their_role: str) -> list[str]:
+    """Different attention TP on an MHA/GQA pool: can each decode rank take its heads out of the prefill's?"""
+    total = max(mine.kv_total_heads, theirs.kv_total_heads)
+    problems = [p for p in (layout_problem(total, mine.attn_tp_size), layout_problem(total, theirs.attn_tp_size)) if p]
+    big, small = max(mine.attn_tp_size, theirs.attn_tp_size), min(mine.attn_tp_size, theirs.attn_tp_size)
+    if big % small:
+        problems.append("neither attention TP size divides the other")
+    if not problems:
+        (_, a), (_, b) = _head_layout(mine, total), _head_layout(theirs, total)
+        if len(a) != len(b) or a != b or -1 in a:
+            problems.append("the bytes of one KV head differ")
+    if not problems:
+        return []
+    return [f"KV layout cannot be sliced by heads ({'; '.join(problems)}): {_describe_heads(my_role, mine, total)}; "
+            f"{_describe_heads(their_role, theirs, total)}; prefill and decode must run the same model and KV dtype"]
 
 
 def local_agreement(
@@ -55,6 +100,9 @@ def local_agreement(
     state_item_lens: list[list[int]],
     slot_bytes: int,
     auth: bool,
+    mla: bool = False,
+    attn_tp_size: int = 1,
+    kv_total_heads: int = 0,
 ) -> Agreement:
     return Agreement(
         protocol=PROTOCOL_VERSION,
@@ -64,5 +112,8 @@ def local_agreement(
         state_item_lens=[[int(x) for x in comp] for comp in state_item_lens],
         slot_bytes=int(slot_bytes),
         auth=bool(auth),
+        mla=bool(mla),
+        attn_tp_size=int(attn_tp_size),
+        kv_total_heads=int(kv_total_heads),
     )
 

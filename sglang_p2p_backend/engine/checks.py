@@ -14,8 +14,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .messages import AuxData, ChunkHeader, PeerRegister, RoomMetadata, WireError
-from .plan import Chunk, Segment
+from .heads import Heads
+from .messages import AuxData, ChunkHeader, ChunkSegment, PeerRegister, RoomMetadata, WireError
+from .plan import Chunk, Segment, moved_len
 
 _KV_POLL_SUCCESS, _KV_POLL_FAILED = 4, 0  # SGLang's KVPoll values a Status may carry
 
@@ -91,14 +92,31 @@ def _subset(d: np.ndarray, allowed: np.ndarray) -> bool:
     return bool(np.all(pos < allowed.size) and np.all(allowed[np.minimum(pos, allowed.size - 1)] == d))
 
 
+def _segment_heads(s: ChunkSegment, kv_heads: Optional[Heads]) -> Optional[Heads]:
+    """The head range a segment writes: exactly `kv_heads` (the heads this decode rank takes from that prefill
+    rank) for the KV group when the TP sizes differ, whole pages otherwise."""
+    if s.group != 0 or kv_heads is None:
+        if s.head_lo or s.head_hi:
+            raise WireError(f"group {s.group} names heads {s.head_lo}..{s.head_hi}, but moves whole pages between these ranks")
+        return None
+    if not kv_heads.count:
+        raise WireError("KV from a prefill rank that holds a replica of heads another prefill rank sends")
+    if (s.head_lo, s.head_hi) != (kv_heads.lo, kv_heads.hi):
+        raise WireError(f"KV of heads {s.head_lo}..{s.head_hi}, but this decode rank takes heads {kv_heads.lo}.."
+                        f"{kv_heads.hi} of its {kv_heads.local} from that prefill rank")
+    return kv_heads
+
+
 def chunk_layout(
     header: ChunkHeader,
     item_lens: Sequence[Sequence[int]],
     slot_bytes: int,
     allowed: Optional[Callable[[int], np.ndarray]] = None,
+    kv_heads: Optional[Heads] = None,
 ) -> ChunkVerdict:
     """Check a chunk against the receiver's layout and staging: exact byte count, at most one slot, groups and
-    regions it has; with `allowed` (group -> sorted ids), every destination id among those."""
+    regions it has; with `allowed` (group -> sorted ids), every destination id among those; KV segments write
+    exactly the head range `kv_heads` (None: whole pages)."""
     if header.nbytes > slot_bytes:
         return ChunkVerdict(None, [], f"room {header.room}: chunk of {header.nbytes} bytes exceeds this decode rank's "
                             f"staging slot of {slot_bytes} bytes", in_step=False)
@@ -115,9 +133,10 @@ def chunk_layout(
             d = np.frombuffer(s.dst_ids, dtype=np.int32)
             if allowed is not None and not _subset(d, allowed(s.group)):
                 raise WireError(f"group {s.group} destinations are not pages this room published")
-            segs.append(Segment(s.group, s.region_lo, s.region_hi, 0, d.size))
+            heads = _segment_heads(s, kv_heads)
+            segs.append(Segment(s.group, s.region_lo, s.region_hi, 0, d.size, heads))
             out[s.group] = d
-            nbytes += d.size * sum(item_lens[s.group][s.region_lo : s.region_hi])
+            nbytes += d.size * sum(moved_len(x, heads) for x in item_lens[s.group][s.region_lo : s.region_hi])
         if nbytes != header.nbytes:
             raise WireError(f"chunk of {header.nbytes} bytes does not match this decode rank's layout ({nbytes} "
                             f"bytes): prefill and decode KV layouts differ")
@@ -131,9 +150,10 @@ def chunk_header(
     item_lens: Sequence[Sequence[int]],
     slot_bytes: int,
     published: Optional[Published],
+    kv_heads: Optional[Heads] = None,
 ) -> ChunkVerdict:
     """`chunk_layout`, and the room's own rules: the room waits for KV from this prefill, the chunk is next in
-    its sequence, and it writes only pages the room published."""
+    its sequence, and it writes only pages the room published (only the heads `kv_heads`, when given)."""
     problem = None
     if published is None:
         problem = "room is not waiting for KV on this decode rank"
@@ -148,7 +168,7 @@ def chunk_header(
     if problem is not None:
         verdict = chunk_layout(header, item_lens, slot_bytes)  # can its bytes still be received in step?
         return ChunkVerdict(None, [], f"room {header.room}: {problem}", verdict.in_step)
-    return chunk_layout(header, item_lens, slot_bytes, published.allowed)
+    return chunk_layout(header, item_lens, slot_bytes, published.allowed, kv_heads)
 
 
 def aux_data(msg: AuxData, item_lens: Sequence[int], published: Optional[Published]) -> None:

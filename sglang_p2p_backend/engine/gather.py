@@ -1,8 +1,10 @@
 """Pack a chunk's scattered pages into staging (prefill) and unpack staging into destination pages (decode).
 
 The layout is `plan.staging_blocks`. A segment whose ids are consecutive is one slice copy per region;
-otherwise one `index_select` / `index_copy_` per region. On CUDA these run on the caller's current stream
-(the pair channel's), so they order with the channel's send/recv.
+otherwise one `index_select` / `index_copy_` per region. A segment with a head range (different attention TP
+on the two sides) copies the same way through a strided view of the pages, (pages, rows, heads, head bytes)
+narrowed to the range: still one copy per region, never one per page or per head. On CUDA these run on the
+caller's current stream (the pair channel's), so they order with the channel's send/recv.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .heads import Heads
 from .plan import Chunk, is_contiguous, staging_blocks
 
 GroupViews = Sequence[Sequence[torch.Tensor]]  # [group][region] -> (num_items, item_len) uint8 view
@@ -42,13 +45,21 @@ def _item_lens(views: GroupViews) -> list[list[int]]:
     return [[int(v.shape[1]) for v in regions] for regions in views]
 
 
+def _head_view(pages: torch.Tensor, heads: Heads) -> torch.Tensor:
+    """(pages, rows, heads in range, head bytes): a strided view of the range in every page of a region."""
+    hb = heads.head_bytes(int(pages.shape[1]))
+    return pages.view(pages.shape[0], heads.rows, heads.local, hb)[:, :, heads.lo : heads.hi, :]
+
+
 def copy_chunk(chunk: Chunk, views: GroupViews, ids: Sequence[np.ndarray], staging: torch.Tensor, *, scatter: bool) -> None:
     """Gather the chunk's pages (ids per group) from `views` into `staging[:chunk.nbytes]`, or with
     `scatter=True` copy staging back out into those pages."""
     sel = [_Ids(i, staging.device) for i in ids]
     for seg, r, off, nbytes in staging_blocks(chunk, _item_lens(views)):
         pages = views[seg.group][r]
-        block = staging[off : off + nbytes].view(seg.hi - seg.lo, pages.shape[1])
+        if seg.heads is not None:
+            pages = _head_view(pages, seg.heads)
+        block = staging[off : off + nbytes].view(seg.hi - seg.lo, *pages.shape[1:])
         s = sel[seg.group].select(seg.lo, seg.hi)
         if isinstance(s, slice) and scatter:
             pages[s].copy_(block, non_blocking=True)

@@ -22,7 +22,7 @@ from msgspec import Meta
 
 MAGIC = b"P2P1"
 #: what both sides must speak; compared at registration (agreement.py)
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: head ranges (different attention TP on MHA pools)
 
 # static bounds of wire fields: generous for any deployment, small enough that nothing sized by them is costly
 Session = Annotated[str, Meta(min_length=3, max_length=200)]
@@ -50,6 +50,12 @@ class Agreement(msgspec.Struct, kw_only=True):
     slot_bytes: Count
     #: whether control messages are authenticated (SGLANG_P2P_AUTH_KEY); peers disagreeing never get this far
     auth: bool
+    #: MLA pool (replicated latent KV, whole pages at any TP) rather than MHA/GQA (heads split over TP)
+    mla: bool = False
+    #: this side's attention TP; with MHA and different sizes, pages move head ranges (heads.py)
+    attn_tp_size: Annotated[int, Meta(ge=1, le=1 << 12)] = 1
+    #: the model's KV head count (the prefill knows it from SGLang's KVArgs; 0 where unknown, e.g. a decode)
+    kv_total_heads: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
 
 
 class PeerRegister(msgspec.Struct, tag=True):
@@ -93,6 +99,8 @@ class PeerAnswer(msgspec.Struct, tag=True):
     prefill_rank: Rank
     agreement: Agreement
     problem: Short = ""
+    #: the prefill's attention TP rank: which heads it holds (heads.py)
+    attn_tp_rank: Count = 0
 
 
 class Heartbeat(msgspec.Struct, tag=True):
@@ -174,6 +182,9 @@ class ChunkSegment(msgspec.Struct, array_like=True):
     region_lo: Count
     region_hi: Count
     dst_ids: Ids  # int32 destination ids of this segment
+    # heads [head_lo, head_hi) of every token row of the decode's pages (different attention TP, MHA); 0, 0: whole pages
+    head_lo: Count = 0
+    head_hi: Count = 0
 
 
 class ChunkHeader(msgspec.Struct, tag=True):

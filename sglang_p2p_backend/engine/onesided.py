@@ -10,7 +10,10 @@ cannot overtake its data. The decode announced no chunks for such a peer and app
 `bootstrap_room` row) opens no earlier than the KV has landed.
 
 Groups follow `plan.py`: group 0 is the KV pool (the decode's `kv_ptrs`), group g >= 1 is state component
-g-1 (`state_ptrs[g-1]`). Item lengths were compared at registration, so one length serves both sides.
+g-1 (`state_ptrs[g-1]`). Item lengths were compared at registration, so one length serves both sides, except
+for KV pages with different attention TP: then the prefill writes its head range of every token row into the
+decode's (one descriptor per row and region, as Mooncake's `send_kvcache_slice`), with the decode's page size
+from its registration.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 from .memory import Region
 from .messages import PeerRegister
+from .heads import PairHeads
 from .plan import PlanError, copy_descriptors
 from .transport.base import OneSidedTransport, TransportError
 
@@ -70,13 +74,16 @@ def chunk_descriptors(
     src_ids: Sequence[np.ndarray],
     dst_ids: Sequence[np.ndarray],
     aux: Optional[tuple[int, int]] = None,
+    heads: Optional[PairHeads] = None,
 ) -> Descriptors:
-    """Every descriptor of one chunk: per group, merged page runs region-major; then the aux row
-    (`aux` = (prefill row, decode row)) when given."""
+    """Every descriptor of one chunk: per group, merged page runs region-major (with `heads`, the KV group's
+    head range of every token row instead); then the aux row (`aux` = (prefill row, decode row)) when given."""
     parts: list[Descriptors] = []
     for g, (s, d) in enumerate(zip(src_ids, dst_ids)):
         src_ptrs, dst_ptrs, item_lens = _group(local, peer, g)
-        parts.append(copy_descriptors(src_ptrs, dst_ptrs, item_lens, np.asarray(s), np.asarray(d)))
+        sliced = heads if g == 0 else None
+        parts.append(copy_descriptors(src_ptrs, dst_ptrs, item_lens, np.asarray(s), np.asarray(d), sliced,
+                                      peer.kv_item_lens if sliced is not None else None))
     if aux is not None:
         parts.append(aux_descriptors(local.aux, peer, *aux))
     if not parts:
@@ -99,13 +106,14 @@ class OneSidedSender:
         src_ids: Sequence[np.ndarray],
         dst_ids: Sequence[np.ndarray],
         aux: Optional[tuple[int, int]] = None,
+        heads: Optional[PairHeads] = None,
     ) -> int:
         """One batch write of the chunk (and aux row); returns bytes written. Raises PlanError when the ids
         do not pair up, TransportError when the write fails (the transport then skips the peer until it
         registers again)."""
         if not peer.mooncake_session:
             raise TransportError(f"decode rank {peer.session} registered no Mooncake memory")
-        src, dst, lens = chunk_descriptors(self.local, peer, src_ids, dst_ids, aux)
+        src, dst, lens = chunk_descriptors(self.local, peer, src_ids, dst_ids, aux, heads)
         if len(src):
             self.transport.write(peer.mooncake_session, src, dst, lens)
         return int(lens.sum())

@@ -29,6 +29,7 @@ from .comm_budget import cap_to_wire
 from .copier import PageCopier
 from .messages import ChunkHeader, ChunkSegment, CommInit, Message
 from .checks import ChunkVerdict, chunk_layout
+from .heads import PairHeads
 from .plan import Segment, plan_chunks
 from .staging import StagingPool
 from .transport.base import PairComm, TransportError, TwoSidedTransport
@@ -111,17 +112,20 @@ class PairSender(_PairEnd):
         dst_ids: Sequence[np.ndarray],
         keep_going: Callable[[], bool] = lambda: True,
         next_seq: Optional[Callable[[], int]] = None,
+        heads: Optional[PairHeads] = None,
     ) -> int:
         """Move `src_ids[g]` of every group to the peer's `dst_ids[g]`; returns bytes sent. Stops between
         chunks once `keep_going()` is False (aborted room). `next_seq()` numbers the room's chunks across
-        calls (the decode checks the sequence). Raises TransportError; the channel is then dropped."""
+        calls (the decode checks the sequence). `heads`: only that head range of the KV pages (group 0),
+        packed into the same chunks. Raises TransportError; the channel is then dropped."""
         next_seq = next_seq or itertools.count().__next__
         for g, (s, d) in enumerate(zip(src_ids, dst_ids)):
             if len(s) != len(d):
                 raise TransportError(
                     f"room {room}: group {g} has {len(s)} source ids but the decode published {len(d)} destinations"
                 )
-        chunks = plan_chunks(self.item_lens, [len(s) for s in src_ids], self.staging.slot_bytes)
+        chunks = plan_chunks(self.item_lens, [len(s) for s in src_ids], self.staging.slot_bytes,
+                             (heads.src,) if heads is not None else ())
         if not chunks or not keep_going():
             return 0
         sent = 0
@@ -137,7 +141,7 @@ class PairSender(_PairEnd):
                         break
                     with _stream_ctx(comm):
                         self.copier.gather(chunk, src_ids, buf)
-                        segments = [_segment_msg(seg, dst_ids) for seg in chunk.segments]
+                        segments = [_segment_msg(seg, dst_ids, heads) for seg in chunk.segments]
                         self.control(
                             ChunkHeader(self.local_session, self.generation, room, prefill_rank, next_seq(),
                                         chunk.nbytes, segments)
@@ -178,9 +182,11 @@ class PairSender(_PairEnd):
         return self.generation
 
 
-def _segment_msg(seg: Segment, dst_ids: Sequence[np.ndarray]) -> ChunkSegment:
+def _segment_msg(seg: Segment, dst_ids: Sequence[np.ndarray], heads: Optional[PairHeads] = None) -> ChunkSegment:
+    """The wire form of a segment: the decode's ids, and the decode's head range when the segment has one."""
     ids = np.ascontiguousarray(dst_ids[seg.group][seg.lo : seg.hi], dtype=np.int32)
-    return ChunkSegment(seg.group, seg.region_lo, seg.region_hi, ids.tobytes())
+    lo, hi = (heads.dst.lo, heads.dst.hi) if seg.heads is not None and heads is not None else (0, 0)
+    return ChunkSegment(seg.group, seg.region_lo, seg.region_hi, ids.tobytes(), lo, hi)
 
 
 ChunkDone = Callable[[int, int, Optional[str]], None]  # (room, prefill_rank, error or None)

@@ -8,14 +8,21 @@ A `Chunk` is what crosses the wire in one message: a list of `Segment`s, each a 
 times a range of its regions. Staging layout (the same on both sides, so nothing but the segments travels):
 segments in order; inside a segment, region by region; inside a region, the segment's pages in order. The
 prefill gathers into that layout and the decode scatters out of it.
+
+With different attention TP on the two sides (MHA/GQA), a KV segment names a head range (`heads.Heads`): a page
+then contributes only those heads of each of its token rows, rows in order, so the staging holds exactly the
+bytes the decode rank owns and chunks stay as large as with whole pages. Each side describes the range in its
+own pool (the prefill's `src`, the decode's `dst`); the byte counts agree because a head is the same size on both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
+
+from .heads import Heads, PairHeads
 
 
 class PlanError(ValueError):
@@ -29,6 +36,7 @@ class Segment:
     region_hi: int
     lo: int  # range into the group's id list of this transfer
     hi: int
+    heads: Optional[Heads] = None  # None: whole pages; else only these heads of every token row
 
 
 @dataclass(frozen=True)
@@ -60,16 +68,44 @@ def is_contiguous(ids: np.ndarray) -> bool:
     return ids.size > 0 and int(ids[-1]) - int(ids[0]) == ids.size - 1 and bool(np.all(np.diff(ids) == 1))
 
 
+def moved_len(item_len: int, heads: Optional[Heads]) -> int:
+    """Bytes one page of a region contributes: the whole page, or only the head range."""
+    return item_len if heads is None else heads.item_len(item_len)
+
+
 def segment_nbytes(seg: Segment, item_lens: Sequence[int]) -> int:
-    return (seg.hi - seg.lo) * sum(item_lens[seg.region_lo : seg.region_hi])
+    return (seg.hi - seg.lo) * sum(moved_len(x, seg.heads) for x in item_lens[seg.region_lo : seg.region_hi])
 
 
-def plan_chunks(group_item_lens: Sequence[Sequence[int]], group_counts: Sequence[int], budget: int) -> list[Chunk]:
+def plan_chunks(
+    group_item_lens: Sequence[Sequence[int]],
+    group_counts: Sequence[int],
+    budget: int,
+    heads: Sequence[Optional[Heads]] = (),
+) -> list[Chunk]:
     """Split a transfer of `group_counts[g]` ids of every group into chunks of at most `budget` bytes.
 
     Greedy: pages of all regions of a group go together while whole pages fit; a page wider than the whole
     budget is split by regions; a single region page wider than the budget is an error (never dropped).
+    `heads[g]` (when given and not None) moves only that head range of group g's pages (every segment of the
+    group carries it).
     """
+    planned = plan_chunks_whole(
+        [[moved_len(x, heads[g] if g < len(heads) else None) for x in lens] for g, lens in enumerate(group_item_lens)],
+        group_counts,
+        budget,
+    )
+    if not any(h is not None for h in heads):
+        return planned
+    return [
+        Chunk(tuple(Segment(s.group, s.region_lo, s.region_hi, s.lo, s.hi, heads[s.group] if s.group < len(heads) else None)
+                    for s in c.segments), c.nbytes)
+        for c in planned
+    ]
+
+
+def plan_chunks_whole(group_item_lens: Sequence[Sequence[int]], group_counts: Sequence[int], budget: int) -> list[Chunk]:
+    """`plan_chunks` of whole pages of `group_item_lens` bytes per region."""
     if budget <= 0:
         raise PlanError(f"staging budget must be positive, got {budget}")
     chunks: list[Chunk] = []
@@ -125,7 +161,7 @@ def staging_blocks(chunk: Chunk, group_item_lens: Sequence[Sequence[int]]) -> It
     for seg in chunk.segments:
         n = seg.hi - seg.lo
         for r in range(seg.region_lo, seg.region_hi):
-            nbytes = n * group_item_lens[seg.group][r]
+            nbytes = n * moved_len(group_item_lens[seg.group][r], seg.heads)
             yield seg, r, off, nbytes
             off += nbytes
 
@@ -136,11 +172,17 @@ def copy_descriptors(
     item_lens: Sequence[int],
     src_ids: np.ndarray,
     dst_ids: np.ndarray,
+    heads: Optional[PairHeads] = None,
+    dst_item_lens: Optional[Sequence[int]] = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One-sided writes for a group: (src_addr, dst_addr, length) per merged run per region, region-major."""
-    runs = page_runs(src_ids, dst_ids)
+    """One-sided writes for a group: (src_addr, dst_addr, length) per merged run per region, region-major.
+    With `heads`, one write per token row of every page instead (the head range is strided), `dst_item_lens`
+    being the decode's page sizes."""
     if len(src_ptrs) != len(dst_ptrs) or len(src_ptrs) != len(item_lens):
         raise PlanError(f"prefill has {len(src_ptrs)} regions, decode {len(dst_ptrs)}: layouts differ")
+    if heads is not None:
+        return _head_descriptors(src_ptrs, dst_ptrs, item_lens, dst_item_lens or item_lens, src_ids, dst_ids, heads)
+    runs = page_runs(src_ids, dst_ids)
     srcs, dsts, lens = [], [], []
     for sp, dp, il in zip(src_ptrs, dst_ptrs, item_lens):
         srcs.append(sp + runs[:, 0] * il)
@@ -149,4 +191,35 @@ def copy_descriptors(
     if not srcs:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
+    return np.concatenate(srcs), np.concatenate(dsts), np.concatenate(lens)
+
+
+def _head_descriptors(
+    src_ptrs: Sequence[int],
+    dst_ptrs: Sequence[int],
+    src_lens: Sequence[int],
+    dst_lens: Sequence[int],
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+    heads: PairHeads,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per region, per page, per token row: the head range's bytes (as Mooncake's `send_kvcache_slice`)."""
+    src_ids = np.asarray(src_ids, dtype=np.int64).reshape(-1, 1)
+    dst_ids = np.asarray(dst_ids, dtype=np.int64).reshape(-1, 1)
+    if src_ids.shape != dst_ids.shape:
+        raise PlanError(f"prefill sends {src_ids.size} pages but decode published {dst_ids.size} destinations")
+    empty = np.zeros(0, dtype=np.int64)
+    if not src_ids.size or not heads.src.count:
+        return empty, empty, empty
+    rows = np.arange(heads.src.rows, dtype=np.int64).reshape(1, -1)
+    srcs, dsts, lens = [], [], []
+    for sp, dp, sl, dl in zip(src_ptrs, dst_ptrs, src_lens, dst_lens):
+        hb = heads.src.head_bytes(sl)
+        if hb != heads.dst.head_bytes(dl):
+            raise PlanError(f"a head is {hb} bytes on the prefill but {heads.dst.head_bytes(dl)} on the decode")
+        s = sp + src_ids * sl + rows * (sl // heads.src.rows) + heads.src.lo * hb
+        d = dp + dst_ids * dl + rows * (dl // heads.dst.rows) + heads.dst.lo * hb
+        srcs.append(s.reshape(-1))
+        dsts.append(d.reshape(-1))
+        lens.append(np.full(s.size, heads.src.count * hb, dtype=np.int64))
     return np.concatenate(srcs), np.concatenate(dsts), np.concatenate(lens)

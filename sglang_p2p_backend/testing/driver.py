@@ -12,7 +12,8 @@ metadata gate) | Failed. The decode checks every destination page byte for byte,
 and the aux row. Both report leftovers (rooms, staging, threads) after the run. After an abort it sent, the
 decode holds the room's pages as SGLang 0.5.23's deferred release does (until the prefill ranks ACK, or its
 timeout) and reports `released_at`, `release_safe` and `changed_after_release`; the prefill reports
-`write_done_at` and `ack_sent_at` per room (fault `write_delay_s` keeps each write in flight longer).
+`write_done_at`, `ack_sent_at` and `sent_bytes` (what its writes moved) per room (fault `write_delay_s` keeps
+each write in flight longer).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -76,7 +77,10 @@ class Role:
         self.plan = plan
         self.tp = int(plan.get("tp", {}).get(role, 1))
         self.attn_dp = int(plan.get("attn_dp", {}).get(role, 1))
-        self.spec = PoolSpec(**{**plan["pool"], **plan.get("pool_overrides", {}).get(role, {})})
+        self.attn_tp = self.tp // self.attn_dp
+        self.dp_rank = rank // self.attn_tp
+        self.spec = rank_heads(PoolSpec(**{**plan["pool"], **plan.get("pool_overrides", {}).get(role, {})}),
+                               self.attn_tp, rank % self.attn_tp)
         self.seed = int(plan.get("seed", 0))
         self.faults = plan.get("faults", {}).get(role, {})
         self.host = plan.get("host", "127.0.0.1")
@@ -110,9 +114,9 @@ class Role:
         elif role == "prefill":
             _wait_for(plan, ["bootstrap"])  # every prefill rank registers with the bootstrap server at start
         args = self.cls[KVClassType.KVARGS]()
-        args.engine_rank = rank if role == "prefill" else rank % (self.tp // self.attn_dp)
+        args.engine_rank = rank if role == "prefill" else rank % self.attn_tp
         args.pp_rank = 0
-        args.system_dp_rank = 0
+        args.system_dp_rank = self.dp_rank
         args.gpu_id = torch.device(self.spec.device).index or 0
         args.page_size = self.spec.page_size
         # what the model runner reports for the pool (bf16 KV for a bf16 model unless --kv-cache-dtype says else)
@@ -125,9 +129,9 @@ class Role:
         args.num_draft_entries = 0
         args.ib_device = None
         args.prefill_start_layer = 0
-        if role == "prefill" and self.spec.layout == "mha":
+        if role == "prefill" and self.spec.layout == "mha":  # as SGLang's prefill scheduler sets them
             args.kv_head_num = self.spec.kv_heads
-            args.total_kv_head_num = self.spec.kv_heads
+            args.total_kv_head_num = self.spec.total_kv_heads or self.spec.kv_heads * self.attn_tp
         mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
         self.mgr = self.cls[KVClassType.MANAGER](args, mode, self.server_args, self.spec.layout == "mla")
         self.rng = np.random.default_rng(self.seed + (1 if role == "decode" else 2))
@@ -137,6 +141,7 @@ class Role:
         self.used_pages: set[int] = set()
         self.used_slots: set[int] = set()
         self.write_done_at: dict[int, float] = {}
+        self.sent_bytes: dict[int, int] = {}
         self.ack_sent_at: dict[int, float] = {}
         if role == "prefill":
             self.watch_writes(self.faults.get("write_delay_s", 0))
@@ -162,7 +167,10 @@ class Role:
                 if pause:
                     time.sleep(pause)
                 try:
-                    return send(*a, **kw)
+                    out = send(*a, **kw)
+                    if isinstance(out, int):  # bytes the write moved (KV pages, state; aux rows one-sided)
+                        self.sent_bytes[room] = self.sent_bytes.get(room, 0) + out
+                    return out
                 finally:
                     self.write_done_at[room] = time.time()
 
@@ -461,6 +469,7 @@ class Role:
                 r.result["changed_after_release"] = any(not torch.equal(a, b) for a, b in zip(r.snapshot, self.held_bytes(r)))
             if r.room in self.write_done_at:
                 r.result["write_done_at"] = self.write_done_at[r.room]
+                r.result["sent_bytes"] = self.sent_bytes.get(r.room, 0)
             if r.room in self.ack_sent_at:
                 r.result["ack_sent_at"] = self.ack_sent_at[r.room]
         out["leftovers"] = self.leftovers()
@@ -469,6 +478,18 @@ class Role:
         self.mgr.close()
         out["threads_left"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("p2p-"))
         return out
+
+
+def rank_heads(spec: PoolSpec, attn_tp: int, attn_tp_rank: int) -> PoolSpec:
+    """An MHA pool of `total_kv_heads` heads as attention TP rank `attn_tp_rank` of `attn_tp` holds it: its
+    `max(1, total // tp)` heads, contiguous blocks, or head `rank // (tp // total)` when heads are replicated
+    (SGLang's MHA pool on a TP rank)."""
+    if spec.layout != "mha" or not spec.total_kv_heads:
+        return spec
+    total = spec.total_kv_heads
+    n = max(1, total // attn_tp)
+    first = attn_tp_rank * n if total >= attn_tp else attn_tp_rank // (attn_tp // total)
+    return replace(spec, kv_heads=n, heads_lo=first)
 
 
 def _fds() -> int:
@@ -523,6 +544,17 @@ def _wait_for(plan: dict, names: list[str], timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
+def dp_rank_of(plan: dict, role: str, room: int, dp: int) -> int:
+    """The DP rank a role's DP controller picks for `room`: the prefill's default follows the bootstrap room
+    (`room % dp`, what the decode's bootstrap lookup assumes); the decode's may be anything SGLang's load
+    balancer picks, so the plan may name it per room (`decode_dp_rank`), else `room % dp` too."""
+    if role == "decode":
+        chosen = plan.get("decode_dp_rank", {}).get(str(room))
+        if chosen is not None:
+            return int(chosen)
+    return room % dp
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
@@ -546,9 +578,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ns.role == "prefill" and plan.get("faults", {}).get("prefill", {}).get("stop_self"):
         os.kill(os.getpid(), signal.SIGSTOP)  # a prefill that registered, then never answers
     reqs = _requests(plan, ns.role)
-    if ns.role == "prefill" and role.attn_dp > 1:  # the DP controller hands room r to DP rank r % dp
-        dp_rank = ns.rank // (role.tp // role.attn_dp)
-        reqs = [r for r in reqs if r.room % role.attn_dp == dp_rank]
+    if role.attn_dp > 1:  # each side's DP controller hands the request to one DP rank
+        reqs = [r for r in reqs if dp_rank_of(plan, ns.role, r.room, role.attn_dp) == role.dp_rank]
     result = role.run(reqs, float(plan.get("deadline_s", 60)))
     with open(ns.out, "w") as f:
         json.dump(result, f, indent=1)

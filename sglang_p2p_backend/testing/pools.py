@@ -6,7 +6,9 @@ MHA: K of every layer, then V of every layer, each (tokens, kv_heads, head_dim),
 (one slot-addressed region, like a mamba state) exercises the state path.
 
 Contents are a pure function of (seed, room, region, page position in the request), so the decode process
-can check what landed without talking to the prefill.
+can check what landed without talking to the prefill. With `total_kv_heads` set (MHA), they are defined for the
+model's every head, and a rank's pool holds its `kv_heads` heads from `heads_lo` on, as a TP rank holds them:
+a decode rank with another attention TP than the prefill then checks exactly its heads.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ SENTINEL = 0xA5
 class PoolSpec:
     layout: str = "mla"  # "mla" or "mha"
     num_layers: int = 4
-    kv_heads: int = 2  # MHA only
+    kv_heads: int = 2  # MHA only: heads of this rank
+    total_kv_heads: int = 0  # MHA: the model's heads (0: contents are per rank, not per head)
+    heads_lo: int = 0  # MHA: the first of the model's heads this rank holds
     head_dim: int = 16  # MHA: per head; MLA: kv_lora_rank + rope
     dtype: str = "bfloat16"
     page_size: int = 1
@@ -49,6 +53,15 @@ class PoolSpec:
     @property
     def item_len(self) -> int:
         return self.page_size * self.token_bytes
+
+    def expected(self, seed: int, room: int, region: int, total: int) -> torch.Tensor:
+        """(total, item_len) uint8: this rank's bytes of every page of a request's region."""
+        if self.layout != "mha" or not self.total_kv_heads:
+            return expected_pages(seed, room, region, total, self.item_len)
+        head_bytes = self.head_dim * self.elt_size
+        every = expected_pages(seed, room, region, total, self.page_size * self.total_kv_heads * head_bytes)
+        mine = every.view(total, self.page_size, self.total_kv_heads, head_bytes)[:, :, self.heads_lo : self.heads_lo + self.kv_heads]
+        return mine.reshape(total, self.item_len)
 
     @property
     def page_bytes(self) -> int:
@@ -89,7 +102,7 @@ class HostPools:
         """Write the request's reproducible contents into `pages` (positions first_pos.. of `total`)."""
         idx = torch.from_numpy(pages.astype(np.int64)).to(self.spec.device)
         for r, t in enumerate(self.kv):
-            t[idx] = expected_pages(seed, room, r, total, self.spec.item_len)[first_pos : first_pos + len(pages)].to(t.device)
+            t[idx] = self.spec.expected(seed, room, r, total)[first_pos : first_pos + len(pages)].to(t.device)
         self._written()
 
     def fill_state(self, seed: int, room: int, slot: int) -> None:
@@ -108,7 +121,7 @@ class HostPools:
         bad = []
         idx = torch.from_numpy(pages.astype(np.int64)).to(self.spec.device)
         for r, t in enumerate(self.kv):
-            want = expected_pages(seed, room, r, total, self.spec.item_len)[first_pos : first_pos + len(pages)]
+            want = self.spec.expected(seed, room, r, total)[first_pos : first_pos + len(pages)]
             got = t[idx].cpu()
             rows = (got != want).any(dim=1).nonzero().flatten().tolist()
             bad += [f"region {r} page {int(pages[i])} (position {first_pos + i})" for i in rows]

@@ -9,8 +9,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from sglang_p2p_backend.engine.agreement import local_agreement
 from sglang_p2p_backend.engine.memory import Region
+from sglang_p2p_backend.engine.agreement import local_agreement
 from sglang_p2p_backend.engine.messages import PeerRegister
 from sglang_p2p_backend.engine.onesided import LocalMemory, OneSidedSender, chunk_descriptors
 from sglang_p2p_backend.engine.plan import PlanError
@@ -46,7 +46,7 @@ class Side:
             session="127.0.0.1:2", incarnation=1, hostname="h", engine_rank=0, attn_tp_size=1, agreement=agreement,
             kv_ptrs=[a.ctypes.data for a in self.kv], aux_ptrs=[a.ctypes.data for a in self.aux],
             aux_item_lens=list(self.aux_items), state_ptrs=[[self.state.ctypes.data]],
-            kv_pages=self.kv[0].size // ITEM, aux_rows=AUX_ROWS, state_slots=[SLOTS],
+            kv_pages=PAGES, aux_rows=AUX_ROWS, state_slots=[SLOTS],
             transports=["mooncake"], mooncake_session=mooncake_session,
         )
 
