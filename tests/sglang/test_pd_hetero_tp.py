@@ -118,6 +118,9 @@ def test_heads_that_do_not_split_are_refused_naming_both_layouts():
     p = plan({"prefill": 1, "decode": 2}, 3, 1, tokens=(5, 3, 12))
     p["requests"] = p["requests"][:1]
     p["pool_overrides"] = {"decode": {"total_kv_heads": 0, "kv_heads": 1}}
+    # the prefill's room fails at once; it stays up until both answers reached the decode ranks (closing its
+    # sockets drops what they still queue: a loaded machine lost the second refusal so)
+    p["linger_s"] = {"prefill": 3.0}
     result = run_pair(p, env=ENV)
     for d in result["ranks"]["decode"]:
         r = d["requests"]["4001"]
