@@ -54,8 +54,9 @@ CHECK_LANES_1GPU = 3
 #   (their fixture starts both servers with one environment), so
 # * perf and SGLang's tests use p2pnccl's Mooncake transport over tcp (the CUDA build of Mooncake copies GPU
 #   memory through host buffers), and SGLang's mooncake backend runs on tcp as well, so both move pages the
-#   same way (no intra-node NVLink: there is one GPU). E2E_P2P_1GPU=nccl|mooncake overrides the choice; for
-#   SGLang's tests, nccl sets SGLANG_P2P_ONE_GPU_NCCL=1 (each server takes a host id when it loads the plugin).
+#   same way (no intra-node NVLink: there is one GPU). E2E_P2P_1GPU=nccl|mooncake|cudaipc overrides the choice;
+#   for SGLang's tests, nccl sets SGLANG_P2P_ONE_GPU_NCCL=1 (each server takes a host id when it loads the
+#   plugin); cudaipc is the same-host path (two processes on one GPU open each other's CUDA IPC handles).
 # MC_FORCE_TCP=1, not "true": SGLang 0.5.17 compares it with "1" to skip RDMA device selection (its own
 # `mooncake_tcp` backend alias sets exactly that).
 BACKEND_ENV_1GPU = {
@@ -73,7 +74,7 @@ COMMON_ENV = {
     "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
 }
 BACKEND_ENV = {
-    "p2pnccl": {"SGLANG_P2P_TRANSPORT": "auto"},  # auto picks NCCL between GPUs
+    "p2pnccl": {"SGLANG_P2P_TRANSPORT": "auto"},  # auto picks the CUDA IPC path between GPUs of one host
     # Mooncake's strongest path on this host: intra-node NVLink (CUDA IPC), not TCP (no RDMA NICs there)
     "mooncake": {"MC_INTRANODE_NVLINK": "true", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"},
 }
@@ -88,15 +89,17 @@ def gpus_from_env() -> int:
 
 
 def p2p_transport_1gpu(step: str) -> str:
-    """What p2pnccl moves pages with on one GPU in `step` (check | perf | sglang_tests): nccl or mooncake."""
+    """What p2pnccl moves pages with on one GPU in `step` (check | perf | sglang_tests): nccl, mooncake or cudaipc."""
     value = os.environ.get("E2E_P2P_1GPU", "").strip() or P2P_1GPU_DEFAULT[step]
-    if value not in ("nccl", "mooncake"):
-        raise ValueError(f"E2E_P2P_1GPU must be nccl or mooncake, got {value!r}")
+    if value not in ("nccl", "mooncake", "cudaipc"):
+        raise ValueError(f"E2E_P2P_1GPU must be nccl, mooncake or cudaipc, got {value!r}")
     return value
 
 
 def backend_env(backend: str, gpus: int, step: str = "check", role: str = "") -> dict[str, str]:
     """The environment a backend's `role` server ("prefill" / "decode") gets on top of COMMON_ENV."""
+    if gpus == 1 and backend == "p2pnccl" and p2p_transport_1gpu(step) == "cudaipc":
+        return {"SGLANG_P2P_TRANSPORT": "cudaipc"}
     if gpus == 1 and backend == "p2pnccl" and p2p_transport_1gpu(step) == "nccl":
         if step == "sglang_tests":  # one environment for both servers: each takes a host id at plugin load
             return {"SGLANG_P2P_TRANSPORT": "nccl", "SGLANG_P2P_ONE_GPU_NCCL": "1", "NCCL_SOCKET_IFNAME": "lo"}
@@ -108,12 +111,14 @@ def backend_env(backend: str, gpus: int, step: str = "check", role: str = "") ->
 
 def transport_info(backend: str, gpus: int, step: str = "check") -> dict[str, object]:
     """What moved the pages, for the results file: transport, protocol and the environment that chose it."""
-    if gpus == 1 and backend == "p2pnccl" and p2p_transport_1gpu(step) == "nccl":
+    if gpus == 1 and backend == "p2pnccl" and p2p_transport_1gpu(step) == "cudaipc":
+        transport, protocol = "cudaipc", "same-host copy kernel into the decode's pools (one GPU, two processes)"
+    elif gpus == 1 and backend == "p2pnccl" and p2p_transport_1gpu(step) == "nccl":
         transport, protocol = "nccl", "socket transport on loopback (one GPU, NCCL_HOSTID per server)"
     elif gpus == 1:
         transport, protocol = "mooncake", "tcp"
     elif backend == "p2pnccl":
-        transport, protocol = "nccl", None  # SGLANG_P2P_TRANSPORT=auto between two GPUs of one host
+        transport, protocol = "cudaipc", "auto: same host"  # SGLANG_P2P_TRANSPORT=auto between two GPUs of one host
     else:
         transport, protocol = "mooncake", "nvlink_intra"
     env = backend_env(backend, gpus, step, "prefill")

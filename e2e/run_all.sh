@@ -23,6 +23,10 @@
 #   lb:    our LB in front of 2 prefill + 2 decode llama-tiny servers (p2pnccl): load_aware, prefix_aware, random,
 #          round_robin on a bursty mixed and a shared-prefix workload, then SIGKILL of a prefill and a decode
 #          mid-run and their restart -> $OUT/lb_real_<kind>.json (e2e/lb_real.py; ~6 min with --gpus 1)
+#   ipc:   the same-host CUDA IPC path on this machine: tests/gpu/test_cuda_ipc.py (two processes, byte-exact),
+#          bench/transfer/ipc_bench.py -> $OUT/ipc_$KIND.json, then the SGLang-class byte-exact cases with
+#          SGLANG_P2P_TRANSPORT=cudaipc (tests/gpu/test_pd_sglang_cuda.py; E2E_IPC_SGLANG_K selects, "" skips)
+#          -> $OUT/ipc_tests.log. The end-to-end check over it: E2E_P2P_1GPU=cudaipc ... --phase check
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
 #   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
@@ -51,8 +55,8 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|unpack) ;;
-  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb or unpack" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|ipc|unpack) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, ipc or unpack" >&2; exit 2 ;; esac
 case "$GPUS" in 1|2) ;;
   *) echo "run_all.sh: --gpus must be 1 or 2" >&2; exit 2 ;; esac
 export E2E_GPUS=$GPUS  # read by e2e.check, e2e.perf, e2e.sglang_tests (e2e/config.py)
@@ -151,10 +155,11 @@ run_sglang_tests() {
     --out "$STATE/sglang_tests.json" --logs "$E2E_ROOT/logs/sglang_tests"
 }
 
-run_check() {  # one GPU: p2pnccl runs over NCCL (loopback sockets) unless E2E_P2P_1GPU=mooncake
+run_check() {  # one GPU: p2pnccl runs over NCCL (loopback sockets) unless E2E_P2P_1GPU=mooncake|cudaipc
   if [ "${E2E_P2P_1GPU:-nccl}" = mooncake ]; then need_mooncake check || return 0; fi
   step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny,mla-tiny
-  step check python3 -m e2e.check --models "$MODELS" --out "$STATE/check.json" --logs "$E2E_ROOT/logs/check"
+  step check python3 -m e2e.check --models "$MODELS" --out "$STATE/check.json" --logs "$E2E_ROOT/logs/check" \
+    --only "${E2E_CHECK_ONLY:-llama-tiny,mla-tiny}"
   if [ "$SGLANG_TESTS" = 1 ]; then run_sglang_tests; fi
 }
 
@@ -196,7 +201,20 @@ run_lb() {  # every server on GPU 0 whatever --gpus says; p2pnccl over NCCL with
   step lb_real python3 -m e2e.lb_real --models "$MODELS" --out "$OUTDIR/lb_real_$KIND.json" --logs "$E2E_ROOT/logs/lb_real"
 }
 
+run_ipc() {  # pytest output goes to $OUT/ipc_tests.log; figures to $OUT/ipc_$KIND.json
+  step ipc_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ipc.py -rs \
+    > "$OUTDIR/ipc_tests.log" 2>&1
+  step ipc_bench python3 bench/transfer/ipc_bench.py --machine "$KIND" --out "$OUTDIR/ipc_$KIND.json"
+  local k=${E2E_IPC_SGLANG_K-"cudaipc"}
+  if [ -n "$k" ]; then
+    step ipc_sglang python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pd_sglang_cuda.py -k "$k" -rs \
+      >> "$OUTDIR/ipc_tests.log" 2>&1
+  fi
+  cat "$OUTDIR/ipc_tests.log"
+}
+
 case "$PHASE" in
+  ipc) run_ipc ;;
   liveness) run_liveness ;;
   faults) run_faults ;;
   check) run_check ;;

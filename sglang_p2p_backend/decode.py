@@ -36,6 +36,7 @@ from sglang_p2p_backend.engine.arrivals import ArrivalTracker
 from sglang_p2p_backend.engine.heads import Heads, HeadsError, pair_heads
 from sglang_p2p_backend.engine.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
 from sglang_p2p_backend.engine.pipeline import PairReceiver
+from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.manager import P2pNcclKVManager
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,12 @@ class DecodeKVManager(P2pNcclKVManager):
         # the decode admits pair channels within its own budget but never closes one: the prefill owns the
         # pair's traffic, so the decode asks it to release an idle channel instead (CommRelease)
         self.comm_budget = CommBudget.from_env("decode") if self.two_sided else None
+        if self.ipc is not None:
+            # exported once: KV regions, then state components' regions (the order of kv_ptrs, state_ptrs)
+            self.ipc.register([(r.ptr, r.length) for r in [*self.kv_regions, *(r for c in self.state_regions for r in c)]])
+            if self.ipc.export is None and self.config.transport == "cudaipc":
+                raise TransportError(f"SGLANG_P2P_TRANSPORT=cudaipc, but this decode rank's KV pool cannot be exported "
+                                     f"through CUDA IPC: {self.ipc.unavailable}; use SGLANG_P2P_TRANSPORT=auto or nccl")
         self._start_heartbeat_checker_thread()
 
     # ------------------------------------------------------------------ registration
@@ -89,9 +96,13 @@ class DecodeKVManager(P2pNcclKVManager):
             kv_pages=min((r.num_items for r in self.kv_regions), default=0),
             aux_rows=min((r.num_items for r in self.local_memory.aux), default=0),
             state_slots=[min((r.num_items for r in comp), default=0) for comp in self.state_regions],
-            transports=self.transports.names(),
+            transports=[t for t in self.transports.names() if t != "cudaipc" or self._ipc_export() is not None],
             mooncake_session=self.one_sided.session_id() if self.one_sided else "",
+            ipc=self._ipc_export(),
         )
+
+    def _ipc_export(self) -> Optional[wire.IpcExport]:
+        return self.ipc.export if self.ipc is not None else None
 
     def ensure_registered(self, endpoint: str) -> None:
         """Register with prefill rank `endpoint` unless a registration is pending or accepted (a refused or

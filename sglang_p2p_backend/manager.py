@@ -43,6 +43,8 @@ from sglang_p2p_backend.engine.memory import page_views, regions_from_lists
 from sglang_p2p_backend.engine.onesided import LocalMemory
 from sglang_p2p_backend.engine.staging import StagingPool
 from sglang_p2p_backend.engine.transport import one_sided_transport, two_sided_transport
+from sglang_p2p_backend.engine.transport.cuda_ipc import CudaIpcTransport
+from sglang_p2p_backend.engine.transport.cuda_ipc import backend as ipc_backend
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError, TwoSidedTransport
 from sglang_p2p_backend.engine.transport.select import process_transports, rdma_present
 
@@ -112,6 +114,7 @@ class P2pNcclKVManager(CommonKVManager):
             gpu=self.device.type == "cuda",
             rdma_present=rdma_present(),
             mooncake_available=importlib.util.find_spec("mooncake") is not None,
+            ipc_capable=ipc_backend().usable(self.device),
         )
         self.two_sided: Optional[TwoSidedTransport] = None
         if self.transports.two_sided:
@@ -135,6 +138,8 @@ class P2pNcclKVManager(CommonKVManager):
             # both sides register: the decode so the prefill may write into it, the prefill so RDMA may read
             # its sources; aux rows included (they travel in the last chunk's batch)
             self.one_sided.register(self.local_memory.regions())
+        #: same-host path (engine/transport/cuda_ipc.py): the decode exports its pools, the prefill maps peers'
+        self.ipc: Optional[CudaIpcTransport] = CudaIpcTransport(self.device) if self.transports.ipc else None
         self.auth = Authenticator(key, self.session, self.incarnation) if key else None
         #: the model's KV head count (MHA/GQA; SGLang sets it on the prefill only): heads.py pairs ranks by it
         self.kv_total_heads = 0 if is_mla_backend else int(
@@ -307,4 +312,6 @@ class P2pNcclKVManager(CommonKVManager):
         # after the workers stopped: deregistering memory under a running write is not safe
         if self.one_sided is not None:
             self.one_sided.close()
+        if self.ipc is not None:
+            self.ipc.close()
         self.control.close()

@@ -34,6 +34,7 @@ from sglang_p2p_backend.engine.onesided import OneSidedSender
 from sglang_p2p_backend.engine.transport.select import TransportSelector
 from sglang_p2p_backend.manager import P2pNcclKVManager
 from sglang_p2p_backend.pair_channels import PairChannels
+from sglang_p2p_backend.prefill_ipc import SameHostPath
 from sglang_p2p_backend.prefill_transfer import ResetPeer, TransferInfo, TransferWorkers
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class _Bounded(OrderedDict):
             self.popitem(last=False)
 
 
-class PrefillKVManager(TransferWorkers, P2pNcclKVManager):
+class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
     _role = "prefill"
 
     def _init_role(self) -> None:
@@ -74,6 +75,9 @@ class PrefillKVManager(TransferWorkers, P2pNcclKVManager):
         self.one_sided_sender = OneSidedSender(self.one_sided, self.local_memory) if self.one_sided else None
         #: rooms concluded here before their destinations arrived: late RoomMetadata is answered Failed
         self.concluded: Dict[int, tuple] = _Bounded(1 << 16)
+        #: decode ranks the CUDA IPC path cannot serve (why), until they register again
+        self.ipc_failed: Dict[str, str] = _Bounded(self.config.max_peers)
+        self.ipc_checked: Dict[str, wire.PeerRegister] = _Bounded(self.config.max_peers)  # registrations that passed
         self.owned_rooms: set = set()  # rooms with a live sender on this rank
         self._born: Dict[int, float] = {}  # room -> when its first destinations arrived
         self.shards = [queue.SimpleQueue() for _ in range(self.config.workers)]
@@ -122,6 +126,10 @@ class PrefillKVManager(TransferWorkers, P2pNcclKVManager):
                 self._heads_for(reg)
             except HeadsError as e:
                 problems.append(f"KV heads cannot be paired: {e}")
+        if self.config.transport == "cudaipc" and not problems:
+            ipc = self._ipc_problem(reg)
+            if ipc:
+                problems.append(f"SGLANG_P2P_TRANSPORT=cudaipc cannot serve this pair: {ipc}; use auto or nccl")
         if not self._common_transports(reg):
             problems.append(
                 f"no transport in common: this prefill rank moves pages with {self.transports.names()}, the decode "
@@ -152,6 +160,7 @@ class PrefillKVManager(TransferWorkers, P2pNcclKVManager):
         self.watch.watch(reg.session)
         if old is None or old.incarnation != reg.incarnation:
             self.selector.forget(reg.session)
+            self.ipc_failed.pop(reg.session, None)
             if self.one_sided is not None and reg.mooncake_session:
                 # a failed Mooncake session is skipped until its decode rank registers again: now
                 self.one_sided.peer_registered(reg.mooncake_session)
@@ -243,6 +252,7 @@ class PrefillKVManager(TransferWorkers, P2pNcclKVManager):
         if self.decode_peers.pop(session, None) is None:
             return
         self.peer_heads.pop(session, None)
+        self.ipc_checked.pop(session, None)
         logger.error("p2pnccl: %s", reason)
         for room, infos in list(self.transfer_infos.items()):
             info = infos.get(session)

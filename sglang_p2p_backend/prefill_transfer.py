@@ -2,8 +2,9 @@
 
 `add_transfer_request` (SGLang's sender calls it per send()) queues a task on the worker that owns the room's
 decode peer (peers are sharded over SGLANG_P2P_WORKERS queues, so one peer's chunks stay ordered). A worker
-moves the chunk to every real decode rank of the room: two-sided over the pair channel (pair_channels.py),
-or one-sided with Mooncake (engine/onesided.py), only the heads that rank owns when its attention TP differs
+moves the chunk to every real decode rank of the room: one copy kernel into a same-host decode's mapped pages
+(prefill_ipc.py), two-sided over the pair channel (pair_channels.py), or one-sided with Mooncake
+(engine/onesided.py), only the heads that rank owns when its attention TP differs
 (engine/heads.py; a rank holding a replica another rank sends moves no KV); after the last chunk, Status. With SGLang 0.5.23's deferred
 decode KV release, tasks in flight are counted per room, so an aborted room's ACK waits for them.
 Mixed into `prefill.PrefillKVManager`, whose state it uses.
@@ -162,6 +163,7 @@ class TransferWorkers:
         if isinstance(task, ResetPeer):
             if self.channels is not None:
                 self.channels.reset(task.session)
+            self._ipc_reset(task.session)
             return
         self._flight_begin(task.room)
         try:
@@ -221,11 +223,12 @@ class TransferWorkers:
             gpu=self.device.type == "cuda",
             mooncake_available=self.one_sided is not None,
             peer_offers=tuple(self._common_transports(reg)),
+            ipc=lambda: self._ipc_usable(session),
         )
         return self.selector.choose(session, facts)
 
     def _common_transports(self, reg: wire.PeerRegister) -> List[str]:
-        offered = [t for t in reg.transports if t != "mooncake" or reg.mooncake_session]
+        offered = [t for t in reg.transports if (t != "mooncake" or reg.mooncake_session) and (t != "cudaipc" or reg.ipc)]
         return [t for t in self.transports.names() if t in offered]
 
     def _deliver(self, info: TransferInfo, src: list, dst: list, aux: Optional[tuple], alive: Callable[[], bool],
@@ -239,7 +242,12 @@ class TransferWorkers:
             peer = self.decode_peers.get(session)
             if peer is None:
                 raise TransportError(f"decode rank {session} was declared dead")
-            if self._route(session).transport == "mooncake":
+            route = self._route(session).transport
+            if route == "cudaipc":
+                if self._send_ipc(room, peer, src, dst, aux, heads):
+                    return
+                continue  # not mappable after all: routed again (NCCL)
+            if route == "mooncake":
                 self._send_one_sided(room, peer, src, dst, aux, heads)
                 return
             try:

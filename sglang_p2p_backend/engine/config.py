@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-TRANSPORTS = ("auto", "nccl", "mooncake", "tcp")
+TRANSPORTS = ("auto", "cudaipc", "nccl", "mooncake", "tcp")
 
 
 class ConfigError(ValueError):

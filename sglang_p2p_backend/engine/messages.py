@@ -22,7 +22,7 @@ from msgspec import Meta
 
 MAGIC = b"P2P1"
 #: what both sides must speak; compared at registration (agreement.py)
-PROTOCOL_VERSION = 3  # 3: head ranges (different attention TP on MHA pools)
+PROTOCOL_VERSION = 4  # 3: head ranges (different attention TP on MHA pools); 4: CUDA IPC export (same host)
 
 # static bounds of wire fields: generous for any deployment, small enough that nothing sized by them is costly
 Session = Annotated[str, Meta(min_length=3, max_length=200)]
@@ -58,6 +58,27 @@ class Agreement(msgspec.Struct, kw_only=True):
     kv_total_heads: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
 
 
+class IpcRegion(msgspec.Struct, array_like=True):
+    """One KV/state region of a decode rank as CUDA IPC exports it: inside allocation `alloc` at `offset`."""
+
+    ptr: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]  # the decode's address (what kv_ptrs/state_ptrs say)
+    alloc: Annotated[int, Meta(ge=0, lt=4096)]
+    offset: Annotated[int, Meta(ge=0, le=(1 << 62))]
+    length: Annotated[int, Meta(ge=0, le=(1 << 62))]
+
+
+class IpcExport(msgspec.Struct):
+    """A decode rank's pools as CUDA IPC handles (transport/cuda_ipc.py): one handle per allocation, the regions
+    in registration order (KV, then state components), and where the process runs."""
+
+    device_uuid: Short
+    boot_id: Short
+    pid: Count
+    handles: Annotated[list[Annotated[bytes, Meta(min_length=64, max_length=64)]], Meta(max_length=4096)]
+    alloc_sizes: Annotated[list[Annotated[int, Meta(ge=0, le=(1 << 62))]], Meta(max_length=4096)]
+    regions: Annotated[list[IpcRegion], Meta(max_length=8192)]
+
+
 class PeerRegister(msgspec.Struct, tag=True):
     """Decode rank -> prefill rank, once per pair: where to send and what the decode pools look like."""
 
@@ -80,6 +101,9 @@ class PeerRegister(msgspec.Struct, tag=True):
     # the decode's Mooncake session ("host:rpc_port") when it runs a Mooncake engine: then kv_ptrs, aux_ptrs
     # and state_ptrs are registered there and a prefill may write into them one-sidedly
     mooncake_session: Short = ""
+    # the decode's pools exported through CUDA IPC, when it offers "cudaipc": a prefill on the same host maps
+    # them once and copies into them directly
+    ipc: Optional[IpcExport] = None
 
     @property
     def page_size(self) -> int:

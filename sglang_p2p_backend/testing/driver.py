@@ -32,6 +32,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from sglang_p2p_backend.testing.shm_ipc import IPC_STANDIN_ENV
+
 from . import runtime
 from .launch import one_gpu_env
 from .pools import HostPools, PoolSpec
@@ -104,7 +106,15 @@ class Role:
         self.KVPoll = KVPoll
         backend = TransferBackend("p2pnccl")
         self.cls = {t: get_kv_class(backend, t) for t in KVClassType}
-        self.pools = HostPools.allocate(self.spec)
+        self.shm = None
+        if plan.get("ipc_standin") or os.environ.get(IPC_STANDIN_ENV) == "1":
+            # CPU stand-in for CUDA IPC (testing/shm_ipc.py): pools in shared memory
+            from sglang_p2p_backend.engine.transport import cuda_ipc
+            from sglang_p2p_backend.testing.shm_ipc import ShmBackend
+
+            self.shm = ShmBackend()
+            cuda_ipc.use_backend(self.shm)
+        self.pools = HostPools.allocate(self.spec, self.shm.allocate if self.shm else None)
         aux_rows = max(64, len(plan["requests"]) + 2)
         self.meta = runtime.metadata_buffers(aux_rows)
         self.bootstrap = None
@@ -134,6 +144,10 @@ class Role:
             args.total_kv_head_num = self.spec.total_kv_heads or self.spec.kv_heads * self.attn_tp
         mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
         self.mgr = self.cls[KVClassType.MANAGER](args, mode, self.server_args, self.spec.layout == "mla")
+        if self.faults.get("ipc_export_short") and self.mgr.ipc is not None and self.mgr.ipc.export is not None:
+            # a decode whose export does not cover the pool it registers (a forged or buggy peer)
+            first = self.mgr.ipc.export.regions[0]
+            first.length -= self.spec.item_len
         self.rng = np.random.default_rng(self.seed + (1 if role == "decode" else 2))
         self.free_pages = list(self.rng.permutation(np.arange(1, self.spec.num_pages)))
         self.free_aux = list(range(1, aux_rows))
@@ -149,7 +163,7 @@ class Role:
     def watch_writes(self, delay) -> None:
         """Prefill: record when each room's last write returned (`write_done_at`) and when its deferred
         ABORT_ACKs went out (`ack_sent_at`). Fault `write_delay_s` (seconds, or {room: seconds}): each write of
-        the manager (a Mooncake batch write, a pair channel send) starts that much later, so it is in flight
+        the manager (a Mooncake batch write, a CUDA IPC copy, a pair channel send) starts that much later, so it is in flight
         for that long."""
         from sglang_p2p_backend.engine.pipeline import PairSender
 
@@ -179,6 +193,8 @@ class Role:
         mgr._process = tracked_process
         if getattr(mgr, "one_sided_sender", None) is not None:
             mgr.one_sided_sender.send = delayed(mgr.one_sided_sender.send)
+        if getattr(mgr, "ipc", None) is not None:
+            mgr.ipc.write = delayed(mgr.ipc.write)
         PairSender.send = delayed(PairSender.send)
         if hasattr(mgr, "_send_abort_ack"):  # SGLang 0.5.23+
             send_ack = mgr._send_abort_ack
@@ -240,9 +256,11 @@ class Role:
             out["staging_outstanding"] = sorted(getattr(m, "_staging_outstanding", {}))
             out["deferred_ack_targets"] = sorted(getattr(m, "_deferred_ack_targets", {}))
             out["decode_peers"] = sorted(m.decode_peers)
-            out["rejected_peers"] = sorted(m.rejected_peers)
+            out["rejected_peers"] = dict(m.rejected_peers)
             out["concluded"] = sorted(m.concluded)
             out["owned_rooms"] = sorted(m.owned_rooms)
+            out["ipc_failed"] = dict(m.ipc_failed)
+            out["ipc_mapped"] = m.ipc.mapped_peers() if m.ipc is not None else []
         else:
             out["arrivals_pending"] = m.arrivals.pending()
             out["live_rooms"] = sorted(m.live_rooms)
@@ -476,6 +494,9 @@ class Role:
         out["resources"] = {"fds_start": fds_start, "fds_end": _fds(),
                             "threads_start": threads_start, "threads_end": threading.active_count()}
         self.mgr.close()
+        if self.shm is not None:  # every peer's segment unmapped by close(); ours unlinked
+            out["shm_mapped_after_close"] = self.shm.mapped_count()
+            self.shm.close()
         out["threads_left"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("p2p-"))
         return out
 

@@ -14,7 +14,7 @@ a decode rank with another attention TP than the prefill then checks exactly its
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -76,14 +76,19 @@ class HostPools:
     state: Optional[torch.Tensor] = None  # uint8 (state_slots, state_item_len)
 
     @classmethod
-    def allocate(cls, spec: PoolSpec) -> "HostPools":
+    def allocate(cls, spec: PoolSpec, raw: Optional[Callable[[int], torch.Tensor]] = None) -> "HostPools":
+        """`raw(nbytes)`: where each region's bytes come from (shared memory for the IPC stand-in); else torch."""
         if spec.layout not in ("mla", "mha"):
             raise ValueError(f"layout must be mla or mha, got {spec.layout!r}")
         dev = torch.device(spec.device)
-        kv = [torch.full((spec.num_pages, spec.item_len), SENTINEL, dtype=torch.uint8, device=dev) for _ in range(spec.num_regions)]
-        state = None
-        if spec.state_slots:
-            state = torch.full((spec.state_slots, spec.state_item_len), SENTINEL, dtype=torch.uint8, device=dev)
+
+        def region(rows: int, width: int) -> torch.Tensor:
+            if raw is None:
+                return torch.full((rows, width), SENTINEL, dtype=torch.uint8, device=dev)
+            return raw(rows * width).view(rows, width).fill_(SENTINEL)
+
+        kv = [region(spec.num_pages, spec.item_len) for _ in range(spec.num_regions)]
+        state = region(spec.state_slots, spec.state_item_len) if spec.state_slots else None
         return cls(spec, kv, state)
 
     def kv_lists(self) -> tuple[list[int], list[int], list[int]]:

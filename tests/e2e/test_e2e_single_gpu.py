@@ -50,6 +50,10 @@ def test_one_gpu_check_runs_p2pnccl_over_nccl_with_a_host_id_per_server(tmp_path
     monkeypatch.setenv("E2E_P2P_1GPU", "mooncake")
     p, d, _ = config.pd_pair("m", tmp_path / "llama-tiny", "p2pnccl", 40000, config.CHECK_FLAGS, gpus=1)
     assert p.env["SGLANG_P2P_TRANSPORT"] == "mooncake" and "NCCL_HOSTID" not in p.env
+    monkeypatch.setenv("E2E_P2P_1GPU", "cudaipc")  # the same-host path: two processes on one GPU share pools
+    p, d, _ = config.pd_pair("m", tmp_path / "llama-tiny", "p2pnccl", 40000, config.CHECK_FLAGS, gpus=1)
+    assert p.env["SGLANG_P2P_TRANSPORT"] == d.env["SGLANG_P2P_TRANSPORT"] == "cudaipc" and "NCCL_HOSTID" not in p.env
+    assert config.transport_info("p2pnccl", 1)["transport"] == "cudaipc"
 
 
 def test_one_gpu_mooncake_runs_on_tcp_without_the_nvlink_settings(tmp_path):
@@ -63,7 +67,7 @@ def test_one_gpu_mooncake_runs_on_tcp_without_the_nvlink_settings(tmp_path):
 def test_two_gpu_mapping_is_unchanged(tmp_path):
     p, d, _ = config.pd_pair("m", tmp_path / "x", "p2pnccl", 40000, config.CHECK_FLAGS)
     assert (p.gpu, d.gpu) == (0, 1) and p.env["SGLANG_P2P_TRANSPORT"] == "auto" and "MC_FORCE_TCP" not in p.env
-    assert config.transport_info("p2pnccl", 2)["transport"] == "nccl"
+    assert config.transport_info("p2pnccl", 2)["transport"] == "cudaipc"  # auto: the same-host path
     assert config.transport_info("mooncake", 2)["protocol"] == "nvlink_intra"
     assert config.perf_flags(2) == config.PERF_FLAGS
 

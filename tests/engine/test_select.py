@@ -110,18 +110,54 @@ def test_rdma_devices_reads_sysfs(tmp_path: Path) -> None:
     [
         (None, False, False, True, ProcessTransports("tcp", None)),  # CPU CI: auto stays on tcp
         (None, False, True, True, ProcessTransports("tcp", None)),  # no GPU: no Mooncake engine in auto
-        (None, True, False, True, ProcessTransports("nccl", None)),  # no NICs: nothing to spill to
-        (None, True, True, False, ProcessTransports("nccl", None)),  # NICs but Mooncake not installed
-        (None, True, True, True, ProcessTransports("nccl", "rdma")),  # both, chosen per peer
+        (None, True, False, True, ProcessTransports("nccl", None, ipc=True)),  # no NICs: nothing to spill to
+        (None, True, True, False, ProcessTransports("nccl", None, ipc=True)),  # NICs but Mooncake not installed
+        (None, True, True, True, ProcessTransports("nccl", "rdma", ipc=True)),  # all three, chosen per peer
         ("mooncake", False, False, True, ProcessTransports(None, "tcp")),  # forced: no staging, no NCCL
         ("mooncake", True, True, True, ProcessTransports(None, "rdma")),
         ("tcp", True, True, True, ProcessTransports("tcp", None)),
+        ("nccl", True, True, True, ProcessTransports("nccl", None)),  # forced nccl: no IPC export either
+        ("cudaipc", True, True, True, ProcessTransports(None, None, ipc=True)),  # forced: no staging, no NCCL
     ],
 )
 def test_process_starts_only_the_transports_it_can_use(forced, gpu, rdma, mooncake, want) -> None:
     got = process_transports(forced, gpu=gpu, rdma_present=rdma, mooncake_available=mooncake)
     assert got == want
-    assert got.names() == [n for n in (want.two_sided, "mooncake" if want.mooncake else None) if n]
+    assert got.names() == [n for n in ("cudaipc" if want.ipc else None, want.two_sided,
+                                       "mooncake" if want.mooncake else None) if n]
+
+
+def test_forced_cudaipc_without_a_gpu_is_refused_at_start() -> None:
+    with pytest.raises(ValueError, match="cudaipc needs the KV cache on a CUDA device"):
+        process_transports("cudaipc", gpu=False, rdma_present=False, mooncake_available=False)
+
+
+
+@pytest.mark.parametrize(
+    "same_host, offers, mappable, want",
+    [
+        (True, ("cudaipc", "nccl"), True, "cudaipc"),  # same host, exported, mappable: the copy kernel
+        (True, ("cudaipc", "nccl"), False, "nccl"),  # exported but not mappable here (GPU not visible, VMM pool)
+        (True, ("nccl",), True, "nccl"),  # the decode exported nothing: it did not offer cudaipc
+        (False, ("cudaipc", "nccl", "mooncake"), True, "mooncake"),  # another host: never IPC, RDMA first
+    ],
+)
+def test_auto_prefers_cuda_ipc_for_same_host_mappable_peers(same_host, offers, mappable, want) -> None:
+    asked = []
+
+    def ipc() -> bool:
+        asked.append(True)
+        return mappable
+
+    facts = PeerFacts(same_host=same_host, rdma_present=True, nccl_fits=True, peer_offers=offers, ipc=ipc)
+    assert choose_transport(None, facts).transport == want
+    assert bool(asked) == (same_host and "cudaipc" in offers)  # mapping is only probed where it can matter
+
+
+def test_forced_cudaipc_is_chosen_whatever_the_facts() -> None:
+    facts = PeerFacts(same_host=False, rdma_present=True, nccl_fits=True, peer_offers=("cudaipc",), ipc=False)
+    c = choose_transport("cudaipc", facts)
+    assert (c.transport, c.reason) == ("cudaipc", "forced by SGLANG_P2P_TRANSPORT=cudaipc")
 
 
 def test_peer_that_receives_only_with_mooncake_gets_mooncake() -> None:

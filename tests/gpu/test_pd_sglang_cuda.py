@@ -1,5 +1,6 @@
 """The PD suite's byte-exact cases with CUDA pools, through SGLang's classes (plugin loader, `get_kv_class`, the
-bootstrap server, the scheduler's polling), over real NCCL and, where it is installed, Mooncake.
+bootstrap server, the scheduler's polling), over real NCCL, the same-host CUDA IPC path and, where it is
+installed, Mooncake.
 
 Layouts as the issue names them: DeepSeek MLA (61 layers, 576 bf16 values a token) and an MHA model (32 layers,
 8 KV heads x 128, bf16), page sizes 1, 16 and 64, chunked and in one send(). With two GPUs the prefill's pools
@@ -30,6 +31,8 @@ LAYOUTS = {
 }
 TRANSPORTS = [
     pytest.param({"SGLANG_P2P_TRANSPORT": "nccl"}, id="nccl"),
+    # the same-host path: the decode's pools mapped into the prefill (CUDA IPC; two processes on one GPU work too)
+    pytest.param({"SGLANG_P2P_TRANSPORT": "cudaipc"}, id="cudaipc"),
     pytest.param(
         {"SGLANG_P2P_TRANSPORT": "mooncake", "MC_FORCE_TCP": "1", "GLOG_minloglevel": "2"},
         id="mooncake-tcp",

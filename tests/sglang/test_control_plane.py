@@ -86,7 +86,7 @@ def test_flood_of_2000_messages_from_strangers_allocates_nothing():
     # one control socket per real peer, one receiver thread for the real prefill, no table entry for strangers
     assert p["leftovers"]["control_sockets"] == 1 and d["leftovers"]["control_sockets"] == 1
     assert d["leftovers"]["receivers"] == [prefill]
-    assert p["leftovers"]["decode_peers"] == [decode] and p["leftovers"]["rejected_peers"] == []
+    assert p["leftovers"]["decode_peers"] == [decode] and p["leftovers"]["rejected_peers"] == {}
     assert d["leftovers"]["comm_stats"].get("no_room", 0) == 0
     for side in (p, d):
         res = side["resources"]

@@ -16,6 +16,7 @@ import importlib.util
 import pytest
 
 from sglang_p2p_backend.testing.launch import run_pair
+from sglang_p2p_backend.testing.shm_ipc import IPC_STANDIN_ENV
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -32,8 +33,12 @@ FAST_FAILURE_ENV = {
 
 
 MOONCAKE_ENV = {"SGLANG_P2P_TRANSPORT": "mooncake", "MC_FORCE_TCP": "1", "GLOG_minloglevel": "2"}
+# the same-host path with its CPU stand-in for CUDA IPC (testing/shm_ipc.py): pools in shared memory
+# (a dead decode's memory stays writable while the prefill maps it: its death is noticed by liveness, so quickly)
+IPC_ENV = {"SGLANG_P2P_TRANSPORT": "cudaipc", IPC_STANDIN_ENV: "1", "SGLANG_P2P_PEER_TIMEOUT": "2"}
 TRANSPORTS = [
     pytest.param({}, id="tcp"),
+    pytest.param(IPC_ENV, id="cudaipc-standin"),
     pytest.param(
         MOONCAKE_ENV,
         id="mooncake",
@@ -117,7 +122,7 @@ def test_decode_killed_mid_transfer_fails_the_prefill_room(transport_env):
     p = result["prefill"]
     reason = failed_reason(p, 31)
     assert "KV transfer to decode rank 127.0.0.1:" in reason, reason
-    if transport_env:  # the transport's own cause reaches the room
+    if transport_env is MOONCAKE_ENV:  # the transport's own cause reaches the room
         assert "Mooncake write to 127.0.0.1:" in reason and "batch write returned" in reason, reason
     assert p["requests"]["31"]["seconds"] < 20
     assert_clean(p)

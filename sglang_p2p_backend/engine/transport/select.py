@@ -1,11 +1,14 @@
 """Which transport moves a peer's pages: the `auto` policy of `SGLANG_P2P_TRANSPORT`, as a pure function.
 
-`choose_transport` decides from facts the caller gathers (forced value, same host or not, RDMA devices, GPU,
-Mooncake installed, whether the NCCL communicator pool admits one more communicator); `TransportSelector`
+`choose_transport` decides from facts the caller gathers (forced value, same host or not, whether the decode's
+pools can be mapped through CUDA IPC, RDMA devices, GPU, Mooncake installed, whether the NCCL communicator pool
+admits one more communicator); `TransportSelector`
 adds the "log once per peer" part; `rdma_devices` is the one probe of the machine (sysfs), kept apart so the
 policy stays testable without I/O. Nothing here imports SGLang, torch or Mooncake.
 
 Policy for `auto` (GPU hosts):
+0. peer on the same host, its pools exported and mappable here (same GPU or peer access) -> `cudaipc`: one
+   copy kernel a chunk straight into the decode's pages, no staging, no communicator memory;
 1. peer on another host and Mooncake can use RDMA -> `mooncake` (rdma): one-sided writes cost no GPU memory
    per peer, which is what makes 96P x 144D fan-out fit;
 2. otherwise NCCL while the communicator pool admits another communicator;
@@ -30,7 +33,7 @@ from typing import Callable, Hashable, Optional, Union
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "SGLANG_P2P_TRANSPORT"
-TRANSPORTS = ("nccl", "mooncake", "gloo", "tcp")
+TRANSPORTS = ("cudaipc", "nccl", "mooncake", "gloo", "tcp")
 AUTO = "auto"
 #: where the kernel lists RDMA devices (IB and RoCE HCAs alike)
 SYSFS_INFINIBAND = "/sys/class/infiniband"
@@ -51,6 +54,8 @@ class PeerFacts:
     mooncake_available: bool = True
     #: transports the peer can receive with (its registration); empty = not known, anything goes
     peer_offers: tuple[str, ...] = ()
+    #: the peer's pools are exported and this process can map them (asked only for a same-host peer)
+    ipc: BoolOrQuery = False
 
     def offered(self, transport: str) -> bool:
         return not self.peer_offers or transport in self.peer_offers
@@ -90,6 +95,8 @@ def choose_transport(forced: Optional[str], facts: PeerFacts) -> Choice:
             # forced Mooncake still uses the NICs when there are any; tcp works anywhere
             protocol = "rdma" if facts.rdma_present else "tcp"
         return Choice(name, protocol, f"forced by {ENV_VAR}={name}")
+    if facts.same_host and facts.peer_offers and facts.offered("cudaipc") and _ask(facts.ipc):
+        return Choice("cudaipc", None, "peer on the same host, its pools mapped through CUDA IPC: one copy kernel a chunk")
     two_sided = "nccl" if facts.gpu else "tcp"
     if mooncake_usable and not facts.offered(two_sided):
         protocol = "rdma" if facts.rdma_present else "tcp"
@@ -109,32 +116,41 @@ def choose_transport(forced: Optional[str], facts: PeerFacts) -> Choice:
 
 @dataclass(frozen=True)
 class ProcessTransports:
-    """The transports one process sets up: a two-sided one and/or a Mooncake engine."""
+    """The transports one process sets up: the same-host CUDA IPC path, a two-sided one, a Mooncake engine."""
 
-    #: "nccl" | "tcp" | None (forced mooncake: no pair channels, no staging)
+    #: "nccl" | "tcp" | None (forced mooncake or cudaipc: no pair channels, no staging)
     two_sided: Optional[str]
     #: Mooncake protocol ("rdma" | "tcp"), or None when this process runs no Mooncake engine
     mooncake: Optional[str]
+    #: CUDA IPC: the decode exports its pools, the prefill maps same-host peers' pools
+    ipc: bool = False
 
     def names(self) -> list[str]:
         """What this process can move pages with, preferred first (goes in the decode's registration)."""
-        return [n for n in (self.two_sided, "mooncake" if self.mooncake else None) if n]
+        return [n for n in ("cudaipc" if self.ipc else None, self.two_sided, "mooncake" if self.mooncake else None) if n]
 
 
-def process_transports(forced: Optional[str], *, gpu: bool, rdma_present: bool, mooncake_available: bool) -> ProcessTransports:
+def process_transports(forced: Optional[str], *, gpu: bool, rdma_present: bool, mooncake_available: bool,
+                       ipc_capable: Optional[bool] = None) -> ProcessTransports:
     """Which transports a process starts for `SGLANG_P2P_TRANSPORT=forced`.
 
     Forced values start exactly that transport (forced `mooncake`: rdma with RDMA devices, tcp otherwise).
-    `auto` starts NCCL on a GPU (tcp without one) and, only on a GPU host with RDMA devices and Mooncake
-    installed, a Mooncake rdma engine as well, for the peers `choose_transport` sends there."""
+    `auto` starts NCCL on a GPU (tcp without one) with the CUDA IPC path beside it and, only on a GPU host with
+    RDMA devices and Mooncake installed, a Mooncake rdma engine as well, for the peers `choose_transport` sends
+    there. `ipc_capable` (default: `gpu`) says whether this process's pools can be shared with a same-host peer."""
     name = parse_forced(forced)
+    ipc = gpu if ipc_capable is None else ipc_capable
     if name == "mooncake":
         return ProcessTransports(None, "rdma" if rdma_present else "tcp")
+    if name == "cudaipc":
+        if not ipc:
+            raise ValueError(f"{ENV_VAR}=cudaipc needs the KV cache on a CUDA device; use auto or tcp on CPU")
+        return ProcessTransports(None, None, ipc=True)
     if name is not None:
         return ProcessTransports(name, None)
     if gpu and rdma_present and mooncake_available:
-        return ProcessTransports("nccl", "rdma")
-    return ProcessTransports("nccl" if gpu else "tcp", None)
+        return ProcessTransports("nccl", "rdma", ipc=ipc)
+    return ProcessTransports("nccl" if gpu else "tcp", None, ipc=ipc)
 
 
 def rdma_present(sysfs: str = SYSFS_INFINIBAND) -> bool:

@@ -1,0 +1,392 @@
+"""Same-host one-sided transport: the decode's pools mapped into the prefill through CUDA IPC, one copy kernel a chunk.
+
+Decode side, once at start: `export_regions` turns every KV and state region into (allocation handle, offset,
+length); the export travels in the registration (`messages.IpcExport`). Prefill side, once per decode process:
+`IpcMapping` opens each allocation (cudaIpcOpenMemHandle) and from then on translates destination addresses of
+the decode's address space into this process, refusing any span that is not wholly inside a region the decode
+exported. `CudaIpcTransport.write` then copies a chunk's descriptors with one launch (span_copy.py) on its own
+stream and synchronises before it returns, so the Status the caller sends next can never overtake the data;
+the decode does nothing per chunk.
+
+What the pool's memory must be: `cudaIpcGetMemHandle` works on memory from `cudaMalloc`, which is what PyTorch's
+caching allocator hands out by default (SGLang's KV pools are plain torch tensors). Memory from the CUDA VMM API
+is not exportable this way: `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, `--enable-memory-saver`
+(torch_memory_saver) and NCCL/symmetric-memory pools. The decode finds out at start (the export fails) and then
+offers no `cudaipc`, so its prefills use NCCL; the log line says why.
+
+How memory is shared is one small object (`IpcBackend`: find an address's allocation, make/open/close a
+handle, reach a device, copy); `CudaBackend` is the real one. CPU tests install the shared-memory stand-in of
+`testing/shm_ipc.py` with `use_backend`, so the exchange, checks, mapping and unmapping run through SGLang's
+classes without a GPU.
+
+Why ctypes over the CUDA runtime and driver by hand: torch exposes CUDA IPC only for whole storages it
+allocated (the pools arrive as raw addresses from SGLang), and SGLang's `CudaRTLibrary` has neither
+`cudaIpcCloseMemHandle` nor the allocation's base address (`cuMemGetAddressRange`), both needed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..messages import IpcExport, IpcRegion
+from .base import OneSidedTransport, TransportError
+
+logger = logging.getLogger(__name__)
+
+NAME = "cudaipc"
+_VMM_HINT = (": the KV pool is not cudaMalloc memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments, "
+             "--enable-memory-saver and symmetric-memory pools cannot be shared through CUDA IPC)")
+_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+
+class IpcUnavailable(TransportError):
+    """CUDA IPC cannot serve this memory or this pair (the message says why and what to change)."""
+
+
+class _Handle(ctypes.Structure):
+    # raw bytes, not c_char (which ctypes reads and writes as a C string, cut at the first zero byte)
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+    def raw(self) -> bytes:
+        return ctypes.string_at(ctypes.addressof(self), 64)
+
+    @classmethod
+    def of(cls, handle: bytes) -> "_Handle":
+        if len(handle) != 64:
+            raise IpcUnavailable(f"a CUDA IPC handle has 64 bytes, got {len(handle)}")
+        h = cls()
+        ctypes.memmove(ctypes.addressof(h), handle, 64)
+        return h
+
+
+def boot_id() -> str:
+    """Names this kernel boot: two processes with the same value run on one host (containers included)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class IpcBackend:
+    """How one process shares memory with another on the same host (the CUDA one below; a CPU stand-in in tests)."""
+
+    def usable(self, device: torch.device) -> bool:
+        """Whether pools on `device` can be shared at all (decides whether the path starts)."""
+        raise NotImplementedError
+
+    def device_id(self, device: torch.device) -> str:
+        raise NotImplementedError
+
+    def reach(self, device: torch.device, device_id: str) -> Optional[str]:
+        """Why memory on `device_id` cannot be written from `device` (None: it can)."""
+        raise NotImplementedError
+
+    def allocation(self, ptr: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def get_handle(self, base: int) -> bytes:
+        raise NotImplementedError
+
+    def open_handle(self, handle: bytes, device: torch.device) -> int:
+        raise NotImplementedError
+
+    def close_handle(self, ptr: int, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def write(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        """Copy every span and return once the bytes are in place."""
+        raise NotImplementedError
+
+
+class CudaBackend(IpcBackend):
+    """The few CUDA runtime/driver calls this transport needs, on the libraries torch already loaded, and the
+    fused copy kernel (span_copy.py) on a stream of this backend's own, synchronised per write."""
+
+    def __init__(self) -> None:
+        # a copier (pinned tile table) and a stream per transfer thread and device: workers serving different
+        # decode peers copy at the same time without sharing a table
+        self._local = threading.local()
+        self._rt = self._drv = None
+
+    @property
+    def rt(self) -> ctypes.CDLL:
+        """libcudart, loaded on first use (CPU-only hosts construct this backend but never call CUDA)."""
+        if self._rt is None:
+            major = (torch.version.cuda or "").split(".")[0]
+            try:
+                rt, self._drv = ctypes.CDLL(f"libcudart.so.{major}"), ctypes.CDLL("libcuda.so.1")
+            except OSError as e:
+                raise IpcUnavailable(f"CUDA libraries not found: {e}") from e
+            rt.cudaGetErrorString.restype = ctypes.c_char_p
+            self._rt = rt
+        return self._rt
+
+    @property
+    def drv(self) -> ctypes.CDLL:
+        self.rt  # noqa: B018 - loads both
+        return self._drv
+
+    def usable(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def device_id(self, device: torch.device) -> str:
+        return str(torch.cuda.get_device_properties(device).uuid)
+
+    def reach(self, device: torch.device, device_id: str) -> Optional[str]:
+        if device.type != "cuda":
+            return "this rank's KV pool is not on a CUDA device"
+        for i in range(torch.cuda.device_count()):
+            if self.device_id(torch.device("cuda", i)) == device_id:
+                if i == (device.index or 0) or torch.cuda.can_device_access_peer(device.index or 0, i):
+                    return None
+                return f"GPU {device_id} has no peer access from cuda:{device.index}"
+        return f"the decode's GPU {device_id} is not visible to this process (CUDA_VISIBLE_DEVICES)"
+
+    def check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise IpcUnavailable(f"{what} failed: {self.rt.cudaGetErrorString(code).decode()} (error {code})")
+
+    def allocation(self, ptr: int) -> tuple[int, int]:
+        """(base, size) of the allocation that holds `ptr`."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        code = self.drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+        if code != 0:
+            raise IpcUnavailable(f"cuMemGetAddressRange({ptr:#x}) failed (CUresult {code}){_VMM_HINT}")
+        return base.value, size.value
+
+    def get_handle(self, base: int) -> bytes:
+        h = _Handle()
+        self.check(self.rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(base)), "cudaIpcGetMemHandle")
+        return h.raw()
+
+    def open_handle(self, handle: bytes, device: torch.device) -> int:
+        h = _Handle.of(handle)
+        ptr = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            self.check(self.rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, ctypes.c_uint(_LAZY_ENABLE_PEER_ACCESS)),
+                       "cudaIpcOpenMemHandle")
+        return int(ptr.value or 0)
+
+    def close_handle(self, ptr: int, device: torch.device) -> None:
+        with torch.cuda.device(device):
+            self.rt.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr))
+
+    def write(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        from ..span_copy import SpanCopier
+
+        mine = self._local.__dict__.setdefault("copiers", {})
+        if device not in mine:
+            mine[device] = (SpanCopier(device), torch.cuda.Stream(device=device))
+        copier, stream = mine[device]
+        # the sources were written by SGLang's forward pass: order the copy after the work queued so far
+        stream.wait_stream(torch.cuda.current_stream(device))
+        copier.copy(src, dst, lens, stream)
+        stream.synchronize()
+
+
+_backend: Optional[IpcBackend] = None
+_backend_lock = threading.Lock()
+
+
+def backend() -> IpcBackend:
+    """The installed backend (CUDA unless a test installed another)."""
+    global _backend
+    with _backend_lock:
+        if _backend is None:
+            _backend = CudaBackend()
+        return _backend
+
+
+def use_backend(b: Optional[IpcBackend]) -> None:
+    """Install `b` (tests: the CPU stand-in); None goes back to CUDA."""
+    global _backend
+    with _backend_lock:
+        _backend = b
+
+
+def _nothing():
+    return contextlib.nullcontext()
+
+
+def export_regions(regions: Sequence[tuple[int, int]], device: torch.device) -> IpcExport:
+    """The IPC export of `regions` ((address, length), KV regions then state regions): one handle per allocation
+    they live in. Raises IpcUnavailable when the memory is not exportable (see the module docstring)."""
+    lib = backend()
+    if not lib.usable(device):
+        raise IpcUnavailable(f"the KV pool is on {device}, which this path cannot share")
+    bases: dict[int, int] = {}
+    handles: list[bytes] = []
+    sizes: list[int] = []
+    out: list[IpcRegion] = []
+    with torch.cuda.device(device) if device.type == "cuda" else _nothing():
+        for ptr, length in regions:
+            base, size = lib.allocation(ptr)
+            if ptr + length > base + size:
+                raise IpcUnavailable(f"region {ptr:#x}+{length} spans several allocations{_VMM_HINT}")
+            if base not in bases:
+                try:
+                    handles.append(lib.get_handle(base))
+                except IpcUnavailable as e:
+                    raise IpcUnavailable(f"{e}{_VMM_HINT}") from e
+                bases[base] = len(handles) - 1
+                sizes.append(size)
+            out.append(IpcRegion(ptr=ptr, alloc=bases[base], offset=ptr - base, length=length))
+    return IpcExport(device_uuid=lib.device_id(device), boot_id=boot_id(), pid=os.getpid(), handles=handles,
+                     alloc_sizes=sizes, regions=out)
+
+
+def reachable(export: IpcExport, device: torch.device) -> Optional[str]:
+    """Why this process cannot map `export` (None: it can try): another host, or a GPU it cannot see or reach."""
+    if not export.boot_id or export.boot_id != boot_id():
+        return "the decode runs on another host (boot ids differ)"
+    if export.pid == os.getpid():
+        return "the decode is this process (CUDA IPC needs two processes)"
+    return backend().reach(device, export.device_uuid)
+
+
+@dataclass(frozen=True)
+class RegionTable:
+    """Exported regions sorted by their decode address, with where each lives in this process: the bounds every
+    destination span is checked against (pure: tests build one without CUDA)."""
+
+    starts: np.ndarray  # decode addresses, sorted
+    lengths: np.ndarray
+    mapped: np.ndarray  # this process's address of each region's first byte
+
+    @classmethod
+    def build(cls, regions: Sequence[IpcRegion], alloc_bases: Sequence[int]) -> "RegionTable":
+        order = sorted(range(len(regions)), key=lambda i: regions[i].ptr)
+        starts = np.array([regions[i].ptr for i in order], dtype=np.int64)
+        lengths = np.array([regions[i].length for i in order], dtype=np.int64)
+        mapped = np.array([alloc_bases[regions[i].alloc] + regions[i].offset for i in order], dtype=np.int64)
+        return cls(starts, lengths, mapped)
+
+    def translate(self, dst: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """This process's addresses of decode spans (dst[i], lens[i]); TransportError naming the first span that
+        is not wholly inside one exported region (nothing is written then)."""
+        dst = np.asarray(dst, dtype=np.int64)
+        lens = np.asarray(lens, dtype=np.int64)
+        if not dst.size:
+            return dst
+        if not self.starts.size:
+            raise TransportError("the decode exported no regions; nothing was written")
+        i = np.searchsorted(self.starts, dst, side="right") - 1
+        ok = (i >= 0) & (lens >= 0)
+        j = np.where(ok, i, 0)
+        off = dst - self.starts[j]  # >= 0 where ok; compared without dst + lens, which could overflow
+        ok &= lens <= self.lengths[j] - off
+        if not ok.all():
+            k = int(np.flatnonzero(~ok)[0])
+            raise TransportError(f"write of {int(lens[k])} bytes at decode address {int(dst[k]):#x} is outside every "
+                                 f"region the decode exported; nothing was written")
+        return dst - self.starts[j] + self.mapped[j]
+
+
+def check_export(export: IpcExport, expected: Sequence[tuple[int, int]]) -> Optional[str]:
+    """Why `export` does not describe the decode's registered regions (address, minimum length), if it does not."""
+    if len(export.alloc_sizes) != len(export.handles):
+        return f"the export has {len(export.handles)} handles but {len(export.alloc_sizes)} allocation sizes"
+    if len(export.regions) != len(expected):
+        return f"the export has {len(export.regions)} regions, the registration {len(expected)}"
+    for r, (ptr, need) in zip(export.regions, expected):
+        if r.ptr != ptr or r.length < need:
+            return f"exported region {r.ptr:#x}+{r.length} does not cover registered {ptr:#x}+{need}"
+        if r.alloc >= len(export.handles) or r.offset + r.length > export.alloc_sizes[r.alloc]:
+            return f"exported region {r.ptr:#x} lies outside its allocation"
+    return None
+
+
+class IpcMapping:
+    """One decode process's exported allocations opened in this process; close() unmaps them."""
+
+    def __init__(self, export: IpcExport, device: torch.device):
+        self.export = export
+        self.device = device
+        self._bases: list[int] = []
+        try:
+            for h in export.handles:
+                self._bases.append(backend().open_handle(h, device))
+        except IpcUnavailable:
+            self.close()
+            raise
+        self.table = RegionTable.build(export.regions, self._bases)
+
+    def close(self) -> None:
+        for base in self._bases:
+            backend().close_handle(base, self.device)
+        self._bases = []
+
+
+class CudaIpcTransport(OneSidedTransport):
+    """Decode: exports its regions (`register`, `export`). Prefill: maps peers (`open_peer`, `forget_peer`) and
+    writes chunks (`write`). Each peer is used by the one transfer worker that owns it; the lock only guards
+    the table of peers."""
+
+    name = NAME
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.export: Optional[IpcExport] = None
+        self.unavailable: Optional[str] = None
+        self._peers: dict[str, IpcMapping] = {}
+        self._lock = threading.Lock()
+
+    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+        try:
+            self.export = export_regions(regions, self.device)
+        except IpcUnavailable as e:
+            self.export, self.unavailable = None, str(e)
+            logger.warning("p2pnccl: same-host CUDA IPC path off for this rank, prefills use NCCL: %s", e)
+
+    def session_id(self) -> str:
+        return ""
+
+    def open_peer(self, session: str, export: IpcExport) -> None:
+        """Map the decode process behind `session` (again: a restarted process replaces the old mapping)."""
+        self.forget_peer(session)
+        mapping = IpcMapping(export, self.device)
+        with self._lock:
+            self._peers[session] = mapping
+
+    def mapped(self, session: str, export: IpcExport) -> bool:
+        with self._lock:
+            m = self._peers.get(session)
+        return m is not None and m.export is export
+
+    def mapped_peers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._peers)
+
+    def forget_peer(self, session: str) -> None:
+        """Unmap a peer's memory; the caller guarantees no copy of it is in flight (writes are synchronous)."""
+        with self._lock:
+            m = self._peers.pop(session, None)
+        if m is not None:
+            m.close()
+
+    def write(self, session: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]) -> int:
+        """Copy the spans into peer `session`'s memory (dst: its addresses) and wait; returns the bytes copied."""
+        with self._lock:
+            m = self._peers.get(session)
+        if m is None:
+            raise TransportError(f"decode rank {session} is not mapped through CUDA IPC")
+        lens = np.asarray(lengths, dtype=np.int64)
+        mapped = m.table.translate(np.asarray(dst, dtype=np.int64), lens)
+        backend().write(self.device, np.asarray(src, dtype=np.int64), mapped, lens)
+        return int(lens.sum())
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for m in peers:
+            m.close()
