@@ -204,7 +204,8 @@ run_lb() {  # every server on GPU 0 whatever --gpus says; p2pnccl over NCCL with
 run_ipc() {  # pytest output goes to $OUT/ipc_tests.log; figures to $OUT/ipc_$KIND.json
   step ipc_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ipc.py -rs \
     > "$OUTDIR/ipc_tests.log" 2>&1
-  step ipc_bench python3 bench/transfer/ipc_bench.py --machine "$KIND" --out "$OUTDIR/ipc_$KIND.json"
+  # shellcheck disable=SC2086 # E2E_IPC_BENCH_ARGS: extra flags, e.g. "--reps 10 --timeout 90"
+  step ipc_bench python3 bench/transfer/ipc_bench.py --machine "$KIND" --out "$OUTDIR/ipc_$KIND.json" ${E2E_IPC_BENCH_ARGS:-}
   local k=${E2E_IPC_SGLANG_K-"cudaipc"}
   if [ -n "$k" ]; then
     step ipc_sglang python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pd_sglang_cuda.py -k "$k" -rs \
