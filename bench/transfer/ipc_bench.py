@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import re
 import socket
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +37,8 @@ import numpy as np
 _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` and `sglang_p2p_backend`
     sys.path.insert(0, _ROOT)
+
+from bench.transfer.pair import collect, expect, guarded, page_bytes, spawn  # noqa: E402
 
 #: regions and bytes per token in a region (bf16)
 LAYOUTS = {"mla": (61, 576 * 2), "mha": (64, 8 * 128 * 2)}
@@ -70,45 +70,10 @@ def _alloc(torch, layout: str, pages: int, dev, zero: bool):
     return [make(shape, dtype=torch.bfloat16, device=dev) for _ in range(regions)]
 
 
-def _pages(t):
-    """(pages, item bytes) uint8 view of a pool tensor."""
-    import torch
-
-    return t.view(-1).view(torch.uint8).view(t.shape[0], -1)
-
-
 def _truth(torch, layout: str, region: int, dev):
     """The prefill's bytes of one region; the decode regenerates them from the seed to check a case."""
     g = torch.Generator(device=dev).manual_seed(SEED[layout] * 1009 + region)
     return torch.randint(0, 256, (PREFILL_PAGES[layout], _item(layout)), generator=g, device=dev, dtype=torch.uint8)
-
-
-def _recv(conn, kinds: tuple, timeout: float):
-    if not conn.poll(timeout):
-        raise TimeoutError(f"nothing from the other process within {timeout:.0f}s (waiting for {kinds})")
-    try:
-        msg = conn.recv()
-    except EOFError:
-        raise RuntimeError(f"the other process closed the pipe (waiting for {kinds})") from None
-    if msg[0] == "error":
-        raise RuntimeError(f"the other process failed:\n{msg[1]}")
-    if msg[0] not in kinds:
-        raise RuntimeError(f"expected one of {kinds} from the other process, got {msg[0]!r}")
-    return msg
-
-
-def _guarded(body, conn, cfg):
-    """Run `body`; on failure print the traceback, tell the peer (it stops waiting) and re-raise."""
-    try:
-        return body(conn, cfg)
-    except BaseException:
-        tb = traceback.format_exc()
-        print(f"[pid {os.getpid()}] {body.__name__} failed:\n{tb}", file=sys.stderr, flush=True)
-        try:
-            conn.send(("error", tb))
-        except (OSError, ValueError):
-            pass
-        raise
 
 
 # -- decode ---------------------------------------------------------------------------------------------------
@@ -131,21 +96,21 @@ def _decode(conn, cfg):
                            "not 64 (the handle bytes were cut)")
     conn.send(("export", msgspec.msgpack.encode(export), {lay: [t.data_ptr() for t in pools[lay]] for lay in LAYOUTS}))
     while True:
-        msg = _recv(conn, ("verify", "done"), cfg["timeout"])
+        msg = expect(conn, ("verify", "done"), cfg["timeout"])
         if msg[0] == "done":
             return {"export_ms": export_ms, "allocations": len(export.handles), "regions": len(regions)}
         _, lay, src, dst = msg
         src_t, dst_t = torch.from_numpy(src).to(dev), torch.from_numpy(dst).to(dev)
         bad = torch.zeros(DECODE_PAGES[lay], dtype=torch.bool, device=dev)
         for r, t in enumerate(pools[lay]):
-            bad[dst_t[(_pages(t)[dst_t] != _truth(torch, lay, r, dev)[src_t]).any(dim=1)]] = True
-            _pages(t)[dst_t] = 0  # the next case of this layout starts from zeros again
+            bad[dst_t[(page_bytes(t)[dst_t] != _truth(torch, lay, r, dev)[src_t]).any(dim=1)]] = True
+            page_bytes(t)[dst_t] = 0  # the next case of this layout starts from zeros again
         torch.cuda.synchronize(dev)
         conn.send(("verified", bad.nonzero().flatten().tolist()[:10]))
 
 
 def decode(rank, conn, cfg):
-    return _guarded(_decode, conn, cfg)
+    return guarded(_decode, conn, cfg)
 
 
 # -- prefill --------------------------------------------------------------------------------------------------
@@ -181,11 +146,11 @@ class Prefill:
         self.pools = {lay: _alloc(torch, lay, PREFILL_PAGES[lay], dev, zero=False) for lay in LAYOUTS}
         for lay, pool in self.pools.items():
             for r, t in enumerate(pool):
-                _pages(t).copy_(_truth(torch, lay, r, dev))
+                page_bytes(t).copy_(_truth(torch, lay, r, dev))
         torch.cuda.synchronize(dev)
         self.local = {lay: LocalMemory(kv=[Region(t.data_ptr(), t.numel() * 2, _item(lay)) for t in pool], state=[],
                                        aux=[]) for lay, pool in self.pools.items()}
-        _, blob, ptrs = _recv(conn, ("export",), cfg["timeout"])
+        _, blob, ptrs = expect(conn, ("export",), cfg["timeout"])
         export = msgspec.msgpack.decode(blob, type=messages.IpcExport)
         expected = [(p, DECODE_PAGES[lay] * _item(lay)) for lay in LAYOUTS for p in ptrs[lay]]
         problem = reachable(export, dev) or check_export(export, expected)
@@ -283,7 +248,7 @@ class Prefill:
         nbytes = int(n.sum())
         write = self._write_times(s, d, n, warmup, reps)
         self.conn.send(("verify", lay, src_ids, dst_ids))
-        _, bad = _recv(self.conn, ("verified",), self.cfg["timeout"])
+        _, bad = expect(self.conn, ("verified",), self.cfg["timeout"])
         parts = self._plan_and_kernel(s, d, n, min(reps, 50))
         ref_ev, ref_host = self._torch_copy(nbytes, min(reps, 50))
         w, t = _us(write), _us(ref_ev)
@@ -322,7 +287,7 @@ def _prefill(conn, cfg):
 
 
 def prefill(rank, conn, cfg):
-    return _guarded(_prefill, conn, cfg)
+    return guarded(_prefill, conn, cfg)
 
 
 # -- driver ---------------------------------------------------------------------------------------------------
@@ -371,8 +336,6 @@ def main(argv=None) -> int:
     out = Path(ns.out or Path(_ROOT) / "bench" / "results" / f"ipc_{machine}.json")
 
     import multiprocessing as mp
-
-    from bench.transfer.pair import collect, spawn
 
     cfg = {"reps": ns.reps, "warmup": ns.warmup, "latency_reps": ns.latency_reps, "timeout": ns.timeout}
     ctx = mp.get_context("spawn")

@@ -123,3 +123,41 @@ def connect_pair(transport, conn, rank: int, timeout: float = 60.0, max_ctas: Op
     else:
         uid = conn.recv()
     return transport.connect(uid, rank, timeout)
+
+
+def expect(conn, kinds: tuple, timeout: float) -> tuple:
+    """The peer's next message (a tuple whose first item is its kind), which must be one of `kinds`; the peer's
+    failure ("error", traceback), its silence past `timeout` or a closed pipe raise here instead of hanging."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"nothing from the other process within {timeout:.0f}s (waiting for {kinds})")
+    try:
+        msg = conn.recv()
+    except EOFError:
+        raise RuntimeError(f"the other process closed the pipe (waiting for {kinds})") from None
+    if msg[0] == "error":
+        raise RuntimeError(f"the other process failed:\n{msg[1]}")
+    if msg[0] not in kinds:
+        raise RuntimeError(f"expected one of {kinds} from the other process, got {msg[0]!r}")
+    return msg
+
+
+def guarded(body: Callable, conn, *args: Any) -> Any:
+    """Run `body(conn, *args)`; on failure print the traceback, tell the peer ("error", traceback: it stops
+    waiting) and re-raise."""
+    try:
+        return body(conn, *args)
+    except BaseException:
+        tb = traceback.format_exc()
+        print(f"[pid {os.getpid()}] {body.__name__} failed:\n{tb}", flush=True)
+        try:
+            conn.send(("error", tb))
+        except (OSError, ValueError):
+            pass
+        raise
+
+
+def page_bytes(t):
+    """(pages, item bytes) uint8 view of a pool tensor whose first dimension is pages."""
+    import torch
+
+    return t.view(-1).view(torch.uint8).view(t.shape[0], -1)

@@ -35,9 +35,10 @@ def word_size(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, cap: int = 8) 
     """Widest power-of-two word (<= cap) dividing every address and length."""
     if not len(lens):
         return cap
-    bits = np.bitwise_or.reduce(np.concatenate([src, dst, lens]).astype(np.int64))
-    bits |= cap
-    return int(bits & -bits)
+    bits = cap
+    for a in (src, dst, lens):
+        bits |= int(np.bitwise_or.reduce(a))
+    return bits & -bits
 
 
 def plan_tiles(src: Sequence[int], dst: Sequence[int], lens: Sequence[int], tile_bytes: int = TILE_BYTES,
@@ -49,13 +50,17 @@ def plan_tiles(src: Sequence[int], dst: Sequence[int], lens: Sequence[int], tile
     lens = np.asarray(lens, dtype=np.int64).reshape(-1)
     if not (src.shape == dst.shape == lens.shape):
         raise ValueError(f"{src.size} sources, {dst.size} destinations and {lens.size} lengths do not pair up")
-    if (lens < 0).any():
+    shortest = int(lens.min()) if lens.size else 1
+    if shortest < 0:
         raise ValueError("negative span length")
-    keep = lens > 0
-    src, dst, lens = src[keep], dst[keep], lens[keep]
+    if shortest == 0:
+        keep = lens > 0
+        src, dst, lens = src[keep], dst[keep], lens[keep]
     word = word or word_size(src, dst, lens)
     if tile_bytes % word:
         raise ValueError(f"tile of {tile_bytes} bytes is not a multiple of the {word}-byte word")
+    if not lens.size or int(lens.max()) <= tile_bytes:  # every span one tile (pages, head slices): no expansion
+        return word, np.stack([src, dst, lens // word], axis=1)
     per = -(-lens // tile_bytes)  # tiles per span
     first = np.repeat(np.cumsum(per) - per, per)
     k = np.arange(int(per.sum()), dtype=np.int64) - first  # tile index inside its span

@@ -36,7 +36,9 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # `bench` is importable from the repository root only
     sys.path.insert(0, _ROOT)
 
-from bench.transfer.pair import collect, spawn  # noqa: E402
+from bench.transfer.pair import collect, expect, spawn  # noqa: E402
+from bench.transfer.pair import guarded as _guarded  # noqa: E402
+from bench.transfer.pair import page_bytes as _pages  # noqa: E402
 from sglang_p2p_backend.engine import messages  # noqa: E402
 from sglang_p2p_backend.engine.memory import Region  # noqa: E402
 from sglang_p2p_backend.engine.onesided import LocalMemory, chunk_descriptors  # noqa: E402
@@ -71,11 +73,6 @@ def _alloc_pool(layout: str, page_size: int, dev: torch.device) -> list[torch.Te
     return [torch.zeros((PAGES, page_size, *token), dtype=torch.bfloat16, device=dev) for _ in range(regions)]
 
 
-def _pages(t: torch.Tensor) -> torch.Tensor:
-    """(pages, item bytes) uint8 view of a pool tensor."""
-    return t.view(-1).view(torch.uint8).view(t.shape[0], -1)
-
-
 def _truth(seed: int, region: int, item: int, dev: torch.device) -> torch.Tensor:
     """The prefill's bytes of one region: the same in both processes (same seed, same device generator)."""
     g = torch.Generator(device=dev).manual_seed(seed * 1009 + region)
@@ -87,32 +84,8 @@ def _regions(pool: list[torch.Tensor]) -> list[tuple[int, int]]:
 
 
 def _recv(conn, what: str, timeout: float = IO_TIMEOUT):
-    """The next message, which must be `what`; the peer's failure or silence raises here instead of hanging."""
-    if not conn.poll(timeout):
-        raise TimeoutError(f"no {what!r} from the other process within {timeout:.0f}s")
-    try:
-        msg = conn.recv()
-    except EOFError:
-        raise RuntimeError(f"the other process closed the pipe while {what!r} was awaited") from None
-    if msg[0] == "error":
-        raise RuntimeError(f"the other process failed:\n{msg[1]}")
-    if msg[0] != what:
-        raise RuntimeError(f"expected {what!r} from the other process, got {msg[0]!r}")
-    return msg[1:]
-
-
-def _guarded(body, conn, *args):
-    """Run `body`; on failure print the traceback, tell the peer (so it stops waiting) and re-raise."""
-    try:
-        return body(conn, *args)
-    except BaseException:
-        tb = traceback.format_exc()
-        print(f"[pid {os.getpid()}] {body.__name__} failed:\n{tb}", file=sys.stderr, flush=True)
-        try:
-            conn.send(("error", tb))
-        except (OSError, ValueError):
-            pass
-        raise
+    """The next message, which must be `what` (its payload); the peer's failure or silence raises here."""
+    return expect(conn, (what,), timeout)[1:]
 
 
 # -- process bodies ------------------------------------------------------------------------------------------

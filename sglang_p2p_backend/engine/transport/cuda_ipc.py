@@ -281,15 +281,14 @@ class RegionTable:
         if not self.starts.size:
             raise TransportError("the decode exported no regions; nothing was written")
         i = np.searchsorted(self.starts, dst, side="right") - 1
-        ok = (i >= 0) & (lens >= 0)
-        j = np.where(ok, i, 0)
-        off = dst - self.starts[j]  # >= 0 where ok; compared without dst + lens, which could overflow
-        ok &= lens <= self.lengths[j] - off
+        j = np.maximum(i, 0)
+        # dst >= starts[j] where i >= 0, so ends - dst cannot overflow (dst + lens could)
+        ok = (i >= 0) & (lens >= 0) & (lens <= np.take(self.starts + self.lengths, j) - dst)
         if not ok.all():
             k = int(np.flatnonzero(~ok)[0])
             raise TransportError(f"write of {int(lens[k])} bytes at decode address {int(dst[k]):#x} is outside every "
                                  f"region the decode exported; nothing was written")
-        return dst - self.starts[j] + self.mapped[j]
+        return dst + np.take(self.mapped - self.starts, j)
 
 
 def check_export(export: IpcExport, expected: Sequence[tuple[int, int]]) -> Optional[str]:
