@@ -126,7 +126,8 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
                 self._heads_for(reg)
             except HeadsError as e:
                 problems.append(f"KV heads cannot be paired: {e}")
-        if self.config.transport == "cudaipc" and not problems:
+        only_ipc = self.config.transport == "cudaipc" or self._common_transports(reg) == ["cudaipc"]
+        if only_ipc and not problems:  # nothing to fall back to: refuse now, naming why
             ipc = self._ipc_problem(reg)
             if ipc:
                 problems.append(f"SGLANG_P2P_TRANSPORT=cudaipc cannot serve this pair: {ipc}; use auto or nccl")

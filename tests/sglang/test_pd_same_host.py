@@ -45,9 +45,11 @@ def test_a_decode_that_exports_nothing_is_refused_by_a_forced_prefill_on_both_si
 
 
 def test_an_export_that_does_not_cover_the_registered_pool_is_refused_before_any_write():
-    # a decode whose first exported region is one page shorter than the pool it registers: mapping it would let
-    # page ids that pass the pool bounds land outside the exported memory, so the pair is refused
-    plan = _plan(faults={"decode": {"ipc_export_short": True}}, linger_s={"prefill": 2.0})
+    # a decode (forced to cudaipc: it offers nothing else) whose first exported region is one page shorter than
+    # the pool it registers: mapping it would let page ids that pass the pool bounds land outside the exported
+    # memory; an auto prefill has no other way to that decode, so it refuses the pair at registration
+    plan = _plan(faults={"decode": {"ipc_export_short": True}}, linger_s={"prefill": 2.0},
+                 env={"prefill": {"SGLANG_P2P_TRANSPORT": "auto"}})
     result = run_pair(plan, env={**FAST, **IPC})
     d, p = result["decode"], result["prefill"]
     assert "does not cover registered" in _reason(d, 81), _reason(d, 81)
