@@ -73,7 +73,7 @@ class DecodeKVManager(P2pNcclKVManager):
         self.comm_budget = CommBudget.from_env("decode") if self.two_sided else None
         if self.ipc is not None:
             # exported once: KV regions, then state components' regions (the order of kv_ptrs, state_ptrs)
-            self.ipc.register([(r.ptr, r.length) for r in [*self.kv_regions, *(r for c in self.state_regions for r in c)]])
+            self.ipc.register(self.local_memory.pool_regions())
             if self.ipc.export is None and self.config.transport == "cudaipc":
                 raise TransportError(f"SGLANG_P2P_TRANSPORT=cudaipc, but this decode rank's KV pool cannot be exported "
                                      f"through CUDA IPC: {self.ipc.unavailable}; use SGLANG_P2P_TRANSPORT=auto or nccl")
@@ -82,6 +82,7 @@ class DecodeKVManager(P2pNcclKVManager):
     # ------------------------------------------------------------------ registration
     def registration(self) -> wire.PeerRegister:
         args = self.kv_args
+        export = self.ipc.export if self.ipc is not None else None
         return wire.PeerRegister(
             session=self.session,
             incarnation=self.incarnation,
@@ -96,13 +97,10 @@ class DecodeKVManager(P2pNcclKVManager):
             kv_pages=min((r.num_items for r in self.kv_regions), default=0),
             aux_rows=min((r.num_items for r in self.local_memory.aux), default=0),
             state_slots=[min((r.num_items for r in comp), default=0) for comp in self.state_regions],
-            transports=[t for t in self.transports.names() if t != "cudaipc" or self._ipc_export() is not None],
+            transports=[t for t in self.transports.names() if t != "cudaipc" or export is not None],
             mooncake_session=self.one_sided.session_id() if self.one_sided else "",
-            ipc=self._ipc_export(),
+            ipc=export,
         )
-
-    def _ipc_export(self) -> Optional[wire.IpcExport]:
-        return self.ipc.export if self.ipc is not None else None
 
     def ensure_registered(self, endpoint: str) -> None:
         """Register with prefill rank `endpoint` unless a registration is pending or accepted (a refused or

@@ -126,12 +126,13 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
                 self._heads_for(reg)
             except HeadsError as e:
                 problems.append(f"KV heads cannot be paired: {e}")
-        only_ipc = self.config.transport == "cudaipc" or self._common_transports(reg) == ["cudaipc"]
+        common = self._common_transports(reg)
+        only_ipc = self.config.transport == "cudaipc" or common == ["cudaipc"]
         if only_ipc and not problems:  # nothing to fall back to: refuse now, naming why
             ipc = self._ipc_problem(reg)
             if ipc:
                 problems.append(f"SGLANG_P2P_TRANSPORT=cudaipc cannot serve this pair: {ipc}; use auto or nccl")
-        if not self._common_transports(reg):
+        if not common:
             problems.append(
                 f"no transport in common: this prefill rank moves pages with {self.transports.names()}, the decode "
                 f"rank receives with {list(reg.transports)}; set the same SGLANG_P2P_TRANSPORT on prefill and decode"

@@ -80,11 +80,10 @@ class SameHostPath:
                 self.ipc.open_peer(session, peer.ipc)
             except IpcUnavailable as e:
                 self._ipc_off(session, f"mapping its pools failed: {e}")
-                if self.config.transport == "cudaipc":
-                    raise TransportError(f"SGLANG_P2P_TRANSPORT=cudaipc: decode rank {session}: {e}") from e
-                if self._common_transports(peer) == ["cudaipc"]:  # a decode forced to cudaipc offers nothing else
-                    raise TransportError(f"decode rank {session} receives only through CUDA IPC, which failed here: "
-                                         f"{e}; set SGLANG_P2P_TRANSPORT=auto on it") from e
+                # with SGLANG_P2P_TRANSPORT=cudaipc on either side there is no other transport to this decode
+                if self._common_transports(peer) == ["cudaipc"]:
+                    raise TransportError(f"decode rank {session} is reachable only through CUDA IPC "
+                                         f"(SGLANG_P2P_TRANSPORT=cudaipc), which failed here: {e}; use auto or nccl") from e
                 return False
         descriptors = chunk_descriptors(self.local_memory, peer, src, dst, None, heads)  # PlanError: nothing moved
         try:

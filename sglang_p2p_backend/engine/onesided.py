@@ -41,10 +41,13 @@ class LocalMemory:
     state: Sequence[Sequence[Region]]
     aux: Sequence[Region]
 
+    def pool_regions(self) -> list[tuple[int, int]]:
+        """(address, length) of the KV regions, then the state components' regions: the pools page ids index."""
+        return [(r.ptr, r.length) for r in [*self.kv, *(r for comp in self.state for r in comp)]]
+
     def regions(self) -> list[tuple[int, int]]:
-        """(address, length) of every region, for registration with the one-sided engine."""
-        every = [*self.kv, *(r for comp in self.state for r in comp), *self.aux]
-        return [(r.ptr, r.length) for r in every]
+        """(address, length) of every region, aux buffers included, for registration with the one-sided engine."""
+        return self.pool_regions() + [(r.ptr, r.length) for r in self.aux]
 
 
 def _group(local: LocalMemory, peer: PeerRegister, g: int) -> tuple[list[int], list[int], list[int]]:

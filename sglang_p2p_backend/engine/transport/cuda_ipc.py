@@ -182,10 +182,10 @@ class CudaBackend(IpcBackend):
             self.rt.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr))
 
     def write(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
-        from ..span_copy import SpanCopier
-
         mine = self._local.__dict__.setdefault("copiers", {})
         if device not in mine:
+            from ..span_copy import SpanCopier  # Triton: imported by the first copy, not at start
+
             mine[device] = (SpanCopier(device), torch.cuda.Stream(device=device))
         copier, stream = mine[device]
         # the sources were written by SGLang's forward pass: order the copy after the work queued so far
@@ -214,10 +214,6 @@ def use_backend(b: Optional[IpcBackend]) -> None:
         _backend = b
 
 
-def _nothing():
-    return contextlib.nullcontext()
-
-
 def export_regions(regions: Sequence[tuple[int, int]], device: torch.device) -> IpcExport:
     """The IPC export of `regions` ((address, length), KV regions then state regions): one handle per allocation
     they live in. Raises IpcUnavailable when the memory is not exportable (see the module docstring)."""
@@ -228,7 +224,7 @@ def export_regions(regions: Sequence[tuple[int, int]], device: torch.device) -> 
     handles: list[bytes] = []
     sizes: list[int] = []
     out: list[IpcRegion] = []
-    with torch.cuda.device(device) if device.type == "cuda" else _nothing():
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         for ptr, length in regions:
             base, size = lib.allocation(ptr)
             if ptr + length > base + size:
@@ -260,8 +256,8 @@ class RegionTable:
     destination span is checked against (pure: tests build one without CUDA)."""
 
     starts: np.ndarray  # decode addresses, sorted
-    lengths: np.ndarray
-    mapped: np.ndarray  # this process's address of each region's first byte
+    ends: np.ndarray  # decode address past each region's last byte
+    delta: np.ndarray  # this process's address of a region's byte minus the decode's
 
     @classmethod
     def build(cls, regions: Sequence[IpcRegion], alloc_bases: Sequence[int]) -> "RegionTable":
@@ -269,7 +265,7 @@ class RegionTable:
         starts = np.array([regions[i].ptr for i in order], dtype=np.int64)
         lengths = np.array([regions[i].length for i in order], dtype=np.int64)
         mapped = np.array([alloc_bases[regions[i].alloc] + regions[i].offset for i in order], dtype=np.int64)
-        return cls(starts, lengths, mapped)
+        return cls(starts, starts + lengths, mapped - starts)
 
     def translate(self, dst: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """This process's addresses of decode spans (dst[i], lens[i]); TransportError naming the first span that
@@ -283,12 +279,12 @@ class RegionTable:
         i = np.searchsorted(self.starts, dst, side="right") - 1
         j = np.maximum(i, 0)
         # dst >= starts[j] where i >= 0, so ends - dst cannot overflow (dst + lens could)
-        ok = (i >= 0) & (lens >= 0) & (lens <= np.take(self.starts + self.lengths, j) - dst)
+        ok = (i >= 0) & (lens >= 0) & (lens <= np.take(self.ends, j) - dst)
         if not ok.all():
             k = int(np.flatnonzero(~ok)[0])
             raise TransportError(f"write of {int(lens[k])} bytes at decode address {int(dst[k]):#x} is outside every "
                                  f"region the decode exported; nothing was written")
-        return dst + np.take(self.mapped - self.starts, j)
+        return dst + np.take(self.delta, j)
 
 
 def check_export(export: IpcExport, expected: Sequence[tuple[int, int]]) -> Optional[str]:

@@ -95,7 +95,7 @@ def choose_transport(forced: Optional[str], facts: PeerFacts) -> Choice:
             # forced Mooncake still uses the NICs when there are any; tcp works anywhere
             protocol = "rdma" if facts.rdma_present else "tcp"
         return Choice(name, protocol, f"forced by {ENV_VAR}={name}")
-    if facts.same_host and facts.peer_offers and facts.offered("cudaipc") and _ask(facts.ipc):
+    if facts.same_host and "cudaipc" in facts.peer_offers and _ask(facts.ipc):
         return Choice("cudaipc", None, "peer on the same host, its pools mapped through CUDA IPC: one copy kernel a chunk")
     two_sided = "nccl" if facts.gpu else "tcp"
     if mooncake_usable and not facts.offered(two_sided):
