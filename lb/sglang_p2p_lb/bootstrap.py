@@ -3,8 +3,10 @@
 Prefill and decode get the same body plus `bootstrap_host/port/room` (lists of batch length for a batched
 `/generate`, one fresh room per item). With DP attention, the room is drawn so that `room % dp_size` is
 the chosen prefill rank (SGLang's default `follow_bootstrap_room` then agrees with `routed_dp_rank`),
-the prefill gets `routed_dp_rank`, and the decode gets its own `routed_dp_rank` plus
-`disagg_prefill_dp_rank` so it need not ask the prefill which rank holds the KV.
+the prefill gets `routed_dp_rank` (a policy that names no rank gets `room % dp_size`, so the rank is
+known whatever the prefill's `--load-balance-method`), both sides get `disagg_prefill_dp_rank` (the decode
+need not ask the prefill which rank holds the KV, and the prefill does not register its rank for that
+query), and the decode gets its own `routed_dp_rank`.
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ def build_bodies(body: dict[str, Any], choice: Choice, batch: int | None, dp_fie
         return common, common, rooms  # one body for both legs, serialized once
     p_body, d_body = dict(common), dict(common)
     if p.dp_size > 1:
-        rank = p_rank if p_rank is not None else rooms[0] % p.dp_size
-        if p_rank is not None:
-            p_body["routed_dp_rank"] = p_rank
-        # with a batch and no chosen rank the items may sit on different ranks: let decode follow the room
+        # with a batch and no chosen rank the items sit on different ranks: both sides follow the room
         if p_rank is not None or batch is None:
-            d_body["disagg_prefill_dp_rank"] = rank
+            rank = p_rank if p_rank is not None else rooms[0] % p.dp_size
+            # the prefill runs the request on that rank whatever its --load-balance-method, and both sides
+            # know it: the decode does not query the prefill's bootstrap server for it
+            p_body["routed_dp_rank"] = rank
+            p_body["disagg_prefill_dp_rank"] = d_body["disagg_prefill_dp_rank"] = rank
     if d.dp_size > 1 and choice.decode_rank is not None:
         d_body["routed_dp_rank"] = choice.decode_rank
     return p_body, d_body, rooms

@@ -10,6 +10,7 @@ import signal
 from typing import Sequence
 
 from . import auth
+from .circuit import BreakerConfig
 from .health import HealthConfig
 from .policy import POLICIES
 from .prefix_policy import PrefixParams
@@ -51,6 +52,20 @@ def parse_nodes(items: Sequence[str] | None) -> dict[str, str]:
     return nodes
 
 
+def default_max_concurrent() -> int:
+    """smg's default bound: 1024 requests per available core, at least 4096."""
+    return max(4096, 1024 * len(os.sched_getaffinity(0)))
+
+
+def check_limits(args: argparse.Namespace) -> None:
+    for flag, v in (("--queue-size", args.queue_size), ("--cb-failure-threshold", args.cb_failure_threshold), ("--cb-success-threshold", args.cb_success_threshold), ("--cb-half-open-max-probes", args.cb_half_open_max_probes)):
+        if v < (0 if flag == "--queue-size" else 1):
+            raise ValueError(f"{flag} must be {'>= 0' if flag == '--queue-size' else '>= 1'}, got {v}")
+    for flag, v in (("--queue-timeout-secs", args.queue_timeout_secs), ("--cb-timeout-duration-secs", args.cb_timeout_duration_secs), ("--cb-window-duration-secs", args.cb_window_duration_secs)):
+        if not v > 0:
+            raise ValueError(f"{flag} must be > 0, got {v}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sglang-p2p-lb",
@@ -62,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0, as mini_lb and smg)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--policy", choices=POLICIES, default="load_aware", help="pair selection policy (default load_aware)")
+    p.add_argument("--prefill-policy", choices=POLICIES, default=None, help="policy that picks the prefill (and its DP rank); default --policy")
+    p.add_argument("--decode-policy", choices=POLICIES, default=None, help="policy that picks the decode, given the chosen prefill; default --policy")
     p.add_argument("--node", action="append", metavar="URL=LABEL", help="node (host) label of a worker for pair affinity; default: the URL's host")
     g = p.add_argument_group("prefix-aware policy (sgl-router / smg cache_aware flags)")
     g.add_argument("--cache-threshold", type=float, default=PrefixParams.cache_threshold, help="prefix matches shorter than this share of the prompt are ignored")
@@ -81,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--body-timeout-secs", dest="body_timeout", type=float, default=ProxyConfig.body_timeout, help="a request must send its whole body within this")
     g.add_argument("--connect-timeout-secs", dest="connect_timeout", type=float, default=5.0)
     g.add_argument("--max-retries", type=int, default=2, help="extra attempts on a new pair after a refused/reset connection or a 503, before any byte reached the client")
-    g.add_argument("--max-concurrent-requests", type=int, default=4096, help="requests in flight before the LB answers 503 (0: unbounded)")
+    g.add_argument("--max-concurrent-requests", type=int, default=-1, help="requests in flight before new ones queue (-1: 1024 per CPU core, at least 4096; 0: unbounded)")
+    g.add_argument("--queue-size", type=int, default=ProxyConfig.queue_size, help="requests that may wait for a slot; beyond that a 429 (0: no queue)")
+    g.add_argument("--queue-timeout-secs", type=float, default=ProxyConfig.queue_timeout, help="longest wait for a slot, then a 503")
     g.add_argument("--max-body-mb", type=float, default=64.0)
     g = p.add_argument_group("health and load")
     g.add_argument("--health-check-interval-secs", dest="hc_interval", type=float, default=HealthConfig.interval)
@@ -98,14 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-max-age-secs", dest="poll_max_age", type=float, default=10.0, help="ignore polled loads older than this")
     g.add_argument("--channel-ttl-secs", type=float, default=600.0, help="a P/D pair used within this time counts as having a live transfer channel")
     g.add_argument("--no-dp-aware", dest="dp_aware", action="store_false", help="never add DP-rank fields (routed_dp_rank, disagg_prefill_dp_rank)")
+    g = p.add_argument_group("circuit breaker (smg's --cb-* flags)")
+    g.add_argument("--cb-failure-threshold", type=int, default=BreakerConfig.failure_threshold, help="consecutive failed legs on a worker that open its circuit")
+    g.add_argument("--cb-success-threshold", type=int, default=BreakerConfig.success_threshold, help="successful half-open probes that close it")
+    g.add_argument("--cb-timeout-duration-secs", type=float, default=BreakerConfig.timeout, help="an open circuit gets no requests this long, then half-open probes")
+    g.add_argument("--cb-window-duration-secs", type=float, default=BreakerConfig.window, help="a failure more than this after the previous one starts the count again")
+    g.add_argument("--cb-half-open-max-probes", type=int, default=BreakerConfig.max_probes, help="requests at a time on a half-open worker")
+    g.add_argument("--disable-circuit-breaker", action="store_true")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     # accepted for command-line compatibility with sglang_router / smg, no effect here
     p.add_argument("--pd-disaggregation", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mini-lb", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dp-aware", action="store_true", help=argparse.SUPPRESS)  # smg's opt-in; on here unless --no-dp-aware
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> LBConfig:
+    check_limits(args)
     prefills = parse_prefill_groups(args.prefill)
     if args.prefill_bootstrap_ports:
         ports = [None if x.lower() == "none" else int(x) for x in args.prefill_bootstrap_ports]
@@ -125,6 +153,8 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         host=args.host,
         port=args.port,
         policy=args.policy,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
         prefix=PrefixParams(
             cache_threshold=args.cache_threshold,
             balance_abs_threshold=args.balance_abs_threshold,
@@ -142,7 +172,9 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
             body_timeout=args.body_timeout,
             connect_timeout=args.connect_timeout,
             max_retries=args.max_retries,
-            max_concurrent=args.max_concurrent_requests,
+            max_concurrent=default_max_concurrent() if args.max_concurrent_requests < 0 else args.max_concurrent_requests,
+            queue_size=args.queue_size,
+            queue_timeout=args.queue_timeout_secs,
             passive_failure_threshold=args.passive_failure_threshold,
             poll_max_age=args.poll_max_age,
             channel_ttl=args.channel_ttl_secs,
@@ -158,6 +190,14 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
             success_threshold=args.health_success_threshold,
             endpoint=args.health_check_endpoint,
             enabled=not args.disable_health_check,
+        ),
+        breaker=BreakerConfig(
+            failure_threshold=args.cb_failure_threshold,
+            success_threshold=args.cb_success_threshold,
+            timeout=args.cb_timeout_duration_secs,
+            window=args.cb_window_duration_secs,
+            max_probes=args.cb_half_open_max_probes,
+            enabled=not args.disable_circuit_breaker,
         ),
         load_poll_interval=args.load_poll_interval,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),

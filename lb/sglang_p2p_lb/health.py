@@ -69,6 +69,7 @@ def record_success(w: Worker, threshold: int) -> bool:
     if not w.healthy and w.consecutive_successes >= threshold:
         w.healthy = True
         w.last_error = ""
+        w.breaker.readmit()
         log.info("re-admitting %s worker %s", w.role, w.url)
         return True
     return False

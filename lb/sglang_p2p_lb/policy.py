@@ -5,7 +5,8 @@ prefills and decodes whose load is within a tolerance of the best, it prefers a 
 (KV moves over NVLink), then a pair that already has a live transfer channel, then the lowest observed
 latency. `random` is mini_lb's behaviour; `round_robin` and `power_of_two` match sgl-router / smg's
 per-side policies (power_of_two compares the same load numbers as load_aware). `prefix_aware` and the
-smg-like `cache_aware` add prefix-cache affinity for the prefill (prefix_policy.py).
+smg-like `cache_aware` add prefix-cache affinity for the prefill (prefix_policy.py). `SplitPolicy` takes
+the prefill from one policy and the decode from another (smg's `--prefill-policy` / `--decode-policy`).
 """
 
 from __future__ import annotations
@@ -190,3 +191,28 @@ def make_policy(name: str, rng: random.Random | None = None, params: LoadAwarePa
     if name == "power_of_two":
         return PowerOfTwoPolicy(rng)
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+class SplitPolicy:
+    """The prefill (and its DP rank, and expected cache hit) from one policy, the decode from another.
+
+    The decode policy sees only the chosen prefill, so its pair preferences (same node, live channel)
+    are scored against the prefill that will really send the KV.
+    """
+
+    def __init__(self, prefill: Policy, decode: Policy) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.name = f"prefill={prefill.name},decode={decode.name}"
+
+    def choose(self, prefills, decodes, ctx) -> Choice:
+        p = self.prefill.choose(prefills, decodes, ctx)
+        d = self.decode.choose([p.prefill], decodes, ctx)
+        return Choice(p.prefill, d.decode, p.prefill_rank, d.decode_rank, p.prefill_tokens)
+
+
+def make_pd_policy(policy: str, prefill_policy: str | None = None, decode_policy: str | None = None, prefix=None, rng: random.Random | None = None) -> Policy:
+    """`--policy` for both sides unless `--prefill-policy` / `--decode-policy` name another (smg's rule)."""
+    pp, dp = prefill_policy or policy, decode_policy or policy
+    if pp == dp:
+        return make_policy(pp, rng, prefix=prefix)
+    return SplitPolicy(make_policy(pp, rng, prefix=prefix), make_policy(dp, rng, prefix=prefix))

@@ -28,6 +28,7 @@ import orjson
 from aiohttp import web
 
 from . import logprobs, payload, sse
+from .admission import Admission
 from .bootstrap import build_bodies
 from .health import record_failure, record_success
 from .metrics import Metrics
@@ -53,6 +54,8 @@ class ProxyConfig:
     body_timeout: float = 60.0  # the whole request body; a request counts in flight only once it is read
     max_retries: int = 2
     max_concurrent: int = 4096
+    queue_size: int = 100  # requests waiting for a slot beyond max_concurrent (then 429)
+    queue_timeout: float = 60.0  # longest wait for a slot (then 503)
     passive_failure_threshold: int = 3
     poll_max_age: float = 10.0
     channel_ttl: float = 600.0
@@ -71,6 +74,7 @@ class LegFailure:
     content_type: str = "application/json"
     retryable: bool = False
     code: int = 502  # status of the LB's own answer when there is no upstream body to pass on
+    worker_fault: bool = False  # counts against the worker's circuit breaker (transport error, timeout, 5xx)
 
 
 def safe_to_retry(e: BaseException) -> bool:
@@ -81,12 +85,12 @@ def safe_to_retry(e: BaseException) -> bool:
 
 
 def _status_failure(side: str, w: Worker, status: int, raw: bytes, content_type: str) -> LegFailure:
-    return LegFailure(side, w, f"status {status}: {raw[:300]!r}", status, raw, content_type, retryable=status in RETRYABLE_STATUS)
+    return LegFailure(side, w, f"status {status}: {raw[:300]!r}", status, raw, content_type, retryable=status in RETRYABLE_STATUS, worker_fault=status >= 500)
 
 
 def _transport_failure(side: str, w: Worker, e: BaseException) -> LegFailure:
     timeout = isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError))
-    return LegFailure(side, w, f"{type(e).__name__}: {e}", retryable=safe_to_retry(e), code=504 if timeout else 502)
+    return LegFailure(side, w, f"{type(e).__name__}: {e}", retryable=safe_to_retry(e), code=504 if timeout else 502, worker_fault=True)
 
 
 def error_response(status: int, message: str, kind: str | None = None) -> web.Response:
@@ -111,6 +115,17 @@ def _abort_status(obj: Any) -> int:
     return code if isinstance(code, int) else 500
 
 
+def leg_outcome(task: asyncio.Task) -> bool | None:
+    """What a finished leg says about its worker, for the circuit breaker: True, False, or None (nothing:
+    cancelled because the other leg failed, or the request's own fault)."""
+    if task.cancelled() or task.exception() is not None:
+        return None
+    out = task.result()
+    if isinstance(out, LegFailure):
+        return False if out.worker_fault else None
+    return True
+
+
 def parse_prefill_answer(raw: bytes) -> Any:
     """A prefill answer as JSON: a plain body, or for a stream the last event per batch index."""
     raw = raw.strip()
@@ -131,6 +146,7 @@ class Dispatcher:
     def __init__(self, pool: WorkerPool, policy: Policy, session: aiohttp.ClientSession, cfg: ProxyConfig, metrics: Metrics) -> None:
         self.pool, self.policy, self.session, self.cfg, self.metrics = pool, policy, session, cfg, metrics
         self.inflight = 0
+        self.admission = Admission(cfg.max_concurrent, cfg.queue_size, cfg.queue_timeout)
         self._background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ entry point
@@ -141,9 +157,12 @@ class Dispatcher:
             if isinstance(parsed, web.Response):
                 return self._done(route, t0, parsed)
             # only a fully read, valid request takes a slot: slow senders cannot starve real requests
-            if self.cfg.max_concurrent and self.inflight >= self.cfg.max_concurrent:
-                self.metrics.rejected.labels("capacity").inc()
-                return self._done(route, t0, error_response(503, f"load balancer at capacity: {self.inflight} requests in flight (--max-concurrent-requests)"))
+            refused = await self.admission.acquire()
+            if refused is not None:
+                self.metrics.rejected.labels(refused.reason).inc()
+                resp = error_response(refused.status, refused.message, "TooManyRequestsError" if refused.status == 429 else None)
+                resp.headers["Retry-After"] = str(refused.retry_after)
+                return self._done(route, t0, resp)
             self.inflight += 1
             self.metrics.inflight.inc()
             try:
@@ -151,6 +170,7 @@ class Dispatcher:
             finally:
                 self.inflight -= 1
                 self.metrics.inflight.dec()
+                self.admission.release()
             return self._done(route, t0, resp)
         except asyncio.CancelledError:
             self.metrics.disconnects.inc()
@@ -246,6 +266,10 @@ class Dispatcher:
         want_prefill_body = payload.wants_logprobs(route, body)
         p_task = asyncio.create_task(self._prefill_leg(route, p, p_data, lease, want_prefill_body))
         d_task = asyncio.create_task(self._decode_open(route, d, d_data, stream))
+        for w, task in ((p, p_task), (d, d_task)):
+            # exactly one outcome per leg, even for a task cancelled before it ran
+            ticket = w.breaker.begin()
+            task.add_done_callback(lambda t, w=w, ticket=ticket: w.breaker.end(ticket, leg_outcome(t)))
         loop = asyncio.get_running_loop()
         stalled: asyncio.Future = loop.create_future()
 
@@ -301,6 +325,7 @@ class Dispatcher:
             pending -= done
             if stalled in done:
                 w, why = stalled.result()
+                w.breaker.record_failure()
                 return LegFailure(w.role, w, f"worker stopped answering ({why})", code=504)
             if p_task in done and isinstance(p_task.result(), LegFailure):
                 return p_task.result()  # fail fast: the decode would wait for KV that never comes
@@ -310,6 +335,7 @@ class Dispatcher:
                     deadline = None  # prefill answered; a non-streamed decode is bounded by request_timeout
                     continue
                 self._note_failure(late, f"no answer within --first-byte-timeout-secs {self.cfg.first_byte_timeout:g}")
+                late.breaker.record_failure()  # its leg is cancelled next, which by itself counts as nothing
                 return LegFailure(late.role, late, f"no {'answer' if late is p else 'first token'} within {self.cfg.first_byte_timeout:g}s (first-byte timeout)", code=504)
         return None
 

@@ -12,10 +12,11 @@ import orjson
 from aiohttp import web
 
 from . import auth, payload
+from .circuit import BreakerConfig
 from .health import HealthChecker, HealthConfig
 from .loads import LoadPoller
 from .metrics import Metrics
-from .policy import Policy, make_policy
+from .policy import Policy, make_pd_policy
 from .prefix_policy import PrefixParams
 from .proxy import Dispatcher, ProxyConfig, error_response
 from .workers import Worker, WorkerPool
@@ -31,9 +32,12 @@ class LBConfig:
     host: str = "0.0.0.0"
     port: int = 30000
     policy: str = "load_aware"
+    prefill_policy: str | None = None  # None: `policy`
+    decode_policy: str | None = None
     prefix: PrefixParams = field(default_factory=PrefixParams)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
     load_poll_interval: float = 1.0
     info_timeout: float = 10.0
     max_body_bytes: int = 64 * 1024 * 1024
@@ -56,12 +60,12 @@ class LoadBalancer:
 
     def __init__(self, cfg: LBConfig, policy: Policy | None = None) -> None:
         self.cfg = cfg
-        self.pool = WorkerPool()
+        self.pool = WorkerPool(cfg.breaker)
         for url, port in cfg.prefills:
             self.pool.add(Worker(url, "prefill", port, node=cfg.nodes.get(url.rstrip("/"), "")))
         for url in cfg.decodes:
             self.pool.add(Worker(url, "decode", node=cfg.nodes.get(url.rstrip("/"), "")))
-        self.policy = policy or make_policy(cfg.policy, prefix=cfg.prefix)
+        self.policy = policy or make_pd_policy(cfg.policy, cfg.prefill_policy, cfg.decode_policy, prefix=cfg.prefix)
         self.metrics = Metrics(self.pool)
         self.session: aiohttp.ClientSession | None = None
         self.dispatcher: Dispatcher | None = None

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal
 from urllib.parse import urlsplit
 
+from .circuit import BreakerConfig, CircuitBreaker
+
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
 
@@ -74,6 +76,7 @@ class Worker:
     polled: PolledLoad | None = None
     latency: float | None = None  # EWMA seconds of one leg (prefill: per 1k prompt tokens)
     selected: int = 0
+    breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(BreakerConfig(enabled=False)), repr=False)
     # callbacks of the attempts in flight on this worker, told when health checks find it stalled
     stall_watchers: set[Callable[["Worker", str], None]] = field(default_factory=set, repr=False)
 
@@ -154,6 +157,7 @@ class Worker:
             "polled": None if self.polled is None else {"age_s": round(time.monotonic() - self.polled.at, 3), "tokens": self.polled.tokens, "requests": self.polled.reqs, "kv_usage": self.polled.kv_usage},
             "latency_s": self.latency,
             "selected": self.selected,
+            "circuit": self.breaker.snapshot() if self.breaker.cfg.enabled else None,
         }
 
 
@@ -194,8 +198,9 @@ class Lease:
 class WorkerPool:
     """Prefill and decode workers by URL; add/remove at run time."""
 
-    def __init__(self) -> None:
+    def __init__(self, breaker: BreakerConfig | None = None) -> None:
         self._workers: dict[tuple[Role, str], Worker] = {}
+        self.breaker_cfg = breaker or BreakerConfig(enabled=False)
         # (prefill url, decode url) -> last dispatch time, the LB's view of live transfer channels
         self.channels: dict[tuple[str, str], float] = {}
 
@@ -203,6 +208,7 @@ class WorkerPool:
         key = (w.role, w.url)
         if key in self._workers:
             raise KeyError(f"{w.role} worker {w.url} is already registered")
+        w.breaker = CircuitBreaker(self.breaker_cfg)
         self._workers[key] = w
         return w
 
@@ -222,7 +228,8 @@ class WorkerPool:
         return [w for w in self._workers.values() if role is None or w.role == role]
 
     def routable(self, role: Role, exclude: set[str] = frozenset()) -> list[Worker]:
-        return [w for w in self._workers.values() if w.role == role and w.healthy and w.url not in exclude]
+        """Healthy workers whose circuit lets a request through."""
+        return [w for w in self._workers.values() if w.role == role and w.healthy and w.url not in exclude and w.breaker.allows()]
 
     def note_channel(self, p: Worker, d: Worker) -> None:
         self.channels[(p.url, d.url)] = time.monotonic()

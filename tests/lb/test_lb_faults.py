@@ -131,13 +131,13 @@ def test_malformed_requests_get_4xx_with_reason():
     run(body)
 
 
-def test_concurrency_bound_rejects_with_503():
+def test_concurrency_bound_without_queue_rejects_with_429():
     async def body():
-        async with cluster(1, 1, sim={"prefill_base_ms": 500}, proxy=ProxyConfig(max_concurrent=1)) as c:
+        async with cluster(1, 1, sim={"prefill_base_ms": 500}, proxy=ProxyConfig(max_concurrent=1, queue_size=0)) as c:
             first = asyncio.create_task(c.post("/generate", GEN))
             assert await wait_until(lambda: c.prefills[0].stats.requests == 1)
             status, _, out = await c.post("/generate", GEN)
-            assert status == 503 and "at capacity" in out["error"]["message"]
+            assert status == 429 and "at capacity" in out["error"]["message"]
             assert (await first)[0] == 200
 
     run(body)

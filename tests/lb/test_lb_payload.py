@@ -83,9 +83,16 @@ def test_bootstrap_batch_lists_with_fresh_rooms():
 def test_bootstrap_dp_rank_fields():
     pb, db, rooms = build_bodies({"text": "a"}, _pair(p_dp=24, d_dp=32, p_rank=5, d_rank=17), None, dp_fields=True)
     assert rooms[0] % 24 == 5
-    assert pb["routed_dp_rank"] == 5 and "disagg_prefill_dp_rank" not in pb
+    assert pb["routed_dp_rank"] == 5 and pb["disagg_prefill_dp_rank"] == 5
     assert db["routed_dp_rank"] == 17 and db["disagg_prefill_dp_rank"] == 5
     assert pb["bootstrap_room"] == db["bootstrap_room"]
+    # a policy that names no rank (random, round_robin): the room's rank, told to both sides
+    pb, db, rooms = build_bodies({"text": "a"}, _pair(p_dp=24, d_dp=1), None, dp_fields=True)
+    assert pb["routed_dp_rank"] == pb["disagg_prefill_dp_rank"] == db["disagg_prefill_dp_rank"] == rooms[0] % 24
+    assert "routed_dp_rank" not in db
+    # a batch with no chosen rank: every item follows its own room, no rank field
+    pb, db, rooms = build_bodies({"text": ["a", "b"]}, _pair(p_dp=24), 2, dp_fields=True)
+    assert not {"routed_dp_rank", "disagg_prefill_dp_rank"} & (set(pb) | set(db))
     # with DP fields off, nothing but the three bootstrap fields is added
     pb, db, _ = build_bodies({"text": "a"}, _pair(p_dp=24, d_dp=32, p_rank=5, d_rank=17), None, dp_fields=False)
     assert set(pb) == set(db) == {"text", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
