@@ -2,7 +2,7 @@
 # Builds what the end-to-end check needs on the GPU host (torch 2.11.0+cu130, Python 3.12, no internet) as two
 # archives, each under the 60 MiB that one device call can carry beside the repository:
 #
-#   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras]]   (default: .bundle/, both; ignored by git;
+#   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras|lb]] (default: .bundle/, sglang and extras; ignored by git;
 #                                                         ~8 min on 2 cores, xz is most of it)
 #
 #   sglang.tar.xz  SGLang 0.5.17 and everything its server imports: the recipe of shared/gpu-rig/build_bundle.sh
@@ -12,6 +12,12 @@
 #                             (the store, EP, PG and their libraries are not used by PD transfers)
 #                  genai/     genai-bench 0.0.5 and what it needs that the host image lacks; the OCI SDK without its
 #                             service modules (genai-bench imports oci.config at start; services load lazily)
+#   lb.tar.xz      the peer routers the LB comparison (e2e/lb_compare.py) runs against, each in a folder of its own
+#                  so it goes only on that router's PYTHONPATH:
+#                  smg/      smg 1.13.0 (sgl-model-gateway) with its closure (grpcio, grpcio-health-checking,
+#                            protobuf, PyYAML, setproctitle), whatever versions the host image has
+#                  minilb/   sglang-router 0.3.2 (SGLang's mini_lb; its argument parser loads the Rust module too);
+#                            fastapi, uvicorn, orjson and aiohttp come from sglang.tar.xz and the host image
 # Needs pip (any Python) and network here; PIP_INDEX_URL etc. are honoured. XZ_THREADS (default 2).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -124,12 +130,24 @@ build_extras() {
   pack extras "$W/extras"
 }
 
-# sglang.tar.xz: SGLang and its import chain; extras.tar.xz: Mooncake and genai-bench
+build_lb() {
+  dl "$W/w5" smg==1.13.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 protobuf==7.36.2 pyyaml==6.0.4 setproctitle==1.3.8
+  mkdir -p "$W/lb/smg"
+  unpack_wheels "$W/w5" "$W/lb/smg"
+  dl "$W/w6" sglang-router==0.3.2
+  mkdir -p "$W/lb/minilb"
+  unpack_wheels "$W/w6" "$W/lb/minilb"
+  check_needed_libs "$W/lb" || { echo "build_bundle.sh: a peer router misses a library" >&2; exit 1; }
+  pack lb "$W/lb"
+}
+
+# sglang.tar.xz: SGLang and its import chain; extras.tar.xz: Mooncake and genai-bench; lb.tar.xz: smg and mini_lb
 for part in $WHICH; do
   case "$part" in
     sglang) build_sglang ;;
     extras) build_extras ;;
-    *) echo "build_bundle.sh: unknown part $part (sglang or extras)" >&2; exit 2 ;;
+    lb) build_lb ;;
+    *) echo "build_bundle.sh: unknown part $part (sglang, extras or lb)" >&2; exit 2 ;;
   esac
 done
 ls -la "$OUT"

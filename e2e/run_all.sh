@@ -20,9 +20,12 @@
 #          P/D launch with E2E_LIVENESS_BACKEND (p2pnccl over NCCL, or mooncake), then its chunked-prefill abort
 #          test -> $OUT/liveness_<backend>.json                  (needs sglang.tar.xz; mooncake: extras too)
 #   faults: kill -9 / SIGSTOP of decode and prefill under load behind our LB, restart -> $OUT/faults.json
-#   lb:    our LB in front of 2 prefill + 2 decode llama-tiny servers (p2pnccl): load_aware, prefix_aware, random,
-#          round_robin on a bursty mixed and a shared-prefix workload, then SIGKILL of a prefill and a decode
-#          mid-run and their restart -> $OUT/lb_real_<kind>.json (e2e/lb_real.py; ~6 min with --gpus 1)
+#   lb:    our LB vs SGLang's mini_lb vs smg in front of the same llama-tiny PD servers (p2pnccl, all on GPU 0):
+#          E2E_LB_TOPOLOGY=2p2d (default) or 3p1d; warm-up, 3 repetitions per LB in rotated order of the bursty,
+#          shared-prefix and long-prefix workloads (run length planned to fit the budget), then SIGKILL of a
+#          prefill and a decode under load through every LB at once and their restart
+#          -> $OUT/lb_compare_<topology>_<kind>.json (e2e/lb_compare.py). Carry .bundle/lb.tar.xz for the peers
+#          (without it only our LB runs). E2E_LB_ARGS: extra flags (e.g. "--lbs ours:load_aware,mini_lb").
 #   ipc:   the same-host CUDA IPC path on this machine: tests/gpu/test_cuda_ipc.py (two processes, byte-exact),
 #          bench/transfer/ipc_bench.py -> $OUT/ipc_$KIND.json, then the SGLang-class byte-exact cases with
 #          SGLANG_P2P_TRANSPORT=cudaipc (tests/gpu/test_pd_sglang_cuda.py; E2E_IPC_SGLANG_K selects, "" skips)
@@ -80,8 +83,9 @@ unpack() {  # unpack NAME: $BUNDLE/NAME.tar.xz -> $E2E_ROOT/NAME
 }
 unpack sglang
 unpack extras
+unpack lb
 if [ "$PHASE" = unpack ]; then
-  for part in sglang extras; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
+  for part in sglang extras lb; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
   exit 0
 fi
 if [ ! -f "$E2E_ROOT/sglang/.unpacked" ]; then
@@ -197,8 +201,12 @@ run_faults() {
 }
 
 run_lb() {  # every server on GPU 0 whatever --gpus says; p2pnccl over NCCL with an NCCL_HOSTID per server
+  local topo=${E2E_LB_TOPOLOGY:-2p2d}
   step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny
-  step lb_real python3 -m e2e.lb_real --models "$MODELS" --out "$OUTDIR/lb_real_$KIND.json" --logs "$E2E_ROOT/logs/lb_real"
+  [ -d "$E2E_ROOT/lb" ] || say "lb: no lb.tar.xz carried: mini_lb and smg are skipped"
+  # shellcheck disable=SC2086 # E2E_LB_ARGS: extra flags, word-split on purpose
+  step lb_compare python3 -m e2e.lb_compare --models "$MODELS" --topology "$topo" --bundle-lb "$E2E_ROOT/lb" \
+    --out "$OUTDIR/lb_compare_${topo}_$KIND.json" --logs "$E2E_ROOT/logs/lb_compare_$topo" ${E2E_LB_ARGS:-}
 }
 
 run_ipc() {  # pytest output goes to $OUT/ipc_tests.log; figures to $OUT/ipc_$KIND.json

@@ -47,6 +47,7 @@ class Metrics:
         self.rejected = Counter(f"{PREFIX}_rejected", "Requests refused by the LB itself", ["reason"], registry=r)
         self.health_checks = Counter(f"{PREFIX}_health_checks", "Active health checks", ["role", "result"], registry=r)
         self.inflight = Gauge(f"{PREFIX}_inflight_requests", "Client requests being served", registry=r)
+        self.last_resort = Counter(f"{PREFIX}_last_resort", "Dispatches to ejected workers because no worker of the role was routable", ["role"], registry=r)
         self.ejections = Counter(f"{PREFIX}_worker_ejections", "Workers ejected after repeated failures", ["role"], registry=r)
         r.register(_PoolCollector(pool))
 

@@ -213,14 +213,25 @@ class Dispatcher:
         return resp
 
     def choose(self, exclude_p: set[str], exclude_d: set[str], tokens: int = 0, key: bytes = b"") -> Choice | str:
-        ps = self.pool.routable("prefill", exclude_p)
-        ds = self.pool.routable("decode", exclude_d)
+        ps = self.pool.routable("prefill", exclude_p) or self._last_resort("prefill", exclude_p)
+        ds = self.pool.routable("decode", exclude_d) or self._last_resort("decode", exclude_d)
         if not ps or not ds:
             missing = "prefill" if not ps else "decode"
             total = len(self.pool.all(missing))  # type: ignore[arg-type]
             return f"no healthy {missing} worker available ({total} registered, {len(exclude_p if not ps else exclude_d)} failed for this request)"
         ctx = PairContext(frozenset(self.pool.live_channels(self.cfg.channel_ttl)), self.cfg.poll_max_age, tokens=tokens, prompt=key)
         return self.policy.choose(ps, ds, ctx)
+
+    def _last_resort(self, role: str, exclude: set[str]) -> list[Worker]:
+        """No worker of a role is routable: try the ejected ones rather than refuse (a restarted server
+        serves before health checks re-admit it, and with one decode, as in 3P1D, there is no other; a dead
+        one refuses the connection at once and the request moves on). A worker that already failed this
+        request stays out."""
+        # not a stalled one (its liveness probe times out): that one would hold the request until a timeout
+        ws = [w for w in self.pool.all(role) if w.url not in exclude and w.consecutive_timeouts == 0]  # type: ignore[arg-type]
+        if ws:
+            self.metrics.last_resort.labels(role).inc()
+        return ws
 
     async def _dispatch(self, route, request, body, stream, tokens, batch, key, t0) -> web.StreamResponse:
         exclude_p: set[str] = set()

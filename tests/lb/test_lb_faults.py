@@ -97,13 +97,18 @@ def test_ejection_and_readmission_by_health_checks():
             sick.healthy = True
             assert await wait_until(lambda: w.healthy)
             assert 'sglang_p2p_lb_worker_ejections_total{role="prefill"} 1.0' in c.lb.metrics.render().decode()
-            # with every prefill ejected the LB says why
+            # with every prefill ejected the LB still tries them (last resort) rather than refuse
             for p in c.prefills:
                 p.healthy = False
             assert await wait_until(lambda: not any(x.healthy for x in c.lb.pool.all("prefill")))
-            status, _, out = await c.post("/generate", GEN)
-            assert status == 503 and out["error"]["message"].startswith("no healthy prefill worker available (2 registered")
             assert (await c.get("/health"))[0] == 503
+            assert (await c.post("/generate", GEN))[0] == 200
+            assert 'sglang_p2p_lb_last_resort_total{role="prefill"} 1.0' in c.lb.metrics.render().decode()
+            # and when they are gone too, each is tried once and the answer names the failure
+            for p in c.prefills:
+                await p.stop()
+            status, _, out = await c.post("/generate", GEN)
+            assert status == 502 and "ClientConnectorError" in out["error"]["message"], out
 
     run(body)
 

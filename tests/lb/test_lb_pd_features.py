@@ -240,3 +240,23 @@ def test_breaker_over_http_open_then_half_open_probe_closes_it():
             assert c.lb.pool.get("prefill", bad.url).breaker.current() == "closed" and bad.stats.requests >= 5
 
     run(body)
+
+
+# ----------------------------------------------------------------------------- last resort
+def test_only_decode_ejected_is_still_tried_unless_stalled():
+    """3P1D: the one decode was ejected (it died, then restarted); until health checks re-admit it, the LB
+    sends to it rather than refusing every request. A decode whose liveness probe times out is not tried."""
+
+    async def body():
+        async with cluster(2, 1) as c:
+            d = c.lb.pool.get("decode", c.decodes[0].url)
+            d.healthy = False
+            assert (await c.post("/generate", GEN))[0] == 200
+            assert c.decodes[0].stats.requests == 1
+            assert 'sglang_p2p_lb_last_resort_total{role="decode"} 1.0' in c.lb.metrics.render().decode()
+            d.consecutive_timeouts = 1  # stalled: it would hold the request until a timeout
+            status, _, out = await c.post("/generate", GEN)
+            assert status == 503 and "no healthy decode worker available" in out["error"]["message"]
+            assert c.decodes[0].stats.requests == 1
+
+    run(body)

@@ -1,0 +1,701 @@
+"""Our LB against SGLang's mini_lb and smg on the same PD servers: workloads, repetitions, kill -9, one JSON.
+
+    python3 -m e2e.lb_compare --models DIR --topology 2p2d|3p1d --out FILE --logs DIR [--lbs ...] [--reps 3]
+    python3 -m e2e.lb_compare --sim ...   (simulated workers, sglang_p2p_lb.sim_worker, for a CPU proof run)
+    (bash e2e/run_all.sh --gpus 1 --phase lb runs it with the bundle: E2E_LB_TOPOLOGY picks the topology)
+
+The servers start once (llama-tiny on GPU 0, p2pnccl over NCCL with an NCCL_HOSTID per server, as
+e2e/lb_real.py) and every LB runs in front of the same ones:
+* ``ours:<policy>``: sglang-p2p-lb (load_aware and prefix_aware by default);
+* ``mini_lb``: sglang-router 0.3.2's ``python -m sglang_router.launch_router --pd-disaggregation --mini-lb``
+  (what SGLang's PD docs and test fixture use; random pairs);
+* ``smg:<policy>``: smg 1.13.0 ``python -m smg launch --pd-disaggregation`` (cache_aware and power_of_two),
+  with its health checks every 2 s like ours (its default is 60 s).
+A warm-up first runs every workload through a round-robin LB, so every server has compiled its kernels for
+every shape before anything is measured. Then, per repetition, every LB in an order rotated by one each time
+(a fresh LB process, so no LB keeps a prefix tree from a previous run), runs each workload open-loop against
+cold caches (every server's /flush_cache first). Per run: TTFT p50/p99, E2E p99, output tok/s, cache hit
+rate (meta_info.cached_tokens over prompt tokens), errors; per LB and workload the median and the spread
+(min, max) over the repetitions. The workloads (e2e/lb_real.py's generators):
+* ``bursty_mixed``: Poisson with 3x bursts, 85% short prompts, 15% 2k-6k;
+* ``shared_prefix``: multi-turn chats over 6 few-shot prefixes of 2k tokens;
+* ``long_prefix``: the same with 12k-token prefixes, more of them than one prefill's radix cache holds:
+  prefill time dominates a miss, so routing for cache hits shows in TTFT (on the tiny model a 2k-token
+  prefill costs about as much as the request's other steps, so hits barely move TTFT there).
+Faults: every LB runs at once, each with its own open-loop client at 1/n of the bursty rate; a prefill and
+then a decode get SIGKILL, both restart; per LB the client errors, split into requests in flight at a kill,
+requests sent while no server of the killed one's role was left (3P1D's only decode) and the rest (the target:
+none), and, once both servers serve again, how long until the LB sends a request to each of them (a burst
+through one LB at a time, attributed by the restarted servers' own request counters).
+The run time per workload is planned from the time left (E2E_DEADLINE_EPOCH) so that everything fits one
+device call; what did not fit is named in the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from . import lb_real
+from .lb_real import Req
+
+DEFAULT_LBS = ("ours:load_aware", "ours:prefix_aware", "mini_lb", "smg:cache_aware", "smg:power_of_two")
+WORKLOADS = ("bursty_mixed", "shared_prefix", "long_prefix")
+TOPOLOGIES = {"2p2d": (2, 2), "3p1d": (3, 1)}
+PEER_HEALTH_INTERVAL = "2"  # smg checks every 60 s by default; ours every 2 s
+
+
+# ----------------------------------------------------------------------------- LBs
+@dataclass(frozen=True)
+class LBSpec:
+    kind: str  # ours | mini_lb | smg
+    policy: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.policy}" if self.policy else self.kind
+
+
+def parse_lbs(text: str) -> list[LBSpec]:
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        kind, _, policy = item.partition(":")
+        if kind not in ("ours", "mini_lb", "smg") or (kind != "mini_lb" and not policy) or (kind == "mini_lb" and policy):
+            raise ValueError(f"LB {item!r}: use ours:<policy>, smg:<policy> or mini_lb")
+        out.append(LBSpec(kind, policy))
+    return out
+
+
+@dataclass(frozen=True)
+class Peer:
+    """How to start a peer router: the argv up to its own flags, and what its environment adds."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def bundle_peers(lb_dir: Path) -> dict[str, Peer]:
+    """The peers of run_all.sh's lb.tar.xz: each folder on its own router's PYTHONPATH only."""
+    base = os.environ.get("PYTHONPATH", "")
+    peers = {}
+    for kind, sub, module in (("mini_lb", "minilb", "sglang_router.launch_router"), ("smg", "smg", "smg")):
+        if (lb_dir / sub).is_dir():
+            peers[kind] = Peer((sys.executable, "-m", module), (("PYTHONPATH", f"{lb_dir / sub}:{base}" if base else str(lb_dir / sub)),))
+    return peers
+
+
+def venv_peers(sglang_router_python: Optional[str], smg_python: Optional[str]) -> dict[str, Peer]:
+    """Peers installed in virtualenvs of their own (bench/lb_sim/install_peers.sh)."""
+    peers = {}
+    if sglang_router_python:
+        peers["mini_lb"] = Peer((sglang_router_python, "-m", "sglang_router.launch_router"))
+    if smg_python:
+        peers["smg"] = Peer((smg_python, "-m", "smg"))
+    return peers
+
+
+def lb_command(spec: LBSpec, prefills: Sequence[tuple[str, int]], decodes: Sequence[str], port: int, peers: dict[str, Peer],
+               admin_key: str, prom_port: int = 0) -> Optional[tuple[list[str], dict[str, str]]]:
+    """argv and extra environment of one LB over every prefill and decode; None when the peer is absent."""
+    workers: list[str] = []
+    for url, bp in prefills:
+        workers += ["--prefill", url, str(bp)]
+    for url in decodes:
+        workers += ["--decode", url]
+    common = [*workers, "--host", "127.0.0.1", "--port", str(port)]
+    if spec.kind == "ours":
+        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", spec.policy, "--admin-api-key", admin_key, "--log-level", "warning"], {}
+    peer = peers.get(spec.kind)
+    if peer is None:
+        return None
+    if spec.kind == "mini_lb":
+        return [*peer.argv, "--pd-disaggregation", "--mini-lb", *common], dict(peer.env)
+    return [*peer.argv, "launch", "--pd-disaggregation", *common, "--policy", spec.policy, "--disable-tokenizer-autoload",
+            "--health-check-interval-secs", PEER_HEALTH_INTERVAL, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom_port),
+            "--log-level", "warn"], dict(peer.env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LBProc:
+    """One LB process in a session of its own (ended with one killpg); ready once a request goes through."""
+
+    def __init__(self, spec: LBSpec, argv: list[str], env: dict[str, str], port: int, log: Path) -> None:
+        self.spec, self.argv, self.env, self.port, self.log = spec, argv, env, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: Optional[subprocess.Popen] = None
+
+    def __enter__(self) -> "LBProc":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "a") as f:
+            f.write("$ " + " ".join(self.argv) + "\n")
+            f.flush()
+            self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **self.env}, start_new_session=True)
+        from .servers import record_pid
+
+        record_pid(self.proc.pid)
+        try:
+            wait_ready(self.url, self.proc)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Ready when a one-token request goes through (peers register their workers asynchronously)."""
+    body = json.dumps({"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
+    end = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"LB exited with {proc.returncode} before serving")
+        try:
+            req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if r.status == 200:
+                    return
+        except Exception as e:  # not up yet, or no worker registered yet
+            last = f"{type(e).__name__}: {e}"
+        time.sleep(0.3)
+    raise TimeoutError(f"LB at {url} never served a request ({last})")
+
+
+# ----------------------------------------------------------------------------- workloads
+@dataclass(frozen=True)
+class WorkloadParams:
+    bursty_rate: float = 32.0  # requests/s (mean over the bursts)
+    chat_rate: float = 6.0  # shared_prefix conversations/s, 4 turns each
+    chat_prefix: int = 2000
+    turn_gap: float = 1.0  # seconds between the turns of a conversation (runs are short)
+    long_rate: float = 1.5  # long_prefix conversations/s, 3 turns each
+    long_prefix: int = 12000
+    long_prefixes: int = 16  # 16 x 12k tokens: more than one prefill's radix cache (--max-total-tokens)
+    question: int = 100
+    answer: int = 50
+
+
+def make_workload(name: str, duration: float, seed: int, wp: WorkloadParams) -> list[Req]:
+    if name == "bursty_mixed":
+        return lb_real.bursty_mixed(duration, wp.bursty_rate, seed)
+    if name == "shared_prefix":
+        return lb_real.shared_prefix(duration, wp.chat_rate, seed, prefix_len=wp.chat_prefix, question=wp.question, answer=wp.answer, gap=wp.turn_gap)
+    if name == "long_prefix":
+        return lb_real.shared_prefix(duration, wp.long_rate, seed + 7919, n_prefixes=wp.long_prefixes, prefix_len=wp.long_prefix,
+                                     turns=3, question=wp.question, answer=wp.answer, gap=wp.turn_gap)
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+# ----------------------------------------------------------------------------- servers
+class Cluster:
+    """The PD servers every LB runs in front of: addresses, kill -9, restart, flush, request counters."""
+
+    prefills: list[tuple[str, int]]
+    decodes: list[str]
+
+    def urls(self) -> list[str]:
+        return [u for u, _ in self.prefills] + list(self.decodes)
+
+    def url_of(self, role: str, i: int) -> str:
+        return self.prefills[i][0] if role == "prefill" else self.decodes[i]
+
+    def kill(self, role: str, i: int) -> None:
+        raise NotImplementedError
+
+    def restart(self, victims: Sequence[tuple[str, int]], timeout_s: float) -> list[str]:
+        """Start the killed servers again, return the names that serve (blocks until then or the timeout)."""
+        raise NotImplementedError
+
+    def served(self, url: str) -> Optional[float]:
+        """Requests the server has taken so far (its own counter), None when it does not answer."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        lb_real.flush_all([_Url(u) for u in self.urls()])
+
+
+@dataclass(frozen=True)
+class _Url:
+    url: str
+
+
+def _prom_total(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (len(line) == len(name) or line[len(name)] in " {"):
+            total += float(line.rsplit(None, 1)[-1])
+    return total
+
+
+class SGLangCluster(Cluster):
+    """Real SGLang servers on GPU 0 (e2e/lb_real.py's flags), started through e2e.servers.Stack."""
+
+    def __init__(self, stack: Any, models: Path, n_p: int, n_d: int, flags: Sequence[str], decode_flags: Sequence[str]) -> None:
+        from . import config
+        from .servers import Server
+
+        self.stack = stack
+        model = models / lb_real.MODEL
+        self.servers: dict[tuple[str, int], Any] = {}
+        for role, n in (("prefill", n_p), ("decode", n_d)):
+            for i in range(n):
+                name = f"lbc-{role}{i}"
+                env = {**config.COMMON_ENV, "SGLANG_P2P_TRANSPORT": "nccl", **lb_real._one_gpu_env(name)}
+                port = lb_real.BASE_PORT + (i if role == "prefill" else 4 + i)
+                args = list(flags if role == "prefill" else decode_flags)
+                self.servers[(role, i)] = Server(name, port, role, model, gpu=0, backend="p2pnccl",
+                                                 bootstrap_port=port + 10 if role == "prefill" else None, args=args, env=env)
+        self.prefills = [(s.url, s.bootstrap_port) for (r, _), s in self.servers.items() if r == "prefill"]
+        self.decodes = [s.url for (r, _), s in self.servers.items() if r == "decode"]
+
+    def launch(self, lanes: int) -> list[str]:
+        up = self.stack.launch(list(self.servers.values()), lanes=lanes)
+        return [s.name for s in up]
+
+    def kill(self, role: str, i: int) -> None:
+        s = self.servers[(role, i)]
+        os.killpg(s.proc.pid, signal.SIGKILL)
+
+    def restart(self, victims, timeout_s):
+        servers = [self.servers[v] for v in victims]
+        for s in servers:
+            if s in self.stack.servers:
+                self.stack.servers.remove(s)
+        return [s.name for s in self.stack.launch(servers, timeout_s=timeout_s, lanes=len(servers))]
+
+    def served(self, url):
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+                return _prom_total(r.read().decode(errors="replace"), "sglang:num_requests_total")
+        except Exception:
+            return None
+
+
+class SimCluster(Cluster):
+    """Simulated workers (sglang_p2p_lb.sim_worker) as processes of their own, so kill -9 is real."""
+
+    def __init__(self, n_p: int, n_d: int, knobs: Sequence[str], log_dir: Path) -> None:
+        self.knobs, self.log_dir = list(knobs), log_dir
+        self.procs: dict[tuple[str, int], subprocess.Popen] = {}
+        self.argv: dict[tuple[str, int], list[str]] = {}
+        self.prefills, self.decodes = [], []
+        for role, n in (("prefill", n_p), ("decode", n_d)):
+            for i in range(n):
+                port = free_port()
+                argv = [sys.executable, "-m", "sglang_p2p_lb.sim_worker", "--role", role, "--host", "127.0.0.1", "--port", str(port), *self.knobs]
+                if role == "prefill":
+                    bp = free_port()
+                    argv += ["--bootstrap-port", str(bp)]
+                    self.prefills.append((f"http://127.0.0.1:{port}", bp))
+                else:
+                    self.decodes.append(f"http://127.0.0.1:{port}")
+                self.argv[(role, i)] = argv
+
+    def _start(self, key: tuple[str, int]) -> None:
+        log = self.log_dir / f"sim-{key[0]}{key[1]}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            self.procs[key] = subprocess.Popen(self.argv[key], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _wait(self, keys, timeout_s: float) -> list[str]:
+        end, up = time.monotonic() + timeout_s, []
+        pending = list(keys)
+        while pending and time.monotonic() < end:
+            for k in list(pending):
+                url = self.url_of(*k)
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                        if r.status == 200:
+                            up.append(f"sim-{k[0]}{k[1]}")
+                            pending.remove(k)
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        return up
+
+    def launch(self, lanes: int = 1) -> list[str]:
+        for k in self.argv:
+            self._start(k)
+        return self._wait(list(self.argv), 30)
+
+    def kill(self, role, i):
+        os.killpg(self.procs[(role, i)].pid, signal.SIGKILL)
+        self.procs[(role, i)].wait(5)
+
+    def restart(self, victims, timeout_s):
+        for k in victims:
+            self._start(k)
+        return self._wait(list(victims), timeout_s)
+
+    def served(self, url):
+        try:
+            with urllib.request.urlopen(url + "/stats", timeout=5) as r:
+                return float(json.loads(r.read())["requests"])
+        except Exception:
+            return None
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+
+
+# ----------------------------------------------------------------------------- planning and figures
+@dataclass(frozen=True)
+class Plan:
+    run_s: float
+    workloads: tuple[str, ...]
+    reps: int
+    dropped: tuple[str, ...] = ()
+    note: str = ""
+
+
+def plan(budget_s: float, n_lbs: int, workloads: Sequence[str], reps: int, max_run_s: float, min_run_s: float,
+         lb_start_s: float, run_overhead_s: float, fault_s: float) -> Plan:
+    """The longest run time per workload (up to max_run_s) that fits the budget; workloads are dropped from
+    the end when not even min_run_s fits."""
+    kept = list(workloads)
+    while kept:
+        runs = n_lbs * len(kept) * reps
+        left = budget_s - fault_s - reps * n_lbs * lb_start_s - runs * run_overhead_s
+        run_s = min(max_run_s, left / runs)
+        if run_s >= min_run_s:
+            return Plan(round(run_s, 1), tuple(kept), reps, tuple(w for w in workloads if w not in kept))
+        kept.pop()
+    return Plan(0.0, (), reps, tuple(workloads), f"{budget_s:.0f} s left: not even one {min_run_s:g} s run per LB fits")
+
+
+FIGURES = ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p99", "output_throughput", "cache_hit_rate", "num_failed")
+
+
+def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Median and spread (min, max) of each figure over the repetitions."""
+    empty = [r for r in runs if not r.get("num_requests")]
+    runs = [r for r in runs if r.get("num_requests")]
+    out: dict[str, Any] = {"reps": len(runs), "empty_runs": len(empty)}
+    for k in FIGURES:
+        xs = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = {"median": round(statistics.median(xs), 4), "min": min(xs), "max": max(xs)} if xs else None
+    return out
+
+
+def _med(agg: dict, name: str, wl: str, fig: str) -> Optional[float]:
+    cell = agg.get(name, {}).get(wl, {}).get(fig)
+    return None if cell is None else cell["median"]
+
+
+def targets(agg: dict[str, dict[str, Any]], workloads: Sequence[str]) -> list[dict[str, Any]]:
+    """The issue's targets per workload, on the medians: our best TTFT p99 at least 20% below the best peer's,
+    output tok/s no lower; on shared-prefix workloads a hit rate at least smg cache_aware's and a lower p50."""
+    ours = [n for n in agg if n.startswith("ours:")]
+    peers = [n for n in agg if not n.startswith("ours:")]
+    out = []
+    for wl in workloads:
+        p99 = {n: _med(agg, n, wl, "ttft_ms_p99") for n in agg}
+        tput = {n: _med(agg, n, wl, "output_throughput") for n in agg}
+        ours_ok = [n for n in ours if p99[n] is not None]
+        peers_ok = [n for n in peers if p99[n] is not None]
+        if not ours_ok or not peers_ok:
+            continue
+        best_ours = min(ours_ok, key=lambda n: p99[n])
+        best_peer = min(peers_ok, key=lambda n: p99[n])
+        row = {"workload": wl, "ours": best_ours, "ours_ttft_p99": p99[best_ours], "best_peer": best_peer, "peer_ttft_p99": p99[best_peer],
+               "p99_vs_peer": round(p99[best_ours] / p99[best_peer] - 1, 3) if p99[best_peer] else None}
+        row["p99_met"] = row["p99_vs_peer"] is not None and row["p99_vs_peer"] <= -0.2
+        top_peer_tput = max((tput[n] for n in peers_ok if tput[n] is not None), default=None)
+        row["tput_met"] = top_peer_tput is not None and tput[best_ours] is not None and tput[best_ours] >= top_peer_tput
+        if wl in ("shared_prefix", "long_prefix") and "smg:cache_aware" in agg:
+            hit = {n: _med(agg, n, wl, "cache_hit_rate") for n in ("smg:cache_aware", *ours_ok)}
+            p50 = {n: _med(agg, n, wl, "ttft_ms_p50") for n in ("smg:cache_aware", *ours_ok)}
+            best_hit = max(ours_ok, key=lambda n: hit[n] or 0)
+            row.update(ours_hit=best_hit, hit_rate=hit[best_hit], smg_hit_rate=hit["smg:cache_aware"], ttft_p50=p50[best_hit], smg_ttft_p50=p50["smg:cache_aware"])
+            row["prefix_met"] = None not in (hit[best_hit], hit["smg:cache_aware"], p50[best_hit], p50["smg:cache_aware"]) and \
+                hit[best_hit] >= hit["smg:cache_aware"] and p50[best_hit] < p50["smg:cache_aware"]
+        out.append(row)
+    return out
+
+
+# ----------------------------------------------------------------------------- runs
+def in_flight_at(a: lb_real.Answer, times: Sequence[float]) -> bool:
+    """Whether the request was sent before one of `times` (seconds into the run) and answered after it."""
+    end = a.sent_at + (a.record.e2e_s or 0.0)
+    return any(a.sent_at < t <= end for t in times)
+
+
+def rotated(specs: Sequence[LBSpec], rep: int) -> list[LBSpec]:
+    k = rep % len(specs)
+    return list(specs[k:]) + list(specs[:k])
+
+
+class Harness:
+    def __init__(self, cluster: Cluster, peers: dict[str, Peer], logs: Path, wp: WorkloadParams, client_timeout: float = 60.0) -> None:
+        self.cluster, self.peers, self.logs, self.wp, self.client_timeout = cluster, peers, logs, wp, client_timeout
+        self.admin_key = os.urandom(16).hex()
+
+    def lb(self, spec: LBSpec, tag: str) -> Optional[LBProc]:
+        port = free_port()
+        cmd = lb_command(spec, self.cluster.prefills, self.cluster.decodes, port, self.peers, self.admin_key, prom_port=free_port())
+        if cmd is None:
+            return None
+        return LBProc(spec, cmd[0], cmd[1], port, self.logs / f"lb-{spec.name.replace(':', '-')}-{tag}.log")
+
+    def warm_up(self, workloads: Sequence[str], seconds: float) -> dict[str, Any]:
+        """Every workload's shapes through every server (round robin), then cold caches again."""
+        out: dict[str, Any] = {}
+        proc = self.lb(LBSpec("ours", "round_robin"), "warmup")
+        assert proc is not None
+        with proc:
+            for wl in workloads:
+                answers, wall = asyncio.run(lb_real.open_loop(proc.url, make_workload(wl, seconds, 10_000, self.wp), self.client_timeout))
+                out[wl] = lb_real.summarize(answers, wall)
+        self.cluster.flush()
+        return out
+
+    def compare(self, specs: Sequence[LBSpec], p: Plan, seed: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+        runs: dict[str, dict[str, list]] = {s.name: {wl: [] for wl in p.workloads} for s in specs}
+        order: list[list[str]] = []
+        skipped: dict[str, str] = {}
+        for rep in range(p.reps):
+            loads = {wl: make_workload(wl, p.run_s, seed + rep, self.wp) for wl in p.workloads}
+            order.append([s.name for s in rotated(specs, rep)])
+            for spec in rotated(specs, rep):
+                proc = self.lb(spec, f"rep{rep}")
+                if proc is None:
+                    skipped[spec.name] = "peer not installed (no lb.tar.xz / --*-python)"
+                    continue
+                try:
+                    with proc:
+                        for wl, reqs in loads.items():
+                            self.cluster.flush()
+                            answers, wall = asyncio.run(lb_real.open_loop(proc.url, reqs, self.client_timeout))
+                            s = lb_real.summarize(answers, wall)
+                            s["errors"] = s["errors"][:5]
+                            runs[spec.name][wl].append(s)
+                            log(f"[lb_compare] rep {rep} {spec.name} {wl}: ttft p50/p99 {s['ttft_ms_p50']}/{s['ttft_ms_p99']} ms, "
+                                f"hit {s['cache_hit_rate']}, failed {s['num_failed']}/{s['num_requests']}")
+                except (RuntimeError, TimeoutError) as e:
+                    skipped[spec.name] = f"rep {rep}: {e}"
+                    log(f"[lb_compare] {spec.name} rep {rep} did not run: {e}")
+        agg = {name: {wl: aggregate(rs) for wl, rs in by_wl.items() if rs} for name, by_wl in runs.items() if any(by_wl.values())}
+        return {"order": order, "runs": runs, "aggregate": agg, "skipped": skipped, "targets": targets(agg, p.workloads)}
+
+    def faults(self, specs: Sequence[LBSpec], duration: float, rate: float, seed: int, restart_timeout: float, probe_s: float = 20.0,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+        """All LBs at once, each with its own client; SIGKILL prefill 0 then decode 0, restart both."""
+        procs = [(s, self.lb(s, "faults")) for s in specs]
+        procs = [(s, p) for s, p in procs if p is not None]
+        victims = [("prefill", 0), ("decode", 0)]
+        kill_at = [duration / 5, 2 * duration / 5]
+        started: list[LBProc] = []
+        try:
+            for _, p in procs:
+                started.append(p.__enter__())
+            per_lb = {s.name: make_workload("bursty_mixed", duration, seed + k, WorkloadParams(bursty_rate=rate / len(procs))) for k, (s, _) in enumerate(procs)}
+            restarted: dict[str, Any] = {}
+
+            def restart() -> None:
+                restarted["names"] = self.cluster.restart(victims, restart_timeout)
+                restarted["healthy_at"] = time.monotonic()
+
+            async def drive():
+                t0 = time.perf_counter()
+                t0_mono = time.monotonic()
+                killed = []
+
+                async def killer():
+                    for when, v in zip(kill_at, victims):
+                        await asyncio.sleep(max(0.0, when - (time.perf_counter() - t0)))
+                        self.cluster.kill(*v)
+                        killed.append(round(time.perf_counter() - t0, 3))
+                        log(f"[lb_compare] killed {v[0]} {v[1]} at {killed[-1]} s")
+                    th = threading.Thread(target=restart, daemon=True)
+                    th.start()
+                    return th
+
+                async def one_lb(name, url):
+                    return name, await lb_real.open_loop(url, per_lb[name], self.client_timeout)
+
+                res = await asyncio.gather(killer(), *(one_lb(s.name, p.url) for s, p in procs))
+                return t0_mono, killed, res[0], dict(res[1:])
+
+            t0_mono, killed, thread, results = asyncio.run(drive())
+            thread.join(restart_timeout + 30)
+            out: dict[str, Any] = {"killed": [{"role": r, "index": i, "at_s": t} for (r, i), t in zip(victims, killed)],
+                                   "restarted": restarted.get("names", []), "per_lb": {}}
+            back_at = restarted["healthy_at"] - t0_mono if "healthy_at" in restarted else float("inf")
+            if "healthy_at" in restarted:
+                out["restart_s"] = round(back_at - killed[-1], 1)
+            # a killed server that was the only one of its role (3P1D's decode): nothing could serve meanwhile
+            down = [(t, back_at) for (role, _), t in zip(victims, killed) if len(self.cluster.prefills if role == "prefill" else self.cluster.decodes) == 1]
+            out["no_server_of_a_role_s"] = [[round(a, 2), round(b, 2)] for a, b in down]
+            for name, (answers, wall) in results.items():
+                bad = [a for a in answers if not a.record.ok]
+                none_up = [a for a in bad if not in_flight_at(a, killed) and any(lo <= a.sent_at <= hi for lo, hi in down)]
+                out["per_lb"][name] = {
+                    "requests": len(answers),
+                    "client_errors": len(bad),
+                    "errors_in_flight_at_a_kill": sum(1 for a in bad if in_flight_at(a, killed)),
+                    "errors_while_no_server_of_a_role": len(none_up),
+                    "errors_beyond_in_flight": sum(1 for a in bad if not in_flight_at(a, killed)) - len(none_up),
+                    "error_sent_at_s": [round(a.sent_at, 2) for a in bad][:40],
+                    "errors": sorted({a.record.error[:120] for a in bad})[:5],
+                    "run": {k: v for k, v in lb_real.summarize(answers, wall).items() if k != "errors"},
+                }
+            if len(restarted.get("names", [])) == len(victims):
+                back = self.back_in_rotation(procs, [self.cluster.url_of(*v) for v in victims], probe_s)
+                for name, b in back.items():
+                    out["per_lb"][name]["back_in_rotation_s"] = b
+            return out
+        finally:
+            for p in started:
+                p.__exit__()
+
+    def back_in_rotation(self, procs, urls: Sequence[str], probe_s: float, burst: int = 12, seed: int = 0) -> dict[str, dict[str, Optional[float]]]:
+        """Seconds from the restart (both serving) until each LB sent a request to each restarted server.
+
+        A burst of `burst` concurrent requests (distinct 400-token prompts) through one LB at a time, the LBs
+        in turn: at zero load a load-aware LB rightly keeps to its fastest pair, so a lone probe would not
+        show whether a server is back; a burst spreads over every server the LB routes to. The restarted
+        servers' own request counters, read before and after each burst, say which LB reached them."""
+        t0 = time.monotonic()
+        rng = random.Random(seed)
+        back: dict[str, dict[str, Optional[float]]] = {s.name: {u: None for u in urls} for s, _ in procs}
+        while time.monotonic() - t0 < probe_s and any(v is None for b in back.values() for v in b.values()):
+            for s, p in procs:
+                if all(v is not None for v in back[s.name].values()):
+                    continue
+                before = {u: self.cluster.served(u) for u in urls}
+                reqs = [Req(0.0, lb_real._ids(rng, 400), 8) for _ in range(burst)]
+                asyncio.run(lb_real.open_loop(p.url, reqs, 15.0))
+                time.sleep(0.05)  # a prefill counts a request when it finishes, just before its decode answers
+                for u in urls:
+                    after = self.cluster.served(u)
+                    if back[s.name][u] is None and None not in (before[u], after) and after > before[u]:
+                        back[s.name][u] = round(time.monotonic() - t0, 2)
+        return back
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=Path, help="folder with llama-tiny (real servers)")
+    ap.add_argument("--sim", action="store_true", help="simulated workers instead of SGLang (CPU proof run)")
+    ap.add_argument("--sim-knobs", default="--prefill-ms-per-token 0.01 --decode-ms-per-token 1 --prefix-cache-tokens 4000",
+                    help="sim_worker flags for --sim")
+    ap.add_argument("--topology", choices=sorted(TOPOLOGIES), default="2p2d")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--logs", type=Path, required=True)
+    ap.add_argument("--lbs", default=",".join(DEFAULT_LBS), help="comma-separated: ours:<policy>, mini_lb, smg:<policy>")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-run-s", type=float, default=20.0, help="longest run per workload; shorter when the budget asks")
+    ap.add_argument("--min-run-s", type=float, default=4.0)
+    ap.add_argument("--warmup-s", type=float, default=4.0)
+    ap.add_argument("--fault-s", type=float, default=12.0, help="load run of the fault phase (0: no fault phase)")
+    ap.add_argument("--budget-s", type=float, default=None, help="default: until E2E_DEADLINE_EPOCH less a margin")
+    ap.add_argument("--restart-timeout", type=float, default=150.0)
+    ap.add_argument("--lb-start-s", type=float, default=2.5, help="planning: seconds to start one LB")
+    ap.add_argument("--run-overhead-s", type=float, default=1.5, help="planning: flush and the tail of each run")
+    ap.add_argument("--restart-s", type=float, default=60.0, help="planning: seconds for the killed servers to serve again")
+    ap.add_argument("--bundle-lb", type=Path, default=None, help="lb.tar.xz unpacked (smg/, minilb/)")
+    ap.add_argument("--sglang-router-python", default=None, help="python of a venv with sglang-router==0.3.2")
+    ap.add_argument("--smg-python", default=None, help="python of a venv with smg==1.13.0")
+    ap.add_argument("--prefill-max-total-tokens", type=int, default=65536, help="each prefill's KV pool = its radix cache")
+    ap.add_argument("--decode-max-total-tokens", type=int, default=262144)
+    ap.add_argument("--seed", type=int, default=0)
+    for f in WorkloadParams.__dataclass_fields__.values():
+        ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    args = ap.parse_args(argv)
+    from .servers import Stack, exit_on_sigterm, failure_report
+
+    exit_on_sigterm()
+    specs = parse_lbs(args.lbs)
+    workloads = [w for w in args.workloads.split(",") if w]
+    for w in workloads:
+        make_workload(w, 0.0, 0, WorkloadParams())  # unknown names fail here, before any server starts
+    peers = {**(bundle_peers(args.bundle_lb) if args.bundle_lb else {}), **venv_peers(args.sglang_router_python, args.smg_python)}
+    wp = WorkloadParams(**{k: getattr(args, k) for k in WorkloadParams.__dataclass_fields__})
+    n_p, n_d = TOPOLOGIES[args.topology]
+    t_start = time.monotonic()
+    deadline = float(os.environ["E2E_DEADLINE_EPOCH"]) if os.environ.get("E2E_DEADLINE_EPOCH") else None
+    doc: dict[str, Any] = {"topology": args.topology, "sim": args.sim, "lbs": [s.name for s in specs], "peers": sorted(peers),
+                           "workload_params": asdict(wp), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    flags = [*lb_real.FLAGS]
+    with Stack(args.logs) as stack:
+        if args.sim:
+            cluster: Cluster = SimCluster(n_p, n_d, args.sim_knobs.split(), args.logs)
+            doc["servers"] = f"{n_p} prefill + {n_d} decode simulated ({args.sim_knobs})"
+        else:
+            if args.models is None:
+                ap.error("--models is needed without --sim")
+            p_flags = _with_max_tokens(flags, args.prefill_max_total_tokens)
+            d_flags = _with_max_tokens(flags, args.decode_max_total_tokens)
+            cluster = SGLangCluster(stack, args.models, n_p, n_d, p_flags, d_flags)
+            doc.update(model=lb_real.MODEL, prefill_flags=p_flags, decode_flags=d_flags, servers=f"{n_p} prefill + {n_d} decode on GPU 0",
+                       transport="p2pnccl over NCCL, socket transport on loopback (one GPU, NCCL_HOSTID per server)")
+        try:
+            up = cluster.launch(lanes=3)
+            doc["launch_s"] = round(time.monotonic() - t_start, 1)
+            if len(up) < n_p + n_d:
+                doc["error"] = failure_report(list(cluster.servers.values())) if isinstance(cluster, SGLangCluster) else f"up: {up}"
+            else:
+                h = Harness(cluster, peers, args.logs, wp)
+                doc["warmup"] = h.warm_up(workloads, args.warmup_s)
+                # what is left now, for the comparison and the fault phase
+                budget = args.budget_s if args.budget_s is not None else ((deadline - time.time() - 20) if deadline else 600.0)
+                # faults: the restart begins 2/5 into the load run; then the probes and the LBs' starts
+                fault_reserve = max(args.fault_s, 0.4 * args.fault_s + args.restart_s) + 10 + len(specs) * args.lb_start_s if args.fault_s > 0 else 0.0
+                p = plan(budget, len(specs), workloads, args.reps, args.max_run_s, args.min_run_s, args.lb_start_s, args.run_overhead_s, fault_reserve)
+                doc["plan"] = asdict(p)
+                print(f"[lb_compare] plan: {doc['plan']}", flush=True)
+                if p.workloads:
+                    doc.update(h.compare(specs, p, args.seed))
+                if args.fault_s > 0:
+                    doc["faults"] = h.faults(specs, args.fault_s, wp.bursty_rate, args.seed + 100, args.restart_timeout)
+        finally:
+            if isinstance(cluster, SimCluster):
+                cluster.stop()
+    doc["wall_s"] = round(time.monotonic() - t_start, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    print(f"[lb_compare] wrote {args.out}", flush=True)
+    return 0 if "error" not in doc and "aggregate" in doc else 1
+
+
+def _with_max_tokens(flags: Sequence[str], n: int) -> list[str]:
+    out = list(flags)
+    i = out.index("--max-total-tokens")
+    out[i + 1] = str(n)
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

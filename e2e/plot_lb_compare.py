@@ -1,0 +1,72 @@
+"""Plot an e2e/lb_compare.py result: per workload, each LB's TTFT p50 and p99 (median over the repetitions,
+whiskers from min to max), E2E p99 and output tok/s, with the cache hit rate over the bars.
+
+    python3 -m e2e.plot_lb_compare RESULT.json [OUT.png]     (default: RESULT.png)
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+PANELS = (("ttft_ms_p50", "TTFT p50 (ms)"), ("ttft_ms_p99", "TTFT p99 (ms)"), ("e2e_ms_p99", "E2E p99 (ms)"), ("output_throughput", "output tok/s"))
+
+
+def bars(agg: dict[str, Any], workload: str, figure: str) -> tuple[list[str], list[float], list[tuple[float, float]]]:
+    """LB names, medians and (below, above) whisker lengths of one figure of one workload."""
+    names, med, err = [], [], []
+    for name, by_wl in agg.items():
+        cell: Optional[dict] = (by_wl.get(workload) or {}).get(figure)
+        if cell is None:
+            continue
+        names.append(name)
+        med.append(cell["median"])
+        err.append((cell["median"] - cell["min"], cell["max"] - cell["median"]))
+    return names, med, err
+
+
+def plot(doc: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agg = doc.get("aggregate") or {}
+    workloads = list((doc.get("plan") or {}).get("workloads") or [])
+    if not agg or not workloads:
+        raise SystemExit("no aggregate figures in this result (did the comparison run?)")
+    fig, axes = plt.subplots(len(workloads), len(PANELS), figsize=(4.2 * len(PANELS), 3.2 * len(workloads)), squeeze=False)
+    for r, wl in enumerate(workloads):
+        for c, (key, label) in enumerate(PANELS):
+            ax = axes[r][c]
+            names, med, err = bars(agg, wl, key)
+            colors = ["tab:blue" if n.startswith("ours:") else "tab:gray" for n in names]
+            ax.bar(range(len(names)), med, yerr=list(zip(*err)) if err else None, color=colors, capsize=3)
+            ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=7)
+            ax.set_title(f"{wl}: {label}", fontsize=9)
+            if c == 0:
+                hits = dict(zip(*bars(agg, wl, "cache_hit_rate")[:2]))
+                for i, n in enumerate(names):
+                    if hits.get(n) is not None:
+                        ax.annotate(f"hit {hits[n]:.2f}", (i, med[i]), ha="center", va="bottom", fontsize=6)
+    reps = (doc.get("plan") or {}).get("reps")
+    fig.suptitle(f"LB comparison, {doc.get('topology')} ({doc.get('servers', '')}), median of {reps} runs of {(doc.get('plan') or {}).get('run_s')} s, whiskers min-max", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print(__doc__)
+        return 2
+    src = Path(argv[0])
+    out = Path(argv[1]) if len(argv) > 1 else src.with_suffix(".png")
+    plot(json.loads(src.read_text()), out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""e2e/lb_compare.py (our LB vs mini_lb vs smg on the same PD servers) on CPU: its pure parts, and the whole
+harness end to end against simulated workers (sglang_p2p_lb.sim_worker, standing in for the GPU servers)
+with real LB processes, kill -9 and restart; mini_lb and smg join when their virtualenvs exist
+(bench/lb_sim/install_peers.sh)."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from e2e import lb_compare as lc  # noqa: E402
+from e2e.lb_real import Answer  # noqa: E402
+from e2e.stats import RequestRecord  # noqa: E402
+
+PEERS = Path(os.environ.get("LB_PEERS_DIR", Path.home() / ".cache/sglang-p2p-lb-peers"))
+
+
+def test_parse_lbs_and_rotation():
+    specs = lc.parse_lbs("ours:load_aware, mini_lb,smg:cache_aware")
+    assert [s.name for s in specs] == ["ours:load_aware", "mini_lb", "smg:cache_aware"]
+    for bad in ("ours", "mini_lb:random", "nginx:x"):
+        with pytest.raises(ValueError, match="use ours:<policy>"):
+            lc.parse_lbs(bad)
+    orders = [[s.name for s in lc.rotated(specs, r)] for r in range(3)]
+    assert orders[1] == ["mini_lb", "smg:cache_aware", "ours:load_aware"]
+    assert all(sorted(o) == sorted(orders[0]) for o in orders) and len({o[0] for o in orders}) == 3  # each LB goes first once
+
+
+def test_lb_commands_cover_every_worker():
+    from sglang_p2p_lb import cli
+
+    ps, ds = [("http://127.0.0.1:1", 11), ("http://127.0.0.1:2", 12), ("http://127.0.0.1:3", 13)], ["http://127.0.0.1:4"]
+    peers = {"mini_lb": lc.Peer(("py", "-m", "sglang_router.launch_router"), (("PYTHONPATH", "/x/minilb"),)), "smg": lc.Peer(("py", "-m", "smg"))}
+    argv, env = lc.lb_command(lc.LBSpec("ours", "prefix_aware"), ps, ds, 9000, peers, "key")
+    cfg = cli.config_from_args(cli.build_parser().parse_args(argv[3:]))
+    assert cfg.prefills == ps and cfg.decodes == ds and cfg.policy == "prefix_aware" and cfg.port == 9000 and cfg.host == "127.0.0.1" and env == {}
+    argv, env = lc.lb_command(lc.LBSpec("mini_lb"), ps, ds, 9001, peers, "key")
+    assert argv[:5] == ["py", "-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb"] and env == {"PYTHONPATH": "/x/minilb"}
+    assert argv.count("--prefill") == 3 and argv[argv.index("--prefill") + 1: argv.index("--prefill") + 3] == ["http://127.0.0.1:1", "11"]
+    argv, _ = lc.lb_command(lc.LBSpec("smg", "power_of_two"), ps, ds, 9002, peers, "key", prom_port=9100)
+    assert argv[3:5] == ["launch", "--pd-disaggregation"] and argv[argv.index("--policy") + 1] == "power_of_two"
+    assert argv[argv.index("--prometheus-port") + 1] == "9100" and argv[argv.index("--health-check-interval-secs") + 1] == "2"
+    assert lc.lb_command(lc.LBSpec("smg", "cache_aware"), ps, ds, 9003, {}, "key") is None  # peer not installed
+
+
+def test_bundle_peers_put_each_folder_on_its_own_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/base")
+    (tmp_path / "smg").mkdir()
+    peers = lc.bundle_peers(tmp_path)
+    assert set(peers) == {"smg"} and dict(peers["smg"].env) == {"PYTHONPATH": f"{tmp_path / 'smg'}:/base"}
+    assert peers["smg"].argv[1:] == ("-m", "smg")
+
+
+def test_plan_fits_the_budget_and_drops_workloads_from_the_end():
+    p = lc.plan(400, 5, lc.WORKLOADS, 3, 20.0, 4.0, 2.5, 1.5, 80)
+    runs = 5 * 3 * 3
+    assert p.workloads == lc.WORKLOADS and 4.0 <= p.run_s <= 20.0
+    assert 80 + 15 * 2.5 + runs * (1.5 + p.run_s) <= 400 + 0.1 * runs
+    p = lc.plan(200, 5, lc.WORKLOADS, 3, 20.0, 4.0, 2.5, 1.5, 80)
+    assert p.workloads == ("bursty_mixed",) and p.dropped == ("shared_prefix", "long_prefix")
+    p = lc.plan(50, 5, lc.WORKLOADS, 3, 20.0, 4.0, 2.5, 1.5, 80)
+    assert p.workloads == () and "not even one" in p.note
+    assert lc.plan(10_000, 2, ["bursty_mixed"], 3, 20.0, 4.0, 2.5, 1.5, 0).run_s == 20.0
+
+
+def _run(ttft50, ttft99, tput, hit, n=100):
+    return {"num_requests": n, "ttft_ms_p50": ttft50, "ttft_ms_p99": ttft99, "e2e_ms_p99": None if ttft99 is None else 2 * ttft99, "output_throughput": tput, "cache_hit_rate": hit, "num_failed": 0}
+
+
+def test_aggregate_and_targets():
+    agg = lc.aggregate([_run(10, 100, 500, 0.5), _run(30, 300, 400, 0.7), _run(20, 90, 450, 0.6), _run(None, None, 0.0, None, n=0)])
+    assert agg["reps"] == 3 and agg["empty_runs"] == 1
+    assert agg["ttft_ms_p99"] == {"median": 100, "min": 90, "max": 300} and agg["cache_hit_rate"]["median"] == 0.6
+    table = {
+        "ours:load_aware": {"shared_prefix": lc.aggregate([_run(20, 70, 500, 0.80)])},
+        "ours:prefix_aware": {"shared_prefix": lc.aggregate([_run(15, 80, 510, 0.92)])},
+        "mini_lb": {"shared_prefix": lc.aggregate([_run(30, 200, 480, 0.6)])},
+        "smg:cache_aware": {"shared_prefix": lc.aggregate([_run(16, 100, 505, 0.91)])},
+    }
+    (row,) = lc.targets(table, ["shared_prefix"])
+    assert row["ours"] == "ours:load_aware" and row["best_peer"] == "smg:cache_aware" and row["p99_vs_peer"] == -0.3 and row["p99_met"]
+    assert not row["tput_met"]  # load_aware (the best p99) delivers 500 tok/s, smg 505
+    assert row["ours_hit"] == "ours:prefix_aware" and row["prefix_met"]  # 0.92 >= 0.91 and 15 ms < 16 ms
+    table["ours:prefix_aware"]["shared_prefix"] = lc.aggregate([_run(17, 80, 510, 0.92)])
+    assert not lc.targets(table, ["shared_prefix"])[0]["prefix_met"]
+
+
+def test_errors_in_flight_at_a_kill():
+    def a(sent, e2e):
+        return Answer(RequestRecord(False, None, e2e, 0, "x"), 10, 0, sent)
+
+    kills = [2.0, 4.0]
+    assert lc.in_flight_at(a(1.5, 1.0), kills)  # sent before the first kill, answered after it
+    assert not lc.in_flight_at(a(0.5, 1.0), kills)  # over before any kill
+    assert not lc.in_flight_at(a(2.5, 1.0), kills)  # sent after the first kill, over before the second
+    assert lc.in_flight_at(a(3.9, 0.5), kills)
+
+
+def _peer_args() -> list[str]:
+    out = []
+    if (PEERS / "sglr/bin/python").exists():
+        out += ["--sglang-router-python", str(PEERS / "sglr/bin/python")]
+    if (PEERS / "smg/bin/python").exists():
+        out += ["--smg-python", str(PEERS / "smg/bin/python")]
+    return out
+
+
+def test_compare_end_to_end_against_simulated_workers(tmp_path):
+    """The harness as the GPU host runs it, at small counts: 3 repetitions per LB in rotated order, two
+    workloads, every LB at once through kill -9 and restart of a prefill and a decode, one JSON, a plot."""
+    peers = _peer_args()
+    lbs = ["ours:load_aware", "ours:prefix_aware"]
+    if "--sglang-router-python" in peers:
+        lbs.append("mini_lb")
+    if "--smg-python" in peers:
+        lbs.append("smg:cache_aware")
+    out = tmp_path / "cmp.json"
+    rc = lc.main(["--sim", "--sim-knobs", "--prefill-ms-per-token 0.02 --decode-ms-per-token 2 --prefix-cache-tokens 2000",
+                  "--topology", "3p1d", "--out", str(out), "--logs", str(tmp_path / "logs"), "--lbs", ",".join(lbs), "--reps", "3",
+                  "--workloads", "bursty_mixed,long_prefix", "--budget-s", str(30 * len(lbs)), "--max-run-s", "1.5", "--min-run-s", "1",
+                  "--lb-start-s", "1", "--run-overhead-s", "0.5", "--warmup-s", "1", "--fault-s", "4", "--restart-s", "2",
+                  "--bursty-rate", "16", "--long-rate", "3", "--long-prefix", "600", "--long-prefixes", "8", "--turn-gap", "0.4", *peers])
+    doc = json.loads(out.read_text())
+    assert rc == 0, doc.get("error")
+    assert doc["topology"] == "3p1d" and doc["plan"]["workloads"] == ["bursty_mixed", "long_prefix"] and doc["plan"]["reps"] == 3
+    assert [o[0] for o in doc["order"]] == lbs[:3] if len(lbs) >= 3 else True
+    assert set(doc["aggregate"]) == set(lbs) and doc["skipped"] == {}
+    for name in lbs:
+        for wl in ("bursty_mixed", "long_prefix"):
+            runs = doc["runs"][name][wl]
+            assert len(runs) == 3 and sum(r["num_requests"] for r in runs) > 0
+            assert sum(r["num_failed"] for r in runs) == 0, (name, wl, [r["errors"] for r in runs])
+        assert doc["aggregate"][name]["bursty_mixed"]["ttft_ms_p99"]["min"] <= doc["aggregate"][name]["bursty_mixed"]["ttft_ms_p99"]["max"]
+    assert any(doc["runs"][n]["long_prefix"][k]["cache_hit_rate"] for n in lbs for k in range(3))  # the sims' radix caches hit
+    assert {t["workload"] for t in doc["targets"]} <= {"bursty_mixed", "long_prefix"}
+    f = doc["faults"]
+    assert [(k["role"], k["index"]) for k in f["killed"]] == [("prefill", 0), ("decode", 0)] and len(f["restarted"]) == 2
+    assert set(f["per_lb"]) == set(lbs)
+    for name in ("ours:load_aware", "ours:prefix_aware"):
+        lb = f["per_lb"][name]
+        assert lb["errors_beyond_in_flight"] == 0, lb  # only requests in flight on a killed worker may fail
+        assert all(v is not None for v in lb["back_in_rotation_s"].values()), lb  # both restarted servers used again
+    from e2e import plot_lb_compare
+
+    plot_lb_compare.main([str(out), str(tmp_path / "cmp.png")])
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000
