@@ -19,9 +19,11 @@ rate (meta_info.cached_tokens over prompt tokens), errors; per LB and workload t
 (min, max) over the repetitions. The workloads (e2e/lb_real.py's generators):
 * ``bursty_mixed``: Poisson with 3x bursts, 85% short prompts, 15% 2k-6k;
 * ``shared_prefix``: multi-turn chats over 6 few-shot prefixes of 2k tokens;
-* ``long_prefix``: the same with 12k-token prefixes, more of them than one prefill's radix cache holds:
-  prefill time dominates a miss, so routing for cache hits shows in TTFT (on the tiny model a 2k-token
-  prefill costs about as much as the request's other steps, so hits barely move TTFT there).
+* ``long_prefix``: 3-turn chats over 10 prefixes of 12k tokens, more than one prefill's radix cache holds
+  (98k tokens) and less than two: a miss costs a 12k-token prefill, so routing for cache hits can show in
+  TTFT. It shows best with ``--transport cudaipc``: over NCCL's loopback sockets the whole prompt's KV
+  (24 MiB at 12k tokens) moves to the decode on a hit as on a miss, and that transfer, not the prefill,
+  dominates TTFT on llama-tiny.
 Faults: every LB runs at once, each with its own open-loop client at 1/n of the bursty rate; a prefill and
 then a decode get SIGKILL, both restart; per LB the client errors, split into requests in flight at a kill,
 requests sent while no server of the killed one's role was left (3P1D's only decode) and the rest (the target:
@@ -197,7 +199,7 @@ class WorkloadParams:
     turn_gap: float = 1.0  # seconds between the turns of a conversation (runs are short)
     long_rate: float = 1.5  # long_prefix conversations/s, 3 turns each
     long_prefix: int = 12000
-    long_prefixes: int = 16  # 16 x 12k tokens: more than one prefill's radix cache (--max-total-tokens)
+    long_prefixes: int = 10  # 10 x 12k tokens: more than one prefill's radix cache (98k tokens), less than two
     question: int = 100
     answer: int = 50
 
@@ -246,6 +248,16 @@ class _Url:
     url: str
 
 
+def transport_env(transport: str, name: str) -> dict[str, str]:
+    """nccl: NCCL over loopback sockets, an NCCL_HOSTID per server (e2e/config.py says why); cudaipc: the
+    same-host copy kernel straight into the decode's pools, what SGLANG_P2P_TRANSPORT=auto picks on one host."""
+    if transport == "cudaipc":
+        return {"SGLANG_P2P_TRANSPORT": "cudaipc"}
+    if transport == "nccl":
+        return {"SGLANG_P2P_TRANSPORT": "nccl", **lb_real._one_gpu_env(name)}
+    raise ValueError(f"transport must be nccl or cudaipc, got {transport!r}")
+
+
 def _prom_total(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -257,7 +269,7 @@ def _prom_total(text: str, name: str) -> float:
 class SGLangCluster(Cluster):
     """Real SGLang servers on GPU 0 (e2e/lb_real.py's flags), started through e2e.servers.Stack."""
 
-    def __init__(self, stack: Any, models: Path, n_p: int, n_d: int, flags: Sequence[str], decode_flags: Sequence[str]) -> None:
+    def __init__(self, stack: Any, models: Path, n_p: int, n_d: int, flags: Sequence[str], decode_flags: Sequence[str], transport: str = "nccl") -> None:
         from . import config
         from .servers import Server
 
@@ -267,7 +279,7 @@ class SGLangCluster(Cluster):
         for role, n in (("prefill", n_p), ("decode", n_d)):
             for i in range(n):
                 name = f"lbc-{role}{i}"
-                env = {**config.COMMON_ENV, "SGLANG_P2P_TRANSPORT": "nccl", **lb_real._one_gpu_env(name)}
+                env = {**config.COMMON_ENV, **transport_env(transport, name)}
                 port = lb_real.BASE_PORT + (i if role == "prefill" else 4 + i)
                 args = list(flags if role == "prefill" else decode_flags)
                 self.servers[(role, i)] = Server(name, port, role, model, gpu=0, backend="p2pnccl",
@@ -628,8 +640,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--bundle-lb", type=Path, default=None, help="lb.tar.xz unpacked (smg/, minilb/)")
     ap.add_argument("--sglang-router-python", default=None, help="python of a venv with sglang-router==0.3.2")
     ap.add_argument("--smg-python", default=None, help="python of a venv with smg==1.13.0")
-    ap.add_argument("--prefill-max-total-tokens", type=int, default=65536, help="each prefill's KV pool = its radix cache")
+    ap.add_argument("--prefill-max-total-tokens", type=int, default=98304, help="each prefill's KV pool, which is its radix cache")
     ap.add_argument("--decode-max-total-tokens", type=int, default=262144)
+    ap.add_argument("--transport", choices=("nccl", "cudaipc"), default=os.environ.get("E2E_P2P_1GPU") or "nccl",
+                    help="how p2pnccl moves the KV on the one GPU (default: $E2E_P2P_1GPU, else nccl)")
     ap.add_argument("--seed", type=int, default=0)
     for f in WorkloadParams.__dataclass_fields__.values():
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
@@ -658,9 +672,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 ap.error("--models is needed without --sim")
             p_flags = _with_max_tokens(flags, args.prefill_max_total_tokens)
             d_flags = _with_max_tokens(flags, args.decode_max_total_tokens)
-            cluster = SGLangCluster(stack, args.models, n_p, n_d, p_flags, d_flags)
+            cluster = SGLangCluster(stack, args.models, n_p, n_d, p_flags, d_flags, args.transport)
             doc.update(model=lb_real.MODEL, prefill_flags=p_flags, decode_flags=d_flags, servers=f"{n_p} prefill + {n_d} decode on GPU 0",
-                       transport="p2pnccl over NCCL, socket transport on loopback (one GPU, NCCL_HOSTID per server)")
+                       transport={"nccl": "p2pnccl over NCCL, socket transport on loopback (one GPU, NCCL_HOSTID per server)",
+                                  "cudaipc": "p2pnccl over CUDA IPC (one GPU, copy kernel into the decode's pools)"}[args.transport])
         try:
             up = cluster.launch(lanes=3)
             doc["launch_s"] = round(time.monotonic() - t_start, 1)

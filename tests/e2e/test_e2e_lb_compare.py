@@ -147,3 +147,24 @@ def test_compare_end_to_end_against_simulated_workers(tmp_path):
 
     plot_lb_compare.main([str(out), str(tmp_path / "cmp.png")])
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
+
+
+def test_sglang_servers_of_each_topology():
+    class NoStack:
+        servers: list = []
+
+    flags = lc._with_max_tokens(lc.lb_real.FLAGS, 65536)
+    assert flags[flags.index("--max-total-tokens") + 1] == "65536" and lc.lb_real.FLAGS[lc.lb_real.FLAGS.index("--max-total-tokens") + 1] == "131072"
+    for topo, (n_p, n_d) in lc.TOPOLOGIES.items():
+        for transport in ("nccl", "cudaipc"):
+            c = lc.SGLangCluster(NoStack(), Path("/models"), n_p, n_d, flags, lc._with_max_tokens(flags, 262144), transport)
+            assert len(c.prefills) == n_p and len(c.decodes) == n_d
+            ports = [s.port for s in c.servers.values()] + [bp for _, bp in c.prefills]
+            assert len(set(ports)) == len(ports)  # no two servers (or bootstrap servers) share a port
+            for (role, _), s in c.servers.items():
+                cmd = s.command()
+                assert cmd[cmd.index("--disaggregation-mode") + 1] == role and cmd[cmd.index("--base-gpu-id") + 1] == "0"
+                assert cmd[cmd.index("--max-total-tokens") + 1] == ("65536" if role == "prefill" else "262144")
+                assert s.env["SGLANG_P2P_TRANSPORT"] == transport and (("NCCL_HOSTID" in s.env) == (transport == "nccl"))
+    with pytest.raises(ValueError, match="nccl or cudaipc"):
+        lc.transport_env("mooncake", "x")
