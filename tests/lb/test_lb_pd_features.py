@@ -95,15 +95,23 @@ def test_split_policies_over_http_and_dp_ranks_for_a_policy_without_ranks():
 
 
 # ----------------------------------------------------------------------------- admission control
+ONE_SLOT_ONE_QUEUED = ProxyConfig(max_concurrent=1, queue_size=1, queue_timeout=20.0, request_timeout=20.0)
+
+
+async def _fill_slot_and_queue(c) -> tuple[asyncio.Task, asyncio.Task]:
+    """One request on the worker, a second one waiting in the LB's queue."""
+    first = asyncio.create_task(c.post("/generate", GEN))
+    assert await wait_until(lambda: c.prefills[0].stats.requests == 1)
+    second = asyncio.create_task(c.post("/generate", GEN))
+    assert await wait_until(lambda: c.lb.dispatcher.admission.queued == 1)
+    assert c.prefills[0].stats.requests == 1  # the queued one has not reached a worker
+    return first, second
+
+
 def test_admission_queues_then_429_when_the_queue_is_full():
     async def body():
-        proxy = ProxyConfig(max_concurrent=1, queue_size=1, queue_timeout=20.0, request_timeout=20.0)
-        async with cluster(1, 1, sim={"prefill_base_ms": 800}, proxy=proxy) as c:
-            first = asyncio.create_task(c.post("/generate", GEN))
-            assert await wait_until(lambda: c.prefills[0].stats.requests == 1)
-            second = asyncio.create_task(c.post("/generate", GEN))
-            assert await wait_until(lambda: c.lb.dispatcher.admission.queued == 1)
-            assert c.prefills[0].stats.requests == 1  # the queued one has not reached a worker
+        async with cluster(1, 1, sim={"prefill_base_ms": 800}, proxy=ONE_SLOT_ONE_QUEUED) as c:
+            first, second = await _fill_slot_and_queue(c)
             async with c.http.post(c.url + "/generate", json=GEN) as r:
                 out = await r.json()
                 assert r.status == 429 and r.headers["Retry-After"] == "1"
@@ -140,12 +148,8 @@ def test_admission_no_queue_and_queue_timeout():
 
 def test_admission_client_that_leaves_the_queue_frees_its_place():
     async def body():
-        proxy = ProxyConfig(max_concurrent=1, queue_size=1, queue_timeout=20.0, request_timeout=20.0)
-        async with cluster(1, 1, sim={"prefill_base_ms": 800}, proxy=proxy) as c:
-            first = asyncio.create_task(c.post("/generate", GEN))
-            assert await wait_until(lambda: c.prefills[0].stats.requests == 1)
-            gone = asyncio.create_task(c.post("/generate", GEN))
-            assert await wait_until(lambda: c.lb.dispatcher.admission.queued == 1)
+        async with cluster(1, 1, sim={"prefill_base_ms": 800}, proxy=ONE_SLOT_ONE_QUEUED) as c:
+            first, gone = await _fill_slot_and_queue(c)
             gone.cancel()  # the client disconnects while queued
             assert await wait_until(lambda: c.lb.dispatcher.admission.queued == 0)
             third = asyncio.create_task(c.post("/generate", GEN))  # takes the freed place instead of a 429
