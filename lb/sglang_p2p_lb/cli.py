@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-body-mb", type=float, default=64.0)
     g = p.add_argument_group("health and load")
     g.add_argument("--health-check-interval-secs", dest="hc_interval", type=float, default=HealthConfig.interval)
+    g.add_argument("--health-recovery-interval-secs", type=float, default=HealthConfig.recovery_interval, help="how often an ejected worker is probed, so a restarted one is back quickly (0: --health-check-interval-secs)")
     g.add_argument("--health-check-timeout-secs", dest="hc_timeout", type=float, default=HealthConfig.timeout)
     g.add_argument("--health-failure-threshold", type=int, default=3)
     g.add_argument("--health-liveness-endpoint", default=HealthConfig.liveness_endpoint, help="answered by SGLang's HTTP process alone: no answer means the worker stopped")
@@ -182,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         ),
         health=HealthConfig(
             interval=args.hc_interval,
+            recovery_interval=args.health_recovery_interval_secs,
             timeout=args.hc_timeout,
             failure_threshold=args.health_failure_threshold,
             timeout_failure_threshold=args.health_timeout_failure_threshold,

@@ -9,6 +9,8 @@ Two probes per worker, each at a fixed rate (a slow probe of one worker never de
   scheduler): no answer within `liveness_timeout` means the process accepts connections but stopped
   (SIGSTOP, frozen). After `timeout_failure_threshold` (1) such timeouts the worker is ejected and the
   requests in flight on it fail at once (Worker.notify_stalled): within interval + liveness_timeout.
+An ejected worker is probed every `recovery_interval` (0.5 s) instead, so a restarted server is back in
+rotation within success_threshold x recovery_interval of answering.
 Requests' own transport failures eject a worker too (passive, proxy.py). When a worker answers for the
 first time its `/get_server_info` is read for its DP size.
 """
@@ -37,6 +39,9 @@ class HealthConfig:
     liveness_endpoint: str = "/model_info"
     liveness_timeout: float = 2.0
     timeout_failure_threshold: int = 1
+    # an ejected worker is probed this often, so a restarted server is back within
+    # success_threshold x recovery_interval of serving (0: at `interval` like the others)
+    recovery_interval: float = 0.5
     enabled: bool = True
 
 
@@ -145,9 +150,11 @@ class HealthChecker:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.pool))
 
-    def probe_round(self) -> None:
-        """Start each probe of every worker that has none of that kind in flight (fixed rate)."""
+    def probe_round(self, ejected_only: bool = False) -> None:
+        """Start each probe of every worker (or every ejected one) that has none of that kind in flight."""
         for w in self.pool:
+            if ejected_only and w.healthy:
+                continue
             for kind, probe in (("health", self.check), ("live", self.live)):
                 key = (id(w), kind)
                 if key not in self._probing:
@@ -161,10 +168,16 @@ class HealthChecker:
             log.error("health check failed unexpectedly", exc_info=task.exception())
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        tick = min(self.cfg.interval, self.cfg.recovery_interval) if self.cfg.recovery_interval > 0 else self.cfg.interval
+        next_full = loop.time() + self.cfg.interval
         try:
             while True:
-                await asyncio.sleep(self.cfg.interval)
-                self.probe_round()
+                await asyncio.sleep(tick)
+                full = loop.time() >= next_full - tick / 2
+                if full:
+                    next_full += self.cfg.interval
+                self.probe_round(ejected_only=not full)
         finally:
             for t in list(self._probing.values()):
                 t.cancel()

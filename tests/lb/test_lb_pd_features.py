@@ -264,3 +264,21 @@ def test_only_decode_ejected_is_still_tried_unless_stalled():
             assert c.decodes[0].stats.requests == 1
 
     run(body)
+
+
+def test_ejected_worker_is_probed_faster_and_back_soon():
+    """Health checks every 30 s, but an ejected worker is probed every 50 ms: once it answers it is back
+    after two good probes, long before the next regular round."""
+
+    async def body():
+        from sglang_p2p_lb.health import HealthConfig
+
+        hc = HealthConfig(interval=30.0, recovery_interval=0.05, success_threshold=2)
+        async with cluster(2, 1, health=hc) as c:
+            w = c.lb.pool.get("prefill", c.prefills[0].url)
+            other = c.lb.pool.get("prefill", c.prefills[1].url)
+            w.healthy = False  # as a passive ejection after its process died and came back
+            assert await wait_until(lambda: w.healthy, 5.0)
+            assert other.consecutive_successes == 0  # the healthy one waits for the regular round
+
+    run(body)
