@@ -456,6 +456,13 @@ def targets(agg: dict[str, dict[str, Any]], workloads: Sequence[str]) -> list[di
 
 
 # ----------------------------------------------------------------------------- runs
+def summarize_compare(doc: dict[str, Any], workloads: Sequence[str]) -> None:
+    """`aggregate` and `targets` from the runs in `doc`."""
+    runs = doc.get("runs") or {}
+    agg = {name: {wl: aggregate(rs) for wl, rs in by_wl.items() if rs} for name, by_wl in runs.items() if any(by_wl.values())}
+    doc.update(aggregate=agg, targets=targets(agg, workloads))
+
+
 def in_flight_at(a: lb_real.Answer, times: Sequence[float]) -> bool:
     """Whether the request was sent before one of `times` (seconds into the run) and answered after it."""
     end = a.sent_at + (a.record.e2e_s or 0.0)
@@ -491,14 +498,23 @@ class Harness:
         self.cluster.flush()
         return out
 
-    def compare(self, specs: Sequence[LBSpec], p: Plan, seed: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+    def compare(self, specs: Sequence[LBSpec], p: Plan, seed: int, doc: dict[str, Any], stop_at: float = float("inf"),
+                lb_run_s: float = 0.0, log: Callable[[str], None] = print) -> None:
+        """Every repetition of every LB into `doc` as it goes (a run cut off by the step's timeout keeps what
+        it has); no LB run starts that would end after `stop_at` (monotonic), `lb_run_s` being its length."""
         runs: dict[str, dict[str, list]] = {s.name: {wl: [] for wl in p.workloads} for s in specs}
         order: list[list[str]] = []
         skipped: dict[str, str] = {}
+        doc.update(order=order, runs=runs, skipped=skipped)
         for rep in range(p.reps):
             loads = {wl: make_workload(wl, p.run_s, seed + rep, self.wp) for wl in p.workloads}
             order.append([s.name for s in rotated(specs, rep)])
             for spec in rotated(specs, rep):
+                if time.monotonic() + lb_run_s > stop_at:
+                    doc["cut_short"] = f"out of time before rep {rep} of {spec.name}"
+                    log(f"[lb_compare] {doc['cut_short']}")
+                    summarize_compare(doc, p.workloads)
+                    return
                 proc = self.lb(spec, f"rep{rep}")
                 if proc is None:
                     skipped[spec.name] = "peer not installed (no lb.tar.xz / --*-python)"
@@ -516,8 +532,7 @@ class Harness:
                 except (RuntimeError, TimeoutError) as e:
                     skipped[spec.name] = f"rep {rep}: {e}"
                     log(f"[lb_compare] {spec.name} rep {rep} did not run: {e}")
-        agg = {name: {wl: aggregate(rs) for wl, rs in by_wl.items() if rs} for name, by_wl in runs.items() if any(by_wl.values())}
-        return {"order": order, "runs": runs, "aggregate": agg, "skipped": skipped, "targets": targets(agg, p.workloads)}
+        summarize_compare(doc, p.workloads)
 
     def faults(self, specs: Sequence[LBSpec], duration: float, rate: float, seed: int, restart_timeout: float, probe_s: float = 20.0,
                log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -691,18 +706,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 p = plan(budget, len(specs), workloads, args.reps, args.max_run_s, args.min_run_s, args.lb_start_s, args.run_overhead_s, fault_reserve)
                 doc["plan"] = asdict(p)
                 print(f"[lb_compare] plan: {doc['plan']}", flush=True)
+                end = time.monotonic() + budget
                 if p.workloads:
-                    doc.update(h.compare(specs, p, args.seed))
+                    lb_run_s = args.lb_start_s + len(p.workloads) * (p.run_s + args.run_overhead_s)
+                    h.compare(specs, p, args.seed, doc, stop_at=end - fault_reserve, lb_run_s=lb_run_s)
                 if args.fault_s > 0:
-                    doc["faults"] = h.faults(specs, args.fault_s, wp.bursty_rate, args.seed + 100, args.restart_timeout)
+                    if end - time.monotonic() >= fault_reserve:
+                        doc["faults"] = h.faults(specs, args.fault_s, wp.bursty_rate, args.seed + 100, args.restart_timeout)
+                    else:
+                        doc["faults"] = {"skipped": f"{end - time.monotonic():.0f} s left, the fault phase needs {fault_reserve:.0f}"}
         finally:
             if isinstance(cluster, SimCluster):
                 cluster.stop()
-    doc["wall_s"] = round(time.monotonic() - t_start, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
-    print(f"[lb_compare] wrote {args.out}", flush=True)
-    return 0 if "error" not in doc and "aggregate" in doc else 1
+            # also when the step's timeout ends the run (SIGTERM -> SystemExit): what ran is kept
+            if "runs" in doc and "aggregate" not in doc:
+                summarize_compare(doc, (doc.get("plan") or {}).get("workloads") or ())
+            doc["wall_s"] = round(time.monotonic() - t_start, 1)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(doc, indent=1))
+            print(f"[lb_compare] wrote {args.out}", flush=True)
+    return 0 if "error" not in doc and doc.get("aggregate") else 1
 
 
 def _with_max_tokens(flags: Sequence[str], n: int) -> list[str]:

@@ -168,3 +168,13 @@ def test_sglang_servers_of_each_topology():
                 assert s.env["SGLANG_P2P_TRANSPORT"] == transport and (("NCCL_HOSTID" in s.env) == (transport == "nccl"))
     with pytest.raises(ValueError, match="nccl or cudaipc"):
         lc.transport_env("mooncake", "x")
+
+
+def test_compare_starts_no_run_that_would_end_after_its_deadline(tmp_path):
+    import time
+
+    h = lc.Harness(cluster=None, peers={}, logs=tmp_path, wp=lc.WorkloadParams())
+    doc: dict = {}
+    h.compare([lc.LBSpec("ours", "load_aware")], lc.Plan(1.0, ("bursty_mixed",), 2), 0, doc, stop_at=time.monotonic() + 5, lb_run_s=10, log=lambda _: None)
+    assert doc["cut_short"] == "out of time before rep 0 of ours:load_aware"
+    assert doc["aggregate"] == {} and doc["targets"] == [] and doc["runs"] == {"ours:load_aware": {"bursty_mixed": []}}
