@@ -109,9 +109,19 @@ def venv_peers(sglang_router_python: Optional[str], smg_python: Optional[str]) -
     return peers
 
 
+TREE_POLICIES = ("prefix_aware", "cache_aware")
+
+
+def tree_blocks(cache_tokens: int) -> int:
+    """Our prefix tree's size for a prefill radix cache of `cache_tokens` tokens: token-id prompts are 4 bytes
+    a token and a tree entry is a 64-byte block (docs/lb.md: size --max-tree-size like one prefill's cache)."""
+    return max(1, cache_tokens * 4 // 64)
+
+
 def lb_command(spec: LBSpec, prefills: Sequence[tuple[str, int]], decodes: Sequence[str], port: int, peers: dict[str, Peer],
-               admin_key: str, prom_port: int = 0) -> Optional[tuple[list[str], dict[str, str]]]:
-    """argv and extra environment of one LB over every prefill and decode; None when the peer is absent."""
+               admin_key: str, prom_port: int = 0, tree: Optional[int] = None) -> Optional[tuple[list[str], dict[str, str]]]:
+    """argv and extra environment of one LB over every prefill and decode; None when the peer is absent.
+    `tree`: our tree policies' --max-tree-size (blocks), with a 1 s eviction interval, as docs/lb.md advises."""
     workers: list[str] = []
     for url, bp in prefills:
         workers += ["--prefill", url, str(bp)]
@@ -119,7 +129,8 @@ def lb_command(spec: LBSpec, prefills: Sequence[tuple[str, int]], decodes: Seque
         workers += ["--decode", url]
     common = [*workers, "--host", "127.0.0.1", "--port", str(port)]
     if spec.kind == "ours":
-        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", spec.policy, "--admin-api-key", admin_key, "--log-level", "warning"], {}
+        sized = ["--max-tree-size", str(tree), "--eviction-interval-secs", "1"] if tree and spec.policy in TREE_POLICIES else []
+        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", spec.policy, *sized, "--admin-api-key", admin_key, "--log-level", "warning"], {}
     peer = peers.get(spec.kind)
     if peer is None:
         return None
@@ -475,13 +486,13 @@ def rotated(specs: Sequence[LBSpec], rep: int) -> list[LBSpec]:
 
 
 class Harness:
-    def __init__(self, cluster: Cluster, peers: dict[str, Peer], logs: Path, wp: WorkloadParams, client_timeout: float = 60.0) -> None:
-        self.cluster, self.peers, self.logs, self.wp, self.client_timeout = cluster, peers, logs, wp, client_timeout
+    def __init__(self, cluster: Cluster, peers: dict[str, Peer], logs: Path, wp: WorkloadParams, client_timeout: float = 60.0, tree: Optional[int] = None) -> None:
+        self.cluster, self.peers, self.logs, self.wp, self.client_timeout, self.tree = cluster, peers, logs, wp, client_timeout, tree
         self.admin_key = os.urandom(16).hex()
 
     def lb(self, spec: LBSpec, tag: str) -> Optional[LBProc]:
         port = free_port()
-        cmd = lb_command(spec, self.cluster.prefills, self.cluster.decodes, port, self.peers, self.admin_key, prom_port=free_port())
+        cmd = lb_command(spec, self.cluster.prefills, self.cluster.decodes, port, self.peers, self.admin_key, prom_port=free_port(), tree=self.tree)
         if cmd is None:
             return None
         return LBProc(spec, cmd[0], cmd[1], port, self.logs / f"lb-{spec.name.replace(':', '-')}-{tag}.log")
@@ -697,7 +708,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if len(up) < n_p + n_d:
                 doc["error"] = failure_report(list(cluster.servers.values())) if isinstance(cluster, SGLangCluster) else f"up: {up}"
             else:
-                h = Harness(cluster, peers, args.logs, wp)
+                cache = args.prefill_max_total_tokens if not args.sim else _knob(args.sim_knobs.split(), "--prefix-cache-tokens")
+                h = Harness(cluster, peers, args.logs, wp, tree=tree_blocks(cache) if cache else None)
+                doc["ours_tree_blocks"] = h.tree
                 doc["warmup"] = h.warm_up(workloads, args.warmup_s)
                 # what is left now, for the comparison and the fault phase
                 budget = args.budget_s if args.budget_s is not None else ((deadline - time.time() - 20) if deadline else 600.0)
@@ -726,6 +739,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.out.write_text(json.dumps(doc, indent=1))
             print(f"[lb_compare] wrote {args.out}", flush=True)
     return 0 if "error" not in doc and doc.get("aggregate") else 1
+
+
+def _knob(argv: Sequence[str], flag: str) -> Optional[int]:
+    return int(argv[argv.index(flag) + 1]) if flag in argv else None
 
 
 def _with_max_tokens(flags: Sequence[str], n: int) -> list[str]:

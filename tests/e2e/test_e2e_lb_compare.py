@@ -44,6 +44,12 @@ def test_lb_commands_cover_every_worker():
     assert argv[3:5] == ["launch", "--pd-disaggregation"] and argv[argv.index("--policy") + 1] == "power_of_two"
     assert argv[argv.index("--prometheus-port") + 1] == "9100" and argv[argv.index("--health-check-interval-secs") + 1] == "2"
     assert lc.lb_command(lc.LBSpec("smg", "cache_aware"), ps, ds, 9003, {}, "key") is None  # peer not installed
+    # our tree policies get a tree the size of one prefill's radix cache (98304 tokens x 4 bytes / 64)
+    argv, _ = lc.lb_command(lc.LBSpec("ours", "prefix_aware"), ps, ds, 9004, peers, "key", tree=lc.tree_blocks(98304))
+    cfg = cli.config_from_args(cli.build_parser().parse_args(argv[3:]))
+    assert cfg.prefix.max_tree_size == 6144 and cfg.prefix.eviction_interval == 1.0
+    argv, _ = lc.lb_command(lc.LBSpec("ours", "load_aware"), ps, ds, 9005, peers, "key", tree=6144)
+    assert "--max-tree-size" not in argv
 
 
 def test_bundle_peers_put_each_folder_on_its_own_path(tmp_path, monkeypatch):
