@@ -76,13 +76,16 @@ def _deepep_problems(cfg: LaunchConfig, kube: KubeSpec) -> list[str]:
 
 def _plain_key_problems(cfg: LaunchConfig, kube: KubeSpec) -> list[str]:
     found = []
-    plain = {k: role for role in reversed(ROLES) for k in {**cfg.role(role).env, **kube.env}}
-    for name, role in sorted(plain.items()):
-        if _SECRET_NAME.search(name) and name not in kube.secret_env:
-            found.append(f"{name} ({role} env) would be written into the YAML in plain text: store it in a "
-                         f"Secret and name it under `kubernetes.secret_env` ({name}: <secret>/<key>) instead")
+    plain: dict[str, list[str]] = {}
+    for role in ROLES:
+        for name in {**cfg.role(role).env, **kube.env}:
+            plain.setdefault(name, []).append(role)
+    for name, roles in sorted(plain.items()):
         if name in kube.secret_env:
             found.append(f"{name} is both a plain env value and in `kubernetes.secret_env`: keep only the Secret")
+        elif _SECRET_NAME.search(name):
+            found.append(f"{name} ({', '.join(roles)} env) would be written into the YAML in plain text: store it "
+                         f"in a Secret and name it under `kubernetes.secret_env` ({name}: <secret>/<key>) instead")
     for role in ROLES:
         found += _flag_key_problems(dict(cfg.role(role).args), SERVER_KEY_FLAGS, kube.secret_env, f"{role}.args",
                                     "secret_env")

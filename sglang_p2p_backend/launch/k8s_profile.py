@@ -8,6 +8,7 @@ image has a default, so a profile without the section renders once an image is n
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,7 +190,7 @@ def kube_spec(
         cache = _volume(r, raw["cache"], "kubernetes.cache", _CACHE_KEYS, CACHE_PATH)
     profile_tuning = r.text(raw.get("tuning_dir"), "kubernetes.tuning_dir", None)
     tuning = Path(tuning_dir) if tuning_dir is not None else (
-        Path(cfg.cluster_source).parent / profile_tuning if profile_tuning else None)
+        Path(os.path.normpath(Path(cfg.cluster_source).parent / profile_tuning)) if profile_tuning else None)
     requests = r.env(raw.get("requests"), "kubernetes.requests")
     for key in requests:
         if key not in _REQUEST_KEYS:
