@@ -130,6 +130,11 @@ def _merged(template: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, 
     return out
 
 
+def leader_template(lwp: Mapping[str, Any]) -> dict[str, Any]:
+    """The pod template of a leaderWorkerPattern's leader: the template with the leader patch applied."""
+    return _merged(lwp["template"], lwp.get("leaderTemplatePatch", {}))
+
+
 def pods(group: Mapping[str, Any]) -> list[Pod]:
     """Every pod of a RoleBasedGroup's leaderWorkerPattern and standalone roles, in role order."""
     name, namespace = group["metadata"]["name"], group["metadata"].get("namespace", "default")
@@ -148,7 +153,7 @@ def pods(group: Mapping[str, Any]) -> list[Pod]:
         for replica in range(role.get("replicas", 1)):
             instance = f"{name}-{role['name']}-{replica}"
             for worker in range(size):
-                template = lwp["template"] if worker else _merged(lwp["template"], lwp.get("leaderTemplatePatch", {}))
+                template = lwp["template"] if worker else leader_template(lwp)
                 container = template["spec"]["containers"][0]
                 # RBG's variables come first in the container's env, so the user's args may refer to them
                 env = {LEADER_ADDRESS: f"{instance}-0.{service}.{namespace}", WORKER_INDEX: str(worker),

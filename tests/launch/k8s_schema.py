@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import jsonschema
 import pydantic
+from sglang_p2p_backend.launch.rbg import leader_template
 from kubernetes.client import (
     V1ConfigMap, V1Deployment, V1ObjectMeta, V1PodDisruptionBudget, V1PodTemplateSpec, V1Role, V1RoleBinding,
     V1Service, V1ServiceAccount,
@@ -91,6 +92,8 @@ def _rbg_problems(obj: Mapping[str, Any]) -> list[str]:
         for p in patterns[:1]:
             if "template" in role[p]:
                 found += _model_problems(V1PodTemplateSpec, role[p]["template"], f"{where}.{p}.template")
+            if "leaderTemplatePatch" in role[p]:  # a raw patch to the schema: check the leader's pod it makes
+                found += _model_problems(V1PodTemplateSpec, leader_template(role[p]), f"{where}.{p}.leaderTemplatePatch")
         found += [f"{where}.dependencies: no role {d!r}" for d in role.get("dependencies", []) if d not in names]
     if len(set(names)) != len(names):
         found.append(f"spec.roles: names repeat: {names}")
