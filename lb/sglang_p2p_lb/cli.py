@@ -128,7 +128,9 @@ def discovery_from_args(args: argparse.Namespace) -> discovery.DiscoveryConfig |
         raise ValueError("--service-discovery-port out of range")
     return discovery.DiscoveryConfig(
         selectors=selectors, port=args.service_discovery_port, namespace=args.service_discovery_namespace,
-        bootstrap_annotation=args.bootstrap_port_annotation, api_server=args.service_discovery_api_server,
+        bootstrap_annotation=args.bootstrap_port_annotation,
+        # resolved here, so a LB started outside a pod without an address stops with the fix at once
+        api_server=args.service_discovery_api_server or discovery.in_cluster_api_server(),
     )
 
 

@@ -253,6 +253,7 @@ async def serve(lb: Any, cfg: DiscoveryConfig, watchers: list[PodWatcher] | None
     from .workers import Worker
 
     ours: set[tuple[Role, str]] = set()  # what discovery added: the only workers it may remove
+    checks: set[asyncio.Task] = set()  # first health checks in flight (held so they are not collected)
 
     async def add(role: Role, url: str, port: int | None) -> None:
         if lb.pool.get(role, url) is not None:
@@ -262,7 +263,9 @@ async def serve(lb: Any, cfg: DiscoveryConfig, watchers: list[PodWatcher] | None
         lb.pool.add(w)
         ours.add((role, url))
         log.info("discovered %s worker %s (bootstrap port %s)", role, url, port)
-        asyncio.create_task(_first_check(lb, w))
+        task = asyncio.create_task(_first_check(lb, w))
+        checks.add(task)
+        task.add_done_callback(checks.discard)
 
     async def remove(role: Role, url: str) -> None:
         if (role, url) in ours:
@@ -270,7 +273,11 @@ async def serve(lb: Any, cfg: DiscoveryConfig, watchers: list[PodWatcher] | None
             lb.pool.remove(url, role)  # in-flight requests keep their Worker object and finish
             log.info("%s worker %s is gone from the cluster", role, url)
 
-    await run(cfg, add, remove, watchers)
+    try:
+        await run(cfg, add, remove, watchers)
+    finally:
+        for task in list(checks):
+            task.cancel()
 
 
 async def _first_check(lb: Any, w: Any) -> None:

@@ -111,7 +111,8 @@ def test_validation_rejects_what_the_api_server_would(kind, edit, needle):
 # --------------------------------------------------------------------------- pods, Services and the LB agree
 
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda p: p.stem)
-def test_pods_services_and_lb_agree(topology):
+def test_pods_services_and_lb_agree(topology, monkeypatch):
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")  # what every pod has: the API server's Service
     cfg = load_config(topology)
     kube = kube_spec(cfg, RELEASE, tuning_dir=TUNING)
     files = render_files(checked(cfg), kube, RELEASE)

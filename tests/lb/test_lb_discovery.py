@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 
+import aiohttp
 import pytest
 
 from kube_api_standin import ApiStandin
@@ -22,9 +24,6 @@ from sglang_p2p_lb import discovery
 from sglang_p2p_lb.cli import build_parser, config_from_args
 from sglang_p2p_lb.server import LoadBalancer
 from sglang_p2p_lb.sim_worker import SimConfig, SimWorker
-
-import aiohttp
-from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 NS = "pd"
@@ -212,11 +211,13 @@ def test_a_refusing_api_server_is_retried_and_a_rotated_token_is_read_again(tmp_
 
 @pytest.mark.parametrize("argv,needle", [
     (["--service-discovery"], "needs --prefill-selector and --decode-selector"),
+    (["--service-discovery", "--prefill-selector", "a=b", "--decode-selector", "a=c"], "--service-discovery-api-server"),
     (["--service-discovery", "--prefill-selector", "role", "--decode-selector", "a=b"], "--prefill-selector expects key=value"),
     (["--service-discovery", "--prefill-selector", "a=b", "--decode-selector", "a=c", "--service-discovery-port", "0"], "out of range"),
     ([], "need at least one --prefill and one --decode"),
 ])
-def test_discovery_flags_are_checked(argv, needle):
+def test_discovery_flags_are_checked(argv, needle, monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(ValueError, match=needle):
         config_from_args(build_parser().parse_args(argv))
 
