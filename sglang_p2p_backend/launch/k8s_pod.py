@@ -83,7 +83,7 @@ def pull_secrets(kube: KubeSpec) -> dict[str, Any]:
     return {"imagePullSecrets": [{"name": s} for s in kube.image_pull_secrets]} if kube.image_pull_secrets else {}
 
 
-def _requests(cfg: LaunchConfig, kube: KubeSpec, gpus: int) -> dict[str, str]:
+def _requests(kube: KubeSpec, gpus: int) -> dict[str, str]:
     # without cpu/memory requests a pod is BestEffort: the first the kubelet evicts under memory pressure
     return {"cpu": str(CPU_PER_GPU * gpus), "memory": f"{MEMORY_PER_GPU_GI * gpus}Gi", **kube.requests}
 
@@ -142,7 +142,7 @@ def _container(cfg: LaunchConfig, kube: KubeSpec, role: str, release: str, place
         ],
         "ports": ports,
         # extended resources (GPUs, RDMA devices) default their request to the limit
-        "resources": {"requests": _requests(cfg, kube, spec.gpus),
+        "resources": {"requests": _requests(kube, spec.gpus),
                       "limits": {kube.gpu_resource: str(spec.gpus), **kube.resources}},
         **_probes(spec.port, kube, leader),
         "volumeMounts": mounts,

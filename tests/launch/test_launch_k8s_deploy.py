@@ -21,7 +21,7 @@ from sglang_p2p_backend.launch.config import ConfigError, load_config
 from sglang_p2p_backend.launch.k8s import checked, render_files
 from sglang_p2p_backend.launch.k8s_output import stream_text
 from sglang_p2p_backend.launch.k8s_profile import kube_spec
-from test_launch_k8s import P3X3, RELEASE, TUNING, by_name, lb_container, objects, rendered, server_container, with_kubernetes
+from test_launch_k8s import P3X3, RELEASE, TUNING, by_name, lb_container, objects, rendered, with_kubernetes
 
 H800 = yaml.safe_load((REPO / "configs/clusters/h800x8-ib.yaml").read_text())
 

@@ -52,6 +52,19 @@ def registered(lb: LoadBalancer) -> dict[tuple[str, str], tuple[int | None, bool
     return {(w.role, w.url): (w.bootstrap_port, w.healthy) for w in lb.pool}
 
 
+def recording_pool():
+    """A pool for discovery.run without an LB: (role, url) -> bootstrap port, and its add/remove callbacks."""
+    pool: dict[tuple[str, str], int | None] = {}
+
+    async def add(role, url, port):
+        pool[(role, url)] = port
+
+    async def remove(role, url):
+        pool.pop((role, url))
+
+    return pool, add, remove
+
+
 async def generate(http: aiohttp.ClientSession, url: str) -> int:
     async with http.post(url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}) as r:
         await r.read()
@@ -126,14 +139,7 @@ def test_410_gone_lists_again_and_catches_up(gone_status):
     async def body():
         api = ApiStandin(gone_status=gone_status)
         await api.start()
-        pool: dict[tuple[str, str], int | None] = {}
-
-        async def add(role, url, port):
-            pool[(role, url)] = port
-
-        async def remove(role, url):
-            pool.pop((role, url))
-
+        pool, add, remove = recording_pool()
         cfg = discovery.DiscoveryConfig(selectors={"prefill": PREFILL, "decode": DECODE}, port=30000, namespace=NS,
                                         api_server=api.url, token_path=None, backoff=(0.05,))
         await api.add_pod("p-a", PREFILL, "10.0.0.1", annotations={BOOTSTRAP_ANNOTATION: "8998"})
@@ -184,14 +190,7 @@ def test_a_refusing_api_server_is_retried_and_a_rotated_token_is_read_again(tmp_
         await api.start()
         token = tmp_path / "token"
         token.write_text("expired-token")
-        pool: dict = {}
-
-        async def add(role, url, port):
-            pool[(role, url)] = port
-
-        async def remove(role, url):
-            pool.pop((role, url))
-
+        pool, add, remove = recording_pool()
         await api.add_pod("d-a", DECODE, "10.0.0.2")
         cfg = discovery.DiscoveryConfig(selectors={"decode": DECODE}, port=30000, namespace=NS, api_server=api.url,
                                         token_path=str(token), backoff=(0.05, 0.1))
