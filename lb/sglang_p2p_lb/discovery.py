@@ -214,7 +214,11 @@ class PodWatcher:
                 version = await self.list()
                 failures = 0
                 while True:
+                    started = asyncio.get_running_loop().time()
                     version = await self.watch(version)
+                    if asyncio.get_running_loop().time() - started < 1.0:
+                        # a proxy that ends every watch at once must not turn this into a busy loop
+                        await asyncio.sleep(self.cfg.backoff[0])
             except asyncio.CancelledError:
                 raise
             except Gone as e:

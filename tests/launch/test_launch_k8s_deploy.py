@@ -248,7 +248,7 @@ def test_server_pods_get_tolerations_affinity_priority_and_scheduler(variant, tm
 def test_server_pods_are_not_best_effort():
     """Requests for cpu and memory: without them a GPU pod is BestEffort, the first evicted under pressure."""
     for pod in server_pods(rendered(P3X3)):
-        assert pod["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "96", "memory": "1500Gi"}
+        assert pod["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "64", "memory": "1000Gi"}
     one_host = rendered(REPO / "configs/topologies/1p1d-one-host.yaml")  # no requests in the profile: per GPU
     for pod in server_pods(one_host):
         assert pod["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "4", "memory": "64Gi"}
