@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from . import auth, discovery, payload
+from .discovery import DiscoveryConfig
 from .health import HealthChecker, HealthConfig
 from .loads import LoadPoller
 from .metrics import Metrics
@@ -46,7 +47,7 @@ class LBConfig:
     # its previous response (aiohttp's keep-alive timer), and idle keep-alive connections: slowloris.
     header_timeout: float = 15.0
     # Kubernetes pod discovery (--service-discovery): workers come and go with the cluster's pods
-    discovery: discovery.DiscoveryConfig | None = None
+    discovery: DiscoveryConfig | None = None
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
