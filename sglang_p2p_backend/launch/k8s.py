@@ -116,12 +116,10 @@ def leader_service_object(cfg: LaunchConfig, kube: KubeSpec, role: str, group: i
     }
 
 
-def disruption_budget(cfg: LaunchConfig, kube: KubeSpec, role: str, group: int) -> dict[str, Any]:
+def disruption_budget(kube: KubeSpec, name: str, lbls: dict[str, str]) -> dict[str, Any]:
     """No voluntary eviction of any pod of a group: evicting one recreates the whole group, so a drain
     waits until the group is removed on purpose (`kubectl delete -f` its file)."""
-    lbls = group_labels(cfg, role, group)
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": meta(group_name(cfg, role, group), kube, lbls),
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta(name, kube, lbls),
             "spec": {"maxUnavailable": 0, "selector": {"matchLabels": lbls}}}
 
 
@@ -150,7 +148,7 @@ def _lws_group_file(cfg: LaunchConfig, kube: KubeSpec, role: str, group: int, re
     }
     objects = [leader_service_object(cfg, kube, role, group, selector), leader_worker_set]
     if kube.pdb:
-        objects.append(disruption_budget(cfg, kube, role, group))
+        objects.append(disruption_budget(kube, name, group_labels(cfg, role, group)))
     return KubeFile(f"{name}.yaml", tuple(objects))
 
 

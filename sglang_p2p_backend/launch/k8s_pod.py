@@ -191,10 +191,11 @@ def scheduling(kube: KubeSpec) -> dict[str, Any]:
     return out
 
 
-def server_template(cfg: LaunchConfig, kube: KubeSpec, role: str, group: int, release: str,
+def server_template(cfg: LaunchConfig, kube: KubeSpec, role: str, group: int | None, release: str,
                     placement: Placement, leader: bool, tuning: list[TuningFile]) -> dict[str, Any]:
     """The pod template of a group's leader (node 0) or of its workers: one command, the node rank from
-    `placement`; they differ in the liveness path and the leader's discovery label and annotation."""
+    `placement`; they differ in the liveness path and the leader's discovery label and annotation.
+    `group` None: a template every group of the role shares (labelled by role only)."""
     spec = cfg.role(role)
     pod: dict[str, Any] = {
         "containers": [_container(cfg, kube, role, release, placement, leader, tuning)],
@@ -209,7 +210,7 @@ def server_template(cfg: LaunchConfig, kube: KubeSpec, role: str, group: int, re
     if kube.host_ipc:
         pod["hostIPC"] = True
     pod.update(scheduling(kube))
-    metadata: dict[str, Any] = {"labels": group_labels(cfg, role, group)}
+    metadata: dict[str, Any] = {"labels": labels(cfg, role) if group is None else group_labels(cfg, role, group)}
     if leader:
         metadata["labels"][LEADER_LABEL] = "true"
         if role == "prefill":
