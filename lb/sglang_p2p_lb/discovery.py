@@ -279,6 +279,9 @@ async def serve(lb: Any, cfg: DiscoveryConfig, watchers: list[PodWatcher] | None
 
     try:
         await run(cfg, add, remove, watchers)
+    except Exception:  # the watchers never end; anything else is a bug that must not pass silently
+        log.exception("pod discovery stopped: workers are no longer added or removed")
+        raise
     finally:
         for task in list(checks):
             task.cancel()
