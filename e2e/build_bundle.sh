@@ -2,7 +2,7 @@
 # Builds what the end-to-end check needs on the GPU host (torch 2.11.0+cu130, Python 3.12, no internet) as two
 # archives, each under the 60 MiB that one device call can carry beside the repository:
 #
-#   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras|lb]] (default: .bundle/, sglang and extras; ignored by git;
+#   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras|serve|lb]]  (default: .bundle/, sglang and extras; ignored by git;
 #                                                         ~8 min on 2 cores, xz is most of it)
 #
 #   sglang.tar.xz  SGLang 0.5.17 and everything its server imports: the recipe of shared/gpu-rig/build_bundle.sh
@@ -12,6 +12,10 @@
 #                             (the store, EP, PG and their libraries are not used by PD transfers)
 #                  genai/     genai-bench 0.0.5 and what it needs that the host image lacks; the OCI SDK without its
 #                             service modules (genai-bench imports oci.config at start; services load lazily)
+#   serve.tar.xz   nixl/      NIXL 1.5.1 for CUDA 13 (nixl + nixl-cu13 wheels: Python API, UCX plugin, UCX modules;
+#                             e2e/slim_nixl.py), what SGLang's own nixl backend imports; only with `serve` named
+#                  mooncake/  Mooncake TE for CUDA 13, slimmed as in extras (the serve phase's third column)
+#                  bin/py-spy the sampling profiler the serve phase attaches to the schedulers
 #   lb.tar.xz      the peer routers the LB comparison (e2e/lb_compare.py) runs against, each in a folder of its own
 #                  so it goes only on that router's PYTHONPATH:
 #                  smg/      smg 1.13.0 (sgl-model-gateway) with its closure (grpcio, grpcio-health-checking,
@@ -78,6 +82,7 @@ check_needed_libs() {  # every shared library a kept .so needs is either kept be
       case "$lib" in
         libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|ld-linux*|libstdc++.so*|libgcc_s.so*|libresolv.so*) ;;
         libcuda.so*|libcudart.so*|libibverbs.so*|libmlx5.so*|libnuma.so*|libcurl.so*|libz.so*) ;;  # on the host
+        libnvidia-ml.so*|libssl.so.3|libcrypto.so.3) ;;  # the driver's NVML, OpenSSL 3: on the host (NIXL's grpc)
         *) [ -n "$(find "$dir" -name "$lib" -print -quit)" ] || { echo "missing $lib (needed by $so)" >&2; missing=1; } ;;
       esac
     done
@@ -130,24 +135,41 @@ build_extras() {
   pack extras "$W/extras"
 }
 
+build_serve() {  # serve.tar.xz: the serve phase's peers (NIXL with its UCX plugin, Mooncake) and py-spy
+  dl "$W/w4" nixl==1.5.1 nixl-cu13==1.5.1 py-spy==0.4.3
+  mkdir -p "$W/serve/nixl" "$W/serve/bin" "$W/serve/mooncake"
+  unzip -q -o "$W/w4"/py_spy-*.whl -d "$W/w4/pyspy"
+  find "$W/w4/pyspy" -name py-spy -type f -exec cp {} "$W/serve/bin/py-spy" \;
+  chmod +x "$W/serve/bin/py-spy"
+  rm -rf "$W/w4"/py_spy-*.whl "$W/w4/pyspy"
+  unpack_wheels "$W/w4" "$W/serve/nixl"
+  (cd "$ROOT" && "$PY" -m e2e.slim_nixl "$W/serve/nixl")
+  dl "$W/w5" mooncake-transfer-engine-cuda13==0.3.14
+  unpack_wheels "$W/w5" "$W/serve/mooncake"
+  check_needed_libs "$W/serve" || { echo "build_bundle.sh: NIXL or Mooncake slimmed too far" >&2; exit 1; }
+  pack serve "$W/serve"
+}
+
 build_lb() {
-  dl "$W/w5" smg==1.13.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 protobuf==7.36.2 pyyaml==6.0.4 setproctitle==1.3.8
+  dl "$W/w6" smg==1.13.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 protobuf==7.36.2 pyyaml==6.0.4 setproctitle==1.3.8
   mkdir -p "$W/lb/smg"
-  unpack_wheels "$W/w5" "$W/lb/smg"
-  dl "$W/w6" sglang-router==0.3.2
+  unpack_wheels "$W/w6" "$W/lb/smg"
+  dl "$W/w7" sglang-router==0.3.2
   mkdir -p "$W/lb/minilb"
-  unpack_wheels "$W/w6" "$W/lb/minilb"
+  unpack_wheels "$W/w7" "$W/lb/minilb"
   check_needed_libs "$W/lb" || { echo "build_bundle.sh: a peer router misses a library" >&2; exit 1; }
   pack lb "$W/lb"
 }
 
-# sglang.tar.xz: SGLang and its import chain; extras.tar.xz: Mooncake and genai-bench; lb.tar.xz: smg and mini_lb
+# sglang.tar.xz: SGLang and its import chain; extras.tar.xz: Mooncake and genai-bench; serve.tar.xz: NIXL,
+# Mooncake, py-spy; lb.tar.xz: smg and mini_lb
 for part in $WHICH; do
   case "$part" in
     sglang) build_sglang ;;
     extras) build_extras ;;
+    serve) build_serve ;;
     lb) build_lb ;;
-    *) echo "build_bundle.sh: unknown part $part (sglang, extras or lb)" >&2; exit 2 ;;
+    *) echo "build_bundle.sh: unknown part $part (sglang, extras, serve or lb)" >&2; exit 2 ;;
   esac
 done
 ls -la "$OUT"

@@ -72,16 +72,17 @@ def run(models_dir: Path, logs: Path, only: list[str], tolerance: float,
         results: dict[str, Any] | None = None, gpus: int = 2) -> dict[str, Any]:
     """Fills ``results`` in place as it goes (the caller writes it even if the step is stopped)."""
     results = {} if results is None else results
-    results.update(flags=config.CHECK_FLAGS, backend="p2pnccl", gpus=gpus,
+    results.update(flags=config.CHECK_FLAGS, flags_by_model={m: config.check_flags(m) for m in only},
+                   backend="p2pnccl", gpus=gpus,
                    transport=config.transport_info("p2pnccl", gpus), models={})
     if gpus == 1:
         results["note"] = config.SINGLE_GPU_NOTE
     with Stack(logs) as stack:
         plan: dict[str, tuple[Server, Server, Server, Server]] = {}
         for m in only:
-            ref = config.reference(m, models_dir / m, BASE_PORT[m] + 10, MODELS[m] if gpus > 1 else 0,
-                                   config.CHECK_FLAGS)
-            p, d, lb = config.pd_pair(m, models_dir / m, "p2pnccl", BASE_PORT[m], config.CHECK_FLAGS, gpus)
+            flags = config.check_flags(m)
+            ref = config.reference(m, models_dir / m, BASE_PORT[m] + 10, MODELS[m] if gpus > 1 else 0, flags)
+            p, d, lb = config.pd_pair(m, models_dir / m, "p2pnccl", BASE_PORT[m], flags, gpus)
             plan[m] = (ref, p, d, lb)
         # decode and prefill first on each GPU: if GPU memory runs short, the references are the ones to fail
         order = [s for m in only for s in plan[m][1:3]] + [plan[m][0] for m in only]

@@ -80,6 +80,13 @@ BACKEND_ENV = {
 }
 
 
+def check_flags(model: str) -> list[str]:
+    """CHECK_FLAGS for one model, with its page size from E2E_CHECK_PAGE_SIZE ("mla-tiny=64,llama-tiny=1"; the
+    reference and the PD pair of a model get the same, so they stay comparable)."""
+    sizes = dict(item.split("=", 1) for item in filter(None, os.environ.get("E2E_CHECK_PAGE_SIZE", "").split(",")))
+    return [*CHECK_FLAGS, "--page-size", str(int(sizes[model]))] if model in sizes else list(CHECK_FLAGS)
+
+
 def gpus_from_env() -> int:
     """GPUs the run spreads its servers over: run_all.sh --gpus (E2E_GPUS), 2 unless told."""
     n = int(os.environ.get("E2E_GPUS", "2") or 2)

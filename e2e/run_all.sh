@@ -30,6 +30,9 @@
 #          bench/transfer/ipc_bench.py -> $OUT/ipc_$KIND.json, then the SGLang-class byte-exact cases with
 #          SGLANG_P2P_TRANSPORT=cudaipc (tests/gpu/test_pd_sglang_cuda.py; E2E_IPC_SGLANG_K selects, "" skips)
 #          -> $OUT/ipc_tests.log. The end-to-end check over it: E2E_P2P_1GPU=cudaipc ... --phase check
+#   serve: p2pnccl (auto: the CUDA IPC path) next to SGLang's NIXL backend (and Mooncake with --extra), every
+#          server on GPU 0, decode with and without CUDA graphs, repeated cells, scheduler CPU by thread and
+#          py-spy profiles -> $OUT/serve_<kind>.json (e2e/serve.py; flags in E2E_SERVE_ARGS; needs serve.tar.xz)
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
 #   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
@@ -58,8 +61,8 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|ipc|unpack) ;;
-  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, ipc or unpack" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|ipc|serve|unpack) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, ipc, serve or unpack" >&2; exit 2 ;; esac
 case "$GPUS" in 1|2) ;;
   *) echo "run_all.sh: --gpus must be 1 or 2" >&2; exit 2 ;; esac
 export E2E_GPUS=$GPUS  # read by e2e.check, e2e.perf, e2e.sglang_tests (e2e/config.py)
@@ -83,9 +86,10 @@ unpack() {  # unpack NAME: $BUNDLE/NAME.tar.xz -> $E2E_ROOT/NAME
 }
 unpack sglang
 unpack extras
+unpack serve
 unpack lb
 if [ "$PHASE" = unpack ]; then
-  for part in sglang extras lb; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
+  for part in sglang extras serve lb; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
   exit 0
 fi
 if [ ! -f "$E2E_ROOT/sglang/.unpacked" ]; then
@@ -98,6 +102,10 @@ python3 -m e2e.distinfo "$E2E_ROOT/plugin" >/dev/null   # entry point discovery 
 export PYTHONPATH=$ROOT:$ROOT/lb:$ROOT/e2e/stubs:$E2E_ROOT/plugin:$E2E_ROOT/sglang${PYTHONPATH:+:$PYTHONPATH}
 HAVE_MOONCAKE=0
 if [ -d "$E2E_ROOT/extras/mooncake" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/extras/mooncake; HAVE_MOONCAKE=1; fi
+if [ -d "$E2E_ROOT/serve/nixl" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/serve/nixl; fi
+if [ "$HAVE_MOONCAKE" = 0 ] && [ -d "$E2E_ROOT/serve/mooncake" ]; then
+  PYTHONPATH=$PYTHONPATH:$E2E_ROOT/serve/mooncake; HAVE_MOONCAKE=1
+fi
 GB_BIN=$E2E_ROOT/bin
 if [ -d "$E2E_ROOT/extras/genai" ]; then  # genai-bench gets its own path: bench.sweep clears PYTHONPATH for tools
   mkdir -p "$GB_BIN"
@@ -222,7 +230,19 @@ run_ipc() {  # pytest output goes to $OUT/ipc_tests.log; figures to $OUT/ipc_$KI
   cat "$OUTDIR/ipc_tests.log"
 }
 
+run_serve() {  # E2E_SERVE_ARGS: e2e.serve's flags (--modes, --cells, --reps, --extra, --profile)
+  if [ ! -d "$E2E_ROOT/serve/nixl" ]; then
+    say "serve: no NIXL: carry .bundle/serve.tar.xz (e2e/build_bundle.sh .bundle serve) in this or an earlier call"
+    STATUS=1; return 0
+  fi
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-anchor
+  # shellcheck disable=SC2086
+  step serve python3 -m e2e.serve --models "$MODELS" --out "$OUTDIR/serve_$KIND.json" --logs "$E2E_ROOT/logs/serve" \
+    --machine "$KIND" --pyspy "$E2E_ROOT/serve/bin/py-spy" ${E2E_SERVE_ARGS:-}
+}
+
 case "$PHASE" in
+  serve) run_serve ;;
   ipc) run_ipc ;;
   liveness) run_liveness ;;
   faults) run_faults ;;

@@ -24,13 +24,14 @@ def _datasets_stand_in() -> None:
         import datasets  # noqa: F401
     except Exception as e:  # ImportError, or a version check of its dependencies
         mod = types.ModuleType("datasets")
+        why = f"{type(e).__name__}: {e}"  # `e` is unbound once the except block ends
 
         def load_dataset(*args, **kwargs):
-            raise RuntimeError(f"e2e stand-in: the real `datasets` did not import here ({e})")
+            raise RuntimeError(f"e2e stand-in: the real `datasets` did not import here ({why})")
 
         mod.load_dataset = load_dataset
         sys.modules["datasets"] = mod
-        print(f"e2e.sglang_pd_plugin: `datasets` stand-in in use ({type(e).__name__}: {e})", file=sys.stderr)
+        print(f"e2e.sglang_pd_plugin: `datasets` stand-in in use ({why})", file=sys.stderr)
 
 
 def _patch() -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import numpy as np
+
 from sglang_p2p_backend.engine import messages as wire
 from sglang_p2p_backend.engine.heads import PairHeads
 from sglang_p2p_backend.engine.onesided import chunk_descriptors
@@ -22,6 +24,8 @@ from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.engine.transport.cuda_ipc import IpcUnavailable, check_export, reachable
 
 logger = logging.getLogger(__name__)
+
+_NO_IDS = np.zeros(0, dtype=np.int32)
 
 
 def registered_regions(reg: wire.PeerRegister) -> list[tuple[int, int]]:
@@ -85,11 +89,18 @@ class SameHostPath:
                     raise TransportError(f"decode rank {session} is reachable only through CUDA IPC "
                                          f"(SGLANG_P2P_TRANSPORT=cudaipc), which failed here: {e}; use auto or nccl") from e
                 return False
-        descriptors = chunk_descriptors(self.local_memory, peer, src, dst, None, heads)  # PlanError: nothing moved
         try:
-            self.ipc.write(session, *descriptors)
-        except PlanError:
-            raise
+            if heads is None:
+                # whole KV pages: one page-table launch (ids as SGLang gave them); state components as spans
+                kv = self.local_memory.kv
+                self.ipc.write_pages(session, [r.ptr for r in kv], peer.kv_ptrs, [r.item_len for r in kv],
+                                     src[0], dst[0], min((r.num_items for r in kv), default=0), peer.kv_pages)
+                src, dst = [_NO_IDS, *src[1:]], [_NO_IDS, *dst[1:]]
+            descriptors = chunk_descriptors(self.local_memory, peer, src, dst, None, heads)  # PlanError: nothing moved
+            if len(descriptors[0]):
+                self.ipc.write(session, *descriptors)
+        except (PlanError, TransportError):
+            raise  # refused before anything moved (bounds, layout), or the mapping is gone: the room fails
         except BaseException:
             self._poison_unsettled(room)
             raise

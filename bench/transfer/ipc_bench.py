@@ -11,12 +11,15 @@ export; the prefill maps it (`open_peer`) and writes requests built by `onesided
 - `mla_128`: 128 tokens (2 pages x 61 layers, scattered): the latency of one small write.
 The prefill's pages are contiguous in every case (pages 0..n-1 of its pool).
 
-Columns: `write` is host time from the call of write() to its return (it plans, launches one copy kernel and
-synchronises); `kernel` the GPU time of the tile-table upload and the copy alone (CUDA events, launched behind
+Columns: `write` is host time from the call of `write_pages()` to its return (the path the prefill takes for whole
+pages: bounds checks, one upload of the page ids and region table, one launch of the page-table kernel, and a
+synchronise); `spans` the same bytes through `write()` (one descriptor per merged run: the path of head slices); `kernel` the GPU time of the tile-table upload and the copy alone (CUDA events, launched behind
 a GPU sleep so host planning is not counted); `plan` the host work before the launch (address translation and
 `plan_tiles`). `torch` is ONE `dst.copy_(src)` of a contiguous tensor of the same bytes, CUDA-event timed, in the
 same process. ratio = torch / write (target >= 0.8); latency target: mla_128 write p50 <= 100 us. After each
-case the decode checks its destination pages byte for byte against the prefill's seeded contents.
+case the decode checks its destination pages byte for byte against the prefill's seeded contents (after the
+page path and again after the span path). Last, `interference`: a bf16 matmul loop in the prefill process timed
+alone and while the 16k MHA request is written back to back (target: at most 5% slower).
 Writes JSON to --out (default bench/results/ipc_<machine>.json) and prints a table.
 """
 
@@ -53,6 +56,7 @@ SESSION = "127.0.0.1:17002"
 SEED = {"mla": 11, "mha": 12}
 RATIO_TARGET = 0.8
 LATENCY_TARGET_US = 100.0
+INTERFERENCE_TARGET = 0.05  # a matmul loop of the same process slowed by at most 5% while transfers run
 
 
 def _device(torch):
@@ -172,14 +176,67 @@ class Prefill:
         return src, self.rng.choice(DECODE_PAGES[layout], size=n, replace=False).astype(np.int64)
 
     def _write_times(self, s, d, n, warmup: int, reps: int) -> list[float]:
+        return self._timed(lambda: self.tr.write(SESSION, s, d, n), warmup, reps)
+
+    def _page_write(self, lay: str, src_ids, dst_ids):
+        kv = self.local[lay].kv
+        return lambda: self.tr.write_pages(SESSION, [r.ptr for r in kv], self.peers[lay].kv_ptrs,
+                                           [r.item_len for r in kv], src_ids, dst_ids, PREFILL_PAGES[lay],
+                                           DECODE_PAGES[lay])
+
+    @staticmethod
+    def _timed(fn, warmup: int, reps: int) -> list[float]:
         for _ in range(warmup):
-            self.tr.write(SESSION, s, d, n)
+            fn()
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            self.tr.write(SESSION, s, d, n)
+            fn()
             times.append(time.perf_counter() - t0)
         return times
+
+    def interference(self, case: tuple, iters: int = 200) -> dict:
+        """A bf16 matmul loop on this process's default stream (a stand-in for the forward passes a prefill runs
+        while it ships KV), alone and while a thread writes `case` back to back with the page kernel."""
+        import threading
+
+        torch = self.torch
+        _, lay, tokens, dest = case
+        write = self._page_write(lay, *self._ids(lay, tokens, dest))
+        a = torch.randn(4096, 4096, device=self.dev, dtype=torch.bfloat16)
+        b = torch.randn_like(a)
+
+        def loop() -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                a.matmul(b)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        loop()
+        alone = [loop() for _ in range(3)]
+        stop, writes = threading.Event(), [0]
+
+        def writer() -> None:
+            while not stop.is_set():
+                write()
+                writes[0] += 1
+
+        t = threading.Thread(target=writer)
+        t.start()
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        busy = [loop() for _ in range(3)]
+        wall = time.perf_counter() - t0
+        stop.set()
+        t.join()
+        alone_ms, busy_ms = float(np.median(alone)), float(np.median(busy))
+        return {"case": case[0], "matmul_iters": iters, "matmul_ms_alone": alone_ms, "matmul_ms_with_writes": busy_ms,
+                "slowdown": busy_ms / alone_ms - 1, "writes_during": writes[0],
+                "write_gbps_during": writes[0] * tokens * LAYOUTS[lay][0] * LAYOUTS[lay][1] / wall / 1e9,
+                "programs": "8 per SM (PageCopier default)"}
 
     def _plan_and_kernel(self, s, d, n, reps: int) -> dict:
         """Host planning alone, and the upload + copy kernel alone on the GPU, over the same mapping."""
@@ -246,9 +303,14 @@ class Prefill:
         src_ids, dst_ids = self._ids(lay, tokens, dest)
         s, d, n = chunk_descriptors(self.local[lay], self.peers[lay], [src_ids], [dst_ids])
         nbytes = int(n.sum())
-        write = self._write_times(s, d, n, warmup, reps)
+        # the path the prefill takes for whole pages (page table, one launch); then the span path, verified too
+        write = self._timed(self._page_write(lay, src_ids, dst_ids), warmup, reps)
         self.conn.send(("verify", lay, src_ids, dst_ids))
         _, bad = expect(self.conn, ("verified",), self.cfg["timeout"])
+        span_write = self._write_times(s, d, n, warmup, reps)
+        self.conn.send(("verify", lay, src_ids, dst_ids))
+        _, bad_spans = expect(self.conn, ("verified",), self.cfg["timeout"])
+        bad = bad + bad_spans
         parts = self._plan_and_kernel(s, d, n, min(reps, 50))
         ref_ev, ref_host = self._torch_copy(nbytes, min(reps, 50))
         w, t = _us(write), _us(ref_ev)
@@ -257,6 +319,7 @@ class Prefill:
                "write_us": w, "write_gbps": nbytes / w["p50"] / 1e3,
                "torch_copy_us": t, "torch_copy_gbps": nbytes / t["p50"] / 1e3,
                "torch_copy_host_us": _us(ref_host), "ratio": t["p50"] / w["p50"],
+               "span_write_us": _us(span_write), "span_ratio": t["p50"] / _us(span_write)["p50"],
                "verified": not bad, "bad_pages": bad}
         kernel = parts.pop("kernel", None)
         row.update(parts)
@@ -272,6 +335,7 @@ def _prefill(conn, cfg):
     p = Prefill(conn, cfg)
     rows = [p.measure(c, cfg["reps"], cfg["warmup"]) for c in CASES]
     latency = p.measure(LATENCY, cfg["latency_reps"], max(cfg["warmup"], 50))
+    interference = p.interference(CASES[2])
     conn.send(("done",))
     p.tr.close()
     try:
@@ -283,7 +347,7 @@ def _prefill(conn, cfg):
     meta = {"gpu": torch.cuda.get_device_name(p.dev), "torch": torch.__version__, "cuda": torch.version.cuda,
             "triton": triton_version, "python": platform.python_version(), "open_peer_ms": p.open_ms,
             "allocations": p.allocations}
-    return {"cases": rows, "latency": latency, "meta": meta}
+    return {"cases": rows, "latency": latency, "interference": interference, "meta": meta}
 
 
 def prefill(rank, conn, cfg):
@@ -303,20 +367,25 @@ def gpu_name() -> str:
 
 
 def _table(result: dict) -> str:
-    head = (f"{'case':<20}{'MB':>8}{'spans':>7}{'tiles':>7}{'write us':>10}{'GB/s':>7}{'kernel us':>11}"
+    head = (f"{'case':<20}{'MB':>8}{'spans':>7}{'tiles':>7}{'write us':>10}{'GB/s':>7}{'spans us':>10}{'kernel us':>11}"
             f"{'plan us':>9}{'torch us':>10}{'GB/s':>7}{'ratio':>7}  ok")
     lines = [head, "-" * len(head)]
     for r in result["cases"] + [result["latency"]]:
         k = r.get("kernel_us", {}).get("p50")
         lines.append(
             f"{r['case']:<20}{r['bytes'] / 1e6:>8.1f}{r['spans']:>7}{r.get('tiles', 0):>7}{r['write_us']['p50']:>10.1f}"
-            f"{r['write_gbps']:>7.0f}{k if k is not None else float('nan'):>11.1f}{r.get('plan_us', float('nan')):>9.1f}"
+            f"{r['write_gbps']:>7.0f}{r['span_write_us']['p50']:>10.1f}{k if k is not None else float('nan'):>11.1f}{r.get('plan_us', float('nan')):>9.1f}"
             f"{r['torch_copy_us']['p50']:>10.1f}{r['torch_copy_gbps']:>7.0f}{r['ratio']:>7.2f}  "
             f"{'yes' if r['verified'] else 'NO ' + str(r['bad_pages'])}")
     lat = result["latency"]
     lines.append(f"latency {lat['case']} ({lat['bytes'] / 1e6:.1f} MB, {lat['spans']} spans): write p50 "
                  f"{lat['write_us']['p50']:.1f} us, p99 {lat['write_us']['p99']:.1f} us (target <= {LATENCY_TARGET_US:.0f}"
                  f" us); torch copy + sync on the host p50 {lat['torch_copy_host_us']['p50']:.1f} us")
+    inf = result["interference"]
+    lines.append(f"interference: {inf['matmul_iters']} bf16 4096^2 matmuls {inf['matmul_ms_alone']:.1f} ms alone, "
+                 f"{inf['matmul_ms_with_writes']:.1f} ms while {inf['case']} is written back to back "
+                 f"({inf['write_gbps_during']:.0f} GB/s): slowdown {100 * inf['slowdown']:.1f}% (target <= "
+                 f"{100 * INTERFERENCE_TARGET:.0f}%)")
     return "\n".join(lines)
 
 
@@ -354,6 +423,7 @@ def main(argv=None) -> int:
     result["pass"] = {"ratio": {r["case"]: r["ratio"] >= RATIO_TARGET for r in result["cases"]},
                       "latency_p50": lat["write_us"]["p50"] <= LATENCY_TARGET_US,
                       "latency_p99": lat["write_us"]["p99"] <= LATENCY_TARGET_US,
+                      "interference": result["interference"]["slowdown"] <= INTERFERENCE_TARGET,
                       "verified": all(r["verified"] for r in result["cases"] + [lat])}
     print(_table(result))
     print(f"pass: {json.dumps(result['pass'])}")

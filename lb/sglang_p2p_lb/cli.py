@@ -9,7 +9,7 @@ import os
 import signal
 from typing import Sequence
 
-from . import auth
+from . import auth, discovery
 from .circuit import BreakerConfig
 from .health import HealthConfig
 from .policy import POLICIES
@@ -125,12 +125,41 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cb-window-duration-secs", type=float, default=BreakerConfig.window, help="a failure more than this after the previous one starts the count again")
     g.add_argument("--cb-half-open-max-probes", type=int, default=BreakerConfig.max_probes, help="requests at a time on a half-open worker")
     g.add_argument("--disable-circuit-breaker", action="store_true")
+    add_discovery_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     # accepted for command-line compatibility with sglang_router / smg, no effect here
     p.add_argument("--pd-disaggregation", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mini-lb", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dp-aware", action="store_true", help=argparse.SUPPRESS)  # smg's opt-in; on here unless --no-dp-aware
     return p
+
+
+def add_discovery_flags(p: argparse.ArgumentParser) -> None:
+    """smg's Kubernetes service discovery flags (PD mode), plus the API server address for tests."""
+    g = p.add_argument_group("Kubernetes pod discovery (smg flags)")
+    g.add_argument("--service-discovery", action="store_true", help="add and remove workers as pods matching the selectors run and go")
+    g.add_argument("--prefill-selector", nargs="+", metavar="KEY=VALUE", help="labels of the prefill pods to register (all must match)")
+    g.add_argument("--decode-selector", nargs="+", metavar="KEY=VALUE", help="labels of the decode pods to register")
+    g.add_argument("--service-discovery-port", type=int, default=80, help="HTTP port of every discovered pod (default 80, as smg)")
+    g.add_argument("--service-discovery-namespace", help="namespace to watch (default: all, which needs a ClusterRole)")
+    g.add_argument("--bootstrap-port-annotation", default=discovery.DEFAULT_ANNOTATION, help="prefill pod annotation holding its bootstrap port")
+    g.add_argument("--service-discovery-api-server", default="", help="API server URL (default: in-cluster, from KUBERNETES_SERVICE_HOST)")
+
+
+def discovery_from_args(args: argparse.Namespace) -> discovery.DiscoveryConfig | None:
+    if not args.service_discovery:
+        return None
+    selectors = {role: discovery.parse_selector(getattr(args, f"{role}_selector"), f"--{role}-selector") for role in ("prefill", "decode")}
+    if not all(selectors.values()):
+        raise ValueError("--service-discovery needs --prefill-selector and --decode-selector (KEY=VALUE ...)")
+    if not 0 < args.service_discovery_port < 65536:
+        raise ValueError("--service-discovery-port out of range")
+    return discovery.DiscoveryConfig(
+        selectors=selectors, port=args.service_discovery_port, namespace=args.service_discovery_namespace,
+        bootstrap_annotation=args.bootstrap_port_annotation,
+        # resolved here, so a LB started outside a pod without an address stops with the fix at once
+        api_server=args.service_discovery_api_server or discovery.in_cluster_api_server(),
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> LBConfig:
@@ -144,8 +173,9 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
             raise ValueError("--prefill-bootstrap-ports needs one port or one per prefill")
         prefills = [(u, p if p is not None else q) for (u, p), q in zip(prefills, ports)]
     decodes = [normalize_url(u) for group in args.decode or [] for u in group]
-    if not prefills or not decodes:
-        raise ValueError("need at least one --prefill and one --decode (more can be added later with POST /workers)")
+    found = discovery_from_args(args)
+    if found is None and (not prefills or not decodes):
+        raise ValueError("need at least one --prefill and one --decode (more can be added later with POST /workers), or --service-discovery")
     admin_keys = ([args.admin_api_key] if args.admin_api_key else []) + auth.parse_control_plane_keys(args.control_plane_api_keys)
     return LBConfig(
         prefills=prefills,
@@ -204,6 +234,7 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         load_poll_interval=args.load_poll_interval,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         dp_aware=args.dp_aware,
+        discovery=found,
     )
 
 

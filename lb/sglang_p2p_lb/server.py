@@ -11,8 +11,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from . import auth, payload
+from . import auth, discovery, payload
 from .circuit import BreakerConfig
+from .discovery import DiscoveryConfig
 from .health import HealthChecker, HealthConfig
 from .loads import LoadPoller
 from .metrics import Metrics
@@ -49,6 +50,8 @@ class LBConfig:
     # Closes a connection that has not sent complete request headers this long after it opened or after
     # its previous response (aiohttp's keep-alive timer), and idle keep-alive connections: slowloris.
     header_timeout: float = 15.0
+    # Kubernetes pod discovery (--service-discovery): workers come and go with the cluster's pods
+    discovery: DiscoveryConfig | None = None
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -89,6 +92,8 @@ class LoadBalancer:
             self._tasks.append(asyncio.create_task(self.health.run()))
         if self.cfg.load_poll_interval > 0:
             self._tasks.append(asyncio.create_task(self.loads.run()))
+        if self.cfg.discovery is not None:
+            self._tasks.append(asyncio.create_task(discovery.serve(self, self.cfg.discovery)))
 
     async def _cleanup(self, app: web.Application) -> None:
         for t in self._tasks:

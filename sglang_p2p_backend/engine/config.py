@@ -25,6 +25,13 @@ def _number(name: str, default: float, cast=float):
     return value
 
 
+def _non_negative(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if raw in ("", "0"):
+        return default if raw == "" else 0.0
+    return _number(name, default)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     transport: str = "auto"  # SGLANG_P2P_TRANSPORT
@@ -36,6 +43,10 @@ class EngineConfig:
     peer_timeout: float = 8.0  # SGLANG_P2P_PEER_TIMEOUT: a peer silent this long is dead, its rooms fail
     max_peers: int = 512  # SGLANG_P2P_MAX_PEERS: registered peers and control sockets a rank keeps at most
     tombstone_s: float = 60.0  # SGLANG_P2P_TOMBSTONE_S: how long a concluded room's late messages are answered
+    #: SGLANG_P2P_GIL_SWITCH_MS: the scheduler process's GIL switch interval at most (0: Python's own, 5 ms).
+    #: The backend's threads release the GIL on every CUDA sync and socket wait and need it back within
+    #: the interval while the scheduler's main thread runs Python (docs/serving.md measures it)
+    gil_switch_ms: float = 0.5
 
     @property
     def slot_bytes(self) -> int:
@@ -56,4 +67,5 @@ class EngineConfig:
             peer_timeout=_number("SGLANG_P2P_PEER_TIMEOUT", cls.peer_timeout),
             max_peers=_number("SGLANG_P2P_MAX_PEERS", cls.max_peers, int),
             tombstone_s=_number("SGLANG_P2P_TOMBSTONE_S", cls.tombstone_s),
+            gil_switch_ms=_non_negative("SGLANG_P2P_GIL_SWITCH_MS", cls.gil_switch_ms),
         )

@@ -18,7 +18,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from contextlib import nullcontext
 from typing import Callable, Optional, Sequence
 
@@ -32,6 +31,8 @@ from .checks import ChunkVerdict, chunk_layout
 from .heads import PairHeads
 from .plan import Segment, plan_chunks
 from .staging import StagingPool
+from .threads import set_os_name
+from .waiting import wait_until
 from .transport.base import PairComm, TransportError, TwoSidedTransport
 
 logger = logging.getLogger(__name__)
@@ -50,11 +51,8 @@ def _wait_stream(comm: Optional[PairComm], timeout: float) -> None:
         return
     done = torch.cuda.Event()
     done.record(comm.stream)
-    deadline = time.monotonic() + timeout
-    while not done.query():
-        if time.monotonic() > deadline:
-            raise TransportError(f"pair channel work not done after {timeout:.0f}s (peer stalled or gone)")
-        time.sleep(0)
+    if not wait_until(done.query, timeout):
+        raise TransportError(f"pair channel work not done after {timeout:.0f}s (peer stalled or gone)")
 
 
 class _PairEnd:
@@ -254,6 +252,7 @@ class PairReceiver(_PairEnd):
         self.submit(lambda: self._drop("closed by the prefill (communicator pool)") if generation == self.generation else None)
 
     def _run(self) -> None:
+        set_os_name("p2p-recv")
         while True:
             item = self._queue.get()
             if item is None:

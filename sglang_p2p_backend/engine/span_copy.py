@@ -1,4 +1,12 @@
-"""Fused copy of many (src, dst, length) spans on one GPU stream: one Triton launch per chunk, no staging.
+"""Fused same-host copies on one GPU stream, one Triton launch per chunk, no staging: whole pages through a page
+table (`PageCopier`), or any (src, dst, length) spans (`SpanCopier`).
+
+Pages: a chunk of a pool is the same page ids in every region of that pool (each layer's K and V, or each
+MLA layer), so the launch takes a region table (source base, destination base, item bytes) and the two page-id
+arrays as they come from SGLang; the kernel computes every address itself. The host's work is one upload of
+the ids and the table and one launch whatever the page count: no descriptor per page, layer and K/V (a 4k-token
+request at page size 1 on a 32-layer MHA model would be 262,144 of them). The grid is bounded (`max_programs`,
+each program loops over items), so a transfer leaves SMs to the forward passes of its own process.
 
 The same-host one-sided path (transport/cuda_ipc.py) turns a chunk into descriptors with `onesided.chunk_descriptors`
 (merged page runs of every region, or head slices of every token row with different attention TP) whose
@@ -87,6 +95,31 @@ if triton is not None:
             tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
 
 
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n_pages", "n_regions"])
+    def _copy_pages(ids, n_pages, table, n_regions, like, BLOCK: tl.constexpr):
+        """Item (region r, page p) = item_bytes[r] bytes from src_base[r] + src_ids[p] * item_bytes[r] to
+        dst_base[r] + dst_ids[p] * item_bytes[r]; programs stride over the items, region-major so neighbouring
+        programs touch neighbouring pages of one region. ids = src ids then dst ids (int64); table rows =
+        (src base, dst base, item bytes, item words)."""
+        pid = tl.program_id(0)
+        step = tl.num_programs(0)
+        total = n_pages * n_regions
+        for item in range(pid, total, step):
+            r = item // n_pages
+            p = item - r * n_pages
+            row = table + r.to(tl.int64) * 4
+            item_bytes = tl.load(row + 2)
+            words = tl.load(row + 3)
+            src = (tl.load(row) + tl.load(ids + p) * item_bytes).to(like.dtype)
+            dst = (tl.load(row + 1) + tl.load(ids + n_pages + p) * item_bytes).to(like.dtype)
+            for w0 in range(0, words, BLOCK):
+                offs = w0 + tl.arange(0, BLOCK)
+                m = offs < words
+                tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -126,3 +159,66 @@ class SpanCopier:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             _copy_tiles[(len(tiles),)](table, len(tiles), self._like[word], BLOCK=_BLOCK)
         return int(tiles[:, 2].sum()) * word
+
+
+def page_table(src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
+               word: int) -> np.ndarray:
+    """int64 [regions, 4] rows of (source base, destination base, item bytes, item words)."""
+    items = np.asarray(item_bytes, dtype=np.int64)
+    return np.stack([np.asarray(src_bases, dtype=np.int64), np.asarray(dst_bases, dtype=np.int64), items,
+                     items // word], axis=1)
+
+
+def expand_pages(src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
+                 src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (src, dst, length) spans the page kernel copies, region-major: what a copy without the kernel does
+    (the CPU stand-in) and what tests compare the kernel with."""
+    s_ids = np.asarray(src_ids, dtype=np.int64).reshape(1, -1)
+    d_ids = np.asarray(dst_ids, dtype=np.int64).reshape(1, -1)
+    items = np.asarray(item_bytes, dtype=np.int64).reshape(-1, 1)
+    src = np.asarray(src_bases, dtype=np.int64).reshape(-1, 1) + s_ids * items
+    dst = np.asarray(dst_bases, dtype=np.int64).reshape(-1, 1) + d_ids * items
+    return src.reshape(-1), dst.reshape(-1), np.broadcast_to(items, src.shape).reshape(-1)
+
+
+class PageCopier:
+    """Copies whole pages of one pool's regions with one launch (`copy`); one per transfer thread and device
+    (the pinned upload buffer is reused: a caller must not copy again before the previous copy finished)."""
+
+    def __init__(self, device: torch.device, max_programs: Optional[int] = None):
+        if triton is None:
+            raise RuntimeError("the same-host copy path needs Triton (it comes with CUDA builds of torch)")
+        self.device = device
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        #: 8 programs an SM hide the latency of 2-8 KiB items; a bound, so a transfer never fills the GPU alone
+        self.max_programs = max_programs or 8 * sms
+        self._host = torch.empty(0, dtype=torch.int64).pin_memory()
+        self._dev = torch.empty(0, dtype=torch.int64, device=device)
+        self._like = {w: torch.empty(1, dtype=d, device=device) for w, d in _WORD_DTYPES.items()}
+
+    def copy(self, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
+             src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream) -> int:
+        """Queue the copy of pages src_ids -> dst_ids of every region on `stream`; returns the bytes queued.
+        Ids and bases are trusted here: the transport checked them against both pools."""
+        n_pages, n_regions = int(len(src_ids)), int(len(item_bytes))
+        if not n_pages or not n_regions:
+            return 0
+        word = word_size(np.asarray(src_bases, dtype=np.int64), np.asarray(dst_bases, dtype=np.int64),
+                         np.asarray(item_bytes, dtype=np.int64))
+        table = page_table(src_bases, dst_bases, item_bytes, word)
+        n = 2 * n_pages + table.size
+        if self._host.numel() < n:  # grows to the largest chunk seen, then stays
+            self._host = torch.empty(max(n, 2 * self._host.numel()), dtype=torch.int64).pin_memory()
+            self._dev = torch.empty(self._host.numel(), dtype=torch.int64, device=self.device)
+        host = self._host[:n].numpy()
+        host[:n_pages] = src_ids
+        host[n_pages:2 * n_pages] = dst_ids
+        host[2 * n_pages:] = table.reshape(-1)
+        dev = self._dev[:n]
+        words = int(table[:, 3].max())
+        block = min(1024, max(16, 1 << (words - 1).bit_length()))
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            dev.copy_(self._host[:n], non_blocking=True)
+            grid = (min(n_pages * n_regions, self.max_programs),)
+            _copy_pages[grid](dev, n_pages, dev[2 * n_pages:], n_regions, self._like[word], BLOCK=block)
+        return n_pages * int(table[:, 2].sum())

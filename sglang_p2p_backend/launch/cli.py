@@ -3,7 +3,7 @@
 node   renders this node's SGLang server command and replaces this process with it
 lb     renders the load balancer's command and replaces this process with it
 check  validates the topology and every rendered command with SGLang's parser, starts nothing
-k8s    renders the topology as Kubernetes objects (LeaderWorkerSets, Services, the LB's Deployment) as YAML
+k8s    renders the topology as Kubernetes objects (LeaderWorkerSets or a RoleBasedGroup, Services, the LB) as YAML
 --dry-run (node, lb) prints every command of the whole topology and starts nothing.
 
 Every path validates the whole topology before anything starts, so a broken config stops on every node
@@ -19,7 +19,8 @@ from typing import Mapping, Sequence
 
 from .config import ROLES, ConfigError, LaunchConfig, load_config
 from .identity import resolve_node
-from .k8s import checked, render_files, server_pod_commands
+from . import k8s, rbg
+from .k8s import checked, server_pod_commands
 from .k8s_output import stream_text, write_folder
 from .k8s_profile import kube_spec
 from .release import SUPPORTED, UnsupportedReleaseError, installed_release, resolve_release
@@ -27,6 +28,7 @@ from .render import Command, dry_run_text, lb_command, server_command, topology_
 from .validate import validate
 
 EXIT_CONFIG = 2
+WORKLOADS = {"lws": k8s.render_files, "rbg": rbg.render_files}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,10 +53,13 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--dry-run", action="store_true", help="print every command of the topology, start nothing")
         s.add_argument("--print-only", action="store_true", help="print this command, start nothing")
     sub.add_parser("check", parents=[common], help="validate the topology and every command, start nothing")
-    k8s = sub.add_parser("k8s", parents=[common], help="render Kubernetes objects (LeaderWorkerSet) as YAML")
-    k8s.add_argument("--out", help="write one YAML file per group and one for the LB here (default: stdout)")
-    k8s.add_argument("--namespace", help="replaces the cluster profile's kubernetes.namespace")
-    k8s.add_argument("--image", help="replaces kubernetes.image: an image built from launch/Dockerfile")
+    kube = sub.add_parser("k8s", parents=[common], help="render Kubernetes objects (LeaderWorkerSet or RoleBasedGroup) as YAML")
+    kube.add_argument("--workload", choices=WORKLOADS, default="lws",
+                      help="lws: one LeaderWorkerSet per group (default); rbg: one RoleBasedGroup (sgl-project/rbg)")
+    kube.add_argument("--out", help="write the YAML files here, one per group and one for the LB with lws (default: stdout)")
+    kube.add_argument("--namespace", help="replaces the cluster profile's kubernetes.namespace")
+    kube.add_argument("--image", help="replaces kubernetes.image: REGISTRY/sglang-p2p-backend:RELEASE built from launch/Dockerfile")
+    kube.add_argument("--tuning-dir", help="replaces kubernetes.tuning_dir: the folder holding the EPLB/DeepEP files the model profile names")
     return p
 
 
@@ -82,8 +87,8 @@ def _check_with_sglang(
 
 
 def _render_k8s(args: argparse.Namespace, cfg: LaunchConfig, release: str) -> int:
-    kube = kube_spec(cfg, release, namespace=args.namespace, image=args.image)
-    files = render_files(checked(cfg), kube, release)
+    kube = kube_spec(cfg, release, namespace=args.namespace, image=args.image, tuning_dir=args.tuning_dir)
+    files = WORKLOADS[args.workload](checked(cfg), kube, release)
     note = "" if args.no_check else _check_with_sglang(cfg, release, False, server_pod_commands(files)) + "\n"
     header = f"rendered from {cfg.source} for SGLang {release} by `python -m sglang_p2p_backend.launch k8s`"
     if args.out:

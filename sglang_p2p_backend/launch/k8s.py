@@ -1,44 +1,41 @@
 """Renders a topology as Kubernetes objects: for every prefill and decode group a LeaderWorkerSet (one pod
-per node, the leader is node 0) with a headless Service that names its leader, and the load balancer as a
-Deployment with a Service. Plain dicts ready for YAML: no cluster, no Kubernetes client needed.
+per node, the leader is node 0) with a headless Service that names its leader, the tuning files in a
+ConfigMap, optional PodDisruptionBudgets, and the load balancer as a Deployment with a Service (and, when
+it discovers the servers itself, the ServiceAccount and Role that let it watch pods). Plain dicts ready
+for YAML: no cluster, no Kubernetes client needed. `rbg` renders the same pods as a RoleBasedGroup.
 
 The SGLang flags are the ones `render` gives the node launches; only where a pod runs differs: the
 dist-init address and node rank come from the variables LWS injects (filled in by the kubelet), and the
-LB dials the leaders' Service names instead of host addresses.
+LB dials the leaders' Service names (or finds the leader pods by label) instead of host addresses.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import lws
+from . import k8s_checks, lws
 from .config import ROLES, ConfigError, LaunchConfig
-from .k8s_profile import SHM_VOLUME, KubeSpec
-from .render import LB_PROGRAM, SGLANG_PROGRAM, Command, lb_args, server_args
+from .k8s_pod import (
+    BIND_ALL, BOOTSTRAP_ANNOTATION, LEADER_LABEL, Placement, base_name, group_labels, image_fields, labels, meta,
+    http_probe, pull_secrets, secret_env, server_template, tuning_configmap,
+)
+from .k8s_profile import KubeSpec
+from .k8s_tuning import TuningFile, tuning_files
+from .render import LB_PROGRAM, Command, flag_tokens, lb_args
 from .validate import problems
 
-BIND_ALL = "0.0.0.0"  # the pod (or, with host networking, the node) is the boundary; probes dial the pod IP
-HOST_IP_VAR = "SGLANG_HOST_IP"
 DNS_LABEL_MAX = 63
-PROBE_PERIOD_S = 10
 # The LB keeps in-flight counts and live P/D channels in its process: a second replica would balance on
 # half of the picture, so it runs as one pod that the Deployment replaces when it dies.
 LB_REPLICAS = 1
+LWS_PLACEMENT = Placement(leader_address=lws.LEADER_ADDRESS, worker_index=lws.WORKER_INDEX)
 
 
 @dataclass(frozen=True)
 class KubeFile:
     name: str  # file name under --out
     objects: tuple[dict[str, Any], ...]
-
-
-def base_name(cfg: LaunchConfig) -> str:
-    """The topology's name as a DNS-1035 label prefix (Service names must start with a letter)."""
-    name = re.sub(r"[^a-z0-9-]+", "-", cfg.name.lower()).strip("-")
-    return name if name[:1].isalpha() else f"pd-{name}"
 
 
 def group_name(cfg: LaunchConfig, role: str, group: int) -> str:
@@ -90,166 +87,173 @@ def checked(cfg: LaunchConfig) -> LaunchConfig:
     return view
 
 
-def _meta(name: str, kube: KubeSpec, labels: dict[str, str]) -> dict[str, Any]:
-    return {"name": name, "namespace": kube.namespace, "labels": labels}
+def deployable(cfg: LaunchConfig, kube: KubeSpec, release: str) -> list[TuningFile]:
+    """What the cluster needs beyond a valid topology (image, cache, device access, Secrets, the tuning
+    files); returns the tuning files, raises ConfigError with every problem."""
+    tuning, found = tuning_files(cfg, kube.tuning_dir)
+    found = k8s_checks.problems(cfg, kube, release) + found
+    if found:
+        raise ConfigError(cfg.source, found)
+    return tuning
 
 
-def _labels(cfg: LaunchConfig, component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "sglang-pd", "app.kubernetes.io/instance": base_name(cfg),
-            "app.kubernetes.io/component": component}
-
-
-def _http_probe(port: int, path: str, failures: int, timeout_s: int = 5) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": PROBE_PERIOD_S,
-            "timeoutSeconds": timeout_s, "failureThreshold": failures}
-
-
-def _server_container(cfg: LaunchConfig, kube: KubeSpec, role: str, release: str) -> dict[str, Any]:
+def leader_service_object(cfg: LaunchConfig, kube: KubeSpec, role: str, group: int,
+                          selector: dict[str, str]) -> dict[str, Any]:
     spec = cfg.role(role)
-    args = server_args(
-        cfg, role, release, bind_host=BIND_ALL,
-        dist_init_addr=f"$({lws.LEADER_ADDRESS}):{spec.dist_init_port}", node_rank=f"$({lws.WORKER_INDEX})",
-        base_gpu_id=None,
-    )
-    env = {k: v for k, v in {**spec.env, **kube.env}.items() if k != HOST_IP_VAR}
-    ports = [{"name": "http", "containerPort": spec.port}]
-    if role == "prefill":
-        ports.append({"name": "bootstrap", "containerPort": spec.bootstrap_port})
-    ports.append({"name": "dist-init", "containerPort": spec.dist_init_port})
-    container: dict[str, Any] = {
-        "name": "sglang",
-        "image": kube.image,
-        "command": [cfg.python, *SGLANG_PROGRAM],
-        "args": args,
-        "env": [
-            *({"name": k, "value": v} for k, v in env.items()),
-            # the address SGLang hands peers (bootstrap registration, KV transfer): the pod's own, whatever
-            # a profile wrote for hosts (e.g. 127.0.0.1 on one host)
-            {"name": HOST_IP_VAR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        ],
-        "ports": ports,
-        # extended resources (GPUs, RDMA devices) default their request to the limit
-        "resources": {"limits": {kube.gpu_resource: str(spec.gpus), **kube.resources}},
-        # nodes > 0 serve /health only once their schedulers are up: loading weights and JIT-compiling
-        # takes far longer than any liveness budget, so liveness starts after the first success
-        "startupProbe": _http_probe(spec.port, "/health", math.ceil(kube.startup_timeout_s / PROBE_PERIOD_S)),
-        "readinessProbe": _http_probe(spec.port, "/health", 3),
-        # a failed liveness restarts the pod, and LWS then recreates the whole group (one member of a
-        # torch.distributed group cannot rejoin): only a server that stopped answering for a minute
-        "livenessProbe": _http_probe(spec.port, "/health", 6, timeout_s=10),
-        "volumeMounts": [
-            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
-            *({"name": v.name, "mountPath": v.path, "readOnly": v.read_only} for v in kube.volumes),
-        ],
-    }
-    security: dict[str, Any] = {}
-    if kube.capabilities:  # IPC_LOCK: RDMA registration pins memory
-        security["capabilities"] = {"add": list(kube.capabilities)}
-    if kube.privileged:
-        security["privileged"] = True
-    if security:
-        container["securityContext"] = security
-    return container
-
-
-def _volumes(kube: KubeSpec) -> list[dict[str, Any]]:
-    # NCCL's shared-memory transport and torch's shared tensors between the node's ranks; the runtime's
-    # default /dev/shm is 64 MB
-    out: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": kube.shm_size}}]
-    for v in kube.volumes:
-        if v.host_path is not None:
-            out.append({"name": v.name, "hostPath": {"path": v.host_path, "type": "Directory"}})
-        else:
-            out.append({"name": v.name, "persistentVolumeClaim": {"claimName": v.claim, "readOnly": v.read_only}})
-    return out
-
-
-def _server_pod_spec(cfg: LaunchConfig, kube: KubeSpec, role: str, release: str) -> dict[str, Any]:
-    pod: dict[str, Any] = {"containers": [_server_container(cfg, kube, role, release)], "volumes": _volumes(kube)}
-    if kube.host_network:
-        # RDMA/NCCL/DeepEP peers dial the node's own interfaces; ClusterFirstWithHostNet keeps cluster DNS
-        # (LWS_LEADER_ADDRESS, the prefill leaders' names the LB hands to decode) resolvable
-        pod["hostNetwork"] = True
-        pod["dnsPolicy"] = "ClusterFirstWithHostNet"
-    if kube.node_selector:
-        pod["nodeSelector"] = dict(kube.node_selector)
-    return pod
-
-
-def _group_file(cfg: LaunchConfig, kube: KubeSpec, role: str, group: int, release: str) -> KubeFile:
-    spec = cfg.role(role)
-    name = group_name(cfg, role, group)
-    labels = _labels(cfg, role)
     ports = [{"name": "http", "port": spec.port, "targetPort": spec.port}]
     if role == "prefill":
         ports.append({"name": "bootstrap", "port": spec.bootstrap_port, "targetPort": spec.bootstrap_port})
-    service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(leader_service(cfg, role, group), kube, labels),
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": meta(leader_service(cfg, role, group), kube, group_labels(cfg, role, group)),
         "spec": {
             "clusterIP": "None",  # headless: the name resolves to the leader pod's own address
             # the LB health-checks the servers itself; the name must not vanish when /health is slow under load
             "publishNotReadyAddresses": True,
-            # group-index too: a replica added by `kubectl scale` is not this group's leader
-            "selector": {lws.NAME_LABEL: name, lws.GROUP_INDEX_LABEL: "0", lws.WORKER_INDEX_LABEL: "0"},
+            "selector": selector,
             "ports": ports,
         },
     }
+
+
+def disruption_budget(kube: KubeSpec, name: str, lbls: dict[str, str]) -> dict[str, Any]:
+    """No voluntary eviction of any pod of a group: evicting one recreates the whole group, so a drain
+    waits until the group is removed on purpose (`kubectl delete -f` its file)."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta(name, kube, lbls),
+            "spec": {"maxUnavailable": 0, "selector": {"matchLabels": lbls}}}
+
+
+def _lws_group_file(cfg: LaunchConfig, kube: KubeSpec, role: str, group: int, release: str,
+                    tuning: list[TuningFile]) -> KubeFile:
+    spec = cfg.role(role)
+    name = group_name(cfg, role, group)
+    # group-index too: a replica added by `kubectl scale` is not this group's leader
+    selector = {lws.NAME_LABEL: name, lws.GROUP_INDEX_LABEL: "0", lws.WORKER_INDEX_LABEL: "0"}
+    template = {"size": spec.nodes, "restartPolicy": "RecreateGroupOnPodRestart"}
+    template["leaderTemplate"] = server_template(cfg, kube, role, group, release, LWS_PLACEMENT, True, tuning)
+    if spec.nodes > 1:
+        template["workerTemplate"] = server_template(cfg, kube, role, group, release, LWS_PLACEMENT, False, tuning)
+    else:  # the CRD requires a workerTemplate even for size 1; LWS then uses it for nothing
+        template["workerTemplate"] = template.pop("leaderTemplate")
     leader_worker_set = {
-        "apiVersion": lws.API_VERSION, "kind": "LeaderWorkerSet", "metadata": _meta(name, kube, labels),
+        "apiVersion": lws.API_VERSION, "kind": "LeaderWorkerSet",
+        "metadata": meta(name, kube, group_labels(cfg, role, group)),
         "spec": {
-            "replicas": 1,  # one SGLang server; more groups are more LeaderWorkerSets, each listed in the LB
+            "replicas": 1,  # one SGLang server; more groups are more LeaderWorkerSets
             # workers start with the leader: the leader's server needs every node before it can serve
             "startupPolicy": "LeaderCreated",
             "networkConfig": {"subdomainPolicy": "Shared"},  # the LWS_LEADER_ADDRESS form lws.py expects
-            "leaderWorkerTemplate": {
-                "size": spec.nodes,
-                "restartPolicy": "RecreateGroupOnPodRestart",
-                # leader and workers run the same command: the node rank comes from LWS_WORKER_INDEX
-                "workerTemplate": {"metadata": {"labels": labels}, "spec": _server_pod_spec(cfg, kube, role, release)},
-            },
+            "leaderWorkerTemplate": template,
         },
     }
-    return KubeFile(f"{name}.yaml", (service, leader_worker_set))
+    objects = [leader_service_object(cfg, kube, role, group, selector), leader_worker_set]
+    if kube.pdb:
+        objects.append(disruption_budget(kube, name, group_labels(cfg, role, group)))
+    return KubeFile(f"{name}.yaml", tuple(objects))
 
 
-def _lb_file(cfg: LaunchConfig, kube: KubeSpec) -> KubeFile:
-    name, labels, port = lb_name(cfg), _labels(cfg, "lb"), cfg.lb.port
-    container = {
+# --------------------------------------------------------------------------- the load balancer
+
+def discovery_args(cfg: LaunchConfig, kube: KubeSpec) -> list[str]:
+    """smg's --service-discovery flags: the leaders of this topology's groups, by label, in this namespace."""
+    instance = f"app.kubernetes.io/instance={base_name(cfg)}"
+    return [
+        "--service-discovery",
+        "--prefill-selector", instance, "app.kubernetes.io/component=prefill", f"{LEADER_LABEL}=true",
+        "--decode-selector", instance, "app.kubernetes.io/component=decode", f"{LEADER_LABEL}=true",
+        "--service-discovery-namespace", kube.namespace,
+        "--service-discovery-port", str(cfg.prefill.port),
+        "--bootstrap-port-annotation", BOOTSTRAP_ANNOTATION,
+    ]
+
+
+def lb_args_for(cfg: LaunchConfig, kube: KubeSpec) -> list[str]:
+    if not kube.lb_discovery:
+        return lb_args(cfg, lambda role, group: leader_dns(cfg, kube, role, group), BIND_ALL)
+    args = [*discovery_args(cfg, kube), "--host", BIND_ALL, "--port", str(cfg.lb.port)]
+    if cfg.lb.policy:
+        args += ["--policy", cfg.lb.policy]
+    return args + flag_tokens(cfg.lb.args, 1)
+
+
+def _rbac(cfg: LaunchConfig, kube: KubeSpec, name: str, lbls: dict[str, str]) -> list[dict[str, Any]]:
+    """Read access to the namespace's pods, nothing else: what the LB's pod watch needs."""
+    subject = {"kind": "ServiceAccount", "name": name, "namespace": kube.namespace}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(name, kube, lbls)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta(name, kube, lbls),
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta(name, kube, lbls),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [subject]},
+    ]
+
+
+def lb_pod_spec(cfg: LaunchConfig, kube: KubeSpec) -> dict[str, Any]:
+    port = cfg.lb.port
+    container: dict[str, Any] = {
         "name": "lb",
-        "image": kube.image,
+        **image_fields(kube),
         "command": [cfg.python, *LB_PROGRAM],
-        "args": lb_args(cfg, lambda role, group: leader_dns(cfg, kube, role, group), BIND_ALL),
+        "args": lb_args_for(cfg, kube),
         "ports": [{"name": "http", "containerPort": port}],
         # /health is 503 until one prefill and one decode are healthy: no client traffic before that
-        "readinessProbe": _http_probe(port, "/health", 3),
-        # ... which is why liveness asks /workers: it answers whenever the event loop runs, so the LB is not
-        # restarted in a loop while the servers load for tens of minutes
-        "livenessProbe": _http_probe(port, "/workers", 6),
+        "readinessProbe": http_probe(port, "/health", 3, 5),
+        # ... which is why liveness asks /metrics: it answers whenever the event loop runs, needs no key
+        # (with --api-key every route but /health and /metrics does), so the LB is not restarted in a loop
+        # while the servers load for tens of minutes
+        "livenessProbe": http_probe(port, "/metrics", 6, 5),
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},  # one asyncio process
     }
+    if kube.lb_secret_env:
+        container["env"] = secret_env(kube.lb_secret_env)
+    spec: dict[str, Any] = {"containers": [container], **pull_secrets(kube)}
+    if kube.priority_class:  # without the LB nothing is served: it must not be preempted before the servers
+        spec["priorityClassName"] = kube.priority_class
+    if kube.lb_discovery:
+        spec["serviceAccountName"] = lb_name(cfg)
+    return spec
+
+
+def lb_objects(cfg: LaunchConfig, kube: KubeSpec) -> list[dict[str, Any]]:
+    name, lbls, port = lb_name(cfg), labels(cfg, "lb"), cfg.lb.port
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, kube, labels),
-        "spec": {"replicas": LB_REPLICAS, "selector": {"matchLabels": labels},
-                 "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}}},
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(name, kube, lbls),
+        "spec": {"replicas": LB_REPLICAS, "selector": {"matchLabels": lbls},
+                 "template": {"metadata": {"labels": lbls}, "spec": lb_pod_spec(cfg, kube)}},
     }
     service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(name, kube, labels),
-        "spec": {"type": kube.lb_service_type, "selector": labels,
+        "apiVersion": "v1", "kind": "Service", "metadata": meta(name, kube, lbls),
+        "spec": {"type": kube.lb_service_type, "selector": lbls,
                  "ports": [{"name": "http", "port": port, "targetPort": port}]},
     }
-    return KubeFile(f"{name}.yaml", (deployment, service))
+    return [*(_rbac(cfg, kube, name, lbls) if kube.lb_discovery else []), deployment, service]
+
+
+def tuning_file(cfg: LaunchConfig, kube: KubeSpec, tuning: list[TuningFile]) -> list[KubeFile]:
+    if not tuning:
+        return []
+    return [KubeFile(f"{base_name(cfg)}-tuning.yaml", (tuning_configmap(cfg, kube, tuning),))]
 
 
 def render_files(cfg: LaunchConfig, kube: KubeSpec, release: str) -> list[KubeFile]:
-    """One file per group (its Service and LeaderWorkerSet), prefill groups first, then the LB's."""
-    groups = [_group_file(cfg, kube, role, g, release) for role in ROLES for g in range(cfg.role(role).groups)]
-    return [*groups, _lb_file(cfg, kube)]
+    """The tuning ConfigMap's file (if any), one file per group (its Service, LeaderWorkerSet and PDB),
+    prefill groups first, then the LB's. Raises ConfigError when the cluster could not run it."""
+    tuning = deployable(cfg, kube, release)
+    groups = [_lws_group_file(cfg, kube, role, g, release, tuning)
+              for role in ROLES for g in range(cfg.role(role).groups)]
+    return [*tuning_file(cfg, kube, tuning), *groups, KubeFile(f"{lb_name(cfg)}.yaml", tuple(lb_objects(cfg, kube)))]
 
 
 def server_pod_commands(files: list[KubeFile]) -> list[Command]:
-    """The SGLang command of every pod, as LWS and the kubelet will fill it in."""
-    return [
-        pod.command()
-        for f in files for obj in f.objects if obj["kind"] == "LeaderWorkerSet"
-        for pod in lws.pods(obj)
-    ]
+    """The SGLang command of every pod, as the workload controller and the kubelet will fill it in."""
+    from . import rbg  # the RoleBasedGroup replay, for files rendered by rbg.render_files
+
+    out = []
+    for f in files:
+        for obj in f.objects:
+            if obj["kind"] == "LeaderWorkerSet":
+                out += [pod.command() for pod in lws.pods(obj)]
+            elif obj["kind"] == rbg.KIND:
+                out += [pod.command() for pod in rbg.pods(obj) if pod.labels.get(rbg.SERVER_LABEL) == "true"]
+    return out

@@ -195,6 +195,7 @@ class Role:
             mgr.one_sided_sender.send = delayed(mgr.one_sided_sender.send)
         if getattr(mgr, "ipc", None) is not None:
             mgr.ipc.write = delayed(mgr.ipc.write)
+            mgr.ipc.write_pages = delayed(mgr.ipc.write_pages)
         PairSender.send = delayed(PairSender.send)
         if hasattr(mgr, "_send_abort_ack"):  # SGLang 0.5.23+
             send_ack = mgr._send_abort_ack

@@ -1,8 +1,9 @@
 """Offline validation of rendered Kubernetes objects, as strict as `kubectl apply --validate=strict`:
-core objects (Service, Deployment) through the official client's models (kubernetes 37: pydantic models
-that reject unknown fields, missing required fields and wrong types), LeaderWorkerSet through the CRD's
-OpenAPI v3 schema of LWS v0.10.0 (tests/launch/data), its metadata and pod templates through the client's
-ObjectMeta and PodTemplateSpec models as well."""
+core objects (Service, Deployment, ConfigMap, PodDisruptionBudget, ServiceAccount, Role, RoleBinding)
+through the official client's models (kubernetes 37: pydantic models that reject unknown fields, missing
+required fields and wrong types), LeaderWorkerSet and RoleBasedGroup through their CRDs' OpenAPI v3
+schemas (LWS v0.10.0, rbg v0.8.0-alpha.5; tests/launch/data, source in each file's $comment), their
+metadata and pod templates through the client's ObjectMeta and PodTemplateSpec models as well."""
 
 from __future__ import annotations
 
@@ -13,11 +14,21 @@ from typing import Any, Mapping
 
 import jsonschema
 import pydantic
-from kubernetes.client import V1Deployment, V1ObjectMeta, V1PodTemplateSpec, V1Service
+from sglang_p2p_backend.launch.rbg import leader_template
+from kubernetes.client import (
+    V1ConfigMap, V1Deployment, V1ObjectMeta, V1PodDisruptionBudget, V1PodTemplateSpec, V1Role, V1RoleBinding,
+    V1Service, V1ServiceAccount,
+)
 
 LWS_VERSION = "v0.10.0"
 LWS_SCHEMA = Path(__file__).parent / "data" / f"lws-{LWS_VERSION}-crd-schema.json"
-CORE_MODELS = {("v1", "Service"): V1Service, ("apps/v1", "Deployment"): V1Deployment}
+RBG_VERSION = "v0.8.0-alpha.5"
+RBG_SCHEMA = Path(__file__).parent / "data" / f"rbg-{RBG_VERSION}-crd-schema.json"
+CORE_MODELS = {
+    ("v1", "Service"): V1Service, ("apps/v1", "Deployment"): V1Deployment, ("v1", "ConfigMap"): V1ConfigMap,
+    ("policy/v1", "PodDisruptionBudget"): V1PodDisruptionBudget, ("v1", "ServiceAccount"): V1ServiceAccount,
+    ("rbac.authorization.k8s.io/v1", "Role"): V1Role, ("rbac.authorization.k8s.io/v1", "RoleBinding"): V1RoleBinding,
+}
 
 
 def _closed(node: Any) -> Any:
@@ -40,10 +51,14 @@ def _closed(node: Any) -> Any:
 
 
 @cache
-def lws_validator() -> jsonschema.Draft4Validator:
-    schema = _closed(json.loads(LWS_SCHEMA.read_text()))
+def crd_validator(path: Path) -> jsonschema.Draft4Validator:
+    schema = _closed(json.loads(path.read_text()))
     jsonschema.Draft4Validator.check_schema(schema)
     return jsonschema.Draft4Validator(schema)
+
+
+def _schema_problems(path: Path, obj: Mapping[str, Any]) -> list[str]:
+    return [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in crd_validator(path).iter_errors(obj)]
 
 
 def _model_problems(model: type[pydantic.BaseModel], data: Any, where: str) -> list[str]:
@@ -55,8 +70,7 @@ def _model_problems(model: type[pydantic.BaseModel], data: Any, where: str) -> l
 
 
 def _lws_problems(obj: Mapping[str, Any]) -> list[str]:
-    found = [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in lws_validator().iter_errors(obj)]
-    found += _model_problems(V1ObjectMeta, obj.get("metadata"), "metadata")
+    found = _schema_problems(LWS_SCHEMA, obj) + _model_problems(V1ObjectMeta, obj.get("metadata"), "metadata")
     template = obj.get("spec", {}).get("leaderWorkerTemplate", {})
     for key in ("leaderTemplate", "workerTemplate"):
         if key in template:
@@ -64,11 +78,35 @@ def _lws_problems(obj: Mapping[str, Any]) -> list[str]:
     return found
 
 
+def _rbg_problems(obj: Mapping[str, Any]) -> list[str]:
+    """The CRD schema, plus what its CEL rules and webhook check that a JSON schema cannot: the pod
+    templates as pods, one pattern a role, dependencies naming roles of the group."""
+    found = _schema_problems(RBG_SCHEMA, obj) + _model_problems(V1ObjectMeta, obj.get("metadata"), "metadata")
+    roles = obj.get("spec", {}).get("roles", [])
+    names = [r.get("name") for r in roles]
+    for i, role in enumerate(roles):
+        where = f"spec.roles.{i}"
+        patterns = [p for p in ("standalonePattern", "leaderWorkerPattern", "customComponentsPattern") if p in role]
+        if len(patterns) != 1:
+            found.append(f"{where}: exactly one pattern, got {patterns}")
+        for p in patterns[:1]:
+            if "template" in role[p]:
+                found += _model_problems(V1PodTemplateSpec, role[p]["template"], f"{where}.{p}.template")
+            if "leaderTemplatePatch" in role[p]:  # a raw patch to the schema: check the leader's pod it makes
+                found += _model_problems(V1PodTemplateSpec, leader_template(role[p]), f"{where}.{p}.leaderTemplatePatch")
+        found += [f"{where}.dependencies: no role {d!r}" for d in role.get("dependencies", []) if d not in names]
+    if len(set(names)) != len(names):
+        found.append(f"spec.roles: names repeat: {names}")
+    return found
+
+
 def problems(obj: Mapping[str, Any]) -> list[str]:
-    """Everything the API server (with the LWS CRD installed) would reject or silently drop."""
+    """Everything the API server (with the LWS and RBG CRDs installed) would reject or silently drop."""
     api, kind = obj.get("apiVersion"), obj.get("kind")
     if (api, kind) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"):
         return _lws_problems(obj)
+    if (api, kind) == ("workloads.x-k8s.io/v1alpha2", "RoleBasedGroup"):
+        return _rbg_problems(obj)
     model = CORE_MODELS.get((api, kind))
     if model is None:
         return [f"no schema for {api}/{kind}: add its model to CORE_MODELS"]

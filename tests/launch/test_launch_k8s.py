@@ -26,10 +26,12 @@ from sglang_p2p_lb.cli import build_parser, config_from_args
 RELEASE = "0.5.23"
 P3X3 = REPO / "configs/topologies/p3x3-d4.yaml"
 ONE_HOST = REPO / "configs/topologies/1p1d-one-host.yaml"
+TUNING = Path(__file__).parent / "data" / "tuning"  # stand-ins for the EPLB/DeepEP files the profile names
 
 
 def rendered(path: Path, **kube_options) -> list[KubeFile]:
     cfg = load_config(path)
+    kube_options.setdefault("tuning_dir", TUNING)
     return render_files(checked(cfg), kube_spec(cfg, RELEASE, **kube_options), RELEASE)
 
 
@@ -52,6 +54,13 @@ def lb_container(files: list[KubeFile]) -> dict:
 
 def selected(selector: dict[str, str], pods: list[lws.Pod]) -> list[str]:
     return [p.name for p in pods if all(p.labels.get(k) == v for k, v in selector.items())]
+
+
+def lws_template(sets: list[dict], pod: lws.Pod) -> dict:
+    """The pod template LWS makes `pod` from."""
+    (s,) = [s for s in sets if s["metadata"]["name"] == pod.labels[lws.NAME_LABEL]]
+    t = s["spec"]["leaderWorkerTemplate"]
+    return t.get("leaderTemplate", t["workerTemplate"]) if pod.labels[lws.WORKER_INDEX_LABEL] == "0" else t["workerTemplate"]
 
 
 # --------------------------------------------------------------------------- offline schema validation
@@ -102,9 +111,10 @@ def test_validation_rejects_what_the_api_server_would(kind, edit, needle):
 # --------------------------------------------------------------------------- pods, Services and the LB agree
 
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda p: p.stem)
-def test_pods_services_and_lb_agree(topology):
+def test_pods_services_and_lb_agree(topology, monkeypatch):
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")  # what every pod has: the API server's Service
     cfg = load_config(topology)
-    kube = kube_spec(cfg, RELEASE)
+    kube = kube_spec(cfg, RELEASE, tuning_dir=TUNING)
     files = render_files(checked(cfg), kube, RELEASE)
     sets, services = objects(files, "LeaderWorkerSet"), by_name(files, "Service")
     all_pods = [p for s in sets for p in lws.pods(s)]
@@ -133,6 +143,21 @@ def test_pods_services_and_lb_agree(topology):
             fqdn = f"{service['metadata']['name']}.{kube.namespace}.svc.{kube.cluster_domain}"
             leaders[fqdn] = pods[0]
     lb_cfg = config_from_args(build_parser().parse_args(lb_container(files)["args"]))
+    if kube.lb_discovery:  # the LB's selectors find exactly the leaders, on their port and bootstrap port
+        assert lb_cfg.prefills == [] and lb_cfg.decodes == [] and lb_cfg.discovery.namespace == kube.namespace
+        for role in ROLES:
+            leader_pods = [p for p in all_pods if selected(lb_cfg.discovery.selectors[role], [p])]
+            assert sorted(p.name for p in leader_pods) == sorted(
+                p.name for p in leaders.values() if flags(p.command().args)["--disaggregation-mode"] == [role])
+            for pod in leader_pods:
+                f = flags(pod.command().args)
+                assert f["--port"] == [str(lb_cfg.discovery.port)]
+                annotations = lws_template(sets, pod)["metadata"].get("annotations", {})
+                if role == "prefill":
+                    assert annotations == {lb_cfg.discovery.bootstrap_annotation: f["--disaggregation-bootstrap-port"][0]}
+                else:
+                    assert annotations == {}
+        leaders.clear()
     dialed = [(url, port, "prefill") for url, port in lb_cfg.prefills] + [(u, None, "decode") for u in lb_cfg.decodes]
     assert len(dialed) == len(leaders)
     for url, bootstrap, role in dialed:
@@ -156,8 +181,8 @@ def test_pods_services_and_lb_agree(topology):
 def test_p3x3_d4_pods_get_the_h800_profiles_network_resources_and_env():
     files = rendered(P3X3)
     assert [f.name for f in files] == [
-        "p3x3-d4-prefill-0.yaml", "p3x3-d4-prefill-1.yaml", "p3x3-d4-prefill-2.yaml", "p3x3-d4-decode-0.yaml",
-        "p3x3-d4-lb.yaml",
+        "p3x3-d4-tuning.yaml", "p3x3-d4-prefill-0.yaml", "p3x3-d4-prefill-1.yaml", "p3x3-d4-prefill-2.yaml",
+        "p3x3-d4-decode-0.yaml", "p3x3-d4-lb.yaml",
     ]
     sets = by_name(files, "LeaderWorkerSet")
     decode = sets["p3x3-d4-decode-0"]
@@ -179,22 +204,34 @@ def test_p3x3_d4_pods_get_the_h800_profiles_network_resources_and_env():
     assert "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK" not in {
         e["name"] for e in server_container(sets["p3x3-d4-prefill-0"])["env"]}
     assert env["SGLANG_HOST_IP"] == {"name": "SGLANG_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-    assert c["image"] == "sglang-p2p-backend:0.5.23" and decode["metadata"]["namespace"] == "sglang-pd"
+    assert c["image"] == "registry.example.com/inference/sglang-p2p-backend:0.5.23" and decode["metadata"]["namespace"] == "sglang-pd"
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 30000, "dist-init": 5757}
     prefill_ports = {p["name"]: p["port"] for p in by_name(files, "Service")["p3x3-d4-prefill-1-leader"]["spec"]["ports"]}
     assert prefill_ports == {"http": 30000, "bootstrap": 8998}
 
 
-def test_probes_on_health_with_room_for_startup():
+def test_probes_never_generate_for_liveness_and_wait_longer_than_sglangs_health():
+    """SGLang's /health generates one token and waits up to 20 s: liveness on it recreated busy groups."""
     files = rendered(P3X3)
-    c = server_container(objects(files, "LeaderWorkerSet")[0])
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": 30000}, probe
-    startup = c["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600  # the profile's startup_timeout_s
+    template = by_name(files, "LeaderWorkerSet")["p3x3-d4-decode-0"]["spec"]["leaderWorkerTemplate"]
+    leader, worker = (template[k]["spec"]["containers"][0] for k in ("leaderTemplate", "workerTemplate"))
+    # the leader's /model_info is the HTTP process alone; nodes > 0 run SGLang's stand-in health server
+    assert leader["livenessProbe"]["httpGet"] == {"path": "/model_info", "port": 30000}
+    assert worker["livenessProbe"]["httpGet"] == {"path": "/health", "port": 30000}
+    for c in (leader, worker):
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health" and c["readinessProbe"]["timeoutSeconds"] > 20
+        startup = c["startupProbe"]
+        assert startup["httpGet"]["path"] == "/health" and startup["timeoutSeconds"] > 20
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600  # the profile's startup_timeout_s
+        live = c["livenessProbe"]
+        assert live["periodSeconds"] * live["failureThreshold"] >= 60  # only a server silent for a minute
+    assert {k: v for k, v in leader.items() if k != "livenessProbe"} == {k: v for k, v in worker.items() if k != "livenessProbe"}
     lb = lb_container(files)
     assert lb["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
-    assert lb["livenessProbe"]["httpGet"] == {"path": "/workers", "port": 8000}
+    # /metrics needs no key even with --api-key (/workers does: liveness would fail and restart the LB)
+    assert lb["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": 8000}
+    from sglang_p2p_lb.auth import OPEN_PATHS
+    assert "/metrics" in OPEN_PATHS and "/workers" not in OPEN_PATHS
 
 
 def test_one_host_profile_renders_plain_pods_without_host_addresses():
@@ -218,7 +255,12 @@ def test_namespace_and_image_options_reach_every_name():
     assert {o["metadata"]["namespace"] for o in objects(files)} == {"team-a"}
     assert {server_container(s)["image"] for s in objects(files, "LeaderWorkerSet")} == {"registry.example/sglang-p2p:1"}
     assert lb_container(files)["image"] == "registry.example/sglang-p2p:1"
-    urls = [a for a in lb_container(files)["args"] if a.startswith("http://")]
+    args = lb_container(files)["args"]
+    assert args[args.index("--service-discovery-namespace") + 1] == "team-a"
+    (binding,) = objects(files, "RoleBinding")
+    assert binding["subjects"][0]["namespace"] == "team-a"  # the LB's service account, where it runs
+    static = rendered(ONE_HOST, namespace="team-a")  # a profile without discovery dials the leader Services
+    urls = [a for a in lb_container(static)["args"] if a.startswith("http://")]
     assert urls and all(".team-a.svc.cluster.local:" in u for u in urls)
     pod = lws.pods(objects(files, "LeaderWorkerSet")[0])[1]
     assert flags(pod.command().args)["--dist-init-addr"] == ["p3x3-d4-prefill-0-0.p3x3-d4-prefill-0.team-a:5757"]
@@ -235,7 +277,8 @@ def test_kubelet_expansion():
 # --------------------------------------------------------------------------- CLI output
 
 def test_cli_stdout_is_the_objects_as_one_yaml_stream(capsys):
-    assert cli.run(["k8s", "--config", str(P3X3), "--no-check", "--sglang-version", RELEASE], {}) == 0
+    assert cli.run(["k8s", "--config", str(P3X3), "--no-check", "--sglang-version", RELEASE,
+                    "--tuning-dir", str(TUNING)], {}) == 0
     out = capsys.readouterr().out
     assert list(yaml.safe_load_all(out)) == [o for o in objects(rendered(P3X3))]
     assert "&id" not in out and "*id" not in out  # no YAML aliases for shared label maps
@@ -243,7 +286,8 @@ def test_cli_stdout_is_the_objects_as_one_yaml_stream(capsys):
 
 def test_cli_folder_output_applies_per_group_and_names_stale_files(tmp_path, capsys):
     (tmp_path / "p3x3-d4-prefill-3.yaml").write_text("# a group of an earlier render\n")
-    args = ["k8s", "--config", str(P3X3), "--no-check", "--sglang-version", RELEASE, "--out", str(tmp_path)]
+    args = ["k8s", "--config", str(P3X3), "--no-check", "--sglang-version", RELEASE, "--out", str(tmp_path),
+            "--tuning-dir", str(TUNING)]
     assert cli.run(args, {}) == 0
     out = capsys.readouterr().out
     for f in rendered(P3X3):
@@ -256,7 +300,7 @@ def test_cli_needs_no_host_addresses_for_kubernetes(variant, capsys):
     path = variant("p2-d2", lambda d: d.pop("hosts"))
     assert cli.run(["node", "--config", str(path), "--rank", "0", "--print-only", "--no-check"], {}) == cli.EXIT_CONFIG
     assert "missing address" in capsys.readouterr().err
-    assert cli.run(["k8s", "--config", str(path), "--no-check"], {}) == 0
+    assert cli.run(["k8s", "--config", str(path), "--no-check", "--tuning-dir", str(TUNING)], {}) == 0
     assert "kind: LeaderWorkerSet" in capsys.readouterr().out
 
 
@@ -265,14 +309,17 @@ def test_cli_needs_no_host_addresses_for_kubernetes(variant, capsys):
 def k8s_problems(path: Path) -> list[str]:
     cfg = load_config(path)
     with pytest.raises(ConfigError) as info:
-        render_files(checked(cfg), kube_spec(cfg, RELEASE), RELEASE)
+        render_files(checked(cfg), kube_spec(cfg, RELEASE, tuning_dir=TUNING), RELEASE)
     return info.value.problems
 
 
-def with_kubernetes(tmp_path: Path, section: dict):
-    """An edit for `variant`: the h800 cluster profile with its kubernetes: section replaced."""
+def with_kubernetes(tmp_path: Path, section: dict, env: dict | None = None):
+    """An edit for `variant`: the h800 cluster profile with keys of its kubernetes: section replaced
+    (None: removed), its tuning_dir the tests' stand-ins, and `env` merged into its env."""
     cluster = yaml.safe_load((REPO / "configs/clusters/h800x8-ib.yaml").read_text())
-    cluster["kubernetes"] = section
+    merged = {**cluster["kubernetes"], "tuning_dir": str(TUNING), **section}
+    cluster["kubernetes"] = {k: v for k, v in merged.items() if v is not None}
+    cluster["env"] = {k: v for k, v in {**cluster["env"], **(env or {})}.items() if v is not None}
     out = tmp_path / "cluster.yaml"
     out.write_text(yaml.safe_dump(cluster))
     return lambda d: d.__setitem__("cluster", str(out))
@@ -320,7 +367,8 @@ def test_dockerfile_installs_the_project_on_a_supported_sglang_image():
     text = (REPO / "launch/Dockerfile").read_text()
     (base,) = re.findall(r"^ARG SGLANG_IMAGE=lmsysorg/sglang:v(\S+)$", text, re.M)
     assert base in SUPPORTED
-    assert kube_spec(load_config(P3X3), base).image == f"sglang-p2p-backend:{base}"  # the tag the docs build
+    # the repository and tag the docs build and push
+    assert kube_spec(load_config(P3X3), base).image == f"registry.example.com/inference/sglang-p2p-backend:{base}"
     copied = {src for line in re.findall(r"^COPY (.+) \S+$", text, re.M) for src in line.split()}
     pyproject = (REPO / "pyproject.toml").read_text()
     roots = re.search(r'where = \[(.*)\]', pyproject).group(1).replace('"', "").replace(" ", "").split(",")

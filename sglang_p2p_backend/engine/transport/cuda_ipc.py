@@ -107,6 +107,14 @@ class IpcBackend:
         """Copy every span and return once the bytes are in place."""
         raise NotImplementedError
 
+    def write_pages(self, device: torch.device, src_bases: np.ndarray, dst_bases: np.ndarray, item_bytes: np.ndarray,
+                    src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+        """Copy pages src_ids -> dst_ids of every region (bases checked by the caller) and return once they are
+        in place. Default: as spans (what the CUDA backend's page kernel does in one launch)."""
+        from ..span_copy import expand_pages
+
+        self.write(device, *expand_pages(src_bases, dst_bases, item_bytes, src_ids, dst_ids))
+
 
 class CudaBackend(IpcBackend):
     """The few CUDA runtime/driver calls this transport needs, on the libraries torch already loaded, and the
@@ -181,16 +189,28 @@ class CudaBackend(IpcBackend):
         with torch.cuda.device(device):
             self.rt.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr))
 
-    def write(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+    def _copiers(self, device: torch.device):
+        """(span copier, page copier, stream) of this thread on `device`."""
         mine = self._local.__dict__.setdefault("copiers", {})
         if device not in mine:
-            from ..span_copy import SpanCopier  # Triton: imported by the first copy, not at start
+            from ..span_copy import PageCopier, SpanCopier  # Triton: imported by the first copy, not at start
 
-            mine[device] = (SpanCopier(device), torch.cuda.Stream(device=device))
-        copier, stream = mine[device]
+            # priority 0 is CUDA's lowest: the forward passes of this process go first where both are ready
+            mine[device] = (SpanCopier(device), PageCopier(device), torch.cuda.Stream(device=device, priority=0))
+        return mine[device]
+
+    def write(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        spans, _, stream = self._copiers(device)
         # the sources were written by SGLang's forward pass: order the copy after the work queued so far
         stream.wait_stream(torch.cuda.current_stream(device))
-        copier.copy(src, dst, lens, stream)
+        spans.copy(src, dst, lens, stream)
+        stream.synchronize()
+
+    def write_pages(self, device: torch.device, src_bases: np.ndarray, dst_bases: np.ndarray, item_bytes: np.ndarray,
+                    src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+        _, pages, stream = self._copiers(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        pages.copy(src_bases, dst_bases, item_bytes, src_ids, dst_ids, stream)
         stream.synchronize()
 
 
@@ -379,6 +399,36 @@ class CudaIpcTransport(OneSidedTransport):
         mapped = m.table.translate(np.asarray(dst, dtype=np.int64), lens)
         backend().write(self.device, np.asarray(src, dtype=np.int64), mapped, lens)
         return int(lens.sum())
+
+    def write_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
+                    src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> int:
+        """Copy pages src_ids of this rank's regions into pages dst_ids of peer `session`'s (dst_bases: its
+        addresses, each region `dst_pages` items long) with one launch, and wait; returns the bytes copied.
+        Checked before anything moves (TransportError, nothing written): the id arrays pair up, every id is
+        inside its pool, and every destination region lies wholly inside a region the decode exported."""
+        with self._lock:
+            m = self._peers.get(session)
+        if m is None:
+            raise TransportError(f"decode rank {session} is not mapped through CUDA IPC")
+        src_ids = np.asarray(src_ids, dtype=np.int64).reshape(-1)
+        dst_ids = np.asarray(dst_ids, dtype=np.int64).reshape(-1)
+        items = np.asarray(item_bytes, dtype=np.int64)
+        if src_ids.size != dst_ids.size:
+            raise TransportError(f"{src_ids.size} source pages but {dst_ids.size} destination pages; nothing was written")
+        if not (len(src_bases) == len(dst_bases) == items.size):
+            raise TransportError(f"{len(src_bases)} source regions, {len(dst_bases)} destination regions and "
+                                 f"{items.size} item sizes do not pair up; nothing was written")
+        if not src_ids.size or not items.size:
+            return 0
+        for name, ids, bound in (("destination", dst_ids, dst_pages), ("source", src_ids, src_pages)):
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= bound:
+                bad = lo if lo < 0 else hi
+                raise TransportError(f"{name} page {bad} is outside the pool's {bound} pages; nothing was written")
+        # one span per destination region, the whole pool: inside the export, or nothing moves
+        mapped = m.table.translate(np.asarray(dst_bases, dtype=np.int64), items * int(dst_pages))
+        backend().write_pages(self.device, np.asarray(src_bases, dtype=np.int64), mapped, items, src_ids, dst_ids)
+        return int(src_ids.size) * int(items.sum())
 
     def close(self) -> None:
         with self._lock:

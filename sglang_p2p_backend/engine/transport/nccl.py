@@ -38,12 +38,12 @@ import logging
 import os
 import struct
 import threading
-import time
 import weakref
 from typing import Optional, Sequence
 
 import torch
 
+from ..waiting import Deadline
 from .base import Completion, PairComm, TransportError, TwoSidedTransport
 
 logger = logging.getLogger(__name__)
@@ -203,26 +203,6 @@ def unpack_unique_id(uid: bytes) -> tuple[bytes, Optional[int]]:
     return uid[8:], (cap or None)
 
 
-class _Poller:
-    """Waits for a condition without a blocking CUDA/NCCL call: spins briefly (latency), then sleeps (CPU)."""
-
-    SPIN_S = 0.002
-    SLEEP_S = 0.0002
-
-    def __init__(self, timeout: float):
-        self.start = time.monotonic()
-        self.deadline = self.start + timeout
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def pause(self) -> None:
-        if time.monotonic() - self.start < self.SPIN_S:
-            time.sleep(0)  # yield the GIL only
-        else:
-            time.sleep(self.SLEEP_S)
-
-
 def _own_stream(device: torch.device, high_priority: bool = False) -> tuple[torch.cuda.Stream, Optional[int]]:
     """A CUDA stream of this pair alone. torch.cuda.Stream() hands out a pool of 32 streams round-robin, which
     would make unrelated pairs queue behind each other (and a stuck pair stall another), so the stream is
@@ -269,7 +249,7 @@ class NcclCompletion(Completion):
         return self.comm.aborted or self.event.query()
 
     def wait(self, timeout: float) -> None:
-        poll = _Poller(timeout)
+        poll = Deadline(timeout)
         while not self.event.query():
             self.comm.raise_if_broken(self.what)
             if poll.left() <= 0:
@@ -317,7 +297,7 @@ class NcclPairComm(PairComm):
             self.abort(text)
             raise TransportError(f"{what}: NCCL reported {text}; pair channel {self.name} aborted")
 
-    def _settle(self, code: int, what: str, poll: _Poller) -> None:
+    def _settle(self, code: int, what: str, poll: Deadline) -> None:
         """After a call on a non-blocking communicator: wait until NCCL has queued the work (ncclInProgress means
         a helper thread is still launching or connecting); abort when that takes past the deadline."""
         self.lib.check(code, what, self.handle)
@@ -336,7 +316,7 @@ class NcclPairComm(PairComm):
             if b.device != self.device or b.dtype != torch.uint8 or not b.is_contiguous():
                 raise TransportError(f"{what}: nccl moves contiguous uint8 tensors on {self.device}, got {b.device} {b.dtype}")
         caller = torch.cuda.current_stream(self.device)
-        poll = _Poller(timeout)
+        poll = Deadline(timeout)
         with self._lock:
             self.raise_if_broken(what)
             if caller.cuda_stream != self.stream.cuda_stream:
@@ -412,7 +392,7 @@ class NcclPairComm(PairComm):
         done = torch.cuda.Event()
         with self._lock:
             done.record(self.stream)
-        poll = _Poller(timeout)
+        poll = Deadline(timeout)
         while not done.query() and poll.left() > 0:
             poll.pause()
         with self._lock:
@@ -470,7 +450,7 @@ class NcclTransport(TwoSidedTransport):
             self.lib.check(self.lib.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
         return pack_unique_id(bytes(uid), cap)
 
-    def _finish_init(self, code: int, handle: int, poll: _Poller, what: str, abort: bool) -> None:
+    def _finish_init(self, code: int, handle: int, poll: Deadline, what: str, abort: bool) -> None:
         """Poll a non-blocking init or split (its progress shows on `handle`) to the deadline; on failure abort
         `handle` if asked (a split's parent is aborted by its PairComm instead), then raise."""
         while code == NCCL_IN_PROGRESS:
@@ -496,7 +476,7 @@ class NcclTransport(TwoSidedTransport):
         raw, cap = unpack_unique_id(unique_id)
         if rank not in (0, 1):
             raise TransportError(f"pair rank must be 0 (prefill) or 1 (decode), got {rank}")
-        poll = _Poller(timeout)
+        poll = Deadline(timeout)
         uid = NcclUniqueId.from_buffer_copy(raw)
         cfg = NcclConfig.make(blocking=self.blocking, max_ctas=cap, split_share=self.split_blocking)
         handle = ctypes.c_void_p()
@@ -529,7 +509,7 @@ class NcclTransport(TwoSidedTransport):
             raise
         return comm
 
-    def _split(self, parent: int, child: ctypes.c_void_p, cfg: NcclConfig, rank: int, poll: _Poller) -> None:
+    def _split(self, parent: int, child: ctypes.c_void_p, cfg: NcclConfig, rank: int, poll: Deadline) -> None:
         """ncclCommSplit of a non-blocking parent returns ncclSuccess while the split still runs in an NCCL thread
         (seen on 2.28.9: the group's ncclInProgress is swallowed); the thread stores the child pointer when it
         ends, so poll for the pointer, then for the child's own init result."""
@@ -546,7 +526,7 @@ class NcclTransport(TwoSidedTransport):
         self._finish_init(self.lib.async_error(child.value), child.value, poll, "blocking child init", abort=False)
 
     @staticmethod
-    def _probe(comm: NcclPairComm, rank: int, poll: _Poller) -> None:
+    def _probe(comm: NcclPairComm, rank: int, poll: Deadline) -> None:
         probe = torch.zeros(1, dtype=torch.uint8, device=comm.device)
         with torch.cuda.stream(comm.stream):
             op = comm.send(probe, poll.left()) if rank == 0 else comm.recv(probe, poll.left())

@@ -1,0 +1,166 @@
+"""Where a server's CPU goes, read from outside: its processes, per-thread CPU time, and py-spy samples.
+
+The serve phase asks, per load run, how much CPU each thread of the prefill and decode scheduler processes used
+(``/proc/PID/task/TID/stat``: utime + stime), so a background thread of a KV backend that keeps waking up shows
+as seconds of CPU next to the scheduler's main thread. Python thread names come from ``py-spy dump`` (the OS
+thread name of a Python thread is its process's); ``py-spy record`` gives sampled stacks per thread
+(collapsed "raw" format), summarised here to the frames that take the most samples. Everything degrades to
+an ``error`` field when /proc or py-spy is not there (another OS, ptrace not allowed), never to an exception.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of `pid` (SGLang's scheduler and detokenizer are children of the server process)."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                parent[int(d.name)] = int(fields[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def scheduler_pid(server_pid: int) -> Optional[int]:
+    """The scheduler process of an SGLang server (its process title, set with setproctitle, begins with
+    'sglang::scheduler'), if there is one."""
+    for p in children(server_pid):
+        if cmdline(p).startswith("sglang::scheduler"):
+            return p
+    return None
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of every thread of `pid` so far, by thread id."""
+    out: dict[int, float] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for t in tasks:
+        try:
+            fields = (t / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(t.name)] = (int(fields[11]) + int(fields[12])) / _TICK
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def os_thread_names(pid: int) -> dict[int, str]:
+    """Thread id -> the OS thread name (15 bytes; a thread that set none shows its process's title)."""
+    out: dict[int, str] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for t in tasks:
+        try:
+            out[int(t.name)] = (t / "comm").read_text().strip()
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def cpu_between(before: dict[int, float], after: dict[int, float], names: dict[int, str],
+                min_s: float = 0.01) -> list[dict]:
+    """Per-thread CPU seconds spent between two `thread_cpu` snapshots, busiest first, with Python names."""
+    rows = [{"tid": tid, "name": names.get(tid, "?"), "cpu_s": round(t - before.get(tid, 0.0), 3)}
+            for tid, t in after.items()]
+    return sorted((r for r in rows if r["cpu_s"] >= min_s), key=lambda r: -r["cpu_s"])
+
+
+def python_thread_names(pid: int, pyspy: Optional[str]) -> tuple[dict[int, str], str]:
+    """Native thread id -> Python thread name from ``py-spy dump``, and '' or why there are none."""
+    if not pyspy:
+        return {}, "no py-spy"
+    try:
+        p = subprocess.run([pyspy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {}, f"py-spy dump: {e}"
+    if p.returncode != 0:
+        return {}, f"py-spy dump exit {p.returncode}: {p.stderr.strip()[-300:]}"
+    return parse_dump(p.stdout), ""
+
+
+def parse_dump(text: str) -> dict[int, str]:
+    """Thread lines of ``py-spy dump``: 'Thread 12345 (idle): "name"' on Linux (the OS thread id); a line with
+    only a hexadecimal pthread id names no OS thread and is skipped."""
+    names = {}
+    for line in text.splitlines():
+        m = re.match(r'^Thread (\d+) \([^)]*\): "(.*)"', line.strip())
+        if m:
+            names[int(m.group(1))] = m.group(2)
+    return names
+
+
+def record(pid: int, pyspy: Optional[str], seconds: float, out: Path, rate: int = 200) -> str:
+    """Start ``py-spy record`` on `pid` for `seconds` in the background; returns an error or ''. The caller
+    waits with `wait_record`."""
+    if not pyspy:
+        return "no py-spy"
+    try:
+        proc = subprocess.Popen([pyspy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
+                                 str(rate), "--format", "raw", "--threads", "--nonblocking", "--output", str(out)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        return f"py-spy record: {e}"
+    _RECORDS[str(out)] = proc
+    return ""
+
+
+_RECORDS: dict[str, subprocess.Popen] = {}
+
+
+def wait_record(out: Path, timeout: float = 60.0) -> str:
+    proc = _RECORDS.pop(str(out), None)
+    if proc is None:
+        return "not started"
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return "py-spy record did not end"
+    return "" if proc.returncode == 0 and out.exists() else f"py-spy record exit {proc.returncode}: {err[-300:]}"
+
+
+def summarize_collapsed(text: str, top: int = 12) -> list[dict]:
+    """Per thread (first frame of py-spy's --threads stacks): samples, and the self frames with most samples.
+
+    A raw line is 'thread (0x...);frame;frame;... COUNT'; the last frame is where the sample was taken."""
+    total: Counter = Counter()
+    leaf: dict[str, Counter] = {}
+    for line in text.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        thread = frames[0]
+        total[thread] += int(n)
+        leaf.setdefault(thread, Counter())[frames[-1]] += int(n)
+    return [{"thread": t, "samples": n, "top_self": [{"frame": f, "samples": c} for f, c in leaf[t].most_common(top)]}
+            for t, n in total.most_common()]

@@ -1,0 +1,310 @@
+"""Serving benchmark on one GPU host: p2pnccl next to SGLang's NIXL (and Mooncake) backend, same servers, same load.
+
+    python3 -m e2e.serve --models DIR --out FILE --logs DIR [--backends p2pnccl,nixl] [--modes nograph,graph]
+                         [--cells 1024x1,1024x16,...] [--reps 3] [--extra mooncake:1024x1,1024x64,...]
+                         [--profile] [--machine NAME]
+
+Every backend gets one prefill server and, per CUDA-graph mode, one decode server with an LB in front (our LB,
+the same binary for every backend: with one prefill and one decode it only forwards). All servers run on GPU 0
+at once and are loaded one at a time, so every backend sees the same host state; each repetition visits the
+cells in the same order and, per cell, the backends in an order rotated by repetition. Per run: TTFT p50/p99,
+TPOT p50, E2E p50 and output tokens/s seen by the client (streaming /generate), the prefill's own
+``sglang:kv_transfer_latency_ms`` (mean over the run), the decode's step time by running batch size (its log),
+and the CPU seconds of every thread of both schedulers (``/proc``; Python thread names from py-spy).
+
+``--profile``: before the measured repetitions (it doubles as warm-up), each backend's no-graph pair runs a
+concurrency-1 4k-prompt run and a concurrency-64 1k run with ``py-spy record`` attached to both schedulers;
+the collapsed stacks are summarised per thread into the results.
+
+Modes: ``nograph`` (decode without CUDA graphs, the CPU-bound launch loop), ``graph`` (decode CUDA graphs up to
+batch 64, as deployed; the prefill runs without graphs in both). Flags: the anchor setup (llama-anchor, 128 KiB of
+KV a token, page size 1, triton attention, --max-total-tokens 65536). The results file is rewritten after every
+run, so a call stopped at its deadline keeps what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from . import client, config, decode_log, procstat, promparse, results, stats
+from .servers import Server, Stack, exit_on_sigterm, failure_report
+
+MODEL = "llama-anchor"
+BASE_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--skip-server-warmup",
+              "--enable-metrics", "--log-level", "info", "--mem-fraction-static", "0.7", "--max-total-tokens", "65536",
+              "--cuda-graph-backend-prefill", "disabled", "--sleep-on-idle"]
+# --sleep-on-idle: a fully idle scheduler (no batch, nothing in a PD queue) waits on its sockets instead of
+# spinning a core. Every backend's servers stay up while one is measured; without it their idle schedulers
+# (and NIXL's progress threads) kept 8-9 of the host's 16 cores busy and the same server's TPOT at
+# concurrency 1 swung between 19 and 42 ms from one run to the next.
+MODE_FLAGS = {"nograph": ["--cuda-graph-backend-decode", "disabled"], "graph": ["--cuda-graph-max-bs-decode", "64"]}
+BACKEND_ENV = {
+    "p2pnccl": {"SGLANG_P2P_TRANSPORT": "auto"},  # auto: the CUDA IPC path for a decode on the same host
+    # the same with Python's own 5 ms GIL switch interval in both schedulers (the A/B of SGLANG_P2P_GIL_SWITCH_MS)
+    "p2pnccl-gil5": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_GIL_SWITCH_MS": "0"},
+    "nixl": {},  # SGLang's default NIXL backend: UCX, which picks cuda_ipc between two processes of one GPU
+    "mooncake": {"MC_INTRANODE_NVLINK": "true", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"},
+}
+BASE_PORT = {"p2pnccl": 33000, "nixl": 33100, "mooncake": 33200, "p2pnccl-gil5": 33300}
+TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl"}  # a variant's --disaggregation-transfer-backend
+OUTPUT_TOKENS = 64
+DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
+
+
+def requests_for(concurrency: int) -> int:
+    """Closed loop: 6 requests alone, two rounds of users at higher concurrency."""
+    return 6 if concurrency == 1 else 2 * concurrency
+
+
+def parse_cells(text: str) -> list[tuple[int, int]]:
+    cells = []
+    for item in filter(None, text.split(",")):
+        plen, _, conc = item.partition("x")
+        cells.append((int(plen), int(conc)))
+    return cells
+
+
+class Pair:
+    """One backend's prefill, and per mode its decode and LB."""
+
+    def __init__(self, backend: str, models: Path, modes: list[str]):
+        base = BASE_PORT[backend]
+        env = {**config.COMMON_ENV, **BACKEND_ENV[backend]}
+        self.backend = backend
+        transfer = TRANSFER_BACKEND.get(backend, backend)
+        self.prefill = Server(f"serve-{backend}-prefill", base, "prefill", models / MODEL, backend=transfer,
+                              bootstrap_port=base + 9, args=[*BASE_FLAGS, *MODE_FLAGS["nograph"]], env=env)
+        self.decode: dict[str, Server] = {}
+        self.lb: dict[str, Server] = {}
+        for i, mode in enumerate(modes):
+            d = Server(f"serve-{backend}-decode-{mode}", base + 1 + 2 * i, "decode", models / MODEL, backend=transfer,
+                       args=[*BASE_FLAGS, *MODE_FLAGS[mode]], env=env)
+            self.decode[mode] = d
+            self.lb[mode] = Server(f"serve-{backend}-lb-{mode}", base + 2 + 2 * i, "lb", lb_prefill=self.prefill,
+                                   lb_decode=d, args=["--policy", "random"])
+
+    def servers(self) -> list[Server]:
+        return [self.prefill, *self.decode.values()]
+
+
+def pool_tokens(server: Server) -> Optional[int]:
+    """The KV pool a server really got (SGLang sizes it from the memory free at its start: servers that start
+    side by side must all reach the --max-total-tokens cap, or the backends are not compared alike)."""
+    try:
+        with urllib.request.urlopen(server.url + "/get_server_info", timeout=10) as r:
+            info = json.loads(r.read().decode())
+    except Exception:
+        return None
+    for doc in (info, *(info.get("internal_states") or [])):
+        if isinstance(doc, dict) and doc.get("max_total_num_tokens"):
+            return int(doc["max_total_num_tokens"])
+    return None
+
+
+def _kv_totals(url: str) -> Optional[promparse.HistogramTotals]:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            return promparse.histogram_totals(r.read().decode(), promparse.KV_TRANSFER_LATENCY)
+    except Exception:
+        return None
+
+
+_NAMES: dict[int, dict[int, str]] = {}
+
+
+def _thread_names(pid: Optional[int], pyspy: Optional[str]) -> dict[int, str]:
+    """Python thread names of a scheduler, asked of py-spy once per process (a dump takes a moment)."""
+    if not pid:
+        return {}
+    if pid not in _NAMES:
+        _NAMES[pid] = procstat.python_thread_names(pid, pyspy)[0]
+    return _NAMES[pid]
+
+
+class Probe:
+    """What one run measures beside the client: KV transfer time, decode step times, scheduler CPU by thread."""
+
+    def __init__(self, pair: Pair, mode: str, pyspy: Optional[str]):
+        self.pair, self.mode, self.pyspy = pair, mode, pyspy
+        self.procs = {role: procstat.scheduler_pid(s.proc.pid) if s.proc else None
+                      for role, s in (("prefill", pair.prefill), ("decode", pair.decode[mode]))}
+        self.names = {role: _thread_names(pid, pyspy) for role, pid in self.procs.items()}
+
+    def __enter__(self) -> "Probe":
+        self.kv0 = _kv_totals(self.pair.prefill.url)
+        self.log0 = decode_log.offset(self.pair.decode[self.mode].log)
+        self.cpu0 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cpu1 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
+        self.kv1 = _kv_totals(self.pair.prefill.url)
+        self.log_text = decode_log.read_since(self.pair.decode[self.mode].log, self.log0)
+
+    def figures(self) -> dict[str, Any]:
+        kv = promparse.mean_between(self.kv0, self.kv1)
+        return {
+            "kv_ms": None if kv is None else round(kv, 3),
+            "decode_steps": decode_log.summarize(decode_log.step_times(self.log_text)),
+            "cpu": {role: procstat.cpu_between(self.cpu0[role], self.cpu1[role],
+                                               {**procstat.os_thread_names(pid), **self.names[role]} if pid else {})[:8]
+                    for role, pid in self.procs.items()},
+        }
+
+
+def tpot_ms_p50(records: list[stats.RequestRecord]) -> Optional[float]:
+    """Per request (E2E - TTFT) / (output tokens - 1), then the median."""
+    per = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in records
+           if r.ok and r.ttft_s is not None and r.e2e_s is not None and r.output_tokens > 1]
+    return round(1e3 * statistics.median(per), 3) if per else None
+
+
+def one_run(pair: Pair, mode: str, plen: int, conc: int, seed: int, pyspy: Optional[str]) -> dict[str, Any]:
+    prompts = client.random_prompts(requests_for(conc), plen, seed=seed)
+    with Probe(pair, mode, pyspy) as probe:
+        records, wall = asyncio.run(client.closed_loop(pair.lb[mode].url, prompts, conc, OUTPUT_TOKENS))
+    s = stats.summarize_run(records, wall)
+    return {"ttft_p50_ms": s["ttft_ms_p50"], "ttft_p99_ms": s["ttft_ms_p99"], "tpot_p50_ms": tpot_ms_p50(records),
+            "e2e_p50_ms": s["e2e_ms_p50"], "output_tok_s": s["output_throughput"], "failed": s["num_failed"],
+            "errors": s["errors"], **probe.figures()}
+
+
+def profile(pair: Pair, logs: Path, pyspy: Optional[str]) -> list[dict[str, Any]]:
+    """The no-graph pair under two loads with py-spy on both schedulers (also the warm-up)."""
+    out = []
+    for plen, conc, n in ((4096, 1, 2), (1024, 64, 64)):
+        seconds = 8
+        files = {}
+        for role, server in (("prefill", pair.prefill), ("decode", pair.decode["nograph"])):
+            pid = procstat.scheduler_pid(server.proc.pid) if server.proc else None
+            path = logs / f"pyspy-{pair.backend}-{role}-{plen}x{conc}.txt"
+            err = procstat.record(pid, pyspy, seconds, path) if pid else "no scheduler process found"
+            files[role] = (path, err)
+        prompts = client.random_prompts(n, plen, seed=7 + plen + conc)
+        with Probe(pair, "nograph", pyspy) as probe:
+            records, wall = asyncio.run(client.closed_loop(pair.lb["nograph"].url, prompts, conc, 4 * OUTPUT_TOKENS))
+        row: dict[str, Any] = {"backend": pair.backend, "input_len": plen, "concurrency": conc,
+                               "tpot_p50_ms": tpot_ms_p50(records), **probe.figures()}
+        for role, (path, err) in files.items():
+            err = err or procstat.wait_record(path)
+            row[f"pyspy_{role}"] = {"error": err} if err else procstat.summarize_collapsed(path.read_text())[:6]
+        out.append(row)
+        print(f"serve profile {pair.backend} {plen}x{conc}: tpot {row['tpot_p50_ms']} ms, "
+              f"decode cpu {row['cpu']['decode'][:3]}", flush=True)
+    return out
+
+
+def median_spread(values: list[Optional[float]]) -> dict[str, Optional[float]]:
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return {"median": None, "min": None, "max": None}
+    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
+
+
+def summarize_cells(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "kv_ms")
+    return [{k: c[k] for k in ("backend", "input_len", "concurrency", "cuda_graph")}
+            | {key: median_spread([r.get(key) for r in c["reps"]]) for key in keys} for c in cells]
+
+
+def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[str], cells: list[tuple[int, int]],
+        reps: int, extra: dict[str, list[tuple[int, int]]], do_profile: bool, machine: str, pyspy: Optional[str],
+        deadline: float) -> dict[str, Any]:
+    res: dict[str, Any] = {"machine": machine, "model": MODEL, "flags": BASE_FLAGS, "mode_flags": MODE_FLAGS,
+                           "backend_env": {b: BACKEND_ENV[b] for b in [*backends, *extra]},
+                           "output_tokens": OUTPUT_TOKENS, "requests": {str(c): requests_for(c) for _, c in cells},
+                           "lb": "sglang_p2p_lb --policy random (one prefill, one decode: forwards only)",
+                           "cells": [], "profile": [], "servers": {}}
+    save = lambda: results.write_json(out, res)  # noqa: E731
+    pairs = {b: Pair(b, models, modes) for b in [*backends, *extra]}
+    with Stack(logs) as stack:
+        t0 = time.monotonic()
+        everything = [s for p in pairs.values() for s in p.servers()]
+        stack.launch(everything, lanes=3)
+        res["launch_s"] = round(time.monotonic() - t0, 1)
+        ready = {}
+        for b, p in pairs.items():
+            failed = failure_report(p.servers())
+            for lb in p.lb.values():
+                if not failed and not stack.launch_lb(lb):
+                    failed = failure_report([lb]) or {lb.name: lb.log_tail()}
+            res["servers"][b] = {"status": "failed", "errors": failed} if failed else {
+                "status": "ok", "pool_tokens": {s.name: pool_tokens(s) for s in p.servers()}}
+            if not failed:
+                ready[b] = p
+        save()
+        # warm-up: Triton compiles, CUDA graphs' first replays, transfer engines' first connections
+        for p in ready.values():
+            for mode in modes:
+                asyncio.run(client.closed_loop(p.lb[mode].url, client.random_prompts(8, 4096, seed=5), 4, 8))
+                asyncio.run(client.closed_loop(p.lb[mode].url, client.random_prompts(16, 1024, seed=6), 16, 8))
+        if do_profile and "nograph" in modes:
+            for b in backends:
+                if b in ready:
+                    res["profile"] += profile(ready[b], logs, pyspy)
+                    save()
+        table: dict[tuple, dict[str, Any]] = {}
+        plan = [(mode, plen, conc, backends) for mode in modes for plen, conc in cells]
+        plan += [(mode, plen, conc, [b]) for b, bc in extra.items() for mode in modes for plen, conc in bc]
+        for rep in range(reps):
+            for mode, plen, conc, group in plan:
+                if rep > 0 and len(group) == 1 and group[0] in extra:
+                    continue  # the extra column runs once
+                order = [b for b in group if b in ready]
+                k = rep % max(1, len(order))
+                for b in order[k:] + order[:k]:
+                    if time.monotonic() > deadline:
+                        res["stopped"] = f"deadline in repetition {rep}"
+                        save()
+                        return res
+                    key = (b, plen, conc, mode)
+                    cell = table.setdefault(key, {"backend": b, "input_len": plen, "concurrency": conc,
+                                                  "cuda_graph": mode == "graph", "reps": []})
+                    if cell not in res["cells"]:
+                        res["cells"].append(cell)
+                    r = one_run(ready[b], mode, plen, conc, seed=1000 * plen + conc + 7919 * rep, pyspy=pyspy)
+                    cell["reps"].append(r)
+                    res["summary"] = summarize_cells(res["cells"])
+                    save()
+                    print(f"serve rep {rep} {mode} {b} {plen}x{conc}: ttft p50 {r['ttft_p50_ms']} tpot "
+                          f"{r['tpot_p50_ms']} e2e {r['e2e_p50_ms']} ms, {r['output_tok_s']} tok/s, kv {r['kv_ms']} ms,"
+                          f" failed {r['failed']}", flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--logs", type=Path, required=True)
+    ap.add_argument("--backends", default="p2pnccl,nixl")
+    ap.add_argument("--modes", default="nograph,graph")
+    ap.add_argument("--cells", default=DEFAULT_CELLS)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--extra", default="", help="BACKEND:CELLS, run once per mode (e.g. mooncake:1024x1,1024x64)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--machine", default="unknown")
+    ap.add_argument("--pyspy", default="", help="py-spy executable (profile and thread names)")
+    a = ap.parse_args(argv)
+    extra = {}
+    for item in filter(None, a.extra.split(";")):
+        b, _, cells = item.partition(":")
+        extra[b] = parse_cells(cells)
+    exit_on_sigterm()
+    a.logs.mkdir(parents=True, exist_ok=True)
+    res = run(a.models, a.logs, a.out, a.backends.split(","), a.modes.split(","), parse_cells(a.cells), a.reps, extra,
+              a.profile, a.machine, a.pyspy or None, config.deadline_from_env())
+    bad = [b for b, s in res["servers"].items() if s.get("status") != "ok"]
+    print(json.dumps({"servers": res["servers"], "stopped": res.get("stopped")}, default=str)[:2000], flush=True)
+    return 1 if bad or res.get("stopped") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

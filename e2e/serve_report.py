@@ -1,0 +1,140 @@
+"""Tables and a plot from serve-phase results (e2e/serve.py): median and spread per cell, backends side by side.
+
+    python -m e2e.serve_report RESULTS.json [MORE.json ...] [--plot out.png] [--markdown]
+
+Several files (e.g. a no-graph and a graph run of one lease) are read as one. Per (CUDA-graph mode, prompt,
+concurrency): each backend's median of TTFT p50/p99, TPOT p50, E2E p50, output tokens/s and KV transfer time
+over its repetitions, with min-max, and p2pnccl's ratio to NIXL (tok/s higher is better; the rest lower).
+The decode's step time at a running batch size both backends reached is printed per cell too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "kv_ms")
+
+
+def load(paths: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
+    machines, cells = [], []
+    for p in paths:
+        doc = json.loads(p.read_text())
+        machines.append(doc.get("machine", "?"))
+        cells += [c for c in doc.get("cells", []) if c.get("reps")]
+    return sorted(set(machines)), cells
+
+
+def med(c: dict[str, Any], key: str) -> tuple[Optional[float], Optional[float], Optional[float]]:
+    xs = [r[key] for r in c["reps"] if r.get(key) is not None]
+    return (statistics.median(xs), min(xs), max(xs)) if xs else (None, None, None)
+
+
+def steps(c: dict[str, Any]) -> dict[int, float]:
+    """Running batch size -> median step time (ms) over every repetition's logged intervals."""
+    out: dict[int, list[float]] = {}
+    for r in c["reps"]:
+        for s in r.get("decode_steps", []):
+            out.setdefault(s["running"], []).extend([s["step_ms_p50"]] * s["intervals"])
+    return {n: statistics.median(v) for n, v in out.items()}
+
+
+def table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for c in cells:
+        by_key.setdefault((c["cuda_graph"], c["input_len"], c["concurrency"]), {})[c["backend"]] = c
+    rows = []
+    for (graph, plen, conc), per in sorted(by_key.items()):
+        row: dict[str, Any] = {"cuda_graph": graph, "input_len": plen, "concurrency": conc, "backends": {}}
+        for b, c in sorted(per.items()):
+            row["backends"][b] = {m: med(c, m) for m in METRICS} | {"reps": len(c["reps"])}
+        p, n = per.get("p2pnccl"), per.get("nixl")
+        if p and n:
+            ratio = {}
+            for m in METRICS:
+                a, b = med(p, m)[0], med(n, m)[0]
+                ratio[m] = None if a is None or not b else round(a / b, 3)
+            row["p2pnccl_over_nixl"] = ratio
+            sp, sn = steps(p), steps(n)
+            common = sorted(set(sp) & set(sn))
+            row["step_ms_same_batch"] = {k: (round(sp[k], 2), round(sn[k], 2)) for k in common[-3:]}
+        rows.append(row)
+    return rows
+
+
+def _fmt(t: tuple) -> str:
+    m, lo, hi = t
+    if m is None:
+        return "-"
+    return f"{m:.1f} ({lo:.1f}-{hi:.1f})" if lo != hi else f"{m:.1f}"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    out = ["| graphs | prompt | conc. | backend | reps | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | E2E p50 ms | KV ms |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        for b, v in r["backends"].items():
+            out.append(f"| {'yes' if r['cuda_graph'] else 'no'} | {r['input_len']} | {r['concurrency']} | {b} | {v['reps']} | "
+                       + " | ".join(_fmt(v[m]) for m in METRICS) + " |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("output_tok_s", "output tok/s"), ("ttft_p50_ms", "TTFT p50 (ms)"), ("tpot_p50_ms", "TPOT p50 (ms)"),
+              ("kv_ms", "KV transfer (ms)")]
+    modes = sorted({r["cuda_graph"] for r in rows})
+    fig, axes = plt.subplots(len(modes), len(panels), figsize=(4.2 * len(panels), 3.4 * len(modes)), squeeze=False)
+    for i, graph in enumerate(modes):
+        sub = [r for r in rows if r["cuda_graph"] == graph]
+        labels = [f"{r['input_len'] // 1024}k/{r['concurrency']}" for r in sub]
+        backends = sorted({b for r in sub for b in r["backends"]})
+        width = 0.8 / max(1, len(backends))
+        for j, (metric, title) in enumerate(panels):
+            ax = axes[i][j]
+            for k, b in enumerate(backends):
+                xs, ys, lo, hi = [], [], [], []
+                for x, r in enumerate(sub):
+                    m, mn, mx = r["backends"].get(b, {}).get(metric, (None, None, None))
+                    if m is not None:
+                        xs.append(x + (k - (len(backends) - 1) / 2) * width)
+                        ys.append(m)
+                        lo.append(m - mn)
+                        hi.append(mx - m)
+                ax.bar(xs, ys, width, yerr=[lo, hi], label=b, capsize=2)
+            ax.set_xticks(range(len(sub)), labels, fontsize=8)
+            ax.set_title(f"{title}, {'decode graphs' if graph else 'no graphs'}", fontsize=9)
+            if metric != "output_tok_s":
+                ax.set_yscale("log")
+        axes[i][0].legend(fontsize=8)
+    fig.supxlabel("prompt tokens / concurrency; bars: median of repetitions, whiskers: min-max")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+", type=Path)
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--markdown", action="store_true")
+    a = ap.parse_args(argv)
+    machines, cells = load(a.results)
+    rows = table(cells)
+    if a.markdown:
+        print(f"Machine: {', '.join(machines)}\n")
+        print(markdown(rows))
+    else:
+        print(json.dumps({"machines": machines, "rows": rows}, indent=1))
+    if a.plot:
+        plot(rows, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""Waiting for GPU work (a CUDA event, an NCCL status) from a Python thread without a blocking call.
+
+A blocking stream or event sync cannot time out when the peer died with a receive posted, so the transfer
+threads poll. Polling with `time.sleep(0)` keeps the thread runnable: every iteration asks for the GIL back,
+and inside an SGLang scheduler that GIL is the one its CPU-bound launch loop needs, so a spinning transfer
+thread taxes every decode or prefill step while a chunk is in flight. `Deadline.pause` therefore sleeps, in
+steps that double from `FIRST_S` to `MAX_S`: a chunk that is done at once is seen within tens of
+microseconds, a long one costs a wake-up every `MAX_S`, not a spin.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+class Deadline:
+    """A timeout and a backoff for one wait."""
+
+    FIRST_S = 20e-6
+    MAX_S = 0.5e-3
+
+    def __init__(self, timeout: float):
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout
+        self._next = self.FIRST_S
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def pause(self) -> None:
+        time.sleep(self._next)
+        self._next = min(self._next * 2, self.MAX_S)
+
+
+def wait_until(done: Callable[[], bool], timeout: float) -> bool:
+    """Poll `done` with backoff until it is true (True) or `timeout` seconds passed (False)."""
+    wait = Deadline(timeout)
+    while not done():
+        if wait.left() <= 0:
+            return False
+        wait.pause()
+    return True

@@ -1,0 +1,156 @@
+"""The serve phase's own parts on CPU: SGLang decode-log parsing, per-thread CPU from /proc, py-spy output
+parsing, TPOT and the median/spread summary, and the OS thread names the backend gives its threads."""
+import threading
+import time
+from pathlib import Path
+
+from e2e import decode_log, procstat, serve
+from e2e.stats import RequestRecord
+from sglang_p2p_backend.engine.threads import set_os_name
+
+# two lines in SGLang 0.5.17's decode format (metrics_reporter.py), one prefill line that must be ignored
+LOG = (
+    "[2026-11-25 10:00:00 TP0] Decode batch [PP0 TP0], #running-req: 4, #token: 4200, token usage: 0.06, "
+    "pre-allocated usage: 0.00, #prealloc-req: 0, #transfer-req: 0, #retracted-req: 0, cuda graph: False, "
+    "gen throughput (token/s): 160.00, #queue-req: 0\n"
+    "[2026-11-25 10:00:01 TP0] Decode batch [PP0 TP0], #running-req: 4, #token: 4300, token usage: 0.06, "
+    "pre-allocated usage: 0.00, #prealloc-req: 0, #transfer-req: 1, #retracted-req: 0, cuda graph: False, "
+    "gen throughput (token/s): 200.00, #queue-req: 0\n"
+    "[2026-11-25 10:00:01 TP0] Prefill batch, #new-seq: 1, #new-token: 1024, gen throughput (token/s): 5.0\n"
+    "[2026-11-25 10:00:02 TP0] Decode batch [PP0 TP0], #running-req: 1, #token: 1100, token usage: 0.02, "
+    "cuda graph: True, gen throughput (token/s): 50.00, #queue-req: 0\n"
+)
+
+
+def test_decode_step_time_by_running_batch():
+    times = decode_log.step_times(LOG)
+    assert times == {4: [25.0, 20.0], 1: [20.0]}
+    assert decode_log.summarize(times) == [
+        {"running": 1, "step_ms_p50": 20.0, "intervals": 1},
+        {"running": 4, "step_ms_p50": 22.5, "intervals": 2},
+    ]
+
+
+def test_decode_log_read_from_an_offset(tmp_path: Path):
+    log = tmp_path / "d.log"
+    log.write_text(LOG.splitlines(keepends=True)[0])
+    start = decode_log.offset(log)
+    with open(log, "a") as f:
+        f.write(LOG.splitlines(keepends=True)[3])
+    assert decode_log.step_times(decode_log.read_since(log, start)) == {1: [20.0]}
+    assert decode_log.offset(tmp_path / "missing") == 0 and decode_log.read_since(None, 0) == ""
+
+
+def test_busy_thread_shows_cpu_and_idle_one_does_not():
+    stop = threading.Event()
+    tids = {}
+
+    def busy():
+        tids["busy"] = threading.get_native_id()
+        set_os_name("p2p-test-busy")
+        end = time.process_time() + 10
+        while not stop.is_set() and time.process_time() < end:
+            pass
+
+    def idle():
+        tids["idle"] = threading.get_native_id()
+        stop.wait(5)
+
+    import os
+    threads = [threading.Thread(target=busy), threading.Thread(target=idle)]
+    for t in threads:
+        t.start()
+    while len(tids) < 2:
+        time.sleep(0.01)
+    before = procstat.thread_cpu(os.getpid())
+    time.sleep(0.5)
+    after = procstat.thread_cpu(os.getpid())
+    comm = Path(f"/proc/{os.getpid()}/task/{tids['busy']}/comm").read_text().strip()
+    stop.set()
+    for t in threads:
+        t.join()
+    rows = procstat.cpu_between(before, after, {tids["busy"]: "busy", tids["idle"]: "idle"})
+    by_name = {r["name"]: r["cpu_s"] for r in rows}
+    assert by_name.get("busy", 0) >= 0.1  # it spun for most of half a second (of CPU it got)
+    assert "idle" not in by_name  # under the 10 ms floor
+    assert comm == "p2p-test-busy"
+
+
+def test_children_and_scheduler_pid_of_a_process_tree():
+    import os
+    import subprocess
+    import sys
+    # a child whose command line names a scheduler, under a parent: found two levels down
+    # the child retitles itself as SGLang's scheduler does (its argv[0] in /proc/PID/cmdline)
+    child = "import time; time.sleep(30)"
+    code = ("import subprocess, sys, time; p = subprocess.Popen(['sglang::scheduler_TP0', '-c', %r], "
+            "executable=sys.executable); time.sleep(30)" % child)
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 10
+        found = None
+        while found is None and time.monotonic() < deadline:
+            found = procstat.scheduler_pid(parent.pid)
+            time.sleep(0.05)
+        assert found is not None and found in procstat.children(parent.pid)
+        assert "sglang::scheduler_TP0" in procstat.cmdline(found)
+        assert procstat.scheduler_pid(os.getpid()) in (None, found)  # our own tree: only that child matches
+    finally:
+        for pid in procstat.children(parent.pid):
+            os.kill(pid, 9)
+        parent.kill()
+        parent.wait()
+
+
+def test_pyspy_dump_and_collapsed_stacks_are_read():
+    dump = ('Process 100: sglang::scheduler\nPython v3.12.3 (/usr/bin/python3.12)\n\n'
+            'Thread 100 (active): "MainThread"\n    event_loop (scheduler.py:10)\n'
+            'Thread 0x7F3A4C9E1740 (idle): "no-os-id"\n'
+            'Thread 117 (idle): "p2p-decode-control"\n    _control_step (manager.py:211)\n')
+    assert procstat.parse_dump(dump) == {100: "MainThread", 117: "p2p-decode-control"}
+    raw = ("thread (0x1);run (a.py:1);launch (b.py:2) 30\n"
+           "thread (0x1);run (a.py:1);poll (c.py:3) 10\n"
+           "thread (0x2);loop (m.py:5);sleep (m.py:6) 5\n"
+           "garbage line\n")
+    summary = procstat.summarize_collapsed(raw)
+    assert [t["thread"] for t in summary] == ["thread (0x1)", "thread (0x2)"]
+    assert summary[0]["samples"] == 40
+    assert summary[0]["top_self"][0] == {"frame": "launch (b.py:2)", "samples": 30}
+
+
+def test_without_pyspy_the_profile_says_why():
+    assert procstat.python_thread_names(1, None) == ({}, "no py-spy")
+    assert procstat.record(1, None, 1, Path("/nonexistent")) == "no py-spy"
+
+
+def test_tpot_cells_and_spread():
+    recs = [RequestRecord(True, 0.1, 0.1 + 63 * 0.02, 64), RequestRecord(True, 0.2, 0.2 + 63 * 0.03, 64),
+            RequestRecord(True, 0.1, 0.2, 1), RequestRecord(False, None, 1.0, 0, "boom")]
+    assert serve.tpot_ms_p50(recs) == 25.0
+    assert serve.parse_cells("1024x1,4096x64") == [(1024, 1), (4096, 64)]
+    assert serve.requests_for(1) == 6 and serve.requests_for(64) == 128
+    assert serve.median_spread([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert serve.median_spread([None]) == {"median": None, "min": None, "max": None}
+    cells = [{"backend": "p2pnccl", "input_len": 1024, "concurrency": 1, "cuda_graph": False,
+              "reps": [{"ttft_p50_ms": 40.0, "output_tok_s": 50.0, "kv_ms": 3.0},
+                       {"ttft_p50_ms": 44.0, "output_tok_s": 48.0, "kv_ms": None}]}]
+    (row,) = serve.summarize_cells(cells)
+    assert row["ttft_p50_ms"] == {"median": 42.0, "min": 40.0, "max": 44.0}
+    assert row["kv_ms"] == {"median": 3.0, "min": 3.0, "max": 3.0}
+    assert row["tpot_p50_ms"]["median"] is None and row["backend"] == "p2pnccl"
+
+
+def test_every_backend_gets_the_same_flags_and_the_modes_differ_only_in_decode_graphs(tmp_path: Path):
+    pairs = {b: serve.Pair(b, tmp_path, ["nograph", "graph"]) for b in ("p2pnccl", "nixl")}
+    for p in pairs.values():
+        assert p.prefill.args == pairs["nixl"].prefill.args
+        assert "--cuda-graph-backend-decode" in p.decode["nograph"].args
+        assert "--cuda-graph-backend-decode" not in p.decode["graph"].args
+        assert p.lb["graph"].lb_decode is p.decode["graph"] and p.lb["graph"].lb_prefill is p.prefill
+    ports = [s.port for p in pairs.values() for s in [*p.servers(), *p.lb.values()]]
+    ports += [p.prefill.bootstrap_port for p in pairs.values()]
+    assert len(ports) == len(set(ports))
+    assert pairs["p2pnccl"].prefill.env["SGLANG_P2P_TRANSPORT"] == "auto"
+    variant = serve.Pair("p2pnccl-gil5", tmp_path, ["nograph"])
+    assert variant.prefill.backend == "p2pnccl" and variant.decode["nograph"].env["SGLANG_P2P_GIL_SWITCH_MS"] == "0"
+    assert "--disaggregation-transfer-backend p2pnccl" in " ".join(variant.prefill.command())
