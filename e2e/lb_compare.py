@@ -526,6 +526,8 @@ class Harness:
                     log(f"[lb_compare] {doc['cut_short']}")
                     summarize_compare(doc, p.workloads)
                     return
+                if spec.name in skipped:
+                    continue  # not installed, or it did not start once: do not spend the budget on it again
                 proc = self.lb(spec, f"rep{rep}")
                 if proc is None:
                     skipped[spec.name] = "peer not installed (no lb.tar.xz / --*-python)"
@@ -553,9 +555,16 @@ class Harness:
         victims = [("prefill", 0), ("decode", 0)]
         kill_at = [duration / 5, 2 * duration / 5]
         started: list[LBProc] = []
+        out: dict[str, Any] = {"not_started": {}}
         try:
-            for _, p in procs:
-                started.append(p.__enter__())
+            for s, p in list(procs):
+                try:
+                    started.append(p.__enter__())
+                except (RuntimeError, TimeoutError) as e:
+                    out["not_started"][s.name] = str(e)[:300]
+                    procs.remove((s, p))
+            if not procs:
+                return out
             per_lb = {s.name: make_workload("bursty_mixed", duration, seed + k, WorkloadParams(bursty_rate=rate / len(procs))) for k, (s, _) in enumerate(procs)}
             restarted: dict[str, Any] = {}
 
@@ -586,8 +595,8 @@ class Harness:
 
             t0_mono, killed, thread, results = asyncio.run(drive())
             thread.join(restart_timeout + 30)
-            out: dict[str, Any] = {"killed": [{"role": r, "index": i, "at_s": t} for (r, i), t in zip(victims, killed)],
-                                   "restarted": restarted.get("names", []), "per_lb": {}}
+            out.update(killed=[{"role": r, "index": i, "at_s": t} for (r, i), t in zip(victims, killed)],
+                       restarted=restarted.get("names", []), per_lb={})
             back_at = restarted["healthy_at"] - t0_mono if "healthy_at" in restarted else float("inf")
             if "healthy_at" in restarted:
                 out["restart_s"] = round(back_at - killed[-1], 1)

@@ -184,3 +184,17 @@ def test_compare_starts_no_run_that_would_end_after_its_deadline(tmp_path):
     h.compare([lc.LBSpec("ours", "load_aware")], lc.Plan(1.0, ("bursty_mixed",), 2), 0, doc, stop_at=time.monotonic() + 5, lb_run_s=10, log=lambda _: None)
     assert doc["cut_short"] == "out of time before rep 0 of ours:load_aware"
     assert doc["aggregate"] == {} and doc["targets"] == [] and doc["runs"] == {"ours:load_aware": {"bursty_mixed": []}}
+
+
+def test_an_lb_that_does_not_start_is_skipped_once_and_for_all(tmp_path):
+    """A peer that exits at once is noted and not started again in later repetitions."""
+    import time
+
+    broken = {"smg": lc.Peer((sys.executable, "-c", "raise SystemExit(3)"))}
+    h = lc.Harness(cluster=lc.SimCluster(1, 1, [], tmp_path), peers=broken, logs=tmp_path, wp=lc.WorkloadParams())
+    doc: dict = {}
+    t0 = time.monotonic()
+    h.compare([lc.LBSpec("smg", "cache_aware")], lc.Plan(1.0, ("bursty_mixed",), 3), 0, doc, log=lambda _: None)
+    assert doc["skipped"] == {"smg:cache_aware": "rep 0: LB exited with 3 before serving"}
+    assert doc["runs"]["smg:cache_aware"]["bursty_mixed"] == [] and time.monotonic() - t0 < 30
+    assert len(list(tmp_path.glob("lb-smg-cache_aware-rep*.log"))) == 1  # tried in rep 0 only
