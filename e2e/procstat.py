@@ -14,8 +14,9 @@ import re
 import subprocess
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
+T = TypeVar("T")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -54,35 +55,34 @@ def scheduler_pid(server_pid: int) -> Optional[int]:
     return None
 
 
-def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of every thread of `pid` so far, by thread id."""
-    out: dict[int, float] = {}
+def _per_thread(pid: int, read: Callable[[Path], T]) -> dict[int, T]:
+    """`read(task dir)` for every thread of `pid`, by thread id (threads that end meanwhile are skipped)."""
+    out: dict[int, T] = {}
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return out
     for t in tasks:
         try:
-            fields = (t / "stat").read_text().rsplit(")", 1)[1].split()
-            out[int(t.name)] = (int(fields[11]) + int(fields[12])) / _TICK
+            out[int(t.name)] = read(t)
         except (OSError, IndexError, ValueError):
             continue
     return out
 
 
+def _cpu_s(task: Path) -> float:
+    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of every thread of `pid` so far, by thread id."""
+    return _per_thread(pid, _cpu_s)
+
+
 def os_thread_names(pid: int) -> dict[int, str]:
     """Thread id -> the OS thread name (15 bytes; a thread that set none shows its process's title)."""
-    out: dict[int, str] = {}
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return out
-    for t in tasks:
-        try:
-            out[int(t.name)] = (t / "comm").read_text().strip()
-        except (OSError, ValueError):
-            continue
-    return out
+    return _per_thread(pid, lambda t: (t / "comm").read_text().strip())
 
 
 def cpu_between(before: dict[int, float], after: dict[int, float], names: dict[int, str],

@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
-from . import client, config, decode_log, procstat, promparse, results, stats
+from . import client, config, decode_log, perf, procstat, promparse, results, stats
 from .servers import Server, Stack, exit_on_sigterm, failure_report
 
 MODEL = "llama-anchor"
@@ -108,14 +108,6 @@ def pool_tokens(server: Server) -> Optional[int]:
     return None
 
 
-def _kv_totals(url: str) -> Optional[promparse.HistogramTotals]:
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            return promparse.histogram_totals(r.read().decode(), promparse.KV_TRANSFER_LATENCY)
-    except Exception:
-        return None
-
-
 _NAMES: dict[int, dict[int, str]] = {}
 
 
@@ -138,14 +130,14 @@ class Probe:
         self.names = {role: _thread_names(pid, pyspy) for role, pid in self.procs.items()}
 
     def __enter__(self) -> "Probe":
-        self.kv0 = _kv_totals(self.pair.prefill.url)
+        self.kv0 = perf.scrape(self.pair.prefill.url)
         self.log0 = decode_log.offset(self.pair.decode[self.mode].log)
         self.cpu0 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.cpu1 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
-        self.kv1 = _kv_totals(self.pair.prefill.url)
+        self.kv1 = perf.scrape(self.pair.prefill.url)
         self.log_text = decode_log.read_since(self.pair.decode[self.mode].log, self.log0)
 
     def figures(self) -> dict[str, Any]:

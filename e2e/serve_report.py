@@ -19,12 +19,16 @@ METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50
 
 
 def load(paths: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
-    machines, cells = [], []
+    """Every file's cells, the repetitions of one (backend, mode, prompt, concurrency) pooled across files."""
+    machines: list[str] = []
+    cells: dict[tuple, dict[str, Any]] = {}
     for p in paths:
         doc = json.loads(p.read_text())
         machines.append(doc.get("machine", "?"))
-        cells += [c for c in doc.get("cells", []) if c.get("reps")]
-    return sorted(set(machines)), cells
+        for c in doc.get("cells", []):
+            key = (c["backend"], c["cuda_graph"], c["input_len"], c["concurrency"])
+            cells.setdefault(key, {**c, "reps": []})["reps"] += c.get("reps", [])
+    return sorted(set(machines)), [c for c in cells.values() if c["reps"]]
 
 
 def med(c: dict[str, Any], key: str) -> tuple[Optional[float], Optional[float], Optional[float]]:

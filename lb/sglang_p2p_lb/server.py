@@ -22,6 +22,9 @@ from .prefix_policy import PrefixParams
 from .proxy import Dispatcher, ProxyConfig, error_response
 from .workers import Worker, WorkerPool
 
+#: seconds an idle pooled connection to a worker is kept (below the workers' own HTTP keep-alive)
+WORKER_KEEPALIVE_S = 2.0
+
 log = logging.getLogger(__name__)
 
 
@@ -82,7 +85,11 @@ class LoadBalancer:
         timeout = aiohttp.ClientTimeout(total=self.cfg.proxy.request_timeout, connect=self.cfg.proxy.connect_timeout)
         # no per-host cap: the LB must not queue requests behind a connection limit of its own
         headers = {"Authorization": f"Bearer {self.cfg.worker_api_key}"} if self.cfg.worker_api_key else None
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False, headers=headers)
+        # idle connections are dropped before SGLang's uvicorn closes them (SGLANG_TIMEOUT_KEEP_ALIVE, 5 s):
+        # reusing one the server just closed fails the request with ServerDisconnectedError, and a decode leg
+        # cannot be retried once its prefill started (seen once in ~400 requests on a real decode)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=WORKER_KEEPALIVE_S)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False, headers=headers)
         self.dispatcher = Dispatcher(self.pool, self.policy, self.session, self.cfg.proxy, self.metrics)
         self.health = HealthChecker(self.pool, self.session, self.cfg.health, self.metrics, self.cfg.dp_aware)
         self.loads = LoadPoller(self.pool, self.session, self.cfg.load_poll_interval)

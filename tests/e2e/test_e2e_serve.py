@@ -154,3 +154,26 @@ def test_every_backend_gets_the_same_flags_and_the_modes_differ_only_in_decode_g
     variant = serve.Pair("p2pnccl-gil5", tmp_path, ["nograph"])
     assert variant.prefill.backend == "p2pnccl" and variant.decode["nograph"].env["SGLANG_P2P_GIL_SWITCH_MS"] == "0"
     assert "--disaggregation-transfer-backend p2pnccl" in " ".join(variant.prefill.command())
+
+
+def test_report_pools_repetitions_across_files_and_compares_with_nixl(tmp_path: Path):
+    import json
+
+    from e2e import serve_report
+
+    def doc(reps_p, reps_n):
+        cell = lambda b, reps: {"backend": b, "input_len": 1024, "concurrency": 64, "cuda_graph": True,  # noqa: E731
+                                "reps": [{"output_tok_s": x, "kv_ms": 1.0, "decode_steps": [
+                                    {"running": 40, "step_ms_p50": x / 100, "intervals": 2}]} for x in reps]}
+        return {"machine": "m", "cells": [cell("p2pnccl", reps_p), cell("nixl", reps_n)]}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(doc([300.0], [200.0])))
+    b.write_text(json.dumps(doc([330.0, 360.0], [220.0, 210.0])))
+    machines, cells = serve_report.load([a, b])
+    (row,) = serve_report.table(cells)
+    assert machines == ["m"] and row["backends"]["p2pnccl"]["reps"] == 3
+    assert row["backends"]["p2pnccl"]["output_tok_s"] == (330.0, 300.0, 360.0)
+    assert row["p2pnccl_over_nixl"]["output_tok_s"] == round(330.0 / 210.0, 3)
+    assert row["step_ms_same_batch"] == {40: (3.3, 2.1)}
+    assert "| yes | 1024 | 64 | p2pnccl | 3 | 330.0 (300.0-360.0) |" in serve_report.markdown([row])

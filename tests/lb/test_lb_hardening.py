@@ -309,3 +309,12 @@ def test_refused_connection_and_503_are_retried():
             assert sum(d.stats.completed for d in c.decodes) == 4
 
     run(body)
+
+
+def test_pooled_worker_connections_expire_before_sglangs_keep_alive():
+    # a connection SGLang's uvicorn already closed (after SGLANG_TIMEOUT_KEEP_ALIVE, 5 s) must not be reused:
+    # the request on it would fail with ServerDisconnectedError, and a started decode leg cannot be retried
+    from sglang_p2p_lb.server import WORKER_KEEPALIVE_S
+
+    sglang_keep_alive_s = 5
+    assert 0 < WORKER_KEEPALIVE_S < sglang_keep_alive_s
