@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
+COLORS = {"p2pnccl": "tab:green", "nixl": "tab:orange", "mooncake": "tab:blue", "p2pnccl-gil5": "tab:olive"}
 METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "kv_ms")
 
 
@@ -111,7 +112,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                         ys.append(m)
                         lo.append(m - mn)
                         hi.append(mx - m)
-                ax.bar(xs, ys, width, yerr=[lo, hi], label=b, capsize=2)
+                ax.bar(xs, ys, width, yerr=[lo, hi], label=b, capsize=2, color=COLORS.get(b))
             ax.set_xticks(range(len(sub)), labels, fontsize=8)
             ax.set_title(f"{title}, {'decode graphs' if graph else 'no graphs'}", fontsize=9)
             if metric != "output_tok_s":
