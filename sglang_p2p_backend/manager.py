@@ -230,7 +230,7 @@ class P2pNcclKVManager(CommonKVManager):
             except AuthError as e:
                 self.drop("auth", "?", str(e))
                 if e.kind:
-                    self._unauthenticated(frames, f"this {self._role} rank has SGLANG_P2P_AUTH_KEY set, the peer "
+                    self._unauthenticated(frames, f"this {self._role} rank has SGLANG_P2P_AUTH_KEY set and the peer "
                                                   + ("sends none" if e.kind == "none" else "a different one"))
                 return
         elif frames and frames[0] == AUTH_MAGIC:

@@ -79,6 +79,9 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         self.pending_secrets = IssuedSecrets(_PENDING)
         #: answers to registrations go out here, never on a live peer's socket budget
         self.answers = ControlChannel(send_timeout_s=0.5, max_sockets=_PENDING, auth=self.auth, linger_ms=_ANSWER_LINGER_MS)
+        #: session -> when it was last answered: its answer socket closes a moment later (the sweep)
+        self._answered: Dict[str, float] = _Bounded(4 * _PENDING)
+        self._pending_at: Dict[str, float] = _Bounded(4 * _PENDING)
         self.refusals = 0
         self.selector = TransportSelector(self.config.transport)
         # pair communicators live within a GPU-memory budget (engine/comm_budget.py); `auto` asks it whether
@@ -158,6 +161,7 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         answer = wire.PeerAnswer(self.session, self.incarnation, self.prefill_rank, agreement, problem,
                                  self.attn_tp_rank, secret or b"")
         self.answers.set_secret(reg.session, reg.secret)
+        self._answered[reg.session] = time.monotonic()
         try:
             self.answers.send(reg.session, answer, block=False)
         except ControlError as e:
@@ -215,6 +219,7 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         # answered, but not live until the decode confirms it from the address it claims
         self.rejected_peers.pop(reg.session, None)
         self.pending[reg.session] = reg
+        self._pending_at[reg.session] = time.monotonic()
         self._answer(reg, secret=self.pending_secrets.issue(reg.session))
 
     def _confirm(self, session: str) -> None:
@@ -341,6 +346,15 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
 
     def _sweep(self) -> None:
         now, ttl = time.monotonic(), self.config.tombstone_s
+        # an answer is out within a moment (or its decode is not there): close its socket; a registration not
+        # confirmed within SGLANG_P2P_PEER_TIMEOUT is forgotten (its decode registers again if it exists)
+        for session, at in list(self._answered.items()):
+            if now - at > 1.0:
+                self._answered.pop(session, None)
+                self.answers.forget(session)
+        for session, reg in list(self.pending.items()):
+            if now - self._pending_at.get(session, 0.0) > self.watch.timeout_s and self.pending.pop(session, None) is reg:
+                self.pending_secrets.forget(session)
         for room, (_, at) in list(self.concluded.items()):
             if now - at > ttl:
                 self.concluded.pop(room, None)
