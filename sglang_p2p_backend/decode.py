@@ -437,12 +437,10 @@ class DecodeKVManager(P2pNcclKVManager):
         """Common's check; a mismatch fails the requests instead of raising into the decode scheduler, and is
         retried after a while (the prefill may have been restarted with a fixed configuration). What p2pnccl
         cannot pair (KV layouts, head counts) is refused at registration (engine/agreement.py)."""
-        refused = self.incompatible_prefills.get(bootstrap_addr)
-        if refused is not None:
-            if time.monotonic() - refused[1] < _RETRY_REFUSED_S:
-                self._fail_rooms_of(bootstrap_addr, refused[0])
-                return False
-            del self.incompatible_prefills[bootstrap_addr]
+        reason = self.incompatible(bootstrap_addr)
+        if reason is not None:
+            self._fail_rooms_of(bootstrap_addr, reason)
+            return False
         try:
             ok = super().try_ensure_parallel_info(bootstrap_addr)
         except RuntimeError as e:
@@ -450,8 +448,14 @@ class DecodeKVManager(P2pNcclKVManager):
         return ok
 
     def incompatible(self, bootstrap_addr: str) -> Optional[str]:
+        """Why SGLang's check refused the prefill server at `bootstrap_addr`, while that refusal holds."""
         refused = self.incompatible_prefills.get(bootstrap_addr)
-        return refused[0] if refused is not None else None
+        if refused is None:
+            return None
+        if time.monotonic() - refused[1] >= _RETRY_REFUSED_S:
+            self.incompatible_prefills.pop(bootstrap_addr, None)  # asked again: it may have been fixed
+            return None
+        return refused[0]
 
     def _mark_incompatible(self, bootstrap_addr: str, reason: str) -> bool:
         logger.error("p2pnccl: prefill %s cannot serve this decode: %s", bootstrap_addr, reason)
