@@ -122,7 +122,7 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
     def _unauthenticated(self, frames: List[bytes], problem: str) -> None:
         """Keys differ: a registration is refused naming it; rooms of a decode this rank answered fail here."""
         secret, msg = self._unauthenticated_message(frames)
-        if isinstance(msg, wire.PeerRegister):
+        if isinstance(msg, wire.PeerRegister) and not self.watch.alive(msg.session):  # never answer for a live peer
             self._refuse(msg, f"control messages fail authentication: {problem}; set the same SGLANG_P2P_AUTH_KEY "
                               f"(or _FILE) on every prefill and decode")
         elif isinstance(msg, wire.RoomMetadata) and self.pending_secrets.matches(msg.session, secret):
