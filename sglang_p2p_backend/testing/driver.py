@@ -163,6 +163,15 @@ class Role:
         self.ack_sent_at: dict[int, float] = {}
         if role == "prefill":
             self.watch_writes(self.faults.get("write_delay_s", 0))
+            self.misdirect_aux(self.faults.get("aux_row", {}))
+
+    def misdirect_aux(self, rows: dict) -> None:
+        """Prefill fault `aux_row` ({room: row}): the aux row of those rooms is sent to that row of the decode
+        instead of the one it published (a buggy or compromised prefill; two-sided transports)."""
+        if not rows:
+            return
+        send_aux = self.mgr._send_aux
+        self.mgr._send_aux = lambda session, room, src, dst: send_aux(session, room, src, int(rows.get(str(room), dst)))
 
     def watch_writes(self, delay) -> None:
         """Prefill: record when each room's last write returned (`write_done_at`) and when its deferred

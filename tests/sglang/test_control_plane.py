@@ -51,15 +51,14 @@ def test_staging_mismatch_is_refused_on_both_sides_naming_both_values():
 
 
 def test_out_of_bounds_aux_row_is_dropped_and_fails_only_its_room():
-    plan = {"pool": POOL, "requests": slow_rooms([201, 202], tokens=200), "faults": {"prefill": {"chunk_delay_s": 0.4}},
-            "deadline_s": 60, "linger_s": LINGER}
+    # the prefill itself sends room 201's aux row to a row the room did not publish; a stranger adds an
+    # undecodable one (a stranger's decodable one would lack the pair secret: test_trust.py)
+    plan = {"pool": POOL, "requests": slow_rooms([201, 202], tokens=200), "deadline_s": 60, "linger_s": LINGER,
+            "faults": {"prefill": {"chunk_delay_s": 0.4, "aux_row": {"201": 2**30}}}}
     run = PairRun(plan, env=HOSTILE_ENV)
     prefill, decode = run.session("prefill"), run.session("decode")
     time.sleep(2.0)  # both rooms published and transferring
-    hostile.push(decode, [
-        wire.encode(wire.AuxData(prefill, 201, 2**40, [b"x" * 64])),  # beyond any static bound: undecodable
-        wire.encode(wire.AuxData(prefill, 201, 2**30, [b"x" * 64])),  # decodes, but is not the room's row
-    ])
+    hostile.push(decode, [wire.encode(wire.AuxData(prefill, 201, 2**40, [b"x" * 64]))])  # beyond any static bound
     result = run.wait(60)
     assert result["returncodes"] == {"prefill": 0, "decode": 0}, result["workdir"]  # no SIGSEGV
     d = result["decode"]

@@ -14,7 +14,7 @@ import time
 import msgspec
 import pytest
 from test_control_plane import HOSTILE_ENV, LINGER, POOL, slow_rooms
-from test_pd_transfer import assert_all_landed, failed_reason
+from test_pd_transfer import FAST_FAILURE_ENV, assert_all_landed, failed_reason
 
 from sglang_p2p_backend.engine import messages as wire
 from sglang_p2p_backend.engine.agreement import local_agreement
@@ -24,12 +24,8 @@ from sglang_p2p_backend.testing.launch import PairRun, run_pair
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 #: SGLang's own timeouts well above what these tests allow, so only our refusals can end a room in time
-SLOW_SGLANG_ENV = {
-    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120",
-    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "120",
-    "SGLANG_P2P_CONNECT_TIMEOUT": "5",
-    "SGLANG_P2P_IO_TIMEOUT": "5",
-}
+SLOW_SGLANG_ENV = {**FAST_FAILURE_ENV, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120",
+                   "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "120"}
 
 
 def test_forged_success_without_a_key_leaves_rooms_byte_exact():
