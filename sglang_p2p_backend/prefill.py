@@ -208,9 +208,9 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         if old is not None and old.incarnation != reg.incarnation and self.watch.alive(reg.session):
             # never replace a live registration: a second process claiming the session is refused until the
             # registered one has been silent for SGLANG_P2P_PEER_TIMEOUT (a real restart takes longer)
-            self.drop("duplicate-session", reg.session, "registration for a session a live decode process holds")
-            self._answer(reg, f"session {reg.session} is held by a live decode process; a restarted decode is "
-                              f"accepted once the old one is silent for {self.watch.timeout_s:g}s (SGLANG_P2P_PEER_TIMEOUT)")
+            # (not answered: the answer would go to the live process, which drops it, not carrying its secret)
+            self.drop("duplicate-session", reg.session, f"registration for a session a live decode process holds; a "
+                      f"restarted decode is accepted once the old one is silent for {self.watch.timeout_s:g}s")
             return
         problem = self._check_peer(reg)
         if problem:
