@@ -30,7 +30,7 @@ SLOW_SGLANG_ENV = {**FAST_FAILURE_ENV, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": 
 
 def test_forged_success_without_a_key_leaves_rooms_byte_exact():
     """The attack: claim the prefill's session (the bootstrap server tells anyone), send Status(Success) for the
-    live rooms and an AuxData for every aux row. Before pair secrets the decode reported those rooms Success with
+    live rooms, then an AuxData for every aux row. Before pair secrets the decode reported those rooms Success with
     most pages wrong."""
     rooms = [801, 802, 803]
     plan = {"pool": POOL, "requests": slow_rooms(rooms, tokens=200), "faults": {"prefill": {"chunk_delay_s": 0.4}},
@@ -38,23 +38,30 @@ def test_forged_success_without_a_key_leaves_rooms_byte_exact():
     run = PairRun(plan, env=HOSTILE_ENV)
     prefill, decode = run.session("prefill"), run.session("decode")
     time.sleep(2.0)  # rooms published, chunks flowing
-    forged = []
+    # Success first: once a room has succeeded, a wrong aux row guess no longer fails it
+    forged = [wire.encode(wire.Status(prefill, room, 0, 4)) for room in rooms]  # KVPoll.Success
+    rows = [b"\x07" * min(8, n) for n in _aux_item_lens()]  # every aux buffer: its room id, first token...
     for room in rooms:
-        forged += [wire.encode(wire.AuxData(prefill, room, row, [b"\x07" * 8])) for row in range(64)]
-        forged.append(wire.encode(wire.Status(prefill, room, 0, 4)))  # KVPoll.Success
+        forged += [wire.encode(wire.AuxData(prefill, room, row, rows)) for row in range(64)]
     hostile.push(decode, forged)
     result = run.wait(90)
     assert_all_landed(result, rooms)  # every room Success with every page and aux row exact
     assert result["decode"]["leftovers"]["dropped"]["secret"] == len(forged)
 
 
+def _aux_item_lens() -> list:
+    """Bytes of one row of each of SGLang's aux buffers, as the driver builds them."""
+    from sglang_p2p_backend.testing import runtime
+
+    return runtime.metadata_buffers(64).get_buf_infos()[2]
+
+
 def _pool_agreement(pool: dict) -> wire.Agreement:
     """The agreement a decode rank of the driver sends (what an attacker would have learnt from an answer)."""
-    from sglang_p2p_backend.testing import runtime
     from sglang_p2p_backend.testing.pools import PoolSpec
 
     spec = PoolSpec(**pool)
-    _, _, aux_lens = runtime.metadata_buffers(64).get_buf_infos()
+    aux_lens = _aux_item_lens()
     return local_agreement(page_size=spec.page_size, kv_dtype="bfloat16", kv_item_lens=[spec.item_len] * spec.num_regions,
                            state_item_lens=[], slot_bytes=128 << 20, auth=False, mla=spec.layout == "mla",
                            aux_item_lens=aux_lens)
