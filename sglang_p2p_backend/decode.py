@@ -406,8 +406,8 @@ class DecodeKVManager(P2pNcclKVManager):
 
     # ------------------------------------------------------------------ status
     def _apply_prefill_final(self, room: int, prefill_rank: int, success: bool, reason: str) -> None:
-        if room not in self.request_status:
-            return
+        if self.request_status.get(room) in (None, KVPoll.Failed):
+            return  # concluded; a failed room never turns Success (SGLang 0.5.17's update_status would let it)
         if not success:
             self.room_failed(room, reason or "Failed to get kvcache from prefill instance, it might be dead")
             return
