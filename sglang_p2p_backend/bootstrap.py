@@ -107,9 +107,10 @@ def _object(body: bytes) -> dict:
 def route_put(data: dict) -> dict:
     """The fields of a `PUT /route` (one prefill rank's registration) checked; raises BadRequest naming one."""
     sizes = {n: _int(data, n, 1, 1 << 16) for n in ("attn_tp_size", "attn_cp_size", "attn_dp_size", "pp_size", "system_dp_size")}
-    for rank, size in (("attn_tp_rank", "attn_tp_size"), ("attn_cp_rank", "attn_cp_size"), ("attn_dp_rank", "attn_dp_size"),
-                       ("pp_rank", "pp_size"), ("system_dp_rank", "system_dp_size")):
+    for rank, size in (("attn_tp_rank", "attn_tp_size"), ("attn_cp_rank", "attn_cp_size"), ("pp_rank", "pp_size")):
         _int(data, rank, 0, sizes[size] - 1)
+    for rank in ("attn_dp_rank", "system_dp_rank"):  # SGLang sends a DP rank with system_dp_size 1 too
+        _int(data, rank, 0, (1 << 16) - 1)
     _host(_str(data, "rank_ip"))
     _int(data, "rank_port", 1, 65535)
     _int(data, "page_size", 1, 1 << 20)
