@@ -8,8 +8,8 @@ claimed (its first message carrying this rank's pair secret, engine/pair_secret.
 small table of its own, answered from a small pool of sockets, both bounded apart from the live peers, so
 registrations from addresses nobody answers at cannot take a live peer's place. A live registration is never
 replaced by another process claiming its session (a restarted decode is accepted once the old one was declared
-dead), nor displaced by any number of new ones. Refusals are logged rate-limited. Only registered decode ranks may publish destinations
-(RoomMetadata), each checked against the pools they declared; anything else is dropped before a byte, a
+dead), nor displaced by any number of new ones. Refusals are logged rate-limited. Only registered decode ranks
+may publish destinations (RoomMetadata), each checked against the pools they declared; anything else is dropped before a byte, a
 socket or a table entry is spent on it. Chunks move on transfer workers sharded by decode peer (one peer's
 chunks stay ordered): two-sided (NCCL, tcp) through `PairSender`, one-sided (Mooncake) through
 `OneSidedSender`, then Status. A decode silent for SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail, its
