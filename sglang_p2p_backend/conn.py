@@ -16,6 +16,8 @@ Protocol (all on the ordered control channel, see engine/messages.py):
   prefill -> decode, one-sided peer (mooncake): nothing but Status. Each chunk is one Mooncake batch write into
   the decode's registered memory, done before Status is sent (engine/onesided.py).
 
+The bootstrap server is SGLang's, with its input checked and its writes guarded (bootstrap.py).
+
 Release differences (SGLang 0.5.17 vs 0.5.23) are absorbed here and in the role modules: both have the Common
 manager state, `update_status`, `record_failure`, `_prepare_send_indices`, the timeouts and the heartbeat;
 everything else (status messages, polling, failure exceptions) is implemented here once for both.
@@ -32,12 +34,12 @@ import numpy.typing as npt
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import (
-    CommonKVBootstrapServer,
     CommonKVReceiver,
     CommonKVSender,
     KVTransferError,
 )
 
+from sglang_p2p_backend.bootstrap import P2pNcclKVBootstrapServer, signed_writes
 from sglang_p2p_backend.decode import DecodeKVManager, published_room
 from sglang_p2p_backend.engine import messages as wire
 from sglang_p2p_backend.engine.control import ControlError
@@ -102,6 +104,10 @@ class P2pNcclKVSender(CommonKVSender):
         )
         self._record_transfer_indices(kv_indices, state_indices)
 
+    def _register_prefill_dp_rank(self):
+        with signed_writes(self.kv_mgr.bootstrap_key):  # a keyed bootstrap server takes signed writes only
+            return super()._register_prefill_dp_rank()
+
     def poll(self) -> KVPoll:
         return _latched_poll(self, KVPoll.Bootstrapping, self._check_bootstrap_timeout)
 
@@ -120,10 +126,11 @@ class P2pNcclKVSender(CommonKVSender):
 class P2pNcclKVReceiver(CommonKVReceiver):
     def __init__(self, mgr: DecodeKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None, **kwargs: Any):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, **kwargs)
-        reason = mgr.incompatible_prefills.get(bootstrap_addr)
+        reason = mgr.incompatible(bootstrap_addr)
         if reason:
             mgr.record_failure(bootstrap_room, reason)
             mgr.update_status(bootstrap_room, KVPoll.Failed)
+            mgr.tell_refused_server(bootstrap_addr, [bootstrap_room])
 
     def _connect_to_bootstrap_server(self, bootstrap_info: dict):
         """SGLang's own frames to a prefill rank (ABORT; BOOTSTRAP) go through the control channel, so they
@@ -181,7 +188,7 @@ class P2pNcclKVReceiver(CommonKVReceiver):
             )
             try:
                 mgr.ensure_registered(endpoint)  # again after a refusal or a peer's death
-                mgr.control.send(endpoint, msg)  # even to a refusing prefill: it fails its side of the room
+                mgr.send_to_prefill(endpoint, wire.encode(msg))  # even to a refusing prefill: it fails its side
             except ControlError as e:
                 mgr.record_failure(room, f"send_metadata to prefill rank {endpoint} failed: {e}")
                 self.conclude_state = KVPoll.Failed
@@ -208,10 +215,6 @@ class P2pNcclKVReceiver(CommonKVReceiver):
         self.kv_mgr.forget_room(self.bootstrap_room)
 
 
-class P2pNcclKVBootstrapServer(CommonKVBootstrapServer):
-    pass
-
-
 class _ControlSocket:
     """What SGLang's receiver code expects of a socket (`send_multipart`), sending on the control channel."""
 
@@ -219,4 +222,4 @@ class _ControlSocket:
         self._mgr, self._endpoint = mgr, endpoint
 
     def send_multipart(self, frames: List[bytes]) -> None:
-        self._mgr.control.send_frames(self._endpoint, [bytes(f) for f in frames])
+        self._mgr.send_to_prefill(self._endpoint, [bytes(f) for f in frames])

@@ -1,12 +1,17 @@
 """Decode role of the p2pnccl KV manager: registration with prefill ranks, destinations, arrivals.
 
-A decode rank registers with each prefill rank it needs (PeerRegister: its agreement, pools, transports) and
-reads the answer (PeerAnswer), comparing the prefill's agreement itself, so a mismatch is refused and logged
-on both sides with both values. Only accepted prefill ranks are heard: chunk headers, channel offers, aux
+A decode rank registers with each prefill rank it needs (PeerRegister: its agreement, pools, transports and a
+fresh pair secret) and reads the answer (PeerAnswer, which must carry that secret), comparing the prefill's
+agreement itself, so a mismatch is refused and logged on both sides with both values. What it sends a prefill
+rank before the answer (destinations, SGLang's ABORT) is held until then: after an acceptance it confirms the
+registration (a Heartbeat carrying the prefill's secret) and sends them; after a refusal it sends them all the
+same, so the prefill fails its side of those rooms at once. Only accepted prefill ranks are heard, and only
+with the secret this rank issued them (engine/pair_secret.py): chunk headers, channel offers, aux
 rows and statuses of anyone else are dropped without a thread, socket or table entry. Every chunk is checked
 before its bytes are scattered (engine/checks.py): exact size, in sequence, and only into pages the room
 published (with a different attention TP, only the heads of this rank that prefill rank owns: engine/heads.py);
-a chunk that fails fails its room and never lands elsewhere. A prefill silent for
+a chunk that fails fails its room and never lands elsewhere. A room's Success counts only from the prefill ranks
+it was published to, and on a rank that receives only two-sided, only once every published page has landed. A prefill silent for
 SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail with the reason, its receiver's channel is aborted and its
 thread, budget and socket are released; the next request registers again.
 """
@@ -17,7 +22,7 @@ import ctypes
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -36,13 +41,17 @@ from sglang_p2p_backend.engine.arrivals import ArrivalTracker
 from sglang_p2p_backend.engine.heads import Heads, HeadsError, pair_heads
 from sglang_p2p_backend.engine.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
 from sglang_p2p_backend.engine.pipeline import PairReceiver
+from sglang_p2p_backend.engine.control import ControlError
 from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.manager import P2pNcclKVManager
+from sglang_p2p_backend.server_ranks import rank_endpoints
 
 logger = logging.getLogger(__name__)
 
 #: a prefill rank that refused this decode rank is asked again no sooner than this (it may be fixed or restarted)
 _RETRY_REFUSED_S = 5.0
+#: frame lists held for one prefill rank while its answer is awaited (rooms published meanwhile, aborts)
+_HELD_MAX = 4096
 
 
 @dataclass
@@ -56,6 +65,8 @@ class PrefillPeer:
     incarnation: int = -1
     #: the heads of this rank's rows the prefill writes (different attention TP, MHA/GQA); None: whole pages
     kv_heads: Optional[Heads] = None
+    #: frame lists for the prefill held until its answer (then sent, carrying its secret)
+    held: list = field(default_factory=list)
 
 
 class DecodeKVManager(P2pNcclKVManager):
@@ -66,7 +77,13 @@ class DecodeKVManager(P2pNcclKVManager):
         self.prefills: Dict[str, PrefillPeer] = {}
         #: rooms waiting for KV: what each published (the only pages its chunks may write)
         self.live_rooms: Dict[int, checks.Published] = {}
-        self.incompatible_prefills: Dict[str, str] = {}
+        #: bootstrap address -> (why SGLang's check refused that prefill server, when): retried after a while
+        self.incompatible_prefills: Dict[str, tuple[str, float]] = {}
+        #: rooms of a refused prefill server its ranks were told of, and those ranks (per bootstrap address)
+        self._told_rooms: Dict[int, float] = {}
+        self._refused_ranks: Dict[str, List[str]] = {}
+        #: a rank that receives only two-sided sees every page land, so a Success must cover every published page
+        self.two_sided_only = self.two_sided is not None and self.one_sided is None and self.ipc is None
         self.arrivals = ArrivalTracker(self._apply_prefill_final)
         # the decode admits pair channels within its own budget but never closes one: the prefill owns the
         # pair's traffic, so the decode asks it to release an idle channel instead (CommRelease)
@@ -110,11 +127,46 @@ class DecodeKVManager(P2pNcclKVManager):
             return
         self.prefills[endpoint] = PrefillPeer("pending", time.monotonic())
         self.watch.watch(endpoint)
-        self.control.send(endpoint, self.registration())
+        self.control.set_secret(endpoint, None)  # its secret of an earlier registration is void
+        reg = self.registration()
+        reg.secret = self.issued.issue(endpoint)
+        self.control.send(endpoint, reg)
+
+    def send_to_prefill(self, endpoint: str, frames: List[bytes]) -> None:
+        """Send to prefill rank `endpoint`, or hold until it answered the registration. Raises ControlError."""
+        peer = self.prefills.get(endpoint)
+        if peer is not None and peer.state == "pending":
+            if len(peer.held) >= _HELD_MAX:
+                raise ControlError(f"prefill rank {endpoint} has not answered the registration; {_HELD_MAX} messages wait")
+            peer.held.append(frames)
+            return
+        self.control.send_frames(endpoint, frames)
+
+    def _release_held(self, endpoint: str, peer: PrefillPeer) -> None:
+        held, peer.held = peer.held, []
+        for frames in held:
+            try:
+                self.control.send_frames(endpoint, frames)
+            except ControlError as e:
+                logger.warning("p2pnccl: %s", e)
+
+    def _admit(self, msg: wire.Message, secret: Optional[bytes]) -> bool:
+        if self.issued.matches(msg.session, secret):
+            return True
+        # an older release cannot carry our secret: its refusal is heard (it names both protocol versions)
+        peer = self.prefills.get(msg.session)
+        return (isinstance(msg, wire.PeerAnswer) and secret is None and bool(msg.problem) and peer is not None
+                and peer.state == "pending" and msg.agreement.protocol != self.agreement.protocol)
+
+    def _unauthenticated(self, frames: List[bytes], problem: str) -> None:
+        """Keys differ: the prefill's refusal (carrying our secret, so from the rank we registered with) counts."""
+        secret, msg = self._unauthenticated_message(frames)
+        if isinstance(msg, wire.PeerAnswer) and msg.problem and self.issued.matches(msg.session, secret):
+            self._on_answer(msg)
 
     def _on_answer(self, msg: wire.PeerAnswer) -> None:
         peer = self.prefills.get(msg.session)
-        if peer is None or peer.state != "pending":
+        if peer is None or peer.state == "refused" or (peer.state == "accepted" and not msg.problem):
             self.drop("unexpected", msg.session, "PeerAnswer to no pending registration")
             return
         reason = msg.problem or "; ".join(differences(self.agreement, msg.agreement, "decode", "prefill"))
@@ -124,14 +176,19 @@ class DecodeKVManager(P2pNcclKVManager):
                 kv_heads = self._heads_from(msg)
             except HeadsError as e:
                 reason = f"KV heads cannot be paired: {e}"
+        self.control.set_secret(msg.session, msg.secret)
         if reason:
             logger.error("p2pnccl: prefill rank %s cannot serve this decode rank: %s", msg.session, reason)
             peer.state, peer.reason, peer.since = "refused", reason, time.monotonic()
             self.watch.forget(msg.session)
             self._fail_rooms_served_by(msg.session, f"prefill rank {msg.session} refused this decode rank: {reason}")
+            self._release_held(msg.session, peer)  # the prefill fails its side of these rooms
             return
         peer.state, peer.prefill_rank, peer.incarnation = "accepted", msg.prefill_rank, msg.incarnation
         peer.kv_heads = kv_heads
+        # confirms the registration from our address: the prefill makes us a live peer on reading it
+        self._control_send(msg.session, wire.Heartbeat(self.session, self.incarnation))
+        self._release_held(msg.session, peer)
 
     def _heads_from(self, msg: wire.PeerAnswer) -> Optional[Heads]:
         """The heads prefill rank `msg` writes into this rank's rows (the same pairing it computed). Raises
@@ -217,6 +274,8 @@ class DecodeKVManager(P2pNcclKVManager):
         published = self.live_rooms.get(header.room) if rank_ok else None
         verdict = checks.chunk_header(header, self.copier.item_lens, self.staging.slot_bytes, published,
                                       peer.kv_heads if peer is not None else None)
+        if verdict.chunk is not None and published is not None and verdict.ids:
+            published.received.append(verdict.ids[0])  # scattered before its arrival counts (ArrivalTracker)
         if verdict.problem and (published is not None or not rank_ok):
             logger.error("p2pnccl: chunk from prefill %s refused: %s", header.session, verdict.problem)
         return verdict
@@ -229,7 +288,10 @@ class DecodeKVManager(P2pNcclKVManager):
             checks.aux_data(msg, self.kv_args.aux_item_lens, published)
         except wire.WireError as e:
             self.drop("bounds", msg.session, f"AuxData of room {msg.room}: {e}")
-            self.room_failed(msg.room, f"prefill {msg.session} sent an invalid aux row: {e}")
+            reason = f"prefill {msg.session} sent an invalid aux row: {e}"
+            self.room_failed(msg.room, reason)
+            if msg.session in published.prefills:  # it stops sending the room and fails its side
+                self._control_send(msg.session, wire.RoomFailed(self.session, msg.room, reason), block=False)
             return
         if not self.room_wanted(msg.room):
             return
@@ -250,7 +312,7 @@ class DecodeKVManager(P2pNcclKVManager):
         self.arrivals.final(msg.room, msg.prefill_rank, success, msg.reason)
 
     def _on_sglang_frames(self, frames: List[bytes], sender: Optional[str]) -> None:
-        if ABORT_ACK_TAG is not None and frames and frames[0] == ABORT_ACK_TAG:
+        if ABORT_ACK_TAG is not None and frames and frames[0] == ABORT_ACK_TAG and sender is not None:
             self._on_abort_ack(frames)
         else:
             self.drop("unexpected", sender or "?", f"frames {frames[:1]!r} are not for a decode rank")
@@ -336,6 +398,7 @@ class DecodeKVManager(P2pNcclKVManager):
         if self.comm_budget is not None:
             self.comm_budget.closed(session)
         self.control.forget(session)
+        self.issued.forget(session)
 
     def _close_role(self) -> None:
         for receiver in list(self.receivers.values()):
@@ -343,21 +406,40 @@ class DecodeKVManager(P2pNcclKVManager):
 
     # ------------------------------------------------------------------ status
     def _apply_prefill_final(self, room: int, prefill_rank: int, success: bool, reason: str) -> None:
-        if room not in self.request_status:
-            return
+        if self.request_status.get(room) in (None, KVPoll.Failed):
+            return  # concluded; a failed room never turns Success (SGLang 0.5.17's update_status would let it)
         if not success:
             self.room_failed(room, reason or "Failed to get kvcache from prefill instance, it might be dead")
             return
         done = self.prefill_response_tracker[room]
         done.add(prefill_rank)
         if len(done) >= self.required_prefill_response_num_table.get(room, 1):
+            missing = self._pages_missing(room)
+            if missing:
+                self.room_failed(room, missing)
+                return
             self.update_status(room, KVPoll.Success)
 
+    def _pages_missing(self, room: int) -> Optional[str]:
+        """Why a room reported Success by every prefill rank is not complete here: on a rank that receives only
+        two-sided, every published page must have landed (a Success alone never makes wrong KV count)."""
+        published = self.live_rooms.get(room)
+        if not self.two_sided_only or published is None or not published.kv_ids.size or not published.prefills:
+            return None
+        got = np.concatenate(published.received) if published.received else np.zeros(0, dtype=np.int32)
+        missing = np.setdiff1d(published.kv_ids, got)
+        if not missing.size:
+            return None
+        return (f"prefill reported Success for room {room}, but {missing.size} of its {np.unique(published.kv_ids).size} "
+                f"published pages never arrived")
+
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Common's check; a mismatch fails the requests instead of raising into the decode scheduler. What
-        p2pnccl cannot pair (KV layouts, head counts) is refused at registration (engine/agreement.py)."""
-        if bootstrap_addr in self.incompatible_prefills:
-            self._fail_rooms_of(bootstrap_addr, self.incompatible_prefills[bootstrap_addr])
+        """Common's check; a mismatch fails the requests instead of raising into the decode scheduler, and is
+        retried after a while (the prefill may have been restarted with a fixed configuration). What p2pnccl
+        cannot pair (KV layouts, head counts) is refused at registration (engine/agreement.py)."""
+        reason = self.incompatible(bootstrap_addr)
+        if reason is not None:
+            self._fail_rooms_of(bootstrap_addr, reason)
             return False
         try:
             ok = super().try_ensure_parallel_info(bootstrap_addr)
@@ -365,15 +447,52 @@ class DecodeKVManager(P2pNcclKVManager):
             return self._mark_incompatible(bootstrap_addr, str(e))
         return ok
 
+    def incompatible(self, bootstrap_addr: str) -> Optional[str]:
+        """Why SGLang's check refused the prefill server at `bootstrap_addr`, while that refusal holds."""
+        refused = self.incompatible_prefills.get(bootstrap_addr)
+        if refused is None:
+            return None
+        if time.monotonic() - refused[1] >= _RETRY_REFUSED_S:
+            self.incompatible_prefills.pop(bootstrap_addr, None)  # asked again: it may have been fixed
+            return None
+        return refused[0]
+
     def _mark_incompatible(self, bootstrap_addr: str, reason: str) -> bool:
         logger.error("p2pnccl: prefill %s cannot serve this decode: %s", bootstrap_addr, reason)
-        self.incompatible_prefills[bootstrap_addr] = reason
+        self.incompatible_prefills[bootstrap_addr] = (reason, time.monotonic())
+        self._refused_ranks.pop(bootstrap_addr, None)  # read again: the server may have been restarted
         self._fail_rooms_of(bootstrap_addr, reason)
         return False
 
     def _fail_rooms_of(self, bootstrap_addr: str, reason: str) -> None:
-        for room in list(self.addr_to_rooms_tracker.get(bootstrap_addr, ())):
+        rooms = list(self.addr_to_rooms_tracker.get(bootstrap_addr, ()))
+        for room in rooms:
             self.room_failed(room, reason)
+        self.tell_refused_server(bootstrap_addr, rooms)
+
+    def tell_refused_server(self, bootstrap_addr: str, rooms: List[int]) -> None:
+        """SGLang's check refused the prefill server before any registration: register with its ranks anyway
+        and publish these rooms to them as dummies (no destination), so each rank refuses this decode rank
+        naming the difference and fails its side of them now, not at SGLang's bootstrap timeout."""
+        rooms = [r for r in rooms if r not in self._told_rooms]
+        if not rooms:
+            return
+        now = time.monotonic()
+        for room in rooms:
+            self._told_rooms[room] = now
+        for room, at in list(self._told_rooms.items()):
+            if now - at > self.config.tombstone_s:
+                del self._told_rooms[room]
+        if bootstrap_addr not in self._refused_ranks:
+            self._refused_ranks[bootstrap_addr] = rank_endpoints(bootstrap_addr)
+        for endpoint in self._refused_ranks[bootstrap_addr]:
+            try:
+                self.ensure_registered(endpoint)
+                for room in rooms:
+                    self.send_to_prefill(endpoint, wire.encode(wire.RoomMetadata(
+                        self.session, self.incarnation, room, b"", -1, [], 1, 0, True)))
+            except ControlError as e:
+                logger.warning("p2pnccl: could not tell prefill rank %s of the refusal: %s", endpoint, e)
 
 
 def published_room(kv_indices: np.ndarray, aux_index: Optional[int], states: List[np.ndarray],

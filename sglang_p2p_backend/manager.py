@@ -6,9 +6,10 @@ SGLang builds one manager class for both roles (`get_kv_class(..., KVClassType.M
 
 Inbound control traffic (ours and SGLang's own ABORT / ABORT_ACK frames) arrives on the PULL socket SGLang's
 Common manager binds. One thread reads it: it opens the authenticated envelope when a key is set
-(engine/auth.py), decodes and bound-checks our messages (engine/messages.py, engine/checks.py), drops
-what fails with a counted, rate-limited log line naming the peer and the problem, refreshes the sender's
-liveness and hands the message to the role. A second thread sends heartbeats to every watched peer and
+(engine/auth.py), checks the pair secret (engine/pair_secret.py: every message after registration must carry the
+one this rank issued to the session it names), decodes and bound-checks our messages (engine/messages.py,
+engine/checks.py), drops what fails with a counted, rate-limited log line naming the peer and the problem,
+refreshes the sender's liveness and hands the message to the role. A second thread sends heartbeats to every watched peer and
 declares peers silent for `SGLANG_P2P_PEER_TIMEOUT` seconds dead (engine/liveness.py); the role then fails
 their rooms, aborts their pair channels and forgets them. Every loop catches, logs and goes on; a loop that
 cannot go on marks the manager broken, and every room then fails with that reason instead of hanging.
@@ -33,15 +34,17 @@ from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+from sglang_p2p_backend.bootstrap import signed_writes
 from sglang_p2p_backend.engine import messages as wire
 from sglang_p2p_backend.engine.agreement import local_agreement
-from sglang_p2p_backend.engine.auth import AuthError, Authenticator, key_from_env
+from sglang_p2p_backend.engine.auth import AUTH_MAGIC, AuthError, Authenticator, key_from_env
 from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.copier import PageCopier
 from sglang_p2p_backend.engine.liveness import PeerWatch
 from sglang_p2p_backend.engine.memory import page_views, regions_from_lists
 from sglang_p2p_backend.engine.onesided import LocalMemory
+from sglang_p2p_backend.engine.pair_secret import IssuedSecrets, open_frames
 from sglang_p2p_backend.engine.staging import StagingPool
 from sglang_p2p_backend.engine.threads import set_os_name
 from sglang_p2p_backend.engine.transport import one_sided_transport, two_sided_transport
@@ -100,6 +103,8 @@ class P2pNcclKVManager(CommonKVManager):
         self.config = EngineConfig.from_env()
         _shorten_gil_switch(self.config.gil_switch_ms)
         key = key_from_env()
+        #: signs this rank's writes to a keyed bootstrap server (bootstrap.py)
+        self.bootstrap_key = key
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.session = f"{self.local_ip}:{self.rank_port}"
         #: this process's start: a peer tells a restarted process at the same session by a new value
@@ -171,7 +176,10 @@ class P2pNcclKVManager(CommonKVManager):
             mla=bool(is_mla_backend),
             attn_tp_size=self.attn_tp_size,
             kv_total_heads=self.kv_total_heads,
+            aux_item_lens=args.aux_item_lens,
         )
+        #: the pair secrets this rank issued to its peers (one per registration)
+        self.issued = IssuedSecrets(2 * self.config.max_peers)
         self.watch = PeerWatch(self.config.peer_timeout)
         self._last_beat = 0.0
         self.dropped: Counter = Counter()  # dropped inbound messages by kind (tests, metrics)
@@ -186,6 +194,10 @@ class P2pNcclKVManager(CommonKVManager):
         self._spawn(self._liveness_step, f"p2p-{self._role}-liveness")
 
     _role = "manager"
+
+    def register_to_bootstrap(self) -> None:
+        with signed_writes(self.bootstrap_key):  # a keyed bootstrap server takes signed writes only
+            super().register_to_bootstrap()
 
     def _init_role(self) -> None:
         raise NotImplementedError
@@ -233,20 +245,59 @@ class P2pNcclKVManager(CommonKVManager):
                 sender, frames = self.auth.open(frames)
             except AuthError as e:
                 self.drop("auth", "?", str(e))
+                if e.kind:
+                    self._unauthenticated(frames, f"this {self._role} rank has SGLANG_P2P_AUTH_KEY set and the peer "
+                                                  + ("sends none" if e.kind == "none" else "a different one"))
                 return
+        elif frames and frames[0] == AUTH_MAGIC:
+            problem = f"the peer has SGLANG_P2P_AUTH_KEY set, this {self._role} rank has none"
+            self.drop("auth", "?", problem)
+            self._unauthenticated(frames, problem)
+            return
+        secret, frames = open_frames(frames)
         try:
             msg = wire.decode(frames)
         except wire.WireError as e:
             self.drop("malformed", sender or "?", str(e))
             return
         if msg is None:
-            self._on_sglang_frames(frames, sender)
+            owner = self._secret_owner(secret)
+            if sender is not None and owner is not None and owner != sender:
+                self.drop("impersonation", sender, f"SGLang frames with the pair secret of {owner}")
+                return
+            self._on_sglang_frames(frames, owner)
             return
-        claimed = getattr(msg, "session", None)
-        if sender is not None and claimed is not None and claimed != sender:
+        claimed = msg.session
+        if sender is not None and claimed != sender:
             self.drop("impersonation", sender, f"{type(msg).__name__} claims session {claimed}")
             return
+        if not self._admit(msg, secret):
+            self.drop("secret", claimed, f"{type(msg).__name__} without the pair secret this rank issued to {claimed}")
+            return
         self._on_message(msg)
+
+    def _admit(self, msg: wire.Message, secret: Optional[bytes]) -> bool:
+        """Whether `msg` carries the secret this rank issued to the session it names (the role admits first
+        contacts too: a registration, an answer to ours)."""
+        return self.issued.matches(msg.session, secret)
+
+    def _secret_owner(self, secret: Optional[bytes]) -> Optional[str]:
+        return self.issued.owner(secret)
+
+    def _unauthenticated(self, frames: List[bytes], problem: str) -> None:
+        """A frame list that failed authentication: keys differ between this rank and a peer, or a stranger. The
+        role may act on the registration or the room it names, when it carries a pair secret this rank issued
+        (so only the peer this rank registered with, at its address, can), to refuse on both sides at once."""
+
+    def _unauthenticated_message(self, frames: List[bytes]) -> tuple[Optional[bytes], Optional[wire.Message]]:
+        """(pair secret, message) inside frames that failed authentication (auth envelope removed), or Nones."""
+        if frames and frames[0] == AUTH_MAGIC:
+            frames = frames[3:]
+        secret, inner = open_frames(frames)
+        try:
+            return secret, wire.decode(inner)
+        except wire.WireError:
+            return None, None
 
     def _liveness_step(self) -> None:
         # silence is checked every _CHECK_S, so a dead peer is noticed within timeout + _CHECK_S
@@ -272,9 +323,14 @@ class P2pNcclKVManager(CommonKVManager):
     def drop(self, kind: str, peer: str, detail: str) -> None:
         """Count and log a dropped inbound message (rate-limited: a flood must not flood the log)."""
         self.dropped[kind] += 1
-        n = self.dropped[kind]
+        self.log_limited(self.dropped[kind], logging.WARNING, "dropped a control message (%s #%d) from %s: %s",
+                         kind, self.dropped[kind], peer, detail)
+
+    @staticmethod
+    def log_limited(n: int, level: int, fmt: str, *args: Any) -> None:
+        """Log the `n`th event of a kind a stranger can cause: the first ones one by one, then every 1,000th."""
         if n <= _LOG_FIRST or n % 1000 == 0:
-            logger.warning("p2pnccl: dropped a control message (%s #%d) from %s: %s", kind, n, peer, detail)
+            logger.log(level, "p2pnccl: " + fmt, *args)
 
     # ------------------------------------------------------------------ role hooks
     def _on_message(self, msg: wire.Message) -> None:

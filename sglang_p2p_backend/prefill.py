@@ -1,10 +1,15 @@
 """Prefill role of the p2pnccl KV manager: registrations, room destinations, transfer workers.
 
-A decode rank registers once per pair (PeerRegister: its agreement, pools and transports). The registration
-is compared with this rank's agreement and answered (PeerAnswer) either way, so a mismatch is refused on both
-sides; a live registration is never replaced by another process claiming its session (a restarted decode
-is accepted once the old one was declared dead). Only registered decode ranks may publish destinations
-(RoomMetadata), each checked against the pools they declared; anything else is dropped before a byte, a
+A decode rank registers once per pair (PeerRegister: its agreement, pools, transports and pair secret). The
+registration is compared with this rank's agreement and answered (PeerAnswer) either way, so a mismatch is
+refused on both sides; a refusal names what differs and nothing else of this rank's configuration. A matching
+registration costs no slot and no socket of the live peers until the decode confirms it from the address it
+claimed (its first message carrying this rank's pair secret, engine/pair_secret.py): until then it waits in a
+small table of its own, answered from a small pool of sockets, both bounded apart from the live peers, so
+registrations from addresses nobody answers at cannot take a live peer's place. A live registration is never
+replaced by another process claiming its session (a restarted decode is accepted once the old one was declared
+dead), nor displaced by any number of new ones. Refusals are logged rate-limited. Only registered decode ranks
+may publish destinations (RoomMetadata), each checked against the pools they declared; anything else is dropped before a byte, a
 socket or a table entry is spent on it. Chunks move on transfer workers sharded by decode peer (one peer's
 chunks stay ordered): two-sided (NCCL, tcp) through `PairSender`, one-sided (Mooncake) through
 `OneSidedSender`, then Status. A decode silent for SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail, its
@@ -28,7 +33,9 @@ except ImportError:
 
 from sglang_p2p_backend.engine import checks
 from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.agreement import differences
+from sglang_p2p_backend.engine.agreement import differences, redacted
+from sglang_p2p_backend.engine.control import ControlChannel, ControlError
+from sglang_p2p_backend.engine.pair_secret import IssuedSecrets
 from sglang_p2p_backend.engine.heads import HeadsError, PairHeads, pair_heads
 from sglang_p2p_backend.engine.onesided import OneSidedSender
 from sglang_p2p_backend.engine.transport.select import TransportSelector
@@ -39,6 +46,10 @@ from sglang_p2p_backend.prefill_transfer import ResetPeer, TransferInfo, Transfe
 
 logger = logging.getLogger(__name__)
 
+#: registrations waiting for their decode's confirmation, and the sockets their answers go out on
+_PENDING = 64
+#: how long an answer to an unconfirmed registration may wait for its decode to connect, after its socket closed
+_ANSWER_LINGER_MS = 500
 
 
 class _Bounded(OrderedDict):
@@ -63,6 +74,15 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         #: per decode rank with a different attention TP (MHA/GQA): the heads it takes from this rank
         self.peer_heads: Dict[str, Optional[PairHeads]] = {}
         self.rejected_peers: Dict[str, str] = _Bounded(self.config.max_peers)
+        #: registrations answered but not yet confirmed by their decode, and the secrets issued to them
+        self.pending: Dict[str, wire.PeerRegister] = _Bounded(_PENDING)
+        self.pending_secrets = IssuedSecrets(_PENDING)
+        #: answers to registrations go out here, never on a live peer's socket budget
+        self.answers = ControlChannel(send_timeout_s=0.5, max_sockets=_PENDING, auth=self.auth, linger_ms=_ANSWER_LINGER_MS)
+        #: session -> when it was last answered: its answer socket closes a moment later (the sweep)
+        self._answered: Dict[str, float] = _Bounded(4 * _PENDING)
+        self._pending_at: Dict[str, float] = _Bounded(4 * _PENDING)
+        self.refusals = 0
         self.selector = TransportSelector(self.config.transport)
         # pair communicators live within a GPU-memory budget (engine/comm_budget.py); `auto` asks it whether
         # one more fits before choosing NCCL over Mooncake for a peer
@@ -85,6 +105,29 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
             self._spawn(lambda s=shard: self._transfer_step(s), f"p2p-transfer-{i}")
 
     # ------------------------------------------------------------------ inbound
+    def _admit(self, msg: wire.Message, secret: Optional[bytes]) -> bool:
+        """A registration needs no secret; anything else the one issued to its session, by a live registration
+        or by an answer (then it is the decode's confirmation, which makes the registration live)."""
+        if isinstance(msg, wire.PeerRegister):
+            return True
+        if self.pending_secrets.matches(msg.session, secret):
+            if msg.session in self.pending:
+                self._confirm(msg.session)
+            return True
+        return self.issued.matches(msg.session, secret)
+
+    def _secret_owner(self, secret: Optional[bytes]) -> Optional[str]:
+        return self.issued.owner(secret)  # SGLang's frames (ABORT) only from live decode ranks
+
+    def _unauthenticated(self, frames: List[bytes], problem: str) -> None:
+        """Keys differ: a registration is refused naming it; rooms of a decode this rank answered fail here."""
+        secret, msg = self._unauthenticated_message(frames)
+        if isinstance(msg, wire.PeerRegister) and not self.watch.alive(msg.session):  # never answer for a live peer
+            self._refuse(msg, f"control messages fail authentication: {problem}; set the same SGLANG_P2P_AUTH_KEY "
+                              f"(or _FILE) on every prefill and decode")
+        elif isinstance(msg, wire.RoomMetadata) and self.pending_secrets.matches(msg.session, secret):
+            self._fail_or_bury(msg.room, f"control messages of decode rank {msg.session} fail authentication: {problem}")
+
     def _on_message(self, msg: wire.Message) -> None:
         peer = self.decode_peers.get(getattr(msg, "session", ""))
         if isinstance(msg, wire.PeerRegister):
@@ -105,12 +148,33 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         elif isinstance(msg, wire.ChunkRefused):
             self.channels.abort(msg.session, msg.generation, f"decode rank refused a chunk: {msg.reason}")
             self._fail_room(msg.room, f"decode rank {msg.session} refused a chunk: {msg.reason}")
+        elif isinstance(msg, wire.RoomFailed):
+            if msg.session in (self.transfer_infos.get(msg.room) or {}):  # only a room it is a destination of
+                self._fail_room(msg.room, f"decode rank {msg.session} failed the room: {msg.reason}", notify=False)
         else:
             self.drop("unexpected", msg.session, f"{type(msg).__name__} is not for a prefill rank")
 
-    def _answer(self, reg: wire.PeerRegister, problem: str = "") -> None:
-        self._control_send(reg.session, wire.PeerAnswer(self.session, self.incarnation, self.prefill_rank, self.agreement,
-                                                        problem, self.attn_tp_rank))
+    def _answer(self, reg: wire.PeerRegister, problem: str = "", secret: Optional[bytes] = None) -> None:
+        """Answer a registration from the answers' own sockets, carrying the decode's secret (so only the process
+        that registered reads it as an answer) and ours when given. A refusal carries only what differs."""
+        agreement = redacted(self.agreement, reg.agreement) if problem else self.agreement
+        answer = wire.PeerAnswer(self.session, self.incarnation, self.prefill_rank, agreement, problem,
+                                 self.attn_tp_rank, secret or b"")
+        self.answers.set_secret(reg.session, reg.secret)
+        self._answered[reg.session] = time.monotonic()
+        try:
+            self.answers.send(reg.session, answer, block=False)
+        except ControlError as e:
+            self.log_limited(self.refusals, logging.WARNING, "%s", e)
+
+    def _refuse(self, reg: wire.PeerRegister, problem: str) -> None:
+        """Refuse a registration naming why; the decode's rooms published to us later fail here too."""
+        self.refusals += 1
+        self.log_limited(self.refusals, logging.ERROR, "decode rank %s refused (#%d): %s", reg.session, self.refusals, problem)
+        self.pending.pop(reg.session, None)
+        if reg.session not in self.decode_peers:
+            self.rejected_peers[reg.session] = problem
+        self._answer(reg, problem, self.pending_secrets.issue(reg.session))
 
     def _heads_for(self, reg: wire.PeerRegister) -> Optional[PairHeads]:
         """The heads this rank sends decode rank `reg` (None: whole pages). Raises HeadsError."""
@@ -144,32 +208,45 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         if old is not None and old.incarnation != reg.incarnation and self.watch.alive(reg.session):
             # never replace a live registration: a second process claiming the session is refused until the
             # registered one has been silent for SGLANG_P2P_PEER_TIMEOUT (a real restart takes longer)
-            self.drop("duplicate-session", reg.session, "registration for a session a live decode process holds")
-            self._answer(reg, f"session {reg.session} is held by a live decode process; a restarted decode is "
-                              f"accepted once the old one is silent for {self.watch.timeout_s:g}s (SGLANG_P2P_PEER_TIMEOUT)")
+            # (not answered: the answer would go to the live process, which drops it, not carrying its secret)
+            self.drop("duplicate-session", reg.session, f"registration for a session a live decode process holds; a "
+                      f"restarted decode is accepted once the old one is silent for {self.watch.timeout_s:g}s")
             return
         problem = self._check_peer(reg)
-        if problem is None and old is None and len(self.decode_peers) >= self.config.max_peers:
-            problem = f"this prefill rank has {len(self.decode_peers)} decode ranks registered (SGLANG_P2P_MAX_PEERS)"
         if problem:
-            logger.error("p2pnccl: decode rank %s refused: %s", reg.session, problem)
-            self.rejected_peers[reg.session] = problem
-            self._answer(reg, problem)
+            self._refuse(reg, problem)
             return
+        # answered, but not live until the decode confirms it from the address it claims
         self.rejected_peers.pop(reg.session, None)
-        self.peer_heads[reg.session] = self._heads_for(reg)
-        self.decode_peers[reg.session] = reg
-        self.watch.watch(reg.session)
+        self.pending[reg.session] = reg
+        self._pending_at[reg.session] = time.monotonic()
+        self._answer(reg, secret=self.pending_secrets.issue(reg.session))
+
+    def _confirm(self, session: str) -> None:
+        """The decode of a pending registration answered from its address: it becomes a live peer, unless the
+        live peers fill SGLANG_P2P_MAX_PEERS (a live peer is never displaced)."""
+        reg = self.pending.pop(session)
+        old = self.decode_peers.get(session)
+        if old is None and len(self.decode_peers) >= self.config.max_peers:
+            self._refuse(reg, f"this prefill rank has {len(self.decode_peers)} decode ranks registered (SGLANG_P2P_MAX_PEERS)")
+            return
+        self.issued.adopt(session, self.pending_secrets.get(session))
+        self.pending_secrets.forget(session)
+        self.answers.forget(session)
+        self.control.set_secret(session, reg.secret)
+        self.rejected_peers.pop(session, None)
+        self.peer_heads[session] = self._heads_for(reg)
+        self.decode_peers[session] = reg
+        self.watch.watch(session)
         if old is None or old.incarnation != reg.incarnation:
-            self.selector.forget(reg.session)
-            self.ipc_failed.pop(reg.session, None)
+            self.selector.forget(session)
+            self.ipc_failed.pop(session, None)
             if self.one_sided is not None and reg.mooncake_session:
                 # a failed Mooncake session is skipped until its decode rank registers again: now
                 self.one_sided.peer_registered(reg.mooncake_session)
             # a new process behind the session: its old pair channel is gone; the owning worker creates a
             # fresh one on its next chunk
-            self._shard_of(reg.session).put(ResetPeer(reg.session))
-        self._answer(reg)
+            self._shard_of(session).put(ResetPeer(session))
 
     def _on_metadata(self, msg: wire.RoomMetadata) -> None:
         room, peer = msg.room, self.decode_peers.get(msg.session)
@@ -178,7 +255,7 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
             if problem is None:
                 self.drop("unregistered", msg.session, f"RoomMetadata of room {room} from an unregistered decode rank")
             else:  # the decode failed the room when it read our answer; fail our side too
-                self._fail_room(room, f"decode rank {msg.session} refused: {problem}", notify=False)
+                self._fail_or_bury(room, f"decode rank {msg.session} refused: {problem}")
             return
         if msg.incarnation != peer.incarnation:
             self.drop("stale", msg.session, f"RoomMetadata of room {room} from decode process {msg.incarnation}, "
@@ -234,7 +311,7 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         except (IndexError, ValueError, UnicodeDecodeError) as e:
             self.drop("malformed", sender or "?", f"ABORT frames: {e}")
             return
-        if who not in self.decode_peers or (sender is not None and sender != who):
+        if who not in self.decode_peers or sender != who:
             self.drop("unregistered", sender or who, f"ABORT of room {room} not from a registered decode rank")
             return
         # under the flight lock: a task that starts after this block sees Failed before its first write,
@@ -265,9 +342,19 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         self._shard_of(session).put(ResetPeer(session))
         self.selector.forget(session)
         self.control.forget(session)
+        self.issued.forget(session)
 
     def _sweep(self) -> None:
         now, ttl = time.monotonic(), self.config.tombstone_s
+        # an answer is out within a moment (or its decode is not there): close its socket; a registration not
+        # confirmed within SGLANG_P2P_PEER_TIMEOUT is forgotten (its decode registers again if it exists)
+        for session, at in list(self._answered.items()):
+            if now - at > 1.0:
+                self._answered.pop(session, None)
+                self.answers.forget(session)
+        for session, reg in list(self.pending.items()):
+            if now - self._pending_at.get(session, 0.0) > self.watch.timeout_s and self.pending.pop(session, None) is reg:
+                self.pending_secrets.forget(session)
         for room, (_, at) in list(self.concluded.items()):
             if now - at > ttl:
                 self.concluded.pop(room, None)
@@ -300,6 +387,7 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
             t.join(timeout=5)
         if self.channels is not None:
             self.channels.close()
+        self.answers.close()
 
     # ------------------------------------------------------------------ status
     def _fail_room(self, room: int, reason: str, notify: bool = True, block: bool = True) -> None:
@@ -313,6 +401,13 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         for info in list((self.transfer_infos.get(room) or {}).values()):
             if not info.is_dummy and info.session in self.decode_peers:
                 self._control_send(info.session, wire.Status(self.session, room, self.prefill_rank, int(status), reason), block)
+
+    def _fail_or_bury(self, room: int, reason: str) -> None:
+        """Fail `room` here, or, if its sender does not exist yet, fail it when it does (P2pNcclKVSender)."""
+        if room in self.request_status:
+            self._fail_room(room, reason, notify=False)
+        else:
+            self.concluded[room] = (reason, time.monotonic())
 
     def notify_aborted(self, room: int) -> None:
         if self.transfer_infos.get(room):

@@ -14,7 +14,9 @@ spread over a TP size) is refused with both layouts named.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
+
+import msgspec
 
 from .heads import heads_per_rank, layout_problem
 from .messages import PROTOCOL_VERSION, Agreement
@@ -35,11 +37,17 @@ _FIXES: dict[str, tuple[str, str]] = {
         "set the same SGLANG_P2P_STAGING_MB and SGLANG_P2P_STAGING_SLOTS on prefill and decode",
     ),
     "auth": ("control-message authentication", "set the same SGLANG_P2P_AUTH_KEY (or _FILE) on every prefill and decode"),
+    "aux_item_lens": (
+        "aux (metadata) layout (bytes per row of every aux buffer)",
+        "run the same SGLang release with the same speculative-decoding and logprob settings on prefill and decode",
+    ),
 }
+#: what else a refusal may reveal when it differs (a decode needs it to name the head layout it cannot pair)
+_SHAPE = ("attn_tp_size", "kv_total_heads")
 
 
 def _describe(name: str, value: Any) -> str:
-    if name.endswith("item_lens") and isinstance(value, list):
+    if name in ("kv_item_lens", "state_item_lens") and isinstance(value, list):
         flat = [x for v in value for x in (v if isinstance(v, list) else [v])]
         return f"{len(value)} regions of {sorted(set(flat))} bytes"
     return repr(value)
@@ -60,6 +68,13 @@ def differences(mine: Agreement, theirs: Agreement, my_role: str, their_role: st
         out.append(f"state components with different attention TP ({my_role} {mine.attn_tp_size}, {their_role} "
                    f"{theirs.attn_tp_size}) are not sliced by p2pnccl; launch both with the same attention TP")
     return out
+
+
+def redacted(mine: Agreement, theirs: Agreement) -> Agreement:
+    """`theirs` with only the values that differ from `mine` replaced by mine: what a refusal tells a peer (it
+    names what to change, and nothing else of this rank's configuration)."""
+    changed = {n: getattr(mine, n) for n in (*_FIXES, "mla", *_SHAPE) if getattr(mine, n) != getattr(theirs, n)}
+    return msgspec.structs.replace(theirs, **changed)
 
 
 def _head_layout(a: Agreement, total: int) -> tuple[int, list[int]]:
@@ -103,6 +118,7 @@ def local_agreement(
     mla: bool = False,
     attn_tp_size: int = 1,
     kv_total_heads: int = 0,
+    aux_item_lens: Sequence[int] = (),
 ) -> Agreement:
     return Agreement(
         protocol=PROTOCOL_VERSION,
@@ -115,5 +131,6 @@ def local_agreement(
         mla=bool(mla),
         attn_tp_size=int(attn_tp_size),
         kv_total_heads=int(kv_total_heads),
+        aux_item_lens=[int(x) for x in aux_item_lens],
     )
 

@@ -8,7 +8,7 @@ frame list a rank sends on the control channel, ours and SGLang's own (ABORT, AB
 where `tag` = HMAC(key, header + every frame, length-prefixed). The receiver drops (and counts) any frame
 list without a valid tag, and any replay: per sender session it keeps the newest incarnation (the sending
 process's start time) and the last counter seen from it, and accepts only a newer incarnation or a higher
-counter of the same one. Counters are kept per (sender, receiver) pair and sent in order on one socket.
+counter of the same one. A sender numbers all its frame lists in one sequence and sends each peer's in order.
 The standard library's `hmac` is used: no extra dependency, constant-time comparison.
 
 What the key protects, and what it does not (README "Failures and security"): without the key nobody can
@@ -33,7 +33,12 @@ _MAX_SENDERS = 4096  # replay state kept per sender session; oldest dropped beyo
 
 
 class AuthError(ValueError):
-    """A frame list that must be dropped: unauthenticated, wrong key, malformed envelope, or a replay."""
+    """A frame list that must be dropped: unauthenticated, wrong key, malformed envelope, or a replay. `kind`
+    says which key problem it shows: "none" (the sender has no key), "other" (a different key), "" (neither)."""
+
+    def __init__(self, message: str, kind: str = ""):
+        super().__init__(message)
+        self.kind = kind
 
 
 def key_from_env(environ: Optional[dict] = None) -> Optional[bytes]:
@@ -72,9 +77,16 @@ class Authenticator:
         self.incarnation = incarnation
         self._seen: "OrderedDict[str, tuple[int, int]]" = OrderedDict()  # session -> (incarnation, counter)
         self._lock = threading.Lock()
+        self._counter = 0
         self.dropped = 0
 
-    def seal(self, frames: list[bytes], counter: int) -> list[bytes]:
+    def seal(self, frames: list[bytes], counter: Optional[int] = None) -> list[bytes]:
+        """Seal with `counter`, by default this rank's next one: one sequence for every peer, so the counters a
+        peer sees only grow (call under the lock that orders the sends to that peer)."""
+        if counter is None:
+            with self._lock:
+                self._counter += 1
+                counter = self._counter
         header = msgspec.msgpack.encode([self.session, self.incarnation, counter])
         return [AUTH_MAGIC, header, _tag(self._key, header, frames), *frames]
 
@@ -82,10 +94,10 @@ class Authenticator:
         """(sender session, inner frames) of an authentic, fresh envelope; raises AuthError otherwise."""
         try:
             if len(frames) < 4 or frames[0] != AUTH_MAGIC:
-                raise AuthError("unauthenticated control message (this rank requires SGLANG_P2P_AUTH_KEY)")
+                raise AuthError("unauthenticated control message (this rank requires SGLANG_P2P_AUTH_KEY)", "none")
             header, tag, inner = frames[1], frames[2], frames[3:]
             if not hmac.compare_digest(tag, _tag(self._key, header, inner)):
-                raise AuthError("control message with a wrong authentication tag (different SGLANG_P2P_AUTH_KEY?)")
+                raise AuthError("control message with a wrong authentication tag (different SGLANG_P2P_AUTH_KEY?)", "other")
             try:
                 session, incarnation, counter = msgspec.msgpack.decode(header, type=tuple[str, int, int])
             except msgspec.DecodeError:

@@ -64,6 +64,7 @@ class Published:
     state_ids: list[np.ndarray]
     prefills: frozenset  # sessions of the prefill ranks that serve the room
     next_seq: dict = field(default_factory=dict)  # prefill_rank -> index of its next chunk
+    received: list = field(default_factory=list)  # KV destination ids of the chunks that passed their checks
     _sorted: list = field(default_factory=list)
 
     def allowed(self, group: int) -> np.ndarray:

@@ -5,7 +5,8 @@ Sends are bounded by SNDTIMEO, so a dead peer makes a send fail (ControlError) i
 heartbeats do not wait at all (`block=False`). The number of open sockets is capped: the least recently used
 one is closed when a new endpoint would exceed `max_sockets` (ZMQ's own limit is 1,023 sockets a context), so
 no stream of peers can exhaust file descriptors. With an `Authenticator` every frame list is sealed with the
-endpoint's next counter, under the endpoint's lock, so counters reach the peer in order.
+endpoint's next counter, under the endpoint's lock, so counters reach the peer in order. Every frame list to a
+peer that issued this rank a pair secret carries it (pair_secret.py), inside the authenticated envelope.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import zmq
 
 from . import messages
 from .auth import Authenticator
+from .pair_secret import seal
 
 
 class ControlError(RuntimeError):
@@ -28,17 +30,31 @@ class _Endpoint:
     def __init__(self, sock: zmq.Socket):
         self.sock = sock
         self.lock = threading.Lock()
-        self.counter = 0
 
 
 class ControlChannel:
-    def __init__(self, send_timeout_s: float = 5.0, max_sockets: int = 512, auth: Optional[Authenticator] = None):
+    def __init__(self, send_timeout_s: float = 5.0, max_sockets: int = 512, auth: Optional[Authenticator] = None,
+                 linger_ms: int = 0):
         self._ctx = zmq.Context.instance()
+        self._linger_ms = linger_ms
         self._send_timeout_ms = int(send_timeout_s * 1000)
         self._max_sockets = max_sockets
         self._auth = auth
         self._sockets: "OrderedDict[str, _Endpoint]" = OrderedDict()
+        #: endpoint -> the pair secret that peer issued to this rank (carried by every frame list to it)
+        self._secrets: "OrderedDict[str, bytes]" = OrderedDict()
         self._lock = threading.Lock()
+
+    def set_secret(self, endpoint: str, secret: Optional[bytes]) -> None:
+        """From now on frame lists to `endpoint` carry `secret` (None: nothing, before a peer answered)."""
+        with self._lock:
+            if secret:
+                self._secrets[endpoint] = secret
+                self._secrets.move_to_end(endpoint)
+                while len(self._secrets) > 2 * self._max_sockets:
+                    self._secrets.popitem(last=False)
+            else:
+                self._secrets.pop(endpoint, None)
 
     def _endpoint(self, endpoint: str) -> _Endpoint:
         evicted = []
@@ -46,7 +62,7 @@ class ControlChannel:
             entry = self._sockets.get(endpoint)
             if entry is None:
                 sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.LINGER, self._linger_ms)
                 sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
                 if endpoint.startswith("["):
                     sock.setsockopt(zmq.IPV6, 1)
@@ -71,12 +87,13 @@ class ControlChannel:
         """Send one frame list; raises ControlError (never a bare ZMQError) when it was not handed to ZMQ."""
         try:
             entry = self._endpoint(endpoint)
+            with self._lock:
+                frames = seal(frames, self._secrets.get(endpoint))
             with entry.lock:
                 if entry.sock.closed:  # evicted meanwhile: the next send opens a new one
                     raise ControlError(f"control socket to {endpoint} was recycled")
                 if self._auth is not None:
-                    entry.counter += 1
-                    frames = self._auth.seal(frames, entry.counter)
+                    frames = self._auth.seal(frames)
                 entry.sock.send_multipart(frames, flags=0 if block else zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise ControlError(f"control message to {endpoint} not delivered: {e}") from e
@@ -88,6 +105,7 @@ class ControlChannel:
     def forget(self, endpoint: str) -> None:
         with self._lock:
             entry = self._sockets.pop(endpoint, None)
+            self._secrets.pop(endpoint, None)
         if entry is not None:
             with entry.lock:
                 entry.sock.close()

@@ -22,7 +22,10 @@ from msgspec import Meta
 
 MAGIC = b"P2P1"
 #: what both sides must speak; compared at registration (agreement.py)
-PROTOCOL_VERSION = 4  # 3: head ranges (different attention TP on MHA pools); 4: CUDA IPC export (same host)
+# 3: head ranges (different attention TP on MHA pools); 4: CUDA IPC export (same host); 5: pair secrets (every
+# message after registration carries the secret its receiver issued: pair_secret.py), aux rows in the agreement,
+# RoomFailed
+PROTOCOL_VERSION = 5
 
 # static bounds of wire fields: generous for any deployment, small enough that nothing sized by them is costly
 Session = Annotated[str, Meta(min_length=3, max_length=200)]
@@ -35,6 +38,7 @@ Short = Annotated[str, Meta(max_length=4096)]
 ItemLens = Annotated[list[Count], Meta(max_length=4096)]
 Ptrs = Annotated[list[Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]], Meta(max_length=4096)]
 Cap = Annotated[int, Meta(ge=-1, le=1024)]
+Secret = Annotated[bytes, Meta(max_length=64)]
 
 
 class Agreement(msgspec.Struct, kw_only=True):
@@ -56,6 +60,8 @@ class Agreement(msgspec.Struct, kw_only=True):
     attn_tp_size: Annotated[int, Meta(ge=1, le=1 << 12)] = 1
     #: the model's KV head count (the prefill knows it from SGLang's KVArgs; 0 where unknown, e.g. a decode)
     kv_total_heads: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    #: bytes of one aux (metadata) row per aux buffer: the prefill writes its rows into the decode's
+    aux_item_lens: ItemLens = msgspec.field(default_factory=list)
 
 
 class IpcRegion(msgspec.Struct, array_like=True):
@@ -104,6 +110,8 @@ class PeerRegister(msgspec.Struct, tag=True):
     # the decode's pools exported through CUDA IPC, when it offers "cudaipc": a prefill on the same host maps
     # them once and copies into them directly
     ipc: Optional[IpcExport] = None
+    #: the decode's pair secret for this registration: every later message of the prefill to it carries it
+    secret: Secret = b""
 
     @property
     def page_size(self) -> int:
@@ -116,7 +124,9 @@ class PeerRegister(msgspec.Struct, tag=True):
 
 class PeerAnswer(msgspec.Struct, tag=True):
     """Prefill rank -> decode rank, answering PeerRegister: accepted (problem "") or refused and why, with the
-    prefill's own agreement so the decode compares too, and the prefill rank it will report Status as."""
+    prefill's agreement so the decode compares too (a refusal carries the decode's own agreement with only the
+    differing values replaced: a stranger learns nothing else), and the prefill rank it will report Status as.
+    The decode's first message after an acceptance (a Heartbeat carrying `secret`) confirms the registration."""
 
     session: Session
     incarnation: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
@@ -125,6 +135,8 @@ class PeerAnswer(msgspec.Struct, tag=True):
     problem: Short = ""
     #: the prefill's attention TP rank: which heads it holds (heads.py)
     attn_tp_rank: Count = 0
+    #: the prefill's pair secret for this registration: every later message of the decode to it carries it
+    secret: Secret = b""
 
 
 class Heartbeat(msgspec.Struct, tag=True):
@@ -233,6 +245,14 @@ class AuxData(msgspec.Struct, tag=True):
     rows: Annotated[list[Annotated[bytes, Meta(max_length=1 << 20)]], Meta(max_length=64)]
 
 
+class RoomFailed(msgspec.Struct, tag=True):
+    """Decode -> prefill: the decode failed `room` on its side (an invalid aux row, say); stop sending it."""
+
+    session: Session
+    room: Room
+    reason: Short
+
+
 class Status(msgspec.Struct, tag=True):
     """Prefill -> decode: the room concluded on this prefill rank (KVPoll value) with a reason on failure."""
 
@@ -245,7 +265,7 @@ class Status(msgspec.Struct, tag=True):
 
 Message = Union[
     PeerRegister, PeerAnswer, Heartbeat, RoomMetadata, CommInit, ChunkHeader, AuxData, Status,
-    CommOffer, CommAnswer, CommClosed, CommRelease, ChunkRefused,
+    CommOffer, CommAnswer, CommClosed, CommRelease, ChunkRefused, RoomFailed,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

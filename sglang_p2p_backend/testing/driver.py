@@ -50,6 +50,9 @@ class Req:
     #: {"side": "prefill"|"decode", "at": ...}: abort this request on that side at that point (prefill: "bootstrap",
     #: "chunk" after `n` chunks, "last" after the last chunk; decode: "init" before its metadata, "transfer" after it)
     abort: Optional[dict] = None
+    #: decode: start no sooner than this many seconds into the run, and only once `<after>.ready` exists
+    start_after_s: float = 0.0
+    after: str = ""
     handle: Any = None
     phase: str = "new"
     pages: Optional[np.ndarray] = None
@@ -66,7 +69,8 @@ def _requests(plan: dict, role: str) -> list[Req]:
     """The plan's requests this role sees (a request may name `roles` to reach only one side)."""
     return [
         Req(r["room"], r["tokens"], r.get("chunk_pages", 1 << 30), r.get("prefix", 0),
-            r["abort"] if r.get("abort", {}).get("side") == role else None)
+            r["abort"] if r.get("abort", {}).get("side") == role else None, r.get("start_after_s", 0.0),
+            r.get("after", ""))
         for r in plan["requests"]
         if role in r.get("roles", ("prefill", "decode"))
     ]
@@ -116,7 +120,7 @@ class Role:
             cuda_ipc.use_backend(self.shm)
         self.pools = HostPools.allocate(self.spec, self.shm.allocate if self.shm else None)
         aux_rows = max(64, len(plan["requests"]) + 2)
-        self.meta = runtime.metadata_buffers(aux_rows)
+        self.meta = runtime.metadata_buffers(aux_rows, int(plan.get("aux_hidden_size", {}).get(role, 16)))
         self.bootstrap = None
         if role == "prefill" and rank == 0:
             self.bootstrap = start_bootstrap_process(self.host, self.bootstrap_port)
@@ -159,6 +163,15 @@ class Role:
         self.ack_sent_at: dict[int, float] = {}
         if role == "prefill":
             self.watch_writes(self.faults.get("write_delay_s", 0))
+            self.misdirect_aux(self.faults.get("aux_row", {}))
+
+    def misdirect_aux(self, rows: dict) -> None:
+        """Prefill fault `aux_row` ({room: row}): the aux row of those rooms is sent to that row of the decode
+        instead of the one it published (a buggy or compromised prefill; two-sided transports)."""
+        if not rows:
+            return
+        send_aux = self.mgr._send_aux
+        self.mgr._send_aux = lambda session, room, src, dst: send_aux(session, room, src, int(rows.get(str(room), dst)))
 
     def watch_writes(self, delay) -> None:
         """Prefill: record when each room's last write returned (`write_done_at`) and when its deferred
@@ -258,6 +271,8 @@ class Role:
             out["deferred_ack_targets"] = sorted(getattr(m, "_deferred_ack_targets", {}))
             out["decode_peers"] = sorted(m.decode_peers)
             out["rejected_peers"] = dict(m.rejected_peers)
+            out["pending_registrations"] = len(m.pending)
+            out["answer_sockets"] = m.answers.open_endpoints()
             out["concluded"] = sorted(m.concluded)
             out["owned_rooms"] = sorted(m.owned_rooms)
             out["ipc_failed"] = dict(m.ipc_failed)
@@ -382,6 +397,9 @@ class Role:
             self.try_release(req)
             return
         if req.phase == "new":
+            if now - self.t0 < req.start_after_s or (
+                    req.after and not os.path.exists(os.path.join(self.plan["workdir"], f"{req.after}.ready"))):
+                return
             req.handle = self.cls[KVClassType.RECEIVER](mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=req.room)
             req.phase, req.started = "ensure", now
             req.result["ensure_tries"] = 0
@@ -464,7 +482,7 @@ class Role:
         step = self.step_prefill if self.role == "prefill" else self.step_decode
         fds_start, threads_start = _fds(), threading.active_count()
         start = time.monotonic()
-        t0 = start
+        t0 = self.t0 = start
         while any(r.phase != "done" for r in reqs):
             now = time.monotonic()
             if now - start > deadline_s:

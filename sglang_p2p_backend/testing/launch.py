@@ -53,6 +53,7 @@ class PairRun:
         plan.setdefault("bootstrap_port", free_port())
         plan.setdefault("dist_ports", {"prefill": free_port(), "decode": free_port()})
         plan["workdir"] = self.workdir
+        self.plan = plan
         plan_path = os.path.join(self.workdir, "plan.json")
         with open(plan_path, "w") as f:
             json.dump(plan, f)
@@ -60,18 +61,23 @@ class PairRun:
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", SGLANG_HOST_IP="127.0.0.1", **(env or {}))
         tp = {role: int(plan.get("tp", {}).get(role, 1)) for role in ("prefill", "decode")}
         self.procs, self.outs, self.logs = {}, {}, {}
+        self.env = full_env
         for role in ("prefill", "decode"):
             for rank in range(tp[role]):
-                key = (role, rank)
-                self.outs[key] = os.path.join(self.workdir, f"{role}-{rank}.json")
-                self.logs[key] = open(os.path.join(self.workdir, f"{role}-{rank}.log"), "w")
-                self.procs[key] = subprocess.Popen(
-                    [sys.executable, "-m", "sglang_p2p_backend.testing.driver", "--role", role, "--rank", str(rank),
-                     "--plan", plan_path, "--out", self.outs[key]],
-                    env=full_env,
-                    stdout=self.logs[key],
-                    stderr=subprocess.STDOUT,
-                )
+                self.outs[(role, rank)] = os.path.join(self.workdir, f"{role}-{rank}.json")
+                self.procs[(role, rank)] = self.start(role, rank, plan_path, self.outs[(role, rank)])
+
+    def start(self, role: str, rank: int, plan_path: str, out: str, env: Optional[dict] = None) -> subprocess.Popen:
+        """One more driver process (a restarted server, say) on another plan; its log goes next to `out`."""
+        log = open(out.removesuffix(".json") + ".log", "w")
+        self.logs[(role, rank, out)] = log
+        return subprocess.Popen(
+            [sys.executable, "-m", "sglang_p2p_backend.testing.driver", "--role", role, "--rank", str(rank),
+             "--plan", plan_path, "--out", out],
+            env={**self.env, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     def session(self, role: str, rank: int = 0, timeout: float = 60.0) -> str:
         """The control endpoint ("ip:port") of a rank, once its manager is up."""
@@ -98,8 +104,9 @@ class PairRun:
                 p.wait()
                 codes[key] = "timeout" if key[0] in roles else "killed"
         result = {"workdir": self.workdir, "ranks": {"prefill": [], "decode": []}}
+        for log in self.logs.values():
+            log.close()
         for key in self.procs:
-            self.logs[key].close()
             out = self.outs[key]
             result["ranks"][key[0]].append(json.load(open(out)) if os.path.exists(out) else None)
         # rank 0 of each role, the common case of one rank a server

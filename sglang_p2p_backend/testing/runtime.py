@@ -89,10 +89,11 @@ def sender_kwargs(sender_cls: type) -> dict:
     return extra
 
 
-def metadata_buffers(size: int) -> Any:
-    """SGLang's own aux buffers (host memory), as the scheduler builds them."""
+def metadata_buffers(size: int, hidden_size: int = 16) -> Any:
+    """SGLang's own aux buffers (host memory), as the scheduler builds them (`hidden_size`: of the draft model's
+    hidden states, which speculative decoding passes along; it sets the bytes of one aux row)."""
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
     return MetadataBuffers(
-        size=size, hidden_size=16, hidden_states_dtype=torch.float32, max_top_logprobs_num=4, max_sampling_mask_tokens=1
+        size=size, hidden_size=hidden_size, hidden_states_dtype=torch.float32, max_top_logprobs_num=4, max_sampling_mask_tokens=1
     )

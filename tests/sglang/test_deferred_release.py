@@ -8,6 +8,7 @@ callable queued on a real `PairReceiver` stands for a scatter still running.
 
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -38,6 +39,7 @@ def decode_manager():
     mgr.two_sided = object()
     mgr.arrivals = ArrivalTracker(lambda *a: None)
     mgr.receivers = {}
+    mgr.dropped = Counter()
     return mgr
 
 
@@ -69,7 +71,7 @@ def test_ack_counts_only_after_the_receiver_finished_the_chunks_before_it(receiv
     mgr.arrivals.announce(ROOM, RANK, PEER)  # a chunk of the room was announced and is being scattered
     scatter_may_end = threading.Event()
     receiver.submit(lambda: scatter_may_end.wait(5))
-    mgr._on_sglang_frames(ack(ROOM, generation), None)
+    mgr._on_sglang_frames(ack(ROOM, generation), PEER)
     time.sleep(0.2)
     assert not mgr.is_abort_release_safe(ROOM, 1), "ACK counted while a scatter of the room was still running"
     scatter_may_end.set()
@@ -82,7 +84,9 @@ def test_ack_counts_at_once_without_chunks_in_flight_and_stale_generations_do_no
     receiver.submit(lambda: time.sleep(1))  # another room's chunk: must not delay this room's ACK
     old = mgr.register_deferred_abort_room(ROOM)
     generation = mgr.register_deferred_abort_room(ROOM)  # the room was aborted again (reused)
-    mgr._on_sglang_frames(ack(ROOM, old), None)
+    mgr._on_sglang_frames(ack(ROOM, generation), None)  # without a prefill's pair secret: dropped
+    assert not mgr.is_abort_release_safe(ROOM, 1) and mgr.dropped["unexpected"] == 1
+    mgr._on_sglang_frames(ack(ROOM, old), PEER)
     assert not mgr.is_abort_release_safe(ROOM, 1)
-    mgr._on_sglang_frames(ack(ROOM, generation), None)
+    mgr._on_sglang_frames(ack(ROOM, generation), PEER)
     assert mgr.is_abort_release_safe(ROOM, 1)

@@ -1,0 +1,194 @@
+"""Trust without a shared key, through SGLang's classes (one process per role on 127.0.0.1, tcp transport): a
+sender that is not one of a pair's two processes cannot make a room succeed with wrong bytes, cannot lock decodes
+out with registrations from addresses it does not own, and every mismatch between a prefill and a decode fails
+both sides' requests within seconds naming both values; a refusal lasts only as long as its cause.
+
+The hostile party is this test process (sglang_p2p_backend/testing/hostile.py). No test here sets
+SGLANG_P2P_AUTH_KEY unless it says so: the default configuration is what most users run.
+"""
+
+import json
+import os
+import time
+
+import msgspec
+import pytest
+from test_control_plane import HOSTILE_ENV, LINGER, POOL, slow_rooms
+from test_pd_transfer import FAST_FAILURE_ENV, assert_all_landed, failed_reason
+
+from sglang_p2p_backend.engine import messages as wire
+from sglang_p2p_backend.engine.agreement import local_agreement
+from sglang_p2p_backend.testing import hostile
+from sglang_p2p_backend.testing.launch import PairRun, run_pair
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+#: SGLang's own timeouts well above what these tests allow, so only our refusals can end a room in time
+SLOW_SGLANG_ENV = {**FAST_FAILURE_ENV, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120",
+                   "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "120"}
+
+
+def test_forged_success_without_a_key_leaves_rooms_byte_exact():
+    """The attack: claim the prefill's session (the bootstrap server tells anyone), send Status(Success) for the
+    live rooms, then an AuxData for every aux row. Before pair secrets the decode reported those rooms Success with
+    most pages wrong."""
+    rooms = [801, 802, 803]
+    plan = {"pool": POOL, "requests": slow_rooms(rooms, tokens=200), "faults": {"prefill": {"chunk_delay_s": 0.4}},
+            "deadline_s": 60, "linger_s": LINGER}
+    run = PairRun(plan, env=HOSTILE_ENV)
+    prefill, decode = run.session("prefill"), run.session("decode")
+    time.sleep(2.0)  # rooms published, chunks flowing
+    # Success first: once a room has succeeded, a wrong aux row guess no longer fails it
+    forged = [wire.encode(wire.Status(prefill, room, 0, 4)) for room in rooms]  # KVPoll.Success
+    rows = [b"\x07" * min(8, n) for n in _aux_item_lens()]  # every aux buffer: its room id, first token...
+    for room in rooms:
+        forged += [wire.encode(wire.AuxData(prefill, room, row, rows)) for row in range(64)]
+    hostile.push(decode, forged)
+    result = run.wait(90)
+    assert_all_landed(result, rooms)  # every room Success with every page and aux row exact
+    assert result["decode"]["leftovers"]["dropped"]["secret"] == len(forged)
+
+
+def _aux_item_lens() -> list:
+    """Bytes of one row of each of SGLang's aux buffers, as the driver builds them."""
+    from sglang_p2p_backend.testing import runtime
+
+    return runtime.metadata_buffers(64).get_buf_infos()[2]
+
+
+def _pool_agreement(pool: dict) -> wire.Agreement:
+    """The agreement a decode rank of the driver sends (what an attacker would have learnt from an answer)."""
+    from sglang_p2p_backend.testing.pools import PoolSpec
+
+    spec = PoolSpec(**pool)
+    aux_lens = _aux_item_lens()
+    return local_agreement(page_size=spec.page_size, kv_dtype="bfloat16", kv_item_lens=[spec.item_len] * spec.num_regions,
+                           state_item_lens=[], slot_bytes=128 << 20, auth=False, mla=spec.layout == "mla",
+                           aux_item_lens=aux_lens)
+
+
+def phantom_registrations(count: int, agreement: wire.Agreement) -> list:
+    return [wire.encode(wire.PeerRegister(
+        session=hostile.phantom(i), incarnation=1, hostname="phantom", engine_rank=0, attn_tp_size=1,
+        agreement=agreement, kv_ptrs=[1 << 20] * len(agreement.kv_item_lens), aux_ptrs=[], aux_item_lens=[],
+        state_ptrs=[], kv_pages=1 << 20, aux_rows=64, state_slots=[], transports=["tcp"], secret=b"s" * 16))
+        for i in range(count)]
+
+
+def test_600_phantom_registrations_leave_the_real_decode_served():
+    """Matching registrations from 600 addresses nobody answers at (and 200 that do not match), before and while
+    the real decode registers: none becomes a peer (no slot, no live socket), the real decode is served, sockets
+    and fds end flat, refusals are logged rate-limited."""
+    rooms = [901, 902, 903]
+    requests = [{**r, "start_after_s": 4.0} for r in slow_rooms(rooms)]
+    # the prefill lingers until every unconfirmed registration expired (SGLANG_P2P_PEER_TIMEOUT)
+    plan = {"pool": POOL, "requests": requests, "deadline_s": 60, "linger_s": {"prefill": 10.0, "decode": 3.0}}
+    run = PairRun(plan, env={**HOSTILE_ENV, "SGLANG_P2P_MAX_PEERS": "512", "SGLANG_P2P_PEER_TIMEOUT": "4"})
+    prefill = run.session("prefill")
+    agreement = _pool_agreement(POOL)
+    flood = phantom_registrations(600, agreement)
+    mismatched = phantom_registrations(200, msgspec.structs.replace(agreement, page_size=99))
+    assert hostile.push(prefill, flood[:550] + mismatched[:100]) == 650
+    time.sleep(4.5)  # the decode registers now
+    assert hostile.push(prefill, flood[550:] + mismatched[100:]) == 150
+    result = run.wait(90)
+    assert_all_landed(result, rooms)
+    p = result["prefill"]
+    left = p["leftovers"]
+    # no phantom became a peer (the real decode, gone by now, was the only one)
+    decode = run.session("decode")
+    assert left["decode_peers"] in ([], [decode]) and left["watched_peers"] in ([], [decode]), left
+    assert result["decode"]["leftovers"]["prefills"] == {prefill: "accepted"}
+    assert left["control_sockets"] <= 1 and left["answer_sockets"] == 0, left
+    assert left["pending_registrations"] == 0, left  # never confirmed, so forgotten
+    res = p["resources"]
+    assert res["fds_end"] - res["fds_start"] <= 16, res
+    log = open(os.path.join(result["workdir"], "prefill-0.log")).read()
+    assert 0 < log.count("p2pnccl: decode rank") <= 20, "refusal logs are rate-limited"
+
+
+def _mismatch_plan(room: int, **overrides) -> dict:
+    return {"pool": {"layout": "mla", "num_layers": 2, "page_size": 1, "num_pages": 100},
+            "requests": [{"room": room, "tokens": 32}], "deadline_s": 40, **overrides}
+
+
+KEY_A = {"SGLANG_P2P_AUTH_KEY": "0123456789abcdef-key-a"}
+KEY_B = {"SGLANG_P2P_AUTH_KEY": "0123456789abcdef-key-b"}
+
+
+@pytest.mark.parametrize("overrides,prefill_needles,decode_needles", [
+    pytest.param({"pool_overrides": {"decode": {"page_size": 16}}},
+                 ["page size differs: prefill 1, decode 16", "--page-size"], ["page_size=1", "page_size=16"],
+                 id="page-size"),
+    pytest.param({"kv_dtype": {"prefill": "bfloat16", "decode": "fp8_e4m3"}},
+                 ["KV cache dtype differs: prefill 'bfloat16', decode 'fp8_e4m3'"], ["bfloat16", "fp8_e4m3"],
+                 id="kv-dtype"),
+    pytest.param({"env": {"prefill": KEY_A}},
+                 ["prefill rank has SGLANG_P2P_AUTH_KEY set and the peer sends none"],
+                 ["prefill rank has SGLANG_P2P_AUTH_KEY set and the peer sends none"], id="key-on-prefill-only"),
+    pytest.param({"env": {"decode": KEY_A}},
+                 ["the peer has SGLANG_P2P_AUTH_KEY set, this prefill rank has none"],
+                 ["the peer has SGLANG_P2P_AUTH_KEY set, this prefill rank has none"], id="key-on-decode-only"),
+    pytest.param({"env": {"prefill": KEY_A, "decode": KEY_B}},
+                 ["SGLANG_P2P_AUTH_KEY set and the peer a different one"],
+                 ["SGLANG_P2P_AUTH_KEY set and the peer a different one"], id="different-keys"),
+])
+def test_mismatches_fail_both_sides_within_10s_naming_both_values(overrides, prefill_needles, decode_needles):
+    result = run_pair(_mismatch_plan(71, **overrides), env=SLOW_SGLANG_ENV)
+    assert result["returncodes"] == {"prefill": 0, "decode": 0}, result["workdir"]
+    for side, needles in (("prefill", prefill_needles), ("decode", decode_needles)):
+        reason = failed_reason(result[side], 71)
+        for needle in needles:
+            assert needle in reason, (side, reason)
+        assert result[side]["requests"]["71"]["seconds"] < 10, (side, result[side]["requests"]["71"])
+
+
+def test_aux_row_mismatch_is_refused_on_both_sides():
+    # a decode whose metadata rows are laid out otherwise (another SGLang release or speculative settings)
+    plan = _mismatch_plan(72, aux_hidden_size={"decode": 32})
+    result = run_pair(plan, env=SLOW_SGLANG_ENV)
+    for side in ("prefill", "decode"):
+        reason = failed_reason(result[side], 72)
+        assert "aux (metadata) layout" in reason and "differs" in reason, (side, reason)
+        assert result[side]["requests"]["72"]["seconds"] < 10
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_refused_prefill_restarted_with_a_fixed_configuration_is_served():
+    """A prefill started with the wrong page size fails its requests on both sides; restarted at the same bootstrap
+    address with the right one, it serves the same decode process (no decode restart)."""
+    plan = _mismatch_plan(0, pool_overrides={"prefill": {"page_size": 16}})
+    plan["requests"] = [{"room": 1101, "tokens": 32},
+                        {"room": 1102, "tokens": 32, "roles": ["decode"], "after": "restarted"}]
+    plan["deadline_s"] = 90
+    run = PairRun(plan, env=SLOW_SGLANG_ENV)
+    run.session("decode")
+    first = run.procs[("prefill", 0)]
+    first.wait(60)  # its room 1101 failed (told by the decode), so it exited
+    assert first.returncode == 0, run.workdir
+    deadline = time.monotonic() + 20
+    while not _port_free(run.plan["bootstrap_port"]) and time.monotonic() < deadline:
+        time.sleep(0.2)  # its bootstrap server goes with it
+    fixed = {**run.plan, "pool_overrides": {}, "requests": [{"room": 1102, "tokens": 32}]}
+    fixed_path = os.path.join(run.workdir, "plan-fixed.json")
+    with open(fixed_path, "w") as f:
+        json.dump(fixed, f)
+    os.remove(os.path.join(run.workdir, "prefill-0.session"))
+    second = run.start("prefill", 0, fixed_path, os.path.join(run.workdir, "prefill-fixed.json"))
+    run.procs[("prefill", 0)] = second
+    run.session("prefill")  # its bootstrap server and manager are up
+    open(os.path.join(run.workdir, "restarted.ready"), "w").close()
+    result = run.wait(90)
+    d = result["decode"]
+    assert "page_size=16" in failed_reason(d, 1101)
+    assert "page size differs: prefill 16, decode 1" in failed_reason(result["prefill"], 1101)  # the first one
+    r = d["requests"]["1102"]
+    assert r["status"] == "Success" and r["num_bad_pages"] == 0 and r["aux_room_ok"], r
+    fixed_result = json.load(open(os.path.join(run.workdir, "prefill-fixed.json")))
+    assert fixed_result["requests"]["1102"]["status"] == "Success"
