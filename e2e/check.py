@@ -12,7 +12,6 @@ that the comparison is sharp.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -110,10 +109,7 @@ def run(models_dir: Path, logs: Path, only: list[str], tolerance: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--logs", type=Path, required=True)
+    ap = config.step_parser(__doc__)
     ap.add_argument("--only", default=",".join(MODELS))
     ap.add_argument("--tolerance", type=float, default=compare.DEFAULT_TOLERANCE)
     ap.add_argument("--gpus", type=int, choices=(1, 2), default=None, help="default: E2E_GPUS, else 2")

@@ -1,6 +1,7 @@
 """Server flags, ports and per-backend environment shared by the check, perf and SGLang-test steps."""
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import time
@@ -78,6 +79,15 @@ BACKEND_ENV = {
     # Mooncake's strongest path on this host: intra-node NVLink (CUDA IPC), not TCP (no RDMA NICs there)
     "mooncake": {"MC_INTRANODE_NVLINK": "true", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"},
 }
+
+
+def step_parser(doc: Optional[str]) -> argparse.ArgumentParser:
+    """The arguments every server step takes: --models (folder of built models), --out (results JSON), --logs."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--logs", type=Path, required=True)
+    return ap
 
 
 def check_flags(model: str) -> list[str]:

@@ -10,7 +10,6 @@ ports, and 8 requests through the LB must succeed. The results name what each re
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -123,10 +122,7 @@ def run(models: Path, logs: Path, deadline: float, gpus: int, only: tuple = FAUL
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--logs", type=Path, required=True)
+    ap = config.step_parser(__doc__)
     ap.add_argument("--gpus", type=int, choices=(1, 2), default=None)
     ap.add_argument("--only", default="", help="comma list of faults to run, e.g. 'stop prefill' (default: all)")
     a = ap.parse_args(argv)

@@ -17,7 +17,6 @@ time left for the second pair, ``run_all.sh --gpus 1 --phase perf`` again measur
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import subprocess
@@ -179,10 +178,7 @@ def measure(backends: list[str], pairs: dict[str, tuple[Server, Server, Server]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--logs", type=Path, required=True)
+    ap = config.step_parser(__doc__)
     ap.add_argument("--backends", default="p2pnccl,mooncake")
     ap.add_argument("--genai-bench-bin", type=Path, help="folder with a genai-bench executable")
     ap.add_argument("--gpus", type=int, choices=(1, 2), default=None, help="default: E2E_GPUS, else 2")

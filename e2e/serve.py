@@ -23,7 +23,6 @@ run, so a call stopped at its deadline keeps what it measured.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -272,10 +271,7 @@ def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--logs", type=Path, required=True)
+    ap = config.step_parser(__doc__)
     ap.add_argument("--backends", default="p2pnccl,nixl")
     ap.add_argument("--modes", default="nograph,graph")
     ap.add_argument("--cells", default=DEFAULT_CELLS)
