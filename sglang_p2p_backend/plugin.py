@@ -76,7 +76,7 @@ def _get_kv_class_around(original, transfer_backend: Any, class_type: Any):
 
     if class_type == KVClassType.KVARGS:
         return KVArgs
-    from sglang_p2p_backend import conn
+    from sglang_p2p_backend.adapter import conn
 
     return {
         KVClassType.MANAGER: conn.P2pNcclKVManager,

@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.auth import Authenticator
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.wire.auth import Authenticator
 from sglang_p2p_backend.testing.launch import PairRun, run_pair
 
 POOL = {"layout": "mla", "num_layers": 61, "head_dim": 576, "page_size": 1, "num_pages": 4200}

@@ -25,13 +25,13 @@ import time
 import numpy as np
 import torch
 
-from sglang_p2p_backend.engine.checks import chunk_layout
-from sglang_p2p_backend.engine.copier import PageCopier
-from sglang_p2p_backend.engine.heads import heads_per_rank, pair_heads
-from sglang_p2p_backend.engine.memory import Region, page_views
-from sglang_p2p_backend.engine.messages import ChunkHeader
-from sglang_p2p_backend.engine.pipeline import PairReceiver, PairSender
-from sglang_p2p_backend.engine.staging import StagingPool
+from sglang_p2p_backend.engine.wire.checks import chunk_layout
+from sglang_p2p_backend.engine.copy.copier import PageCopier
+from sglang_p2p_backend.engine.copy.heads import heads_per_rank, pair_heads
+from sglang_p2p_backend.engine.copy.memory import Region, page_views
+from sglang_p2p_backend.engine.wire.messages import ChunkHeader
+from sglang_p2p_backend.engine.pair.pipeline import PairReceiver, PairSender
+from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.transport.tcp import TcpTransport
 
 LAYERS, HEADS, HEAD_BYTES, PAGE = 8, 8, 128 * 2, 16

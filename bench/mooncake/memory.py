@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_p2p_backend.engine.comm_pool import ANCHOR_COST
+from sglang_p2p_backend.engine.pair.comm_pool import ANCHOR_COST
 from sglang_p2p_backend.engine.transport.mooncake import MooncakeTransport
 
 from .__main__ import RESULTS, machine_info

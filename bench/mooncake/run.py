@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from sglang_p2p_backend.engine.plan import copy_descriptors
+from sglang_p2p_backend.engine.copy.plan import copy_descriptors
 from sglang_p2p_backend.engine.transport.mooncake import MooncakeTransport, batch_bounds
 
 from .cases import Case, Layout, page_ids

@@ -25,10 +25,10 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.transfer.pair import pair_device
-from sglang_p2p_backend.engine import messages
-from sglang_p2p_backend.engine.copier import PageCopier
-from sglang_p2p_backend.engine.pipeline import PairReceiver, PairSender
-from sglang_p2p_backend.engine.staging import StagingPool
+from sglang_p2p_backend.engine.wire import messages
+from sglang_p2p_backend.engine.copy.copier import PageCopier
+from sglang_p2p_backend.engine.pair.pipeline import PairReceiver, PairSender
+from sglang_p2p_backend.engine.pair.staging import StagingPool
 
 SENTINEL = 0x5A
 

@@ -140,9 +140,9 @@ class Prefill:
         import msgspec
         import torch
 
-        from sglang_p2p_backend.engine import messages
-        from sglang_p2p_backend.engine.memory import Region
-        from sglang_p2p_backend.engine.onesided import LocalMemory
+        from sglang_p2p_backend.engine.wire import messages
+        from sglang_p2p_backend.engine.copy.memory import Region
+        from sglang_p2p_backend.engine.transport.onesided import LocalMemory
         from sglang_p2p_backend.engine.transport.cuda_ipc import CudaIpcTransport, check_export, reachable
 
         self.torch, self.conn, self.cfg = torch, conn, cfg
@@ -240,7 +240,7 @@ class Prefill:
 
     def _plan_and_kernel(self, s, d, n, reps: int) -> dict:
         """Host planning alone, and the upload + copy kernel alone on the GPU, over the same mapping."""
-        from sglang_p2p_backend.engine.span_copy import SpanCopier, plan_tiles
+        from sglang_p2p_backend.engine.copy.span_copy import SpanCopier, plan_tiles
 
         torch = self.torch
         mapping = getattr(self.tr, "_peers", {}).get(SESSION)  # the transport's own mapping (opened once)
@@ -297,7 +297,7 @@ class Prefill:
         return ev, host
 
     def measure(self, case: tuple, reps: int, warmup: int) -> dict:
-        from sglang_p2p_backend.engine.onesided import chunk_descriptors
+        from sglang_p2p_backend.engine.transport.onesided import chunk_descriptors
 
         name, lay, tokens, dest = case
         src_ids, dst_ids = self._ids(lay, tokens, dest)

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from sglang_p2p_backend.engine.gather_cuda import FusedGather
+from sglang_p2p_backend.engine.copy.gather_cuda import FusedGather
 from sglang_p2p_backend.engine.transport.nccl import NcclPairComm
 
 

@@ -199,7 +199,7 @@ class Pools:
 
 def _engine_case(side: Side, pools: Pools, layout, ps: int, tokens: int, comm, slots, iters: int, seed: int,
                  method: str = "engine", extra: Optional[dict] = None) -> None:
-    from sglang_p2p_backend.engine.gather_cuda import FusedGather
+    from sglang_p2p_backend.engine.copy.gather_cuda import FusedGather
 
     from .kv import chunk_ranges, pick_pages, verify_pages
     from .loops import PipelinedReceiver, PipelinedSender, wait_event
@@ -267,7 +267,7 @@ def _per_page_case(side: Side, pools: Pools, layout, ps: int, tokens: int, comm,
 
 def _kernels(side: Side, pools: Pools, layouts, page_sizes, token_counts) -> None:
     """Gather/scatter alone on rank 0: fused kernel vs one index_select per region."""
-    from sglang_p2p_backend.engine.gather_cuda import FusedGather
+    from sglang_p2p_backend.engine.copy.gather_cuda import FusedGather
 
     from .kv import pick_pages
 
@@ -429,7 +429,7 @@ def _baselines(side: Side, pools: Pools, layouts, src_flat, scratch, cfg: dict) 
 
 def _two_peers(side: Side, pools: Pools, layout, ps: int, tokens: int, comms, cfg) -> None:
     """Both communicators carry a request of `tokens` at the same time (different pages)."""
-    from sglang_p2p_backend.engine.gather_cuda import FusedGather
+    from sglang_p2p_backend.engine.copy.gather_cuda import FusedGather
 
     from .kv import chunk_ranges, pick_pages
     from .loops import PipelinedReceiver, PipelinedSender, StagingSlots

@@ -34,9 +34,9 @@ import torch
 
 from sglang_p2p_backend.testing.shm_ipc import IPC_STANDIN_ENV
 
-from . import runtime
-from .launch import one_gpu_env
-from .pools import HostPools, PoolSpec
+from sglang_p2p_backend.testing import runtime
+from sglang_p2p_backend.testing.launch import one_gpu_env
+from sglang_p2p_backend.testing.pools import HostPools, PoolSpec
 
 FIRST_TOKEN = 4242
 
@@ -178,7 +178,7 @@ class Role:
         ABORT_ACKs went out (`ack_sent_at`). Fault `write_delay_s` (seconds, or {room: seconds}): each write of
         the manager (a Mooncake batch write, a CUDA IPC copy, a pair channel send) starts that much later, so it is in flight
         for that long."""
-        from sglang_p2p_backend.engine.pipeline import PairSender
+        from sglang_p2p_backend.engine.pair.pipeline import PairSender
 
         mgr, current = self.mgr, threading.local()
         process = mgr._process

@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from sglang_p2p_backend.engine import messages as wire
+from sglang_p2p_backend.engine.wire import messages as wire
 
 
 def push(endpoint: str, messages: Iterable[list[bytes]], pause_s: float = 0.0) -> int:

@@ -1,6 +1,6 @@
 """Decode-side ordering: a prefill's final status waits for every announced chunk to land."""
 
-from sglang_p2p_backend.engine.arrivals import ArrivalTracker
+from sglang_p2p_backend.engine.pair.arrivals import ArrivalTracker
 
 
 def tracker():

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from sglang_p2p_backend.engine.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire, parse_caps
-from sglang_p2p_backend.engine.comm_pool import H200_COST, H200_COST_NO_CUMEM, CommPool
+from sglang_p2p_backend.engine.pair.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire, parse_caps
+from sglang_p2p_backend.engine.pair.comm_pool import H200_COST, H200_COST_NO_CUMEM, CommPool
 
 
 def budget(mb, closed):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from sglang_p2p_backend.engine.comm_pool import ANCHOR_COST, Admission, CommCost, CommPool
+from sglang_p2p_backend.engine.pair.comm_pool import ANCHOR_COST, Admission, CommCost, CommPool
 
 
 def open_peer(pool: CommPool, peer, max_cap=None):
@@ -105,7 +105,7 @@ def test_max_comms_limits_live_communicators():
 
 
 def test_measured_tables_decode_pays_more_and_lean_decode_needs_cap_2():
-    from sglang_p2p_backend.engine.comm_pool import H200_COST, H200_COST_NO_CUMEM
+    from sglang_p2p_backend.engine.pair.comm_pool import H200_COST, H200_COST_NO_CUMEM
 
     for table in (H200_COST, H200_COST_NO_CUMEM):
         for cap in (2, 4, 8, 16, None):

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_p2p_backend.engine import checks
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.agreement import differences, local_agreement
-from sglang_p2p_backend.engine.auth import AuthError, Authenticator, key_from_env
-from sglang_p2p_backend.engine.liveness import PeerWatch
+from sglang_p2p_backend.engine.wire import checks
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.wire.agreement import differences, local_agreement
+from sglang_p2p_backend.engine.wire.auth import AuthError, Authenticator, key_from_env
+from sglang_p2p_backend.engine.pair.liveness import PeerWatch
 
 KEY = b"k" * 32
 

@@ -25,7 +25,7 @@ def test_switch_interval_knob_rejects_nonsense_naming_it(monkeypatch, raw):
 
 @pytest.mark.sglang
 def test_switch_interval_is_only_ever_lowered():
-    from sglang_p2p_backend.manager import _shorten_gil_switch
+    from sglang_p2p_backend.adapter.manager import _shorten_gil_switch
 
     before = sys.getswitchinterval()
     try:

@@ -1,4 +1,4 @@
-"""Head ranges for different attention TP (engine/heads.py), their planning, packing and one-sided writes.
+"""Head ranges for different attention TP (engine/copy/heads.py), their planning, packing and one-sided writes.
 
 Pools are built as SGLang's MHA pool per TP rank (token rows of the rank's heads); the model's global KV is
 one tensor, each rank holds its heads of it. Every pairing of SGLang's rank mapping must give each decode
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_p2p_backend.engine.agreement import differences, local_agreement
-from sglang_p2p_backend.engine.checks import chunk_layout
-from sglang_p2p_backend.engine.gather import copy_chunk
-from sglang_p2p_backend.engine.heads import HeadsError, heads_per_rank, pair_heads
-from sglang_p2p_backend.engine.messages import ChunkHeader, ChunkSegment
-from sglang_p2p_backend.engine.plan import copy_descriptors, plan_chunks
+from sglang_p2p_backend.engine.wire.agreement import differences, local_agreement
+from sglang_p2p_backend.engine.wire.checks import chunk_layout
+from sglang_p2p_backend.engine.copy.gather import copy_chunk
+from sglang_p2p_backend.engine.copy.heads import HeadsError, heads_per_rank, pair_heads
+from sglang_p2p_backend.engine.wire.messages import ChunkHeader, ChunkSegment
+from sglang_p2p_backend.engine.copy.plan import copy_descriptors, plan_chunks
 
 HB = 4  # bytes of one head of one token
 PAGES = 12

@@ -1,4 +1,4 @@
-"""One-sided chunk descriptors (`engine/onesided.py`): which bytes a chunk writes where, checked by applying
+"""One-sided chunk descriptors (`engine/transport/onesided.py`): which bytes a chunk writes where, checked by applying
 the descriptors to real host buffers, and that a chunk is exactly one transport `write`. Needs no Mooncake
 (the PD suite runs the same path over real Mooncake tcp)."""
 
@@ -9,11 +9,11 @@ import ctypes
 import numpy as np
 import pytest
 
-from sglang_p2p_backend.engine.memory import Region
-from sglang_p2p_backend.engine.agreement import local_agreement
-from sglang_p2p_backend.engine.messages import PeerRegister
-from sglang_p2p_backend.engine.onesided import LocalMemory, OneSidedSender, chunk_descriptors
-from sglang_p2p_backend.engine.plan import PlanError
+from sglang_p2p_backend.engine.copy.memory import Region
+from sglang_p2p_backend.engine.wire.agreement import local_agreement
+from sglang_p2p_backend.engine.wire.messages import PeerRegister
+from sglang_p2p_backend.engine.transport.onesided import LocalMemory, OneSidedSender, chunk_descriptors
+from sglang_p2p_backend.engine.copy.plan import PlanError
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 
 PAGES, ITEM, REGIONS = 32, 48, 3

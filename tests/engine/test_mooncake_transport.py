@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("mooncake.engine", reason="Mooncake Transfer Engine not installed")
 
-from sglang_p2p_backend.engine.plan import copy_descriptors  # noqa: E402
+from sglang_p2p_backend.engine.copy.plan import copy_descriptors  # noqa: E402
 from sglang_p2p_backend.engine.transport.base import TransportError  # noqa: E402
 from sglang_p2p_backend.engine.transport.mooncake import MAX_BATCH_DESCRIPTORS, MooncakeTransport  # noqa: E402
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_p2p_backend.engine.memory import Region
-from sglang_p2p_backend.engine.plan import copy_descriptors
-from sglang_p2p_backend.engine.span_copy import expand_pages, page_table
+from sglang_p2p_backend.engine.copy.memory import Region
+from sglang_p2p_backend.engine.copy.plan import copy_descriptors
+from sglang_p2p_backend.engine.copy.span_copy import expand_pages, page_table
 from sglang_p2p_backend.engine.transport import cuda_ipc
 from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.testing.shm_ipc import ShmBackend

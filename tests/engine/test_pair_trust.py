@@ -4,9 +4,9 @@ agreement, and the bootstrap server's field checks and write signatures."""
 
 import pytest
 
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.agreement import differences, local_agreement, redacted
-from sglang_p2p_backend.engine.pair_secret import PAIR_MAGIC, IssuedSecrets, open_frames, seal
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.wire.agreement import differences, local_agreement, redacted
+from sglang_p2p_backend.engine.wire.pair_secret import PAIR_MAGIC, IssuedSecrets, open_frames, seal
 
 
 def agreement(**kw):
@@ -63,7 +63,7 @@ def test_protocol_mismatch_names_both_versions():
 
 # ------------------------------------------------------------------ bootstrap server checks (pure)
 def test_route_fields_are_checked_by_name():
-    bootstrap = pytest.importorskip("sglang_p2p_backend.bootstrap")  # imports SGLang's bootstrap server
+    bootstrap = pytest.importorskip("sglang_p2p_backend.adapter.bootstrap")  # imports SGLang's bootstrap server
     ok = {"attn_tp_size": 2, "attn_tp_rank": 1, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
           "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
           "rank_ip": "10.1.2.3", "rank_port": 4000, "page_size": 16, "kv_cache_dtype": "bfloat16"}
@@ -77,7 +77,7 @@ def test_route_fields_are_checked_by_name():
 
 
 def test_write_signatures_bind_key_method_path_body_and_time():
-    bootstrap = pytest.importorskip("sglang_p2p_backend.bootstrap")
+    bootstrap = pytest.importorskip("sglang_p2p_backend.adapter.bootstrap")
     key, body, now = b"k" * 20, b'{"a": 1}', 1_000_000
     sig = bootstrap.signature(key, "PUT", "/route", body, now)
     assert bootstrap.signature_ok(key, "PUT", "/route", body, sig, now + 10)

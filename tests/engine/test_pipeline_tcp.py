@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_p2p_backend.engine.copier import PageCopier
-from sglang_p2p_backend.engine.memory import Region, page_views
-from sglang_p2p_backend.engine.pipeline import PairReceiver, PairSender
-from sglang_p2p_backend.engine.staging import StagingPool
+from sglang_p2p_backend.engine.copy.copier import PageCopier
+from sglang_p2p_backend.engine.copy.memory import Region, page_views
+from sglang_p2p_backend.engine.pair.pipeline import PairReceiver, PairSender
+from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.engine.transport.tcp import TcpTransport
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sglang_p2p_backend.engine.plan import (
+from sglang_p2p_backend.engine.copy.plan import (
     Chunk,
     PlanError,
     Segment,

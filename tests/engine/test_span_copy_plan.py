@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from sglang_p2p_backend.engine.messages import IpcExport, IpcRegion  # noqa: E402
-from sglang_p2p_backend.engine.span_copy import plan_tiles, word_size  # noqa: E402
+from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion  # noqa: E402
+from sglang_p2p_backend.engine.copy.span_copy import plan_tiles, word_size  # noqa: E402
 from sglang_p2p_backend.engine.transport.base import TransportError  # noqa: E402
 from sglang_p2p_backend.engine.transport.cuda_ipc import CudaBackend, RegionTable, check_export  # noqa: E402
 

@@ -16,7 +16,7 @@ import torch
 from bench.transfer.kv import LAYOUTS, Layout, chunk_ranges, pick_pages
 from bench.transfer.loops import PipelinedReceiver, PipelinedSender, StagingSlots, wait_event
 from bench.transfer.pair import connect_pair
-from sglang_p2p_backend.engine.gather_cuda import FusedGather
+from sglang_p2p_backend.engine.copy.gather_cuda import FusedGather
 from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.engine.transport.nccl import NcclPairComm, NcclTransport
 

@@ -39,9 +39,9 @@ if _ROOT not in sys.path:  # `bench` is importable from the repository root only
 from bench.transfer.pair import collect, expect, spawn  # noqa: E402
 from bench.transfer.pair import guarded as _guarded  # noqa: E402
 from bench.transfer.pair import page_bytes as _pages  # noqa: E402
-from sglang_p2p_backend.engine import messages  # noqa: E402
-from sglang_p2p_backend.engine.memory import Region  # noqa: E402
-from sglang_p2p_backend.engine.onesided import LocalMemory, chunk_descriptors  # noqa: E402
+from sglang_p2p_backend.engine.wire import messages  # noqa: E402
+from sglang_p2p_backend.engine.copy.memory import Region  # noqa: E402
+from sglang_p2p_backend.engine.transport.onesided import LocalMemory, chunk_descriptors  # noqa: E402
 from sglang_p2p_backend.engine.transport.base import TransportError  # noqa: E402
 from sglang_p2p_backend.engine.transport.cuda_ipc import (  # noqa: E402
     CudaIpcTransport,

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from sglang_p2p_backend.engine.gather_cuda import FusedGather  # noqa: E402
+from sglang_p2p_backend.engine.copy.gather_cuda import FusedGather  # noqa: E402
 
 LAYOUTS = {"mla": (61, 576 * 2), "mha": (64, 8 * 128 * 2)}  # regions, bytes per token and region
 

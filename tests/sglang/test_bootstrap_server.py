@@ -127,7 +127,7 @@ def test_a_stranger_cannot_repoint_a_live_rank(server, live_rank):
 def test_with_a_key_every_write_must_be_signed(server, live_rank):
     from sglang.srt.disaggregation.common import conn as common_conn
 
-    from sglang_p2p_backend.bootstrap import SIGNATURE_HEADER, signed_writes
+    from sglang_p2p_backend.adapter.bootstrap import SIGNATURE_HEADER, signed_writes
 
     url, _ = server(KEY)
     port = live_rank.getsockname()[1]

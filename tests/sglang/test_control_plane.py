@@ -13,8 +13,8 @@ import msgspec
 import pytest
 from test_pd_transfer import FAST_FAILURE_ENV, assert_all_landed, failed_reason
 
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.agreement import local_agreement
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.wire.agreement import local_agreement
 from sglang_p2p_backend.testing import hostile
 from sglang_p2p_backend.testing.launch import PairRun, run_pair
 

@@ -18,9 +18,9 @@ common = pytest.importorskip("sglang.srt.disaggregation.common.conn")
 if not hasattr(common, "AbortAck"):
     pytest.skip("this SGLang release has no deferred decode KV release (added in 0.5.23)", allow_module_level=True)
 
-from sglang_p2p_backend.decode import DecodeKVManager  # noqa: E402
-from sglang_p2p_backend.engine.arrivals import ArrivalTracker  # noqa: E402
-from sglang_p2p_backend.engine.pipeline import PairReceiver  # noqa: E402
+from sglang_p2p_backend.adapter.decode import DecodeKVManager  # noqa: E402
+from sglang_p2p_backend.engine.pair.arrivals import ArrivalTracker  # noqa: E402
+from sglang_p2p_backend.engine.pair.pipeline import PairReceiver  # noqa: E402
 
 PEER = "10.0.0.1:5000"
 ROOM, RANK = 7, 0

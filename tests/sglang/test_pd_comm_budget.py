@@ -6,7 +6,7 @@ admission code runs on GPUs, where they are NCCL communicators)."""
 
 import pytest
 
-from sglang_p2p_backend.engine.comm_pool import H200_COST
+from sglang_p2p_backend.engine.pair.comm_pool import H200_COST
 from sglang_p2p_backend.testing.launch import run_pair
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

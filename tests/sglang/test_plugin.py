@@ -64,7 +64,8 @@ def test_registration_is_in_place_and_idempotent():
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import DISAGG_TRANSFER_BACKEND_CHOICES
 
-    from sglang_p2p_backend import conn, plugin
+    from sglang_p2p_backend import plugin
+    from sglang_p2p_backend.adapter import conn
 
     enum_before = utils.TransferBackend
     mooncake = utils.TransferBackend.MOONCAKE

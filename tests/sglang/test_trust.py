@@ -16,8 +16,8 @@ import pytest
 from test_control_plane import HOSTILE_ENV, LINGER, POOL, slow_rooms
 from test_pd_transfer import FAST_FAILURE_ENV, assert_all_landed, failed_reason
 
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.agreement import local_agreement
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.wire.agreement import local_agreement
 from sglang_p2p_backend.testing import hostile
 from sglang_p2p_backend.testing.launch import PairRun, run_pair
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .base import OneSidedTransport, TransportError, TwoSidedTransport
+from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError, TwoSidedTransport
 
 
 def two_sided_transport(name: str, device: torch.device, host: str, io_timeout: float) -> TwoSidedTransport:
@@ -17,13 +17,13 @@ def two_sided_transport(name: str, device: torch.device, host: str, io_timeout: 
     if name == "auto":
         name = "nccl" if device.type == "cuda" else "tcp"
     if name == "tcp":
-        from .tcp import TcpTransport
+        from sglang_p2p_backend.engine.transport.tcp import TcpTransport
 
         return TcpTransport(host=host, io_timeout=io_timeout)
     if name == "nccl":
         if device.type != "cuda":
             raise TransportError("SGLANG_P2P_TRANSPORT=nccl needs the KV cache on a CUDA device; use tcp on CPU")
-        from .nccl import NcclTransport
+        from sglang_p2p_backend.engine.transport.nccl import NcclTransport
 
         return NcclTransport(device=device)
     raise TransportError(f"transport {name!r} is not a two-sided transport (nccl, tcp)")
@@ -33,7 +33,7 @@ def one_sided_transport(
     protocol: str, host: str, ib_device: Optional[str], gpu_id: int, transfer_timeout_s: float
 ) -> OneSidedTransport:
     """A Mooncake engine for this process (imported lazily: hosts without Mooncake never load it)."""
-    from .mooncake import MooncakeTransport
+    from sglang_p2p_backend.engine.transport.mooncake import MooncakeTransport
 
     return MooncakeTransport(
         protocol=protocol, hostname=host, ib_device=ib_device, gpu_id=gpu_id, transfer_timeout_s=int(transfer_timeout_s)

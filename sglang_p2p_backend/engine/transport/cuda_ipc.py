@@ -37,8 +37,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..messages import IpcExport, IpcRegion
-from .base import OneSidedTransport, TransportError
+from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
+from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class IpcBackend:
                     src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
         """Copy pages src_ids -> dst_ids of every region (bases checked by the caller) and return once they are
         in place. Default: as spans (what the CUDA backend's page kernel does in one launch)."""
-        from ..span_copy import expand_pages
+        from sglang_p2p_backend.engine.copy.span_copy import expand_pages
 
         self.write(device, *expand_pages(src_bases, dst_bases, item_bytes, src_ids, dst_ids))
 
@@ -193,7 +193,7 @@ class CudaBackend(IpcBackend):
         """(span copier, page copier, stream) of this thread on `device`."""
         mine = self._local.__dict__.setdefault("copiers", {})
         if device not in mine:
-            from ..span_copy import PageCopier, SpanCopier  # Triton: imported by the first copy, not at start
+            from sglang_p2p_backend.engine.copy.span_copy import PageCopier, SpanCopier  # Triton: imported by the first copy, not at start
 
             # priority 0 is CUDA's lowest: the forward passes of this process go first where both are ready
             mine[device] = (SpanCopier(device), PageCopier(device), torch.cuda.Stream(device=device, priority=0))

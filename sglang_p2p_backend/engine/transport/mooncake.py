@@ -13,7 +13,7 @@ One `MooncakeTransport` per process side (prefill or decode rank) owns one Moonc
   writes to one peer are serialised so concurrent chunks cannot overflow that queue together;
 - a failed write marks the peer's session failed: later writes to it fail at once (no timeout per chunk)
   until `peer_registered(session)` says the peer registered again.
-Page runs become (src, dst, len) descriptors in `engine/plan.py` (`copy_descriptors`); this module only moves them.
+Page runs become (src, dst, len) descriptors in `engine/copy/plan.py` (`copy_descriptors`); this module only moves them.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Iterator, Mapping, Optional, Sequence
 
-from .base import OneSidedTransport, TransportError
-from .select import rdma_devices
+from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
+from sglang_p2p_backend.engine.transport.select import rdma_devices
 
 logger = logging.getLogger(__name__)
 

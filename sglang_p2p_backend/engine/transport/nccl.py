@@ -43,8 +43,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..waiting import Deadline
-from .base import Completion, PairComm, TransportError, TwoSidedTransport
+from sglang_p2p_backend.engine.waiting import Deadline
+from sglang_p2p_backend.engine.transport.base import Completion, PairComm, TransportError, TwoSidedTransport
 
 logger = logging.getLogger(__name__)
 

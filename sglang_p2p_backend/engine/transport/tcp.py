@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .base import Completion, DoneCompletion, PairComm, TransportError, TwoSidedTransport
+from sglang_p2p_backend.engine.transport.base import Completion, DoneCompletion, PairComm, TransportError, TwoSidedTransport
 
 _TOKEN_LEN = 16
 

@@ -6,11 +6,11 @@ SGLang builds one manager class for both roles (`get_kv_class(..., KVClassType.M
 
 Inbound control traffic (ours and SGLang's own ABORT / ABORT_ACK frames) arrives on the PULL socket SGLang's
 Common manager binds. One thread reads it: it opens the authenticated envelope when a key is set
-(engine/auth.py), checks the pair secret (engine/pair_secret.py: every message after registration must carry the
-one this rank issued to the session it names), decodes and bound-checks our messages (engine/messages.py,
-engine/checks.py), drops what fails with a counted, rate-limited log line naming the peer and the problem,
+(engine/wire/auth.py), checks the pair secret (engine/wire/pair_secret.py: every message after registration must carry the
+one this rank issued to the session it names), decodes and bound-checks our messages (engine/wire/messages.py,
+engine/wire/checks.py), drops what fails with a counted, rate-limited log line naming the peer and the problem,
 refreshes the sender's liveness and hands the message to the role. A second thread sends heartbeats to every watched peer and
-declares peers silent for `SGLANG_P2P_PEER_TIMEOUT` seconds dead (engine/liveness.py); the role then fails
+declares peers silent for `SGLANG_P2P_PEER_TIMEOUT` seconds dead (engine/pair/liveness.py); the role then fails
 their rooms, aborts their pair channels and forgets them. Every loop catches, logs and goes on; a loop that
 cannot go on marks the manager broken, and every room then fails with that reason instead of hanging.
 """
@@ -34,18 +34,18 @@ from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from sglang_p2p_backend.bootstrap import signed_writes
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.agreement import local_agreement
-from sglang_p2p_backend.engine.auth import AUTH_MAGIC, AuthError, Authenticator, key_from_env
+from sglang_p2p_backend.adapter.bootstrap import signed_writes
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.wire.agreement import local_agreement
+from sglang_p2p_backend.engine.wire.auth import AUTH_MAGIC, AuthError, Authenticator, key_from_env
 from sglang_p2p_backend.engine.config import EngineConfig
-from sglang_p2p_backend.engine.control import ControlChannel, ControlError
-from sglang_p2p_backend.engine.copier import PageCopier
-from sglang_p2p_backend.engine.liveness import PeerWatch
-from sglang_p2p_backend.engine.memory import page_views, regions_from_lists
-from sglang_p2p_backend.engine.onesided import LocalMemory
-from sglang_p2p_backend.engine.pair_secret import IssuedSecrets, open_frames
-from sglang_p2p_backend.engine.staging import StagingPool
+from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
+from sglang_p2p_backend.engine.copy.copier import PageCopier
+from sglang_p2p_backend.engine.pair.liveness import PeerWatch
+from sglang_p2p_backend.engine.copy.memory import page_views, regions_from_lists
+from sglang_p2p_backend.engine.transport.onesided import LocalMemory
+from sglang_p2p_backend.engine.wire.pair_secret import IssuedSecrets, open_frames
+from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.threads import set_os_name
 from sglang_p2p_backend.engine.transport import one_sided_transport, two_sided_transport
 from sglang_p2p_backend.engine.transport.cuda_ipc import CudaIpcTransport
@@ -79,7 +79,7 @@ def _shorten_gil_switch(ms: float) -> None:
 def _role_class(mode: Any) -> type:
     name = "prefill.PrefillKVManager" if mode == DisaggregationMode.PREFILL else "decode.DecodeKVManager"
     module, cls = name.split(".")
-    return getattr(importlib.import_module(f"sglang_p2p_backend.{module}"), cls)
+    return getattr(importlib.import_module(f"sglang_p2p_backend.adapter.{module}"), cls)
 
 
 class P2pNcclKVManager(CommonKVManager):

@@ -14,8 +14,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .heads import Heads
-from .plan import Chunk, is_contiguous, staging_blocks
+from sglang_p2p_backend.engine.copy.heads import Heads
+from sglang_p2p_backend.engine.copy.plan import Chunk, is_contiguous, staging_blocks
 
 GroupViews = Sequence[Sequence[torch.Tensor]]  # [group][region] -> (num_items, item_len) uint8 view
 

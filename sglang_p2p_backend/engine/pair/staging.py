@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .transport.base import TransportError
+from sglang_p2p_backend.engine.transport.base import TransportError
 
 
 class StagingPool:

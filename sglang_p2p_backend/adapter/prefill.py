@@ -4,7 +4,7 @@ A decode rank registers once per pair (PeerRegister: its agreement, pools, trans
 registration is compared with this rank's agreement and answered (PeerAnswer) either way, so a mismatch is
 refused on both sides; a refusal names what differs and nothing else of this rank's configuration. A matching
 registration costs no slot and no socket of the live peers until the decode confirms it from the address it
-claimed (its first message carrying this rank's pair secret, engine/pair_secret.py): until then it waits in a
+claimed (its first message carrying this rank's pair secret, engine/wire/pair_secret.py): until then it waits in a
 small table of its own, answered from a small pool of sockets, both bounded apart from the live peers, so
 registrations from addresses nobody answers at cannot take a live peer's place. A live registration is never
 replaced by another process claiming its session (a restarted decode is accepted once the old one was declared
@@ -31,18 +31,18 @@ try:  # deferred decode KV release (SGLang 0.5.23+); 0.5.17 has none of it and k
 except ImportError:
     AbortNotification = None
 
-from sglang_p2p_backend.engine import checks
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.agreement import differences, redacted
-from sglang_p2p_backend.engine.control import ControlChannel, ControlError
-from sglang_p2p_backend.engine.pair_secret import IssuedSecrets
-from sglang_p2p_backend.engine.heads import HeadsError, PairHeads, pair_heads
-from sglang_p2p_backend.engine.onesided import OneSidedSender
+from sglang_p2p_backend.engine.wire import checks
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.wire.agreement import differences, redacted
+from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
+from sglang_p2p_backend.engine.wire.pair_secret import IssuedSecrets
+from sglang_p2p_backend.engine.copy.heads import HeadsError, PairHeads, pair_heads
+from sglang_p2p_backend.engine.transport.onesided import OneSidedSender
 from sglang_p2p_backend.engine.transport.select import TransportSelector
-from sglang_p2p_backend.manager import P2pNcclKVManager
-from sglang_p2p_backend.pair_channels import PairChannels
-from sglang_p2p_backend.prefill_ipc import SameHostPath
-from sglang_p2p_backend.prefill_transfer import ResetPeer, TransferInfo, TransferWorkers
+from sglang_p2p_backend.adapter.manager import P2pNcclKVManager
+from sglang_p2p_backend.engine.pair.channels import PairChannels
+from sglang_p2p_backend.adapter.same_host import SameHostPath
+from sglang_p2p_backend.adapter.transfer_workers import ResetPeer, TransferInfo, TransferWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         self._pending_at: Dict[str, float] = _Bounded(4 * _PENDING)
         self.refusals = 0
         self.selector = TransportSelector(self.config.transport)
-        # pair communicators live within a GPU-memory budget (engine/comm_budget.py); `auto` asks it whether
+        # pair communicators live within a GPU-memory budget (engine/pair/comm_budget.py); `auto` asks it whether
         # one more fits before choosing NCCL over Mooncake for a peer
         self.channels = (
             PairChannels(self.two_sided, self.staging, self.copier, self.control, self.session, self.config)

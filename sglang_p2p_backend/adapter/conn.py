@@ -6,15 +6,15 @@ decode.py: each role), the control protocol lives in engine/ (messages.py: messa
 checks.py: bounds against local facts; agreement.py: what both sides compare at registration; auth.py: the
 optional HMAC envelope; liveness.py: heartbeats), the data path in engine/ too, free of SGLang imports.
 
-Protocol (all on the ordered control channel, see engine/messages.py):
+Protocol (all on the ordered control channel, see engine/wire/messages.py):
   decode -> prefill: PeerRegister once per pair (answered by PeerAnswer: accepted or refused, with the
   prefill's agreement), RoomMetadata per request, SGLang's ABORT frames; Heartbeat both ways;
   prefill -> decode, two-sided peer (nccl, tcp): CommOffer/CommAnswer and CommInit, then ChunkHeader before
   each chunk's bytes on the pair channel, AuxData (host rows), then Status. The decode applies a prefill's
-  Success only after its own receives of every chunk announced before it (engine/arrivals.py), and after the
+  Success only after its own receives of every chunk announced before it (engine/pair/arrivals.py), and after the
   aux row, so SGLang's metadata gate passes;
   prefill -> decode, one-sided peer (mooncake): nothing but Status. Each chunk is one Mooncake batch write into
-  the decode's registered memory, done before Status is sent (engine/onesided.py).
+  the decode's registered memory, done before Status is sent (engine/transport/onesided.py).
 
 The bootstrap server is SGLang's, with its input checked and its writes guarded (bootstrap.py).
 
@@ -39,12 +39,12 @@ from sglang.srt.disaggregation.common.conn import (
     KVTransferError,
 )
 
-from sglang_p2p_backend.bootstrap import P2pNcclKVBootstrapServer, signed_writes
-from sglang_p2p_backend.decode import DecodeKVManager, published_room
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.control import ControlError
-from sglang_p2p_backend.manager import P2pNcclKVManager
-from sglang_p2p_backend.prefill import PrefillKVManager
+from sglang_p2p_backend.adapter.bootstrap import P2pNcclKVBootstrapServer, signed_writes
+from sglang_p2p_backend.adapter.decode import DecodeKVManager, published_room
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.wire.control import ControlError
+from sglang_p2p_backend.adapter.manager import P2pNcclKVManager
+from sglang_p2p_backend.adapter.prefill import PrefillKVManager
 
 __all__ = ["P2pNcclKVManager", "P2pNcclKVSender", "P2pNcclKVReceiver", "P2pNcclKVBootstrapServer"]
 

@@ -16,10 +16,10 @@ from typing import Optional
 
 import numpy as np
 
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.heads import PairHeads
-from sglang_p2p_backend.engine.onesided import chunk_descriptors
-from sglang_p2p_backend.engine.plan import PlanError
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.transport.onesided import chunk_descriptors
+from sglang_p2p_backend.engine.copy.plan import PlanError
 from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.engine.transport.cuda_ipc import IpcUnavailable, check_export, reachable
 

@@ -14,9 +14,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .heads import Heads
-from .messages import AuxData, ChunkHeader, ChunkSegment, PeerRegister, RoomMetadata, WireError
-from .plan import Chunk, Segment, moved_len
+from sglang_p2p_backend.engine.copy.heads import Heads
+from sglang_p2p_backend.engine.wire.messages import AuxData, ChunkHeader, ChunkSegment, PeerRegister, RoomMetadata, WireError
+from sglang_p2p_backend.engine.copy.plan import Chunk, Segment, moved_len
 
 _KV_POLL_SUCCESS, _KV_POLL_FAILED = 4, 0  # SGLang's KVPoll values a Status may carry
 

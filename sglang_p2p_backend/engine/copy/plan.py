@@ -22,7 +22,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from .heads import Heads, PairHeads
+from sglang_p2p_backend.engine.copy.heads import Heads, PairHeads
 
 
 class PlanError(ValueError):

@@ -1,7 +1,7 @@
 """Prefill side of the two-sided pair channels: one `PairSender` per decode rank, opened within the
 communicator budget after an offer/answer with the decode, aborted when the peer dies or refuses a chunk.
 
-Only the prefill closes pair channels (engine/comm_budget.py): its own victims when admitting a new one, idle
+Only the prefill closes pair channels (engine/pair/comm_budget.py): its own victims when admitting a new one, idle
 ones a decode asks it to release (CommRelease). Senders belong to the transfer worker that owns the peer;
 other threads only abort a sender's channel (thread-safe on every transport), never replace it.
 """
@@ -14,14 +14,14 @@ import queue
 import time
 from typing import Callable, Dict, Optional
 
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.pair.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
 from sglang_p2p_backend.engine.config import EngineConfig
-from sglang_p2p_backend.engine.control import ControlChannel, ControlError
-from sglang_p2p_backend.engine.copier import PageCopier
-from sglang_p2p_backend.engine.heads import PairHeads
-from sglang_p2p_backend.engine.pipeline import PairSender
-from sglang_p2p_backend.engine.staging import StagingPool
+from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
+from sglang_p2p_backend.engine.copy.copier import PageCopier
+from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.pair.pipeline import PairSender
+from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.transport.base import TransportError, TwoSidedTransport
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from aiohttp import web
 from sglang.srt.disaggregation.common import conn as common_conn
 from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
-from sglang_p2p_backend.engine.auth import key_from_env
+from sglang_p2p_backend.engine.wire.auth import key_from_env
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@
 decode peer (peers are sharded over SGLANG_P2P_WORKERS queues, so one peer's chunks stay ordered). A worker
 moves the chunk to every real decode rank of the room: one copy kernel into a same-host decode's mapped pages
 (prefill_ipc.py), two-sided over the pair channel (pair_channels.py), or one-sided with Mooncake
-(engine/onesided.py), only the heads that rank owns when its attention TP differs
-(engine/heads.py; a rank holding a replica another rank sends moves no KV); after the last chunk, Status. With SGLang 0.5.23's deferred
+(engine/transport/onesided.py), only the heads that rank owns when its attention TP differs
+(engine/copy/heads.py; a rank holding a replica another rank sends moves no KV); after the last chunk, Status. With SGLang 0.5.23's deferred
 decode KV release, tasks in flight are counted per room, so an aborted room's ACK waits for them.
 Mixed into `prefill.PrefillKVManager`, whose state it uses.
 """
@@ -30,12 +30,12 @@ try:  # deferred decode KV release (SGLang 0.5.23+)
 except ImportError:
     AbortNotification = None
 
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.comm_budget import NoRoom
-from sglang_p2p_backend.engine.control import ControlError
-from sglang_p2p_backend.engine.heads import PairHeads
-from sglang_p2p_backend.engine.onesided import aux_descriptors
-from sglang_p2p_backend.engine.plan import PlanError
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.pair.comm_budget import NoRoom
+from sglang_p2p_backend.engine.wire.control import ControlError
+from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.transport.onesided import aux_descriptors
+from sglang_p2p_backend.engine.copy.plan import PlanError
 from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.engine.transport.select import Choice, PeerFacts
 

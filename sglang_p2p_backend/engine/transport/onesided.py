@@ -6,7 +6,7 @@ peer's chunks stay in order), then, after the last chunk, sends Status on the co
 returns only once the bytes are in the decode's memory (RDMA: the RC write completed; Mooncake tcp: the
 target acknowledged after applying them, which Mooncake's tcp framing v2, in 0.3.13, does), so that Status
 cannot overtake its data. The decode announced no chunks for such a peer and applies the Status at once
-(engine/arrivals.py). The aux row goes in the last chunk's batch too, so SGLang's metadata gate (the
+(engine/pair/arrivals.py). The aux row goes in the last chunk's batch too, so SGLang's metadata gate (the
 `bootstrap_room` row) opens no earlier than the KV has landed.
 
 Groups follow `plan.py`: group 0 is the KV pool (the decode's `kv_ptrs`), group g >= 1 is state component
@@ -23,11 +23,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .memory import Region
-from .messages import PeerRegister
-from .heads import PairHeads
-from .plan import PlanError, copy_descriptors
-from .transport.base import OneSidedTransport, TransportError
+from sglang_p2p_backend.engine.copy.memory import Region
+from sglang_p2p_backend.engine.wire.messages import PeerRegister
+from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.copy.plan import PlanError, copy_descriptors
+from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 
 Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src addresses, dst addresses, lengths)
 

@@ -6,10 +6,10 @@ agreement itself, so a mismatch is refused and logged on both sides with both va
 rank before the answer (destinations, SGLang's ABORT) is held until then: after an acceptance it confirms the
 registration (a Heartbeat carrying the prefill's secret) and sends them; after a refusal it sends them all the
 same, so the prefill fails its side of those rooms at once. Only accepted prefill ranks are heard, and only
-with the secret this rank issued them (engine/pair_secret.py): chunk headers, channel offers, aux
+with the secret this rank issued them (engine/wire/pair_secret.py): chunk headers, channel offers, aux
 rows and statuses of anyone else are dropped without a thread, socket or table entry. Every chunk is checked
-before its bytes are scattered (engine/checks.py): exact size, in sequence, and only into pages the room
-published (with a different attention TP, only the heads of this rank that prefill rank owns: engine/heads.py);
+before its bytes are scattered (engine/wire/checks.py): exact size, in sequence, and only into pages the room
+published (with a different attention TP, only the heads of this rank that prefill rank owns: engine/copy/heads.py);
 a chunk that fails fails its room and never lands elsewhere. A room's Success counts only from the prefill ranks
 it was published to, and on a rank that receives only two-sided, only once every published page has landed. A prefill silent for
 SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail with the reason, its receiver's channel is aborted and its
@@ -34,17 +34,17 @@ try:  # deferred decode KV release (SGLang 0.5.23+)
 except ImportError:
     ABORT_ACK_TAG = AbortAck = None
 
-from sglang_p2p_backend.engine import checks
-from sglang_p2p_backend.engine import messages as wire
-from sglang_p2p_backend.engine.agreement import differences
-from sglang_p2p_backend.engine.arrivals import ArrivalTracker
-from sglang_p2p_backend.engine.heads import Heads, HeadsError, pair_heads
-from sglang_p2p_backend.engine.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
-from sglang_p2p_backend.engine.pipeline import PairReceiver
-from sglang_p2p_backend.engine.control import ControlError
+from sglang_p2p_backend.engine.wire import checks
+from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.wire.agreement import differences
+from sglang_p2p_backend.engine.pair.arrivals import ArrivalTracker
+from sglang_p2p_backend.engine.copy.heads import Heads, HeadsError, pair_heads
+from sglang_p2p_backend.engine.pair.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
+from sglang_p2p_backend.engine.pair.pipeline import PairReceiver
+from sglang_p2p_backend.engine.wire.control import ControlError
 from sglang_p2p_backend.engine.transport.base import TransportError
-from sglang_p2p_backend.manager import P2pNcclKVManager
-from sglang_p2p_backend.server_ranks import rank_endpoints
+from sglang_p2p_backend.adapter.manager import P2pNcclKVManager
+from sglang_p2p_backend.adapter.server_ranks import rank_endpoints
 
 logger = logging.getLogger(__name__)
 
@@ -436,7 +436,7 @@ class DecodeKVManager(P2pNcclKVManager):
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Common's check; a mismatch fails the requests instead of raising into the decode scheduler, and is
         retried after a while (the prefill may have been restarted with a fixed configuration). What p2pnccl
-        cannot pair (KV layouts, head counts) is refused at registration (engine/agreement.py)."""
+        cannot pair (KV layouts, head counts) is refused at registration (engine/wire/agreement.py)."""
         reason = self.incompatible(bootstrap_addr)
         if reason is not None:
             self._fail_rooms_of(bootstrap_addr, reason)

@@ -17,9 +17,9 @@ from typing import Optional
 
 import zmq
 
-from . import messages
-from .auth import Authenticator
-from .pair_secret import seal
+from sglang_p2p_backend.engine.wire import messages
+from sglang_p2p_backend.engine.wire.auth import Authenticator
+from sglang_p2p_backend.engine.wire.pair_secret import seal
 
 
 class ControlError(RuntimeError):

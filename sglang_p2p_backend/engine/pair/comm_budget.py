@@ -15,7 +15,7 @@ from collections import Counter
 from contextlib import contextmanager
 from typing import Callable, Hashable, Iterator, Optional
 
-from .comm_pool import H200_COST, H200_COST_NO_CUMEM, Admission, Cap, CommCost, CommPool, Decision
+from sglang_p2p_backend.engine.pair.comm_pool import H200_COST, H200_COST_NO_CUMEM, Admission, Cap, CommCost, CommPool, Decision
 
 #: what one GPU may spend on extra pair communicators, by default (MB)
 DEFAULT_BUDGET_MB = 4096

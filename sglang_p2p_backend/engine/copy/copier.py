@@ -11,8 +11,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .gather import GroupViews, copy_chunk
-from .plan import Chunk
+from sglang_p2p_backend.engine.copy.gather import GroupViews, copy_chunk
+from sglang_p2p_backend.engine.copy.plan import Chunk
 
 
 class PageCopier:
@@ -22,7 +22,7 @@ class PageCopier:
         on_cuda = any(v.is_cuda for regions in views for v in regions)
         self._fused = None
         if on_cuda:
-            from .gather_cuda import FusedGather
+            from sglang_p2p_backend.engine.copy.gather_cuda import FusedGather
 
             self._fused = FusedGather(views)
 

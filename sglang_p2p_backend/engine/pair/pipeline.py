@@ -24,16 +24,16 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .comm_budget import cap_to_wire
-from .copier import PageCopier
-from .messages import ChunkHeader, ChunkSegment, CommInit, Message
-from .checks import ChunkVerdict, chunk_layout
-from .heads import PairHeads
-from .plan import Segment, plan_chunks
-from .staging import StagingPool
-from .threads import set_os_name
-from .waiting import wait_until
-from .transport.base import PairComm, TransportError, TwoSidedTransport
+from sglang_p2p_backend.engine.pair.comm_budget import cap_to_wire
+from sglang_p2p_backend.engine.copy.copier import PageCopier
+from sglang_p2p_backend.engine.wire.messages import ChunkHeader, ChunkSegment, CommInit, Message
+from sglang_p2p_backend.engine.wire.checks import ChunkVerdict, chunk_layout
+from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.copy.plan import Segment, plan_chunks
+from sglang_p2p_backend.engine.pair.staging import StagingPool
+from sglang_p2p_backend.engine.threads import set_os_name
+from sglang_p2p_backend.engine.waiting import wait_until
+from sglang_p2p_backend.engine.transport.base import PairComm, TransportError, TwoSidedTransport
 
 logger = logging.getLogger(__name__)
 

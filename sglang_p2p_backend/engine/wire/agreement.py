@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 import msgspec
 
-from .heads import heads_per_rank, layout_problem
-from .messages import PROTOCOL_VERSION, Agreement
+from sglang_p2p_backend.engine.copy.heads import heads_per_rank, layout_problem
+from sglang_p2p_backend.engine.wire.messages import PROTOCOL_VERSION, Agreement
 
 # field -> (what it is, how to make both sides agree)
 _FIXES: dict[str, tuple[str, str]] = {

@@ -1,0 +1,1 @@
+"""Which bytes of which pages move, and the kernels that pack, unpack and copy them."""
