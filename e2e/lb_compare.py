@@ -1,7 +1,7 @@
 """Our LB against SGLang's mini_lb and smg on the same PD servers: workloads, repetitions, kill -9, one JSON.
 
     python3 -m e2e.lb_compare --models DIR --topology 2p2d|3p1d --out FILE --logs DIR [--lbs ...] [--reps 3]
-    python3 -m e2e.lb_compare --sim ...   (simulated workers, sglang_p2p_lb.sim_worker, for a CPU proof run)
+    python3 -m e2e.lb_compare --sim ...   (simulated workers, simworker, for a CPU proof run)
     (bash e2e/run_all.sh --gpus 1 --phase lb runs it with the bundle: E2E_LB_TOPOLOGY picks the topology)
 
 The servers start once (llama-tiny on GPU 0, p2pnccl over NCCL with an NCCL_HOSTID per server, as
@@ -322,7 +322,7 @@ class SGLangCluster(Cluster):
 
 
 class SimCluster(Cluster):
-    """Simulated workers (sglang_p2p_lb.sim_worker) as processes of their own, so kill -9 is real."""
+    """Simulated workers (simworker) as processes of their own, so kill -9 is real."""
 
     def __init__(self, n_p: int, n_d: int, knobs: Sequence[str], log_dir: Path) -> None:
         self.knobs, self.log_dir = list(knobs), log_dir
@@ -332,7 +332,7 @@ class SimCluster(Cluster):
         for role, n in (("prefill", n_p), ("decode", n_d)):
             for i in range(n):
                 port = free_port()
-                argv = [sys.executable, "-m", "sglang_p2p_lb.sim_worker", "--role", role, "--host", "127.0.0.1", "--port", str(port), *self.knobs]
+                argv = [sys.executable, "-m", "simworker", "--role", role, "--host", "127.0.0.1", "--port", str(port), *self.knobs]
                 if role == "prefill":
                     bp = free_port()
                     argv += ["--bootstrap-port", str(bp)]
@@ -656,7 +656,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--models", type=Path, help="folder with llama-tiny (real servers)")
     ap.add_argument("--sim", action="store_true", help="simulated workers instead of SGLang (CPU proof run)")
     ap.add_argument("--sim-knobs", default="--prefill-ms-per-token 0.01 --decode-ms-per-token 1 --prefix-cache-tokens 4000",
-                    help="sim_worker flags for --sim")
+                    help="simworker flags for --sim")
     ap.add_argument("--topology", choices=sorted(TOPOLOGIES), default="2p2d")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--logs", type=Path, required=True)

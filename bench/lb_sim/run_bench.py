@@ -1,6 +1,6 @@
 """LB simulation benchmark: this LB's policies against mini_lb (random), sgl-router 0.3.2 and smg 1.13.
 
-Everything runs on 127.0.0.1. The P/D servers are `sglang_p2p_lb.sim_worker` processes, which STAND IN FOR
+Everything runs on 127.0.0.1. The P/D servers are `simworker` processes, which STAND IN FOR
 GPU SERVERS (prefill time grows with prompt length, decode speed falls with running requests, decode
 waits for the prefill's KV "transfer"). Three scenarios:
 
@@ -42,6 +42,8 @@ from workload import SharedPrefixSpec, WorkloadSpec, generate, mean_prompt, mean
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
+# the simulated worker is a package at the repository root, outside the installed project
+SIM_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
 PEER_ENV = {"HF_ENDPOINT": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1,localhost"}
 
 
@@ -108,14 +110,14 @@ def start_sims(procs: Procs, n_p: int, n_d: int, knobs: list[str]) -> tuple[list
     for role, n in (("prefill", n_p), ("decode", n_d)):
         for _ in range(n):
             port = free_port()
-            argv = [sys.executable, "-m", "sglang_p2p_lb.sim_worker", "--role", role, "--host", "127.0.0.1", "--port", str(port), *knobs]
+            argv = [sys.executable, "-m", "simworker", "--role", role, "--host", "127.0.0.1", "--port", str(port), *knobs]
             if role == "prefill":
                 bp = free_port()
                 argv += ["--bootstrap-port", str(bp)]
                 prefills.append((f"http://127.0.0.1:{port}", bp))
             else:
                 decodes.append(f"http://127.0.0.1:{port}")
-            procs.start(argv)
+            procs.start(argv, env=SIM_ENV)
     for u in [p for p, _ in prefills] + decodes:
         wait_http(u + "/health")
     return prefills, decodes

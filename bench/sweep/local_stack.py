@@ -1,6 +1,6 @@
 """A loopback PD stack for smoke sweeps: one simulated prefill, one simulated decode and the project's LB.
 
-Uses the LB engineer's ``sglang_p2p_lb.sim_worker`` (it runs no model; latency follows its timing flags)
+Uses the project's simulated worker, ``python -m simworker`` (it runs no model; latency follows its timing flags)
 and ``python -m sglang_p2p_lb``.  Everything binds 127.0.0.1 on free ports and is stopped on exit.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class StackPorts:
 
 
 def commands(python: str, ports: StackPorts, sim_args: Sequence[str] = ()) -> dict[str, list[str]]:
-    sim = [python, "-m", "sglang_p2p_lb.sim_worker", "--host", HOST]
+    sim = [python, "-m", "simworker", "--host", HOST]
     return {
         "prefill": [*sim, "--role", "prefill", "--port", str(ports.prefill), "--bootstrap-port", str(ports.bootstrap), *sim_args],
         "decode": [*sim, "--role", "decode", "--port", str(ports.decode), *sim_args],
@@ -77,11 +77,12 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) 
 def local_stack(log_dir: Path, python: str | None = None, sim_args: Sequence[str] = (),
                 timeout_s: float = 30.0) -> Iterator[str]:
     """Start prefill, decode and LB; yield the LB's base URL; stop all three."""
-    if not (REPO / "lb" / "sglang_p2p_lb" / "sim_worker.py").exists():
-        raise SweepError("lb/sglang_p2p_lb/sim_worker.py is missing: --launch-sim needs the project's simulated worker")
+    if not (REPO / "simworker" / "__main__.py").exists():
+        raise SweepError("simworker/ is missing: --launch-sim needs the project's simulated worker")
     python = python or default_python()
     ports = StackPorts.pick()
-    env = dict(os.environ, PYTHONPATH=str(REPO / "lb"), PYTHONUNBUFFERED="1")
+    # the simulated worker is a package at the repository root, the LB's lives under lb/
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "lb")]), PYTHONUNBUFFERED="1")
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     try:

@@ -12,7 +12,7 @@ from typing import Sequence
 from . import auth, discovery
 from .circuit import BreakerConfig
 from .health import HealthConfig
-from .policy import POLICIES
+from .policy_registry import POLICIES
 from .prefix_policy import PrefixParams
 from .proxy import ProxyConfig
 from .server import LBConfig, LoadBalancer

@@ -7,6 +7,7 @@ latency. `random` is mini_lb's behaviour; `round_robin` and `power_of_two` match
 per-side policies (power_of_two compares the same load numbers as load_aware). `prefix_aware` and the
 smg-like `cache_aware` add prefix-cache affinity for the prefill (prefix_policy.py). `SplitPolicy` takes
 the prefill from one policy and the decode from another (smg's `--prefill-policy` / `--decode-policy`).
+policy_registry.py builds them by name.
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from .workers import Worker
-
-POLICIES = ("load_aware", "prefix_aware", "cache_aware", "random", "round_robin", "power_of_two")
-
 
 @dataclass(frozen=True)
 class Choice:
@@ -177,22 +175,6 @@ class LoadAwarePolicy:
         return i, j, dc[j][0]
 
 
-def make_policy(name: str, rng: random.Random | None = None, params: LoadAwareParams | None = None, prefix=None) -> Policy:
-    if name == "load_aware":
-        return LoadAwarePolicy(params, rng)
-    if name in ("prefix_aware", "cache_aware"):
-        from .prefix_policy import CacheAwarePolicy, PrefixAwarePolicy  # it builds on this module
-
-        return PrefixAwarePolicy(prefix, params, rng) if name == "prefix_aware" else CacheAwarePolicy(prefix, params, rng)
-    if name == "random":
-        return RandomPolicy(rng)
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name == "power_of_two":
-        return PowerOfTwoPolicy(rng)
-    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-
-
 class SplitPolicy:
     """The prefill (and its DP rank, and expected cache hit) from one policy, the decode from another.
 
@@ -208,11 +190,3 @@ class SplitPolicy:
         p = self.prefill.choose(prefills, decodes, ctx)
         d = self.decode.choose([p.prefill], decodes, ctx)
         return Choice(p.prefill, d.decode, p.prefill_rank, d.decode_rank, p.prefill_tokens)
-
-
-def make_pd_policy(policy: str, prefill_policy: str | None = None, decode_policy: str | None = None, prefix=None, rng: random.Random | None = None) -> Policy:
-    """`--policy` for both sides unless `--prefill-policy` / `--decode-policy` name another (smg's rule)."""
-    pp, dp = prefill_policy or policy, decode_policy or policy
-    if pp == dp:
-        return make_policy(pp, rng, prefix=prefix)
-    return SplitPolicy(make_policy(pp, rng, prefix=prefix), make_policy(dp, rng, prefix=prefix))

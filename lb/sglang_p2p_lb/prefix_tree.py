@@ -6,7 +6,7 @@ block is named by a hash chained over all blocks before it, so block i's hash st
 prefix up to block i: a set of such hashes per worker is a radix tree flattened to its nodes. Matching
 walks the prompt's chain until the first block the worker has not seen. Each worker's set is an LRU,
 refreshed root-last on insert, so eviction trims leaves before the prefixes they hang from, as a radix
-cache does. The simulator (sim_worker.py) uses the same structure as its model of SGLang's radix cache.
+cache does. The simulated worker (simworker/radix.py) uses the same structure as its model of SGLang's radix cache.
 """
 
 from __future__ import annotations

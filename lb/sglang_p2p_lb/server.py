@@ -17,7 +17,8 @@ from .discovery import DiscoveryConfig
 from .health import HealthChecker, HealthConfig
 from .loads import LoadPoller
 from .metrics import Metrics
-from .policy import Policy, make_pd_policy
+from .policy import Policy
+from .policy_registry import make_pd_policy
 from .prefix_policy import PrefixParams
 from .proxy import Dispatcher, ProxyConfig, error_response
 from .workers import Worker, WorkerPool

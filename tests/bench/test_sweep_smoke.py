@@ -40,8 +40,8 @@ def run_sweep(repo: Path, bench_env: dict[str, str]) -> Runner:
 
 @pytest.fixture(scope="module")
 def smoke_out(bench_python: Path, repo: Path, run_sweep: Runner, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not (repo / "lb" / "sglang_p2p_lb" / "sim_worker.py").exists():
-        pytest.fail("lb/sglang_p2p_lb/sim_worker.py missing: the smoke sweep needs the simulated workers")
+    if not (repo / "simworker" / "__main__.py").exists():
+        pytest.fail("simworker/ missing: the smoke sweep needs the simulated workers")
     out = tmp_path_factory.mktemp("sweep") / "out"
     p = run_sweep(["--launch-sim", "--scenarios", "smoke", "--concurrency", "1,2",
               "--min-requests", "4", "--requests-per-user", "2", "--out", str(out)])

@@ -1,5 +1,5 @@
 """e2e/lb_compare.py (our LB vs mini_lb vs smg on the same PD servers) on CPU: its pure parts, and the whole
-harness end to end against simulated workers (sglang_p2p_lb.sim_worker, standing in for the GPU servers)
+harness end to end against simulated workers (simworker, standing in for the GPU servers)
 with real LB processes, kill -9 and restart; mini_lb and smg join when their virtualenvs exist
 (bench/lb_sim/install_peers.sh)."""
 import json

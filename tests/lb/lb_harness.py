@@ -13,7 +13,7 @@ import orjson
 from sglang_p2p_lb.health import HealthConfig
 from sglang_p2p_lb.proxy import ProxyConfig
 from sglang_p2p_lb.server import LBConfig, LoadBalancer
-from sglang_p2p_lb.sim_worker import SimConfig, SimWorker
+from simworker import SimConfig, SimWorker
 
 # every test body runs under this bound, well inside pytest's own timeout
 TEST_TIMEOUT = 30.0

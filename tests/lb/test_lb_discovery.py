@@ -23,7 +23,7 @@ from sglang_p2p_backend.launch.k8s_profile import kube_spec
 from sglang_p2p_lb import discovery
 from sglang_p2p_lb.cli import build_parser, config_from_args
 from sglang_p2p_lb.server import LoadBalancer
-from sglang_p2p_lb.sim_worker import SimConfig, SimWorker
+from simworker import SimConfig, SimWorker
 
 REPO = Path(__file__).resolve().parents[2]
 NS = "pd"

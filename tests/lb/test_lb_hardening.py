@@ -1,6 +1,6 @@
 """Issue 15's findings as behaviour: keys on admin routes, slowloris, stalled workers, wrong types, safe retries.
 
-All on 127.0.0.1 against simulated workers (in-process, or a sim_worker process where SIGSTOP is needed).
+All on 127.0.0.1 against simulated workers (in-process, or a simworker process where SIGSTOP is needed).
 """
 
 import asyncio
@@ -18,7 +18,7 @@ from sglang_p2p_lb import auth
 from sglang_p2p_lb.auth import AuthConfig
 from sglang_p2p_lb.health import HealthConfig
 from sglang_p2p_lb.proxy import ProxyConfig
-from sglang_p2p_lb.sim_worker import SimConfig, SimWorker
+from simworker import SimConfig, SimWorker
 
 GEN = {"text": "a b c", "sampling_params": {"max_new_tokens": 2}}
 
@@ -142,7 +142,7 @@ def test_sigstopped_decode_in_flight_requests_answered_within_bound():
 
     async def body():
         port = _free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "sglang_p2p_lb.sim_worker", "--role", "decode", "--host", "127.0.0.1", "--port", str(port), "--decode-ms-per-token", "5"])
+        proc = subprocess.Popen([sys.executable, "-m", "simworker", "--role", "decode", "--host", "127.0.0.1", "--port", str(port), "--decode-ms-per-token", "5"])
         stopped = False
         try:
             hc = HealthConfig(interval=0.3, timeout=5.0, liveness_timeout=0.5, failure_threshold=3, success_threshold=1)

@@ -11,7 +11,8 @@ from lb_harness import ADMIN, cluster, run, wait_until
 
 from sglang_p2p_lb.cli import build_parser, config_from_args
 from sglang_p2p_lb.circuit import BreakerConfig, CircuitBreaker
-from sglang_p2p_lb.policy import LoadAwarePolicy, PairContext, RoundRobinPolicy, SplitPolicy, make_pd_policy
+from sglang_p2p_lb.policy import LoadAwarePolicy, PairContext, RoundRobinPolicy, SplitPolicy
+from sglang_p2p_lb.policy_registry import make_pd_policy
 from sglang_p2p_lb.proxy import ProxyConfig
 from sglang_p2p_lb.workers import Worker
 

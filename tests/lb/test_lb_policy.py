@@ -3,7 +3,8 @@
 import random
 import time
 
-from sglang_p2p_lb.policy import LoadAwarePolicy, PairContext, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, make_policy
+from sglang_p2p_lb.policy import LoadAwarePolicy, PairContext, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
+from sglang_p2p_lb.policy_registry import make_policy
 from sglang_p2p_lb.workers import Lease, Worker, WorkerPool
 
 CTX = PairContext()

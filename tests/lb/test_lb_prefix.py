@@ -4,7 +4,8 @@ prefill wins for which prompts and loads."""
 import random
 
 from lb_harness import cluster, run
-from sglang_p2p_lb.policy import PairContext, make_policy
+from sglang_p2p_lb.policy import PairContext
+from sglang_p2p_lb.policy_registry import make_policy
 from sglang_p2p_lb.prefix_policy import CacheAwarePolicy, PrefixAwarePolicy, PrefixParams, imbalanced
 from sglang_p2p_lb.prefix_tree import BLOCK_BYTES, PrefixTree, block_hashes
 from sglang_p2p_lb.workers import Lease, Worker

@@ -1,4 +1,4 @@
-"""The shipped entry points as processes: `python -m sglang_p2p_lb.sim_worker` and `python -m sglang_p2p_lb`."""
+"""The entry points as processes: the simulated workers (`python -m simworker`) and the shipped `python -m sglang_p2p_lb`."""
 
 import signal
 import socket
@@ -31,8 +31,8 @@ def test_cli_processes_serve_a_pd_request():
     pp, bp, dp, lp = (_free_port() for _ in range(4))
     py = sys.executable
     procs = [
-        subprocess.Popen([py, "-m", "sglang_p2p_lb.sim_worker", "--role", "prefill", "--host", "127.0.0.1", "--port", str(pp), "--bootstrap-port", str(bp)]),
-        subprocess.Popen([py, "-m", "sglang_p2p_lb.sim_worker", "--role", "decode", "--host", "127.0.0.1", "--port", str(dp), "--decode-ms-per-token", "1"]),
+        subprocess.Popen([py, "-m", "simworker", "--role", "prefill", "--host", "127.0.0.1", "--port", str(pp), "--bootstrap-port", str(bp)]),
+        subprocess.Popen([py, "-m", "simworker", "--role", "decode", "--host", "127.0.0.1", "--port", str(dp), "--decode-ms-per-token", "1"]),
         subprocess.Popen(
             [py, "-m", "sglang_p2p_lb", "--prefill", f"http://127.0.0.1:{pp}", str(bp), "--decode", f"http://127.0.0.1:{dp}", "--host", "127.0.0.1", "--port", str(lp), "--policy", "power_of_two", "--log-level", "warning"],
             stdout=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""End to end through real HTTP on 127.0.0.1: LB in front of simulated SGLang workers (sim_worker.py)."""
+"""End to end through real HTTP on 127.0.0.1: LB in front of simulated SGLang workers (simworker)."""
 
 import asyncio
 

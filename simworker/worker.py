@@ -1,42 +1,7 @@
-"""Simulated SGLang PD worker. It STANDS IN FOR GPU SERVERS in the LB's tests and benchmarks; it runs no model.
-
-One process plays one SGLang server in prefill or decode disaggregation mode and serves the HTTP surface
-a router touches: `/generate` (text or input_ids, single or batch, streamed or not), `/v1/completions`,
-`/v1/chat/completions` (OpenAI shapes, streaming with usage), `/v1/models`, `/health`, `/health_generate`,
-`/get_server_info`, `/get_model_info`, `/get_load` (legacy list) and `/v1/loads` (SGLang 0.5.23 shape),
-`/flush_cache`, plus `/stats` and `POST /admin` (fault injection) for tests.
-
-Timing model (the knobs are command-line flags):
-* prefill: each DP rank is a FIFO with `--prefill-concurrency` slots; a request holds a slot for
-  `prefill_base_ms + prompt_tokens * prefill_ms_per_token` (compute bound, so a long prompt delays the
-  requests queued behind it), then its KV is "transferred" (`transfer_ms`) and the prefill answers with
-  one generated token, as SGLang's prefill does.
-* decode: needs `bootstrap_host`, `bootstrap_port`, `bootstrap_room` (400 otherwise) and does what a real
-  decode does with them: it asks the prefill's bootstrap server for the room. The prefill worker runs that
-  bootstrap server on `--bootstrap-port` with one route, `GET /wait_room?room=R[&dp_rank=K]`, a long poll
-  that answers 200 once the prefill with that room has transferred its KV, 500 when that prefill failed or
-  was cancelled, 409 when `dp_rank` is not the rank holding the room, 408 after `--bootstrap-timeout`.
-  Then it emits `max_new_tokens` tokens, one every `decode_ms_per_token * (1 + decode_slowdown *
-  (running - 1))` ms, so decode speed falls with the requests running on that DP rank.
-* DP attention (`--dp-size N`): the prefill rank is `routed_dp_rank` when given, else `bootstrap_room % N`
-  (SGLang's `follow_bootstrap_room`); a `routed_dp_rank` that contradicts the room fails the request with
-  400, as SGLang 0.5.23 does. A decode rank is `routed_dp_rank` when given, else round robin.
-
-Radix cache (`--prefix-cache-tokens N`, off by default): each prefill DP rank models SGLang's radix cache
-as an LRU prefix tree of `--page-tokens` pages (prefix_tree.py) holding at most N tokens. When a request
-gets its slot, the pages of its prompt already cached are skipped (prefill time counts only the uncached
-tokens, at least one), and its pages are inserted after the prefill. The prefill reports
-`num_waiting_uncached_tokens` accordingly, counts `prompt_tokens` / `cached_tokens` in `/stats`, and the
-decode's answer carries the prefill's `meta_info.cached_tokens` (passed through the bootstrap server).
-
-Token counting (deterministic, documented so tests can compute it): `input_ids` count one token per id;
-text counts one token per whitespace-separated word (at least 1); a chat request counts its message texts
-plus 4 tokens per message. Every generated token is the text " tok" with id 1000 + position.
-"""
+"""The simulated server: its HTTP routes, the prefill's slots and bootstrap server, the decode's pacing."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import time
@@ -47,34 +12,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from . import payload, sse
-from .prefix_tree import PrefixTree, block_hashes
+from sglang_p2p_lb import payload, sse
 
-MODEL = "sim-model"
-TOKEN_TEXT = " tok"
-CHAT_TOKENS_PER_MESSAGE = 4
-
-
-@dataclass
-class SimConfig:
-    role: str = "prefill"
-    host: str = "127.0.0.1"
-    port: int = 0
-    bootstrap_port: int | None = None
-    dp_size: int = 1
-    prefill_base_ms: float = 2.0
-    prefill_ms_per_token: float = 0.05
-    prefill_concurrency: int = 1
-    transfer_ms: float = 0.0
-    decode_ms_per_token: float = 10.0
-    decode_slowdown: float = 0.01
-    kv_capacity_tokens: int = 1_000_000
-    max_running_requests: int = 4096
-    bootstrap_timeout: float = 30.0
-    prefix_cache_tokens: int = 0  # radix cache capacity per prefill DP rank; 0: no cache
-    page_tokens: int = 16
-    model: str = MODEL
-    record_output: bool = False  # keep the exact bytes of each answer (tests compare pass-through)
+from .config import SimConfig
+from .prompts import max_new_tokens, per_item, prompt_sizes
+from .radix import RadixModel
+from .replies import Replies, dumps, error
+from .rooms import RoomRegistry
 
 
 @dataclass
@@ -90,6 +34,8 @@ class RankState:
 
 @dataclass
 class Stats:
+    """What the worker saw, for tests: served by /stats, cleared by /admin's reset."""
+
     requests: int = 0
     by_route: dict[str, int] = field(default_factory=dict)
     completed: int = 0
@@ -108,115 +54,6 @@ class Stats:
     keep_bodies: int = 64
 
 
-class RoomRegistry:
-    """Prefill-side record of KV transfers, read by decodes through the bootstrap server."""
-
-    def __init__(self, ttl: float = 300.0) -> None:
-        self._rooms: dict[int, tuple[asyncio.Event, list[Any]]] = {}
-        self._ttl = ttl
-
-    def _entry(self, room: int) -> tuple[asyncio.Event, list[Any]]:
-        if room not in self._rooms:
-            # [status, dp_rank, created, cached tokens]; status None until the prefill ends
-            self._rooms[room] = (asyncio.Event(), [None, None, time.monotonic(), 0])
-        return self._rooms[room]
-
-    def finish(self, room: int, ok: bool, rank: int, cached: int = 0) -> None:
-        ev, st = self._entry(room)
-        st[0], st[1], st[3] = ("ok" if ok else "failed"), rank, cached
-        ev.set()
-
-    def cached(self, room: int) -> int:
-        return self._rooms[room][1][3] if room in self._rooms else 0
-
-    async def wait(self, room: int, timeout: float) -> tuple[str, int | None]:
-        ev, st = self._entry(room)
-        try:
-            await asyncio.wait_for(ev.wait(), timeout)
-        except asyncio.TimeoutError:
-            return "timeout", None
-        return st[0], st[1]
-
-    def expire(self) -> None:
-        cutoff = time.monotonic() - self._ttl
-        for room in [r for r, (_, st) in self._rooms.items() if st[2] < cutoff]:
-            del self._rooms[room]
-
-
-def count_text_tokens(text: str) -> int:
-    return max(1, len(text.split()))
-
-
-def _prompt_sizes(route: str, body: dict[str, Any]) -> list[int]:
-    """Per-item prompt tokens by the simulator's rule; raises payload.BadRequest on bad input."""
-    if route == payload.GENERATE:
-        n = payload.generate_batch_size(body)
-        if body.get("text") is not None:
-            texts = [body["text"]] if n is None else body["text"]
-            return [count_text_tokens(t) for t in texts]
-        if body.get("input_ids") is not None:
-            return [len(body["input_ids"])] if n is None else [len(x) for x in body["input_ids"]]
-        emb = body["input_embeds"]
-        return [len(emb)] if n is None else [len(x) for x in emb]
-    payload.prompt_tokens(route, body)  # validation only
-    if route == payload.COMPLETIONS:
-        p = body["prompt"]
-        if isinstance(p, str):
-            return [count_text_tokens(p)]
-        if isinstance(p[0], int):
-            return [len(p)]
-        return [count_text_tokens(x) if isinstance(x, str) else len(x) for x in p]
-    msgs = body["messages"]
-    words = sum(count_text_tokens(t) for t in payload.chat_texts(msgs) if t.strip())
-    return [words + CHAT_TOKENS_PER_MESSAGE * len(msgs)]
-
-
-def _token_seqs(route: str, body: dict[str, Any]) -> list[list[Any]]:
-    """Per-item prompt tokens by the simulator's counting rule (words, ids, 4 role tokens per message)."""
-    def words(t: str) -> list[Any]:
-        return t.split() or [""]
-
-    if route == payload.GENERATE:
-        n = payload.generate_batch_size(body)
-        if body.get("text") is not None:
-            return [words(t) for t in ([body["text"]] if n is None else body["text"])]
-        if body.get("input_ids") is not None:
-            return [list(x) for x in ([body["input_ids"]] if n is None else body["input_ids"])]
-        return [[0] * s for s in _prompt_sizes(route, body)]  # embeddings: no reuse modelled
-    if route == payload.COMPLETIONS:
-        p = body["prompt"]
-        items = [p] if isinstance(p, str) or isinstance(p[0], int) else p
-        return [words(x) if isinstance(x, str) else list(x) for x in items]
-    seq: list[Any] = []
-    for m in body["messages"]:
-        c = m.get("content")
-        text = c if isinstance(c, str) else " ".join(x.get("text") or "" for x in c or [])
-        seq += [f"<{m['role']}>"] * CHAT_TOKENS_PER_MESSAGE + (text.split() if text.strip() else [])
-    return [seq]
-
-
-def _max_new_tokens(route: str, body: dict[str, Any]) -> int:
-    if route == payload.GENERATE:
-        sp = body.get("sampling_params") or {}
-        if isinstance(sp, list):
-            sp = sp[0] if sp else {}
-        n = sp.get("max_new_tokens", 16)
-    else:
-        n = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise payload.BadRequest("max_new_tokens / max_tokens must be a non-negative integer")
-    return n
-
-
-def _as_list(v: Any, n: int, step: int = 0) -> list[Any]:
-    """A bootstrap field as a per-item list; a scalar room expands to room + i as SGLang's io_struct does."""
-    if isinstance(v, list):
-        return list(v)
-    if step and isinstance(v, int):
-        return [v + i for i in range(n)]
-    return [v] * n
-
-
 class SimWorker:
     """The simulated server: build with a SimConfig, then `await start()`; `await stop()` ends it."""
 
@@ -226,9 +63,9 @@ class SimWorker:
         self.cfg = cfg
         self.ranks = [RankState(slots=asyncio.Semaphore(cfg.prefill_concurrency)) for _ in range(cfg.dp_size)]
         self.rooms = RoomRegistry()
-        pages = cfg.prefix_cache_tokens // max(1, cfg.page_tokens)
-        self.radix = PrefixTree(pages) if pages else None  # one tenant per DP rank
+        self.radix = RadixModel(cfg.prefix_cache_tokens, cfg.page_tokens)
         self._cached: dict[str, int] = {}  # decode: rid -> cached tokens its prefill reported
+        self.replies = Replies(cfg, self._cached)
         self.stats = Stats()
         self.healthy = True
         self.fail_next = 0
@@ -325,7 +162,7 @@ class SimWorker:
                 "simulated": True,
                 "internal_states": [{"last_gen_throughput": self._gen_tokens / elapsed, "avg_spec_accept_length": None}],
             },
-            dumps=_dumps,
+            dumps=dumps,
         )
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -371,14 +208,13 @@ class SimWorker:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         self.stats.flushes += 1
-        if self.radix:
-            self.radix = PrefixTree(self.radix.max_size)
+        self.radix.flush()
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n")
 
     async def get_stats(self, request: web.Request) -> web.Response:
         st = {k: v for k, v in self.stats.__dict__.items()}
         st["ranks"] = self._rank_loads()
-        return web.json_response(st, dumps=_dumps)
+        return web.json_response(st, dumps=dumps)
 
     async def admin(self, request: web.Request) -> web.Response:
         """Fault injection: {"healthy": bool, "fail_next": n, "fail_status": s, "hang_next": n, "pause_after_first": n, "reset": true}."""
@@ -422,33 +258,33 @@ class SimWorker:
         self.stats.by_route[route] = self.stats.by_route.get(route, 0) + 1
         try:
             body = payload.parse_json_object(await request.read())
-            sizes = _prompt_sizes(route, body)
-            max_new = _max_new_tokens(route, body)
+            sizes = prompt_sizes(route, body)
+            max_new = max_new_tokens(route, body)
             stream = payload.is_stream(body)
         except payload.BadRequest as e:
-            return _error(400, str(e))
+            return error(400, str(e))
         if len(self.stats.bodies) < self.stats.keep_bodies:
             self.stats.bodies.append(body)
         n = len(sizes)
-        host, port = _as_list(body.get("bootstrap_host"), n), _as_list(body.get("bootstrap_port"), n)
-        rooms = _as_list(body.get("bootstrap_room"), n, step=1)
+        host, port = per_item(body.get("bootstrap_host"), n), per_item(body.get("bootstrap_port"), n)
+        rooms = per_item(body.get("bootstrap_room"), n, step=1)
         if any(r is None for r in rooms) or any(h is None for h in host) or (self.cfg.role == "decode" and any(p is None for p in port)):
             self.stats.missing_bootstrap += 1
-            return _error(400, "bootstrap_host, bootstrap_port and bootstrap_room are required in disaggregation mode")
+            return error(400, "bootstrap_host, bootstrap_port and bootstrap_room are required in disaggregation mode")
         if not (len(host) == len(port) == len(rooms) == n):
-            return _error(400, f"bootstrap fields must have batch length {n}")
+            return error(400, f"bootstrap fields must have batch length {n}")
         self.stats.rooms.extend(rooms)
         if self.fail_next > 0:
             self.fail_next -= 1
             self.stats.failed += 1
             # like an HTTP-layer error in SGLang, no KV sender is created: the decode is not told
-            return _error(self.fail_status, "injected failure")
+            return error(self.fail_status, "injected failure")
         if self.hang_next > 0:
             self.hang_next -= 1
             await asyncio.sleep(3600)
         routed = body.get("routed_dp_rank", body.get("data_parallel_rank"))
         if routed is not None and not (isinstance(routed, int) and 0 <= routed < self.cfg.dp_size):
-            return _error(400, f"routed_dp_rank {routed!r} out of range for dp_size {self.cfg.dp_size}")
+            return error(400, f"routed_dp_rank {routed!r} out of range for dp_size {self.cfg.dp_size}")
         rid = f"sim-{self.cfg.port}-{next(self._ids)}"
         try:
             if self.cfg.role == "prefill":
@@ -465,12 +301,12 @@ class SimWorker:
             self.stats.dp_mismatch += 1
             for room in rooms:
                 self.rooms.finish(room, False, routed)
-            return _error(400, f"routed_dp_rank {routed} contradicts follow_bootstrap_room (room % {dp})")
+            return error(400, f"routed_dp_rank {routed} contradicts follow_bootstrap_room (room % {dp})")
         rank = ranks[0]
         st = self.ranks[rank]
         tokens = sum(sizes)
-        hashes = [block_hashes(seq, self.cfg.page_tokens) for seq in _token_seqs(route, body)] if self.radix else []
-        waiting = tokens - sum(self._cache_hits(hashes, sizes, rank))  # the estimate at arrival
+        hashes = self.radix.hashes(route, body)
+        waiting = tokens - sum(self.radix.hits(hashes, sizes, rank))  # the estimate at arrival
         hits = [0] * len(sizes)
         ok = False
         st.waiting_reqs += 1
@@ -481,16 +317,13 @@ class SimWorker:
                 st.waiting_reqs -= 1
                 st.running_reqs += 1
                 queued = False
-                hits = self._cache_hits(hashes, sizes, rank)  # what the cache holds when it is scheduled
+                hits = self.radix.hits(hashes, sizes, rank)  # what the cache holds when it is scheduled
                 try:
                     await asyncio.sleep((self.cfg.prefill_base_ms + (tokens - sum(hits)) * self.cfg.prefill_ms_per_token) / 1000)
                 finally:
                     st.running_reqs -= 1
                     st.waiting_tokens -= waiting
-                for h in hashes:
-                    self.radix.insert(h, rank)
-                if self.radix:
-                    self.radix.evict()
+                self.radix.insert(hashes, rank)
             if self.cfg.transfer_ms:
                 await asyncio.sleep(self.cfg.transfer_ms / 1000)
             ok = True
@@ -506,12 +339,6 @@ class SimWorker:
         self.stats.cached_tokens += sum(hits)
         logprobs = [[[-1.0, 100 + i, None] for i in range(s)] for s in sizes] if body.get("return_logprob") else None
         return await self._respond(route, request, body, rid, sizes, 1, stream, logprobs, first_token_wait=None)
-
-    def _cache_hits(self, hashes: list[list[int]], sizes: list[int], rank: int) -> list[int]:
-        """Cached tokens per item; at least one token of each prompt is always computed, as in SGLang."""
-        if not self.radix:
-            return [0] * len(sizes)
-        return [min(self.radix.match(h, rank) * self.cfg.page_tokens, max(0, s - 1)) for h, s in zip(hashes, sizes)]
 
     async def _decode(self, route, request, body, rid, sizes, max_new, host, port, rooms, routed, stream) -> web.StreamResponse:
         rank = routed if routed is not None else next(self._rr) % self.cfg.dp_size
@@ -545,7 +372,7 @@ class SimWorker:
         finally:
             self._cached.pop(rid, None)
 
-    # ---------------------------------------------------------------- output shapes
+    # ---------------------------------------------------------------- writing the answer
     async def _respond(self, route, request, body, rid, sizes, n_out, stream, in_logprobs, first_token_wait, rank: int = 0):
         """Generate `n_out` tokens per item (decode pacing when first_token_wait is set) and write them."""
         n = len(sizes)
@@ -571,8 +398,8 @@ class SimWorker:
                 self.ranks[rank].waiting_reqs -= n
             if err is not None:
                 if resp is None:
-                    return _error(500, err)
-                await write(sse.event(self._abort_chunk(route, rid, err, created)))
+                    return error(500, err)
+                await write(sse.event(self.replies.abort_chunk(route, rid, err, created)))
                 await write(sse.DONE)
                 return resp
         st = self.ranks[rank]
@@ -595,7 +422,7 @@ class SimWorker:
                 if resp is not None:
                     last = step == n_out
                     for i in range(n):
-                        await write(sse.event(self._chunk(route, body, rid, i, sizes[i], step, last, batch, created, in_logprobs)))
+                        await write(sse.event(self.replies.chunk(route, body, rid, i, sizes[i], step, last, batch, created, in_logprobs)))
         finally:
             if decoding:
                 st.running_reqs -= n
@@ -603,140 +430,15 @@ class SimWorker:
         if resp is not None:
             if n_out == 0:
                 for i in range(n):
-                    await write(sse.event(self._chunk(route, body, rid, i, sizes[i], 0, True, batch, created, in_logprobs)))
+                    await write(sse.event(self.replies.chunk(route, body, rid, i, sizes[i], 0, True, batch, created, in_logprobs)))
             if route != payload.GENERATE and (body.get("stream_options") or {}).get("include_usage"):
-                await write(sse.event(self._usage_chunk(route, rid, sizes, n_out, created)))
+                await write(sse.event(self.replies.usage_chunk(route, rid, sizes, n_out, created)))
             await write(sse.DONE)
             await resp.write_eof()
             self.stats.completed += decoding
             return resp
         self.stats.completed += decoding
-        data = orjson.dumps(self._final(route, body, rid, sizes, n_out, batch, created, in_logprobs))
+        data = orjson.dumps(self.replies.final(route, body, rid, sizes, n_out, batch, created, in_logprobs))
         if rec is not None:
             rec.extend(data)
         return web.Response(body=data, content_type="application/json")
-
-    def _meta(self, rid, i, prompt, step, last, in_logprobs, body):
-        meta: dict[str, Any] = {
-            "id": f"{rid}-{i}" if i else rid,
-            "finish_reason": {"type": "length", "length": step} if last else None,
-            "prompt_tokens": prompt,
-            "completion_tokens": step,
-            "cached_tokens": self._cached.get(rid, 0),
-        }
-        if body.get("return_logprob"):
-            meta["input_token_logprobs"] = in_logprobs[i] if in_logprobs else [[-0.25, 7, None]]
-            meta["output_token_logprobs"] = [[-0.5, 1000 + k, None] for k in range(step)]
-        return meta
-
-    def _chunk(self, route, body, rid, i, prompt, step, last, batch, created, in_logprobs):
-        if route == payload.GENERATE:
-            out = {"text": TOKEN_TEXT * step, "output_ids": [1000 + k for k in range(step)], "meta_info": self._meta(rid, i, prompt, step, last, in_logprobs, body)}
-            if batch:
-                out["index"] = i
-            return out
-        fin = "length" if last else None
-        if route == payload.COMPLETIONS:
-            choice = {"index": i, "text": TOKEN_TEXT if step else "", "logprobs": None, "finish_reason": fin}
-            return {"id": rid, "object": "text_completion", "created": created, "model": self.cfg.model, "choices": [choice]}
-        delta = {"role": "assistant", "content": TOKEN_TEXT} if step == 1 else {"content": TOKEN_TEXT if step else ""}
-        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": fin}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.cfg.model, "choices": [choice]}
-
-    def _usage(self, sizes, n_out):
-        p, c = sum(sizes), n_out * len(sizes)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def _usage_chunk(self, route, rid, sizes, n_out, created):
-        obj = "text_completion" if route == payload.COMPLETIONS else "chat.completion.chunk"
-        return {"id": rid, "object": obj, "created": created, "model": self.cfg.model, "choices": [], "usage": self._usage(sizes, n_out)}
-
-    def _abort_chunk(self, route, rid, msg, created):
-        if route == payload.GENERATE:
-            return {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": {"type": "abort", "message": msg, "status_code": 500}}}
-        return {"error": {"message": msg, "type": "InternalServerError", "code": 500}}
-
-    def _final(self, route, body, rid, sizes, n_out, batch, created, in_logprobs):
-        if route == payload.GENERATE:
-            items = [
-                {"text": TOKEN_TEXT * n_out, "output_ids": [1000 + k for k in range(n_out)], "meta_info": self._meta(rid, i, s, n_out, True, in_logprobs, body)}
-                for i, s in enumerate(sizes)
-            ]
-            return items if batch else items[0]
-        if route == payload.COMPLETIONS:
-            choices = [{"index": i, "text": TOKEN_TEXT * n_out, "logprobs": None, "finish_reason": "length"} for i in range(len(sizes))]
-            return {"id": rid, "object": "text_completion", "created": created, "model": self.cfg.model, "choices": choices, "usage": self._usage(sizes, n_out)}
-        msg = {"role": "assistant", "content": TOKEN_TEXT * n_out}
-        return {
-            "id": rid, "object": "chat.completion", "created": created, "model": self.cfg.model,
-            "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": "length"}],
-            "usage": self._usage(sizes, n_out),
-        }
-
-
-def _dumps(obj: Any) -> str:
-    return orjson.dumps(obj).decode()
-
-
-def _error(status: int, message: str) -> web.Response:
-    # SGLang's HTTP server answers errors as {"error": {"message", "type", "code"}} (ORJSONResponse)
-    return web.Response(
-        status=status,
-        body=orjson.dumps({"error": {"message": message, "type": "BadRequestError" if status < 500 else "InternalServerError", "code": status}}),
-        content_type="application/json",
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sglang_p2p_lb.sim_worker", description="Simulated SGLang PD worker (stands in for a GPU server).")
-    p.add_argument("--role", choices=["prefill", "decode"], required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--bootstrap-port", type=int, default=None, help="prefill: port of the simulated bootstrap server (default: any free port)")
-    p.add_argument("--dp-size", type=int, default=1, help="DP-attention ranks, each with its own queue")
-    p.add_argument("--prefill-base-ms", type=float, default=SimConfig.prefill_base_ms)
-    p.add_argument("--prefill-ms-per-token", type=float, default=SimConfig.prefill_ms_per_token)
-    p.add_argument("--prefill-concurrency", type=int, default=SimConfig.prefill_concurrency, help="prefill slots per DP rank")
-    p.add_argument("--transfer-ms", type=float, default=SimConfig.transfer_ms)
-    p.add_argument("--decode-ms-per-token", type=float, default=SimConfig.decode_ms_per_token)
-    p.add_argument("--decode-slowdown", type=float, default=SimConfig.decode_slowdown, help="relative slowdown per extra running request")
-    p.add_argument("--kv-capacity-tokens", type=int, default=SimConfig.kv_capacity_tokens)
-    p.add_argument("--bootstrap-timeout", type=float, default=SimConfig.bootstrap_timeout)
-    p.add_argument("--prefix-cache-tokens", type=int, default=SimConfig.prefix_cache_tokens, help="prefill: radix cache capacity per DP rank in tokens (0: no cache)")
-    p.add_argument("--page-tokens", type=int, default=SimConfig.page_tokens, help="prefill: radix cache page size")
-    p.add_argument("--model", default=MODEL)
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> SimConfig:
-    return SimConfig(**{k: v for k, v in vars(args).items() if k in SimConfig.__dataclass_fields__})
-
-
-async def _run(cfg: SimConfig) -> None:
-    worker = SimWorker(cfg)
-    await worker.start()
-    extra = f" bootstrap {cfg.bootstrap_port}" if cfg.role == "prefill" else ""
-    print(f"sim {cfg.role} worker on {worker.url}{extra}", flush=True)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await worker.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
-    cfg = config_from_args(build_parser().parse_args(argv))
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        asyncio.run(_run(cfg))
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
