@@ -20,7 +20,8 @@ from typing import Mapping, Sequence
 from .config import ROLES, ConfigError, LaunchConfig, load_config
 from .identity import resolve_node
 from . import k8s, rbg
-from .k8s import checked, server_pod_commands
+from .k8s import checked
+from .pod_commands import server_pod_commands
 from .k8s_output import stream_text, write_folder
 from .k8s_profile import kube_spec
 from .release import SUPPORTED, UnsupportedReleaseError, installed_release, resolve_release

@@ -22,7 +22,7 @@ from .k8s_pod import (
 )
 from .k8s_profile import KubeSpec
 from .k8s_tuning import TuningFile, tuning_files
-from .render import LB_PROGRAM, Command, flag_tokens, lb_args
+from .render import LB_PROGRAM, flag_tokens, lb_args
 from .validate import problems
 
 DNS_LABEL_MAX = 63
@@ -243,17 +243,3 @@ def render_files(cfg: LaunchConfig, kube: KubeSpec, release: str) -> list[KubeFi
     groups = [_lws_group_file(cfg, kube, role, g, release, tuning)
               for role in ROLES for g in range(cfg.role(role).groups)]
     return [*tuning_file(cfg, kube, tuning), *groups, KubeFile(f"{lb_name(cfg)}.yaml", tuple(lb_objects(cfg, kube)))]
-
-
-def server_pod_commands(files: list[KubeFile]) -> list[Command]:
-    """The SGLang command of every pod, as the workload controller and the kubelet will fill it in."""
-    from . import rbg  # the RoleBasedGroup replay, for files rendered by rbg.render_files
-
-    out = []
-    for f in files:
-        for obj in f.objects:
-            if obj["kind"] == "LeaderWorkerSet":
-                out += [pod.command() for pod in lws.pods(obj)]
-            elif obj["kind"] == rbg.KIND:
-                out += [pod.command() for pod in rbg.pods(obj) if pod.labels.get(rbg.SERVER_LABEL) == "true"]
-    return out

@@ -16,8 +16,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # package -> the folder that holds it
 PACKAGES = {"sglang_p2p_lb": REPO / "lb", "sglang_p2p_backend": REPO, "simworker": REPO}
-# cycles there today, each to be broken: listed so that any other cycle fails, and checked so the list stays true
-KNOWN_CYCLES = {frozenset({"sglang_p2p_backend.launch.k8s", "sglang_p2p_backend.launch.rbg"})}
 
 
 def modules(package: str, root: Path) -> dict[str, Path]:
@@ -109,9 +107,7 @@ def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
 @pytest.mark.parametrize("package", sorted(PACKAGES))
 def test_no_import_cycle(package: str) -> None:
     found = cycles(import_graph(modules(package, PACKAGES[package])))
-    known = {c for c in KNOWN_CYCLES if min(c).startswith(package + ".")}
-    assert not found - known, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in found - known)
-    assert known <= found, "a listed cycle is gone: drop it from KNOWN_CYCLES"
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in found)
 
 
 def test_check_sees_a_cycle_through_a_function_level_import(tmp_path: Path) -> None:
