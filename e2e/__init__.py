@@ -1,4 +1,4 @@
-"""End-to-end check of the p2pnccl backend with real SGLang on a 2-GPU host (issue 8).
+"""End-to-end check of the p2pnccl backend with real SGLang on a 2-GPU host.
 
 Entry point: ``bash e2e/run_all.sh`` (see docs/e2e.md); archives from ``bash e2e/build_bundle.sh``. The Python
 modules run from the repository root as ``python3 -m e2e.<module>``. Steps: ``check`` (PD vs a non-PD server),

@@ -5,7 +5,7 @@
 #   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras|serve|lb]]  (default: .bundle/, sglang and extras; ignored by git;
 #                                                         ~8 min on 2 cores, xz is most of it)
 #
-#   sglang.tar.xz  SGLang 0.5.17 and everything its server imports: the recipe of shared/gpu-rig/build_bundle.sh
+#   sglang.tar.xz  SGLang 0.5.17 and everything its server imports: the recipe below
 #                  (slim sglang-kernel: FlashAttention-3, SM100, FlashMLA libraries left out; xgrammar without its
 #                  static library), packed with xz instead of two zips (~55 MiB instead of 60 + 38).
 #   extras.tar.xz  mooncake/  Mooncake TE for CUDA 13 (0.3.14), only the transfer engine and the NVLink allocator

@@ -436,7 +436,7 @@ def _med(agg: dict, name: str, wl: str, fig: str) -> Optional[float]:
 
 
 def targets(agg: dict[str, dict[str, Any]], workloads: Sequence[str]) -> list[dict[str, Any]]:
-    """The issue's targets per workload, on the medians: our best TTFT p99 at least 20% below the best peer's,
+    """Our targets per workload, on the medians: our best TTFT p99 at least 20% below the best peer's,
     output tok/s no lower; on shared-prefix workloads a hit rate at least smg cache_aware's and a lower p50."""
     ours = [n for n in agg if n.startswith("ours:")]
     peers = [n for n in agg if not n.startswith("ours:")]

@@ -9,13 +9,13 @@ Every model shares one byte-level BPE tokenizer (4096 tokens) trained locally on
 * ``mla-tiny``: 2-layer DeepSeek-V3 (MLA: kv_lora_rank 512, rope 64, nope 128, v 128; all layers dense, so
   no MoE kernels are needed), sharpened the same way.
 * ``llama-anchor``: 32 layers, hidden 1024, 8 KV heads x head_dim 128, i.e. 128 KiB of KV per token like
-  Llama-3-8B: the shape of the Mooncake baseline in shared/design/ANCHORS.md, default init, for timing.
+  Llama-3-8B: the shape of the usual Mooncake PD baseline, default init, for timing.
 
 Why sharpen: at the default init a random model's greedy output repeats one token and a changed context moves
 its logprobs by about bf16 rounding, so matching outputs would say little about whether the KV arrived
 intact. Scaling q/k up (x2.5), v/o down (x0.7) and lm_head up (x5) makes the output depend on the context;
 on the 2-GPU host one changed prompt token, or one token's or one layer's KV zeroed on decode, then moved
-the logprobs by at least 0.35 nats (shared/gpu-rig/README.md).
+the logprobs by at least 0.35 nats.
 """
 from __future__ import annotations
 

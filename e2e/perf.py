@@ -3,8 +3,8 @@
     python3 -m e2e.perf --models DIR --out results.json --logs DIR [--backends p2pnccl,mooncake]
                         [--genai-bench-bin DIR]
 
-Model: ``llama-anchor`` (32 layers, 128 KiB of KV per token), the shape of the Mooncake baseline in
-shared/design/ANCHORS.md, so the figures can be set beside that table. Both pairs run at once (prefill on
+Model: ``llama-anchor`` (32 layers, 128 KiB of KV per token), the shape of the usual
+Mooncake PD baseline (a Llama-3-8B), so the figures can be set beside published ones. Both pairs run at once (prefill on
 GPU 0, decode on GPU 1, one LB each) and are loaded one after the other. Per run: TTFT p50/p99 seen by the
 client (streaming ``/generate`` through the LB), output tokens per second, and the prefill's mean KV transfer
 time per request, read from SGLang's ``sglang:kv_transfer_latency_ms`` histogram before and after the run.

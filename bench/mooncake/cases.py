@@ -1,6 +1,6 @@
 """What the Mooncake microbenchmark measures, as pure data: KV layouts, cases, and the page ids of each case.
 
-Layouts follow SGLang's pools (sglang-interface.md §3.1): MLA (DeepSeek-V3: 61 layers, one region per layer,
+Layouts follow SGLang's pools (docs/sglang-contract.md): MLA (DeepSeek-V3: 61 layers, one region per layer,
 kv_lora 512 + rope 64 in bf16 = 1152 B per token) and MHA (Llama-3-8B: 32 layers, K then V = 64 regions,
 8 KV heads x 128 x bf16 = 2048 B per token per region). Page size p makes a page `p x bytes_per_token`.
 Modes: `scattered` (random distinct pages on both sides, so almost nothing merges: one descriptor per page

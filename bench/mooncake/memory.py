@@ -2,7 +2,7 @@
 
 `python -m bench.mooncake.memory [--peers 8] [--machine NAME]` writes bench/results/mooncake_memory_per_peer.json.
 
-- NCCL: GPU memory of one extra 2-rank communicator by channel cap, as measured on two H200s (ANCHORS.md,
+- NCCL: GPU memory of one extra 2-rank communicator by channel cap, as measured on two H200s (docs/nccl.md,
   `comm_pool.ANCHOR_COST`), plus the one-off cost of the first communicator in a process; multiplied out for
   the fan-outs a GPU sees (96P144D: a prefill GPU pairs with up to 144 decode GPUs, a decode GPU with 96).
 - Mooncake: no GPU memory per peer. It writes from and into the KV pool SGLang already allocated, which is
@@ -32,7 +32,7 @@ from .__main__ import RESULTS, machine_info
 from .cases import Layout
 from .run import decode_peer
 
-#: ANCHORS.md: "The first communicator in a process costs ~440-680 MB more (context, NCCL init)"
+#: docs/nccl.md: "The first communicator in a process costs ~440-680 MB more (context, NCCL init)"
 FIRST_COMM_EXTRA_MB = (440, 680)
 FAN_OUTS = (1, 8, 16, 48, 96, 144)
 #: a tiny pool is enough: the per-peer cost does not depend on the pool (registered once, up front)
@@ -77,7 +77,7 @@ def mooncake_host_mb_per_peer(peers: int, host: str) -> dict:
 def nccl_table() -> dict:
     caps = sorted(ANCHOR_COST.mb, key=lambda c: -(c if c is not None else 1 << 30))
     return {
-        "source": "ANCHORS.md: nvidia-h200-x2, NCCL 2.28.9, nvidia-smi after the first send; comm_pool.ANCHOR_COST",
+        "source": "docs/nccl.md: nvidia-h200-x2, NCCL 2.28.9, nvidia-smi after the first send; comm_pool.ANCHOR_COST",
         "gpu_mb_per_communicator": {_cap(c): ANCHOR_COST.mb[c] for c in caps},
         "send_recv_GBps": {_cap(c): ANCHOR_COST.gbps[c] for c in caps},
         "first_communicator_extra_mb": list(FIRST_COMM_EXTRA_MB),

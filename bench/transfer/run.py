@@ -501,7 +501,7 @@ def split_config(cfg: dict) -> dict:
 
 
 def evaluate(res: dict) -> dict:
-    """The issue's targets, from the measured rows, per transport mode."""
+    """Our targets, from the measured rows, per transport mode."""
     modes = sorted({r.get("mode", "nonblocking") for r in res.get("transfers", [])})
     return {m: _evaluate_mode(res, m) for m in modes}
 

@@ -1,7 +1,7 @@
 """Stand-ins for modules a text model never calls, so SGLang 0.5.17 imports on the GPU host (see docs/e2e.md).
 
 * ``soundfile``: imported at module level by SGLang's realtime-audio route, never called for a text model;
-  the host has no libsndfile wheel. An empty module is enough (shared/gpu-rig/README.md).
+  the host has no libsndfile wheel. An empty module is enough.
 Only added when the real module is missing, so a host that has it keeps it.
 """
 import importlib.machinery

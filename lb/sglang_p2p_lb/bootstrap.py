@@ -1,4 +1,4 @@
-"""Bootstrap fields SGLang's PD servers need (sglang-interface.md §6), added to a copy of the client body.
+"""Bootstrap fields SGLang's PD servers need (docs/sglang-contract.md), added to a copy of the client body.
 
 Prefill and decode get the same body plus `bootstrap_host/port/room` (lists of batch length for a batched
 `/generate`, one fresh room per item). With DP attention, the room is drawn so that `room % dp_size` is

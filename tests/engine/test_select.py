@@ -191,7 +191,7 @@ MB = 1 << 20
 @dataclass
 class CommPool:
     """Stand-in for one GPU's NCCL communicator pool: a GPU-memory budget and a fixed cost per communicator
-    (38 MB: a 4-channel 2-rank communicator on H200, ANCHORS.md). Only the admission rule matters here."""
+    (38 MB: a 4-channel 2-rank communicator on H200, docs/nccl.md). Only the admission rule matters here."""
 
     budget: int
     per_comm: int = 38 * MB

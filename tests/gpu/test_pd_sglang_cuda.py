@@ -2,7 +2,7 @@
 bootstrap server, the scheduler's polling), over real NCCL, the same-host CUDA IPC path and, where it is
 installed, Mooncake.
 
-Layouts as the issue names them: DeepSeek MLA (61 layers, 576 bf16 values a token) and an MHA model (32 layers,
+Layouts: DeepSeek MLA (61 layers, 576 bf16 values a token) and an MHA model (32 layers,
 8 KV heads x 128, bf16), page sizes 1, 16 and 64, chunked and in one send(). With two GPUs the prefill's pools
 are on cuda:0 and the decode's on cuda:1; with one GPU both share it and NCCL runs over loopback sockets
 (testing/launch.py `one_gpu_env`): the same code paths, not NVLink speed. Also: the communicator budget with

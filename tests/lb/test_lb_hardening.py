@@ -1,4 +1,4 @@
-"""Issue 15's findings as behaviour: keys on admin routes, slowloris, stalled workers, wrong types, safe retries.
+"""Hardening findings as behaviour: keys on admin routes, slowloris, stalled workers, wrong types, safe retries.
 
 All on 127.0.0.1 against simulated workers (in-process, or a simworker process where SIGSTOP is needed).
 """

@@ -2,7 +2,7 @@
 idle communicators to close, and when a peer does not fit at all. Pure: no NCCL, no torch, no clock.
 
 Each extra 2-rank communicator costs GPU memory that grows with its channel cap and buys bandwidth
-(`CommCost`; ANCHORS.md: 22/38/70/134/262 MB at 2/4/8/16/default channels for 68/133/266/366/368 GB/s;
+(`CommCost`; docs/nccl.md: 22/38/70/134/262 MB at 2/4/8/16/default channels for 68/133/266/366/368 GB/s;
 `H200_COST` / `H200_COST_NO_CUMEM`: this project's measurement per side, where the decode GPU pays about twice
 the prefill's, and twice again without cuMem, SGLang's default). Pick the table of the GPU's role and env. The pool keeps the sum of live communicators within `budget_mb`:
 - the cap follows the number of live peers: the largest cap of the ladder such that that many peers fit the
@@ -62,7 +62,7 @@ class CommCost:
         return cls({r["cap"]: float(r[key]) for r in rows}, {r["cap"]: float(r["gbps"]) for r in rows})
 
 
-#: ANCHORS.md, nvidia-h200-x2, NCCL 2.28.9 (caps set through NCCL_MIN/MAX_NCHANNELS)
+#: measured on nvidia-h200-x2 (docs/nccl.md, "What a communicator costs"), NCCL 2.28.9 (caps set through NCCL_MIN/MAX_NCHANNELS)
 ANCHOR_COST = CommCost(
     mb={2: 22.0, 4: 38.0, 8: 70.0, 16: 134.0, None: 262.0},
     gbps={2: 68.0, 4: 133.0, 8: 266.0, 16: 366.0, None: 368.0},
