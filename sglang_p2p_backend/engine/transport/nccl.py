@@ -10,7 +10,7 @@ The ctypes binding of libnccl is `nccl_lib.py`.
 
 Launch cost (measured on two H200s, bench/results/transfer_nvidia-h200-x2.json): every op on a non-blocking
 communicator is launched by a fresh NCCL thread, ~170-250 us of host time per send/recv against ~40 us on a
-blocking one, which caps a 64 MiB-chunk pipeline near 210 GB/s. `split_blocking=True` (env
+blocking one, which caps a 64 MiB-chunk pipeline near 210 GB/s. `split_blocking=True` (EngineConfig.nccl_split,
 SGLANG_P2P_NCCL_SPLIT=1) keeps the non-blocking communicator for init, connection and abort, and runs the ops on
 a blocking child split off it (`splitShare=1`: same channels and buffers). Not yet measured on the GPU host:
 opt-in until it is. `high_priority` (SGLANG_P2P_NCCL_STREAM_PRIORITY=high) puts the pair stream at the top CUDA
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import struct
 import threading
 import weakref
@@ -34,6 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.waiting import Deadline
 from sglang_p2p_backend.engine.transport.base import Completion, PairComm, TransportError, TwoSidedTransport
 from sglang_p2p_backend.engine.transport.nccl_lib import (
@@ -280,8 +280,8 @@ class NcclTransport(TwoSidedTransport):
         max_ctas: Optional[int] = None,
         *,
         blocking: bool = False,
-        split_blocking: Optional[bool] = None,
-        high_priority: Optional[bool] = None,
+        split_blocking: bool = False,
+        high_priority: bool = False,
         library: Optional[NcclLibrary] = None,
     ):
         if not torch.cuda.is_available():
@@ -292,14 +292,16 @@ class NcclTransport(TwoSidedTransport):
         self.max_ctas = max_ctas
         # blocking communicators are for baselines only: their init cannot time out
         self.blocking = blocking
-        if split_blocking is None:
-            split_blocking = os.environ.get("SGLANG_P2P_NCCL_SPLIT", "0") == "1"
         # operations on a blocking child split off the non-blocking communicator (see connect)
         self.split_blocking = split_blocking and not blocking
-        if high_priority is None:
-            high_priority = os.environ.get("SGLANG_P2P_NCCL_STREAM_PRIORITY", "normal") == "high"
         self.high_priority = high_priority
         self.lib = library or NcclLibrary.get()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, device: Optional[torch.device] = None) -> "NcclTransport":
+        """The transport with the configured NCCL knobs: split, stream priority, which libnccl."""
+        return cls(device, split_blocking=config.nccl_split, high_priority=config.nccl_high_priority,
+                   library=NcclLibrary.get(config.nccl_library))
 
     def new_unique_id(self, max_ctas: Optional[int] = -1) -> bytes:  # type: ignore[override]
         cap = self.max_ctas if max_ctas == -1 else max_ctas

@@ -29,6 +29,8 @@ NCCL_UINT8 = 1  # ncclUint8
 _CONFIG_UNDEF_INT = -(2**31)
 _CONFIG_MAGIC = 0xCAFEBEEF
 _MIN_VERSION = 21700  # minCTAs/maxCTAs in ncclConfig_t and non-blocking communicators
+#: the soname torch's CUDA libraries link: loading it returns the copy already mapped
+DEFAULT_LIBRARY = "libnccl.so.2"
 
 
 def nccl_version_code(major: int, minor: int, patch: int) -> int:
@@ -71,12 +73,6 @@ class NcclConfig(ctypes.Structure):
         return cfg
 
 
-def _find_library() -> str:
-    # same override as SGLang's wrapper, so one variable points both at another libnccl
-    override = os.environ.get("SGLANG_P2P_NCCL_SO_PATH") or os.environ.get("SGLANG_NCCL_SO_PATH")
-    return override or "libnccl.so.2"
-
-
 def _wheel_library() -> Optional[str]:
     try:
         import nvidia.nccl  # the nvidia-nccl-cu12/cu13 wheel torch depends on
@@ -97,13 +93,13 @@ class NcclLibrary:
     _instance_lock = threading.Lock()
 
     def __init__(self, path: Optional[str] = None):
-        path = path or _find_library()
+        path = path or DEFAULT_LIBRARY
         try:
             self.lib = ctypes.CDLL(path)
         except OSError as e:
             # torch not loaded yet, or a libnccl outside the loader's path: the nvidia-nccl wheel's copy
             wheel = _wheel_library()
-            if path != "libnccl.so.2" or wheel is None:
+            if path != DEFAULT_LIBRARY or wheel is None:
                 raise TransportError(f"cannot load NCCL ({path}): {e}; set SGLANG_NCCL_SO_PATH") from e
             self.lib = ctypes.CDLL(wheel)
         L = self.lib
@@ -141,10 +137,11 @@ class NcclLibrary:
         fn.argtypes = argtypes
 
     @classmethod
-    def get(cls) -> "NcclLibrary":
+    def get(cls, path: Optional[str] = None) -> "NcclLibrary":
+        """The process's one binding, loaded from `path` (EngineConfig.nccl_library) by the first call."""
         with cls._instance_lock:
             if cls._instance is None:
-                cls._instance = cls()
+                cls._instance = cls(path)
             return cls._instance
 
     def error_text(self, code: int, comm: Optional[int] = None) -> str:
