@@ -25,10 +25,12 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.transfer.pair import pair_device
+from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.wire import messages
 from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.pair.pipeline import PairReceiver, PairSender
 from sglang_p2p_backend.engine.pair.staging import StagingPool
+from sglang_p2p_backend.engine.transport import two_sided_transport
 
 SENTINEL = 0x5A
 
@@ -70,13 +72,7 @@ def _pool(case: Case, device: torch.device, seed: int | None) -> list[torch.Tens
 
 
 def _transport(device: torch.device):
-    if device.type == "cuda":
-        from sglang_p2p_backend.engine.transport.nccl import NcclTransport
-
-        return NcclTransport(device=device)
-    from sglang_p2p_backend.engine.transport.tcp import TcpTransport
-
-    return TcpTransport()
+    return two_sided_transport("auto", device, "127.0.0.1", EngineConfig.from_env())
 
 
 def _prefill(device, cases, ctrl, results, io_timeout):

@@ -87,7 +87,7 @@ class DecodeKVManager(P2pNcclKVManager):
         self.arrivals = ArrivalTracker(self._apply_prefill_final)
         # the decode admits pair channels within its own budget but never closes one: the prefill owns the
         # pair's traffic, so the decode asks it to release an idle channel instead (CommRelease)
-        self.comm_budget = CommBudget.from_env("decode") if self.two_sided else None
+        self.comm_budget = CommBudget.from_config(self.config, "decode") if self.two_sided else None
         if self.ipc is not None:
             # exported once: KV regions, then state components' regions (the order of kv_ptrs, state_ptrs)
             self.ipc.register(self.local_memory.pool_regions())

@@ -132,14 +132,14 @@ class P2pNcclKVManager(CommonKVManager):
         self.transports = process_transports(
             self.config.transport,
             gpu=self.device.type == "cuda",
-            rdma_present=rdma_present(),
+            rdma_present=rdma_present(force_tcp=self.config.mooncake_force_tcp),
             mooncake_available=importlib.util.find_spec("mooncake") is not None,
             ipc_capable=ipc_backend().usable(self.device),
         )
         self.two_sided: Optional[TwoSidedTransport] = None
         if self.transports.two_sided:
             self.two_sided = two_sided_transport(
-                self.transports.two_sided, self.device, self.local_ip, self.config.io_timeout
+                self.transports.two_sided, self.device, self.local_ip, self.config
             )
         self.staging = StagingPool(
             self.two_sided.alloc_staging if self.two_sided else _no_staging,

@@ -1,15 +1,47 @@
-"""Engine settings, read once from the environment (the knobs the README lists)."""
+"""Engine settings: the one place the environment is read (the knobs the README lists, and the few variables of
+NCCL and Mooncake the engine's choices depend on). `EngineConfig.from_env()` reads them all once, at start, and
+fails naming the variable and what it accepts; the engine's objects take the values as arguments."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
-TRANSPORTS = ("auto", "cudaipc", "nccl", "mooncake", "tcp")
+TRANSPORT_VAR = "SGLANG_P2P_TRANSPORT"
+AUTO = "auto"
+#: the values of SGLANG_P2P_TRANSPORT: `auto` or a forced transport (engine/transport/select.py)
+TRANSPORTS = (AUTO, "cudaipc", "nccl", "mooncake", "tcp")
+#: SGLANG_P2P_NCCL_CAPS by default; 16 channels already reach contiguous speed on H200 NVLink
+DEFAULT_CAPS: tuple[Optional[int], ...] = (16, 8, 4, 2)
 
 
 class ConfigError(ValueError):
     pass
+
+
+def parse_transport(raw: Optional[str]) -> str:
+    """A SGLANG_P2P_TRANSPORT value, normalised (unset or empty: auto)."""
+    name = (raw or "").strip().lower() or AUTO
+    if name not in TRANSPORTS:
+        raise ConfigError(f"{TRANSPORT_VAR}={raw!r} is not one of {', '.join(TRANSPORTS)}")
+    return name
+
+
+def parse_caps(raw: Optional[str]) -> tuple[Optional[int], ...]:
+    """SGLANG_P2P_NCCL_CAPS, e.g. "16,8,4,2" ("default" = NCCL's own channel count, None)."""
+    if not raw or not raw.strip():
+        return DEFAULT_CAPS
+    caps: list[Optional[int]] = []
+    for part in raw.split(","):
+        part = part.strip().lower()
+        if part == "default":
+            caps.append(None)
+        elif part.isdigit() and int(part) > 0:
+            caps.append(int(part))
+        else:
+            raise ConfigError(f"SGLANG_P2P_NCCL_CAPS={raw!r}: give channel counts like 16,8,4,2 (or 'default')")
+    return tuple(caps)
 
 
 def _number(name: str, default: float, cast=float):
@@ -32,9 +64,18 @@ def _non_negative(name: str, default: float) -> float:
     return _number(name, default)
 
 
+def _choice(name: str, allowed: tuple[str, ...]) -> str:
+    """One of `allowed` (the first when unset or empty)."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower() or allowed[0]
+    if value not in allowed:
+        raise ConfigError(f"{name}={raw!r} is not one of {', '.join(allowed)}")
+    return value
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    transport: str = "auto"  # SGLANG_P2P_TRANSPORT
+    transport: str = AUTO  # SGLANG_P2P_TRANSPORT: one of TRANSPORTS
     staging_mb: int = 256  # SGLANG_P2P_STAGING_MB: staging per rank and direction, split into slots
     staging_slots: int = 2  # SGLANG_P2P_STAGING_SLOTS: chunks in flight per rank
     connect_timeout: float = 30.0  # SGLANG_P2P_CONNECT_TIMEOUT: joining a pair channel
@@ -47,6 +88,18 @@ class EngineConfig:
     #: The backend's threads release the GIL on every CUDA sync and socket wait and need it back within
     #: the interval while the scheduler's main thread runs Python (docs/serving.md measures it)
     gil_switch_ms: float = 0.5
+    nccl_budget_mb: float = 4096.0  # SGLANG_P2P_NCCL_BUDGET_MB: what one GPU may spend on extra pair communicators
+    nccl_caps: tuple[Optional[int], ...] = DEFAULT_CAPS  # SGLANG_P2P_NCCL_CAPS: caps the pool steps down through
+    #: NCCL_CUMEM_ENABLE, NCCL's own (not "0"): SGLang sets 0 (legacy IPC buffers, about twice the memory a
+    #: communicator) unless symmetric memory is on, so the pool costs communicators with the matching table
+    nccl_cumem: bool = True
+    nccl_split: bool = False  # SGLANG_P2P_NCCL_SPLIT=1: operations on a blocking child communicator
+    nccl_high_priority: bool = False  # SGLANG_P2P_NCCL_STREAM_PRIORITY=high: pair streams at the top priority
+    #: SGLANG_P2P_NCCL_SO_PATH, else SGLang's own SGLANG_NCCL_SO_PATH (one variable points both at another
+    #: libnccl); None: the libnccl.so.2 torch loaded
+    nccl_library: Optional[str] = None
+    #: MC_FORCE_TCP, Mooncake's own switch: Mooncake stays off the RDMA devices, so `auto` counts none
+    mooncake_force_tcp: bool = False
 
     @property
     def slot_bytes(self) -> int:
@@ -54,11 +107,9 @@ class EngineConfig:
 
     @classmethod
     def from_env(cls) -> "EngineConfig":
-        transport = os.environ.get("SGLANG_P2P_TRANSPORT", "auto").strip().lower() or "auto"
-        if transport not in TRANSPORTS:
-            raise ConfigError(f"SGLANG_P2P_TRANSPORT={transport!r}: choose one of {', '.join(TRANSPORTS)}")
+        env = os.environ
         return cls(
-            transport=transport,
+            transport=parse_transport(env.get(TRANSPORT_VAR)),
             staging_mb=_number("SGLANG_P2P_STAGING_MB", cls.staging_mb, int),
             staging_slots=_number("SGLANG_P2P_STAGING_SLOTS", cls.staging_slots, int),
             connect_timeout=_number("SGLANG_P2P_CONNECT_TIMEOUT", cls.connect_timeout),
@@ -68,4 +119,11 @@ class EngineConfig:
             max_peers=_number("SGLANG_P2P_MAX_PEERS", cls.max_peers, int),
             tombstone_s=_number("SGLANG_P2P_TOMBSTONE_S", cls.tombstone_s),
             gil_switch_ms=_non_negative("SGLANG_P2P_GIL_SWITCH_MS", cls.gil_switch_ms),
+            nccl_budget_mb=_non_negative("SGLANG_P2P_NCCL_BUDGET_MB", cls.nccl_budget_mb),
+            nccl_caps=parse_caps(env.get("SGLANG_P2P_NCCL_CAPS")),
+            nccl_cumem=env.get("NCCL_CUMEM_ENABLE", "").strip() != "0",
+            nccl_split=_choice("SGLANG_P2P_NCCL_SPLIT", ("0", "1")) == "1",
+            nccl_high_priority=_choice("SGLANG_P2P_NCCL_STREAM_PRIORITY", ("normal", "high")) == "high",
+            nccl_library=env.get("SGLANG_P2P_NCCL_SO_PATH") or env.get("SGLANG_NCCL_SO_PATH") or None,
+            mooncake_force_tcp=env.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"),
         )

@@ -1,11 +1,12 @@
 """The thread-safe front of the communicator pool: victims closed under the lock, busy channels kept, the
-settings read from the environment with clear errors."""
+settings read from the environment (by EngineConfig) with clear errors."""
 
 import threading
 
 import pytest
 
-from sglang_p2p_backend.engine.pair.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire, parse_caps
+from sglang_p2p_backend.engine.config import EngineConfig, parse_caps
+from sglang_p2p_backend.engine.pair.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
 from sglang_p2p_backend.engine.pair.comm_pool import H200_COST, H200_COST_NO_CUMEM, CommPool
 
 
@@ -82,14 +83,14 @@ def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setenv("SGLANG_P2P_NCCL_BUDGET_MB", "512")
     monkeypatch.setenv("SGLANG_P2P_NCCL_CAPS", "default, 8")
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
-    b = CommBudget.from_env("decode")
+    b = CommBudget.from_config(EngineConfig.from_env(), "decode")
     assert b.pool.budget_mb == 512 and b.pool.ladder == (None, 8) and b.pool.cost is H200_COST_NO_CUMEM["decode"]
     monkeypatch.setenv("SGLANG_P2P_NCCL_CAPS", "16,fast")
     with pytest.raises(ValueError, match="SGLANG_P2P_NCCL_CAPS='16,fast'"):
-        CommBudget.from_env("decode")
+        CommBudget.from_config(EngineConfig.from_env(), "decode")
     monkeypatch.setenv("SGLANG_P2P_NCCL_CAPS", "")
     monkeypatch.setenv("SGLANG_P2P_NCCL_BUDGET_MB", "lots")
     with pytest.raises(ValueError, match="SGLANG_P2P_NCCL_BUDGET_MB='lots'"):
-        CommBudget.from_env("prefill")
+        CommBudget.from_config(EngineConfig.from_env(), "prefill")
     assert parse_caps(None) == (16, 8, 4, 2)
     assert [cap_from_wire(cap_to_wire(c)) for c in (None, 2, 16)] == [None, 2, 16]

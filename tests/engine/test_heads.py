@@ -11,7 +11,7 @@ import torch
 
 from sglang_p2p_backend.engine.wire.agreement import differences, local_agreement
 from sglang_p2p_backend.engine.wire.checks import chunk_layout
-from sglang_p2p_backend.engine.copy.gather import copy_chunk
+from sglang_p2p_backend.engine.copy.copier import copy_chunk
 from sglang_p2p_backend.engine.copy.heads import HeadsError, heads_per_rank, pair_heads
 from sglang_p2p_backend.engine.wire.messages import ChunkHeader, ChunkSegment
 from sglang_p2p_backend.engine.copy.plan import copy_descriptors, plan_chunks

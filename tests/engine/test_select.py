@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.transport.select import (
     ENV_VAR,
     Choice,
@@ -60,7 +61,7 @@ def test_without_gpu_auto_is_cpu_tcp() -> None:
     assert c == Choice("tcp", None, c.reason) and "no CUDA" in c.reason
 
 
-@pytest.mark.parametrize("forced", ["nccl", "mooncake", "gloo", "tcp", " Mooncake "])
+@pytest.mark.parametrize("forced", ["nccl", "mooncake", "cudaipc", "tcp", " Mooncake "])
 def test_forced_value_wins(forced: str) -> None:
     facts = PeerFacts(same_host=False, rdma_present=True, nccl_fits=never_asked)
     c = choose_transport(forced, facts)
@@ -77,7 +78,9 @@ def test_typo_in_forced_value_fails_at_start(monkeypatch: pytest.MonkeyPatch) ->
     assert parse_forced("AUTO") is None and parse_forced(None) is None
     monkeypatch.setenv(ENV_VAR, "mooncak")
     with pytest.raises(ValueError, match=f"{ENV_VAR}='mooncak' is not one of"):
-        TransportSelector()
+        EngineConfig.from_env()
+    with pytest.raises(ValueError, match=f"{ENV_VAR}='mooncak' is not one of"):
+        TransportSelector("mooncak")
 
 
 def test_choice_logged_once_per_peer_and_again_when_it_changes(caplog: pytest.LogCaptureFixture) -> None:
@@ -178,9 +181,10 @@ def test_peer_without_mooncake_is_never_sent_there() -> None:
 def test_mc_force_tcp_hides_rdma_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "mlx5_0").mkdir()
     monkeypatch.delenv("MC_FORCE_TCP", raising=False)
-    assert rdma_present(str(tmp_path)) and not rdma_present(str(tmp_path / "absent"))
+    force_tcp = EngineConfig.from_env().mooncake_force_tcp
+    assert rdma_present(str(tmp_path), force_tcp=force_tcp) and not rdma_present(str(tmp_path / "absent"))
     monkeypatch.setenv("MC_FORCE_TCP", "1")
-    assert not rdma_present(str(tmp_path))
+    assert not rdma_present(str(tmp_path), force_tcp=EngineConfig.from_env().mooncake_force_tcp)
 
 
 # ----------------------------------------------------------------------- planning at 96P x 144D scale

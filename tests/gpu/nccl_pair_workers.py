@@ -16,9 +16,16 @@ import torch
 from bench.transfer.kv import LAYOUTS, Layout, chunk_ranges, pick_pages
 from bench.transfer.loops import PipelinedReceiver, PipelinedSender, StagingSlots, wait_event
 from bench.transfer.pair import connect_pair
+from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.copy.gather_cuda import FusedGather
 from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.engine.transport.nccl import NcclPairComm, NcclTransport
+
+
+def _transport() -> NcclTransport:
+    # configured like the backend's, so SGLANG_P2P_NCCL_SPLIT=1 (or _STREAM_PRIORITY=high) runs these tests with it
+    return NcclTransport.from_config(EngineConfig.from_env())
+
 
 POOL_TOKENS = 768  # divisible by every page size tested
 IO_TIMEOUT = 60.0
@@ -85,7 +92,7 @@ def move_pages(rank: int, comm: NcclPairComm, layout: Layout, page_size: int, ch
 
 def transfer_cases(rank: int, conn, cases: list) -> dict:
     """Every case `(layout, page_size, chunked, cap)` in order, over one communicator per cap."""
-    tr = NcclTransport()
+    tr = _transport()
     comms: dict = {}
     out = {}
     for i, (layout, ps, chunked, cap) in enumerate(cases):
@@ -105,7 +112,7 @@ N_CHUNKS = 6
 
 def victim(rank: int, conn, _unused=None) -> None:
     """Joins, moves the first chunks, then dies (SIGKILL, no cleanup) with chunks in flight."""
-    tr = NcclTransport()
+    tr = _transport()
     comm = connect_pair(tr, conn, rank, 60, max_ctas=16)
     buf = tr.alloc_staging(CHUNK)
     ops = [comm.send(buf) if rank == 0 else comm.recv(buf) for _ in range(3)]
@@ -116,7 +123,7 @@ def victim(rank: int, conn, _unused=None) -> None:
 def survivor(rank: int, conn_victim, conn_next, fail_timeout: float) -> dict:
     """Moves N_CHUNKS with the victim (which dies after ~2): the wait must fail within `fail_timeout` (plus the
     abort), then a fresh communicator with the replacement peer must move a request byte-exact."""
-    tr = NcclTransport()
+    tr = _transport()
     free0 = torch.cuda.mem_get_info(tr.device)[0]
     comm = connect_pair(tr, conn_victim, rank, 60, max_ctas=16)
     buf = tr.alloc_staging(CHUNK)
@@ -160,4 +167,4 @@ def _one_request_over_fresh_comm(tr: NcclTransport, conn, rank: int) -> Optional
 
 def replacement(rank: int, conn) -> Optional[dict]:
     """The recovered peer: joins the survivor's fresh communicator and moves one request."""
-    return _one_request_over_fresh_comm(NcclTransport(), conn, rank)
+    return _one_request_over_fresh_comm(_transport(), conn, rank)

@@ -1,8 +1,18 @@
-"""Page copies between a rank's registered pools and staging: the fused Triton kernel on CUDA (one launch per
-chunk segment across all layer regions), one torch copy per region on CPU and for head-range segments
-(different attention TP) on CUDA too: those are strided, which the fused kernel does not do. Built once per manager, because the
-CUDA kernels are compiled and loaded up front: loading one in the middle of a transfer can wait on the NCCL
-kernels in flight, i.e. on the peer (docs/nccl.md, hazards)."""
+"""Pack a chunk's scattered pages into staging (prefill) and unpack staging into destination pages (decode).
+
+The layout is `plan.staging_blocks`. `PageCopier` is built once per manager over a rank's registered pools and
+picks the copy for each chunk: on CUDA the fused Triton kernel (`gather_cuda.FusedGather`, one launch per chunk
+segment across all layer regions); on CPU, and for head-range segments on CUDA too (those are strided, which
+the fused kernel does not do), `copy_chunk`: one torch copy per region. It is built up front because the CUDA
+kernels are compiled and loaded then: loading one in the middle of a transfer can wait on the NCCL kernels in
+flight, i.e. on the peer (docs/nccl.md, hazards).
+
+In `copy_chunk` a segment whose ids are consecutive is one slice copy per region; otherwise one `index_select`
+/ `index_copy_` per region. A segment with a head range (different attention TP on the two sides) copies the
+same way through a strided view of the pages, (pages, rows, heads, head bytes) narrowed to the range: still one
+copy per region, never one per page or per head. On CUDA these run on the caller's current stream (the pair
+channel's), so they order with the channel's send/recv.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +21,70 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from sglang_p2p_backend.engine.copy.gather import GroupViews, copy_chunk
-from sglang_p2p_backend.engine.copy.plan import Chunk
+from sglang_p2p_backend.engine.copy.heads import Heads
+from sglang_p2p_backend.engine.copy.plan import Chunk, is_contiguous, staging_blocks
+
+GroupViews = Sequence[Sequence[torch.Tensor]]  # [group][region] -> (num_items, item_len) uint8 view
+
+
+def item_lens(views: GroupViews) -> list[list[int]]:
+    """Bytes per page of every region, by group: the page layout `plan` works in."""
+    return [[int(v.shape[1]) for v in regions] for regions in views]
+
+
+class _Ids:
+    """Per-segment id selection, converted to a device index tensor only when not a plain slice."""
+
+    def __init__(self, ids: np.ndarray, device: torch.device):
+        self.ids = ids
+        self.device = device
+        self._cache: dict[tuple[int, int], object] = {}
+
+    def select(self, lo: int, hi: int):
+        key = (lo, hi)
+        sel = self._cache.get(key)
+        if sel is None:
+            part = self.ids[lo:hi]
+            if is_contiguous(part):
+                sel = slice(int(part[0]), int(part[-1]) + 1)
+            else:
+                sel = torch.from_numpy(np.ascontiguousarray(part, dtype=np.int64)).to(self.device, non_blocking=True)
+            self._cache[key] = sel
+        return sel
+
+
+def _head_view(pages: torch.Tensor, heads: Heads) -> torch.Tensor:
+    """(pages, rows, heads in range, head bytes): a strided view of the range in every page of a region."""
+    hb = heads.head_bytes(int(pages.shape[1]))
+    return pages.view(pages.shape[0], heads.rows, heads.local, hb)[:, :, heads.lo : heads.hi, :]
+
+
+def copy_chunk(chunk: Chunk, views: GroupViews, ids: Sequence[np.ndarray], staging: torch.Tensor, *, scatter: bool) -> None:
+    """Gather the chunk's pages (ids per group) from `views` into `staging[:chunk.nbytes]`, or with
+    `scatter=True` copy staging back out into those pages."""
+    sel = [_Ids(i, staging.device) for i in ids]
+    for seg, r, off, nbytes in staging_blocks(chunk, item_lens(views)):
+        pages = views[seg.group][r]
+        if seg.heads is not None:
+            pages = _head_view(pages, seg.heads)
+        block = staging[off : off + nbytes].view(seg.hi - seg.lo, *pages.shape[1:])
+        s = sel[seg.group].select(seg.lo, seg.hi)
+        if isinstance(s, slice) and scatter:
+            pages[s].copy_(block, non_blocking=True)
+        elif isinstance(s, slice):
+            block.copy_(pages[s], non_blocking=True)
+        elif scatter:
+            pages.index_copy_(0, s, block)
+        else:
+            torch.index_select(pages, 0, s, out=block)
 
 
 class PageCopier:
+    """Copies between one rank's registered pools (`views`) and staging, chunk by chunk."""
+
     def __init__(self, views: GroupViews):
         self.views = views
-        self.item_lens = [[int(v.shape[1]) for v in regions] for regions in views]
+        self.item_lens = item_lens(views)
         on_cuda = any(v.is_cuda for regions in views for v in regions)
         self._fused = None
         if on_cuda:

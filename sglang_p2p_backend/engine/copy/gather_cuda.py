@@ -1,11 +1,11 @@
 """Fused page gather/scatter on CUDA: one Triton launch moves a chunk's pages of every region of a group.
 
-`gather.py` issues one `index_select` per region, so an MLA chunk of 61 layers is 61 launches and an MHA chunk
-(K and V of 32 layers) 64. Here a group's regions are a device table of base addresses and item lengths,
+`copier.copy_chunk` issues one `index_select` per region, so an MLA chunk of 61 layers is 61 launches and an
+MHA chunk (K and V of 32 layers) 64. Here a group's regions are a device table of base addresses and item lengths,
 and one kernel over (page block, region) copies every page of every region between the pool and staging in
 `plan.staging_blocks`' layout: region by region, inside a region the segment's pages in order.
 
-Use: `FusedGather(views)` once per registration (views as in `gather.py`: `[group][region]` ->
+Use: `FusedGather(views)` once per registration (views as in `copier.py`: `[group][region]` ->
 (num_items, item_len) uint8 tensors on one CUDA device), then `gather_chunk(chunk, ids, staging)` /
 `scatter_chunk(chunk, ids, staging)`: one launch per segment of the chunk (one segment for a plain KV chunk),
 on the caller's current stream. Ids are the transfer's per-group id arrays; they are checked against the
@@ -253,9 +253,9 @@ class FusedGather:
         return off
 
     def gather_chunk(self, chunk, ids: Sequence, staging: torch.Tensor) -> int:
-        """Same contract as `gather.gather_chunk(chunk, views, ids, staging)` with the views bound at init."""
+        """`copier.copy_chunk(chunk, views, ids, staging, scatter=False)` with the views bound at init."""
         return self._chunk(chunk, ids, staging, scatter=False)
 
     def scatter_chunk(self, chunk, ids: Sequence, staging: torch.Tensor) -> int:
-        """Same contract as `gather.scatter_chunk(chunk, views, ids, staging)` with the views bound at init."""
+        """`copier.copy_chunk(chunk, views, ids, staging, scatter=True)` with the views bound at init."""
         return self._chunk(chunk, ids, staging, scatter=True)

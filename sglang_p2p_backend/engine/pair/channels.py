@@ -44,7 +44,7 @@ class PairChannels:
         self.session = session
         self.config = config
         self.senders: Dict[str, PairSender] = {}
-        self.budget = CommBudget.from_env("prefill", self._evict)
+        self.budget = CommBudget.from_config(config, "prefill", self._evict)
         self._offers: Dict[int, "queue.Queue[wire.CommAnswer]"] = {}
         self._offer_ids = itertools.count(1)
         #: after a "no room" answer, a peer is not offered a channel again until then (auto picks Mooncake)

@@ -1,6 +1,5 @@
 """The communicator pool of one rank as its threads use it: a lock around `CommPool`, victims closed while the
-lock is held, busy marks around transfers, and the settings (budget, cap ladder, cost table) read from the
-environment.
+lock is held, busy marks around transfers, and the settings (budget, cap ladder, cost table) from `EngineConfig`.
 
 The prefill owns every pair's traffic, so only the prefill closes communicators: its own victims at admission,
 idle ones a decode asks it to release (`close_if_idle`). The decode admits without evicting (`evict=False`)
@@ -9,45 +8,23 @@ and answers a prefill's offer with the cap it can afford, or "no room".
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import Counter
 from contextlib import contextmanager
-from typing import Callable, Hashable, Iterator, Optional
+from typing import Callable, Hashable, Iterator
 
+from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.pair.comm_pool import H200_COST, H200_COST_NO_CUMEM, Admission, Cap, CommCost, CommPool, Decision
-
-#: what one GPU may spend on extra pair communicators, by default (MB)
-DEFAULT_BUDGET_MB = 4096
-#: caps the pool steps down through as peers grow; 16 channels already reach contiguous speed on H200 NVLink
-DEFAULT_CAPS = (16, 8, 4, 2)
 
 
 class NoRoom(RuntimeError):
     """No communicator fits this rank's (or the peer's) budget now: use another transport or try again."""
 
 
-def parse_caps(raw: Optional[str]) -> tuple[Cap, ...]:
-    """`SGLANG_P2P_NCCL_CAPS`, e.g. "16,8,4,2" ("default" = NCCL's own channel count)."""
-    if not raw or not raw.strip():
-        return DEFAULT_CAPS
-    caps: list[Cap] = []
-    for part in raw.split(","):
-        part = part.strip().lower()
-        if part == "default":
-            caps.append(None)
-        elif part.isdigit() and int(part) > 0:
-            caps.append(int(part))
-        else:
-            raise ValueError(f"SGLANG_P2P_NCCL_CAPS={raw!r}: give channel counts like 16,8,4,2 (or 'default')")
-    return tuple(caps)
-
-
-def cost_for(role: str) -> CommCost:
-    """The measured cost table of this GPU's role; SGLang sets NCCL_CUMEM_ENABLE=0 (legacy IPC buffers, about
-    twice the memory) unless symmetric memory is on, so read it at the time communicators are made."""
-    table = H200_COST_NO_CUMEM if os.environ.get("NCCL_CUMEM_ENABLE", "").strip() == "0" else H200_COST
-    return table[role]
+def cost_for(role: str, cumem: bool = True) -> CommCost:
+    """The measured cost table of this GPU's role; without cuMem (NCCL_CUMEM_ENABLE=0) NCCL uses legacy IPC
+    buffers, about twice the memory."""
+    return (H200_COST if cumem else H200_COST_NO_CUMEM)[role]
 
 
 def cap_to_wire(cap: Cap) -> int:
@@ -71,13 +48,11 @@ class CommBudget:
         self.peak_mb = 0.0
 
     @classmethod
-    def from_env(cls, role: str, close_peer: Callable[[Hashable], None] = lambda peer: None) -> "CommBudget":
-        raw = os.environ.get("SGLANG_P2P_NCCL_BUDGET_MB", "").strip()
-        try:
-            budget = float(raw) if raw else DEFAULT_BUDGET_MB
-        except ValueError:
-            raise ValueError(f"SGLANG_P2P_NCCL_BUDGET_MB={raw!r} is not a number of MB") from None
-        pool = CommPool(budget, ladder=parse_caps(os.environ.get("SGLANG_P2P_NCCL_CAPS")), cost=cost_for(role))
+    def from_config(
+        cls, config: EngineConfig, role: str, close_peer: Callable[[Hashable], None] = lambda peer: None
+    ) -> "CommBudget":
+        """The pool of a "prefill" or "decode" rank with the configured budget, caps and cost table."""
+        pool = CommPool(config.nccl_budget_mb, ladder=config.nccl_caps, cost=cost_for(role, config.nccl_cumem))
         return cls(pool, close_peer)
 
     def fits(self, peer: Hashable) -> bool:

@@ -9,23 +9,25 @@ from typing import Optional
 
 import torch
 
+from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError, TwoSidedTransport
 
 
-def two_sided_transport(name: str, device: torch.device, host: str, io_timeout: float) -> TwoSidedTransport:
-    """The two-sided transport `name` ("nccl" or "tcp"); "auto" means NCCL on a CUDA device, else tcp."""
+def two_sided_transport(name: str, device: torch.device, host: str, config: EngineConfig) -> TwoSidedTransport:
+    """The two-sided transport `name` ("nccl" or "tcp") set up as `config` says; "auto" means NCCL on a CUDA
+    device, else tcp."""
     if name == "auto":
         name = "nccl" if device.type == "cuda" else "tcp"
     if name == "tcp":
         from sglang_p2p_backend.engine.transport.tcp import TcpTransport
 
-        return TcpTransport(host=host, io_timeout=io_timeout)
+        return TcpTransport(host=host, io_timeout=config.io_timeout)
     if name == "nccl":
         if device.type != "cuda":
             raise TransportError("SGLANG_P2P_TRANSPORT=nccl needs the KV cache on a CUDA device; use tcp on CPU")
         from sglang_p2p_backend.engine.transport.nccl import NcclTransport
 
-        return NcclTransport(device=device)
+        return NcclTransport.from_config(config, device)
     raise TransportError(f"transport {name!r} is not a two-sided transport (nccl, tcp)")
 
 

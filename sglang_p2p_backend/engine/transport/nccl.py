@@ -6,20 +6,11 @@ NCCL reads once per process and would also slow SGLang's own TP collectives), an
 (`config.blocking = 0`): init, launches and waits are polled against a deadline and a stuck pair is torn down
 with `ncclCommAbort`, so a dead peer never hangs the calling thread.
 
-Binding: a small ctypes layer over the `libnccl.so.2` that torch already loaded (so there is one NCCL per
-process). Why not an existing binding:
-- SGLang's `pynccl_wrapper.NCCLLibrary` binds `ncclCommInitRankConfig` but not `ncclCommAbort` nor
-  `ncclCommGetAsyncError`, which non-blocking init and abort need; and the engine must not import SGLang.
-- torch.distributed's ProcessGroupNCCL takes a config and can abort, but every dynamic pair would need its own
-  store rendezvous and watchdog thread; pairs come and go with decode instances.
-- `cupy.cuda.nccl` can abort but has no `ncclConfig_t` (no per-communicator cap, no non-blocking init).
-- nccl4py covers all of it but is 0.x and pulls cuda.core / cuda-bindings that SGLang deployments lack.
-The config struct passed is the NCCL 2.17 prefix of `ncclConfig_t` with `version = 2.17.0`: NCCL copies only
-`size` bytes and fills later fields with defaults, so one layout works from 2.17 through 2.30.
+The ctypes binding of libnccl is `nccl_lib.py`.
 
 Launch cost (measured on two H200s, bench/results/transfer_nvidia-h200-x2.json): every op on a non-blocking
 communicator is launched by a fresh NCCL thread, ~170-250 us of host time per send/recv against ~40 us on a
-blocking one, which caps a 64 MiB-chunk pipeline near 210 GB/s. `split_blocking=True` (env
+blocking one, which caps a 64 MiB-chunk pipeline near 210 GB/s. `split_blocking=True` (EngineConfig.nccl_split,
 SGLANG_P2P_NCCL_SPLIT=1) keeps the non-blocking communicator for init, connection and abort, and runs the ops on
 a blocking child split off it (`splitShare=1`: same channels and buffers). Not yet measured on the GPU host:
 opt-in until it is. `high_priority` (SGLANG_P2P_NCCL_STREAM_PRIORITY=high) puts the pair stream at the top CUDA
@@ -35,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import struct
 import threading
 import weakref
@@ -43,151 +33,19 @@ from typing import Optional, Sequence
 
 import torch
 
+from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.waiting import Deadline
 from sglang_p2p_backend.engine.transport.base import Completion, PairComm, TransportError, TwoSidedTransport
+from sglang_p2p_backend.engine.transport.nccl_lib import (
+    NCCL_IN_PROGRESS,
+    NCCL_SUCCESS,
+    NCCL_UINT8,
+    NcclConfig,
+    NcclLibrary,
+    NcclUniqueId,
+)
 
 logger = logging.getLogger(__name__)
-
-# ncclResult_t values (nccl.h)
-NCCL_SUCCESS = 0
-NCCL_IN_PROGRESS = 7
-_NCCL_UINT8 = 1  # ncclUint8
-_CONFIG_UNDEF_INT = -(2**31)
-_CONFIG_MAGIC = 0xCAFEBEEF
-_MIN_VERSION = 21700  # minCTAs/maxCTAs in ncclConfig_t and non-blocking communicators
-
-
-def nccl_version_code(major: int, minor: int, patch: int) -> int:
-    """NCCL_VERSION(X, Y, Z) of nccl.h (the >= 2.9 encoding)."""
-    return major * 10000 + minor * 100 + patch
-
-
-class NcclUniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_byte * 128)]
-
-
-class NcclConfig(ctypes.Structure):
-    """The NCCL 2.17 prefix of ncclConfig_t (fields are append-only across versions)."""
-
-    _fields_ = [
-        ("size", ctypes.c_size_t),
-        ("magic", ctypes.c_uint),
-        ("version", ctypes.c_uint),
-        ("blocking", ctypes.c_int),
-        ("cgaClusterSize", ctypes.c_int),
-        ("minCTAs", ctypes.c_int),
-        ("maxCTAs", ctypes.c_int),
-        ("netName", ctypes.c_char_p),
-        ("splitShare", ctypes.c_int),
-    ]
-
-    @classmethod
-    def make(cls, *, blocking: bool, max_ctas: Optional[int], split_share: bool = False) -> "NcclConfig":
-        cfg = cls()
-        cfg.size = ctypes.sizeof(cls)
-        cfg.magic = _CONFIG_MAGIC
-        cfg.version = nccl_version_code(2, 17, 0)
-        cfg.blocking = 1 if blocking else 0
-        cfg.cgaClusterSize = _CONFIG_UNDEF_INT
-        # min = max pins the channel count: fewer channels would cost bandwidth without saving memory
-        cfg.minCTAs = max_ctas if max_ctas else _CONFIG_UNDEF_INT
-        cfg.maxCTAs = max_ctas if max_ctas else _CONFIG_UNDEF_INT
-        cfg.netName = None
-        cfg.splitShare = 1 if split_share else _CONFIG_UNDEF_INT
-        return cfg
-
-
-def _find_library() -> str:
-    # same override as SGLang's wrapper, so one variable points both at another libnccl
-    override = os.environ.get("SGLANG_P2P_NCCL_SO_PATH") or os.environ.get("SGLANG_NCCL_SO_PATH")
-    return override or "libnccl.so.2"
-
-
-def _wheel_library() -> Optional[str]:
-    try:
-        import nvidia.nccl  # the nvidia-nccl-cu12/cu13 wheel torch depends on
-    except ImportError:
-        return None
-    for root in getattr(nvidia.nccl, "__path__", []):
-        candidate = os.path.join(root, "lib", "libnccl.so.2")
-        if os.path.exists(candidate):
-            return candidate
-    return None
-
-
-class NcclLibrary:
-    """ctypes functions of libnccl used here. Loading "libnccl.so.2" after `import torch` returns the copy torch's
-    CUDA library already mapped (the dynamic loader matches the soname)."""
-
-    _instance: Optional["NcclLibrary"] = None
-    _instance_lock = threading.Lock()
-
-    def __init__(self, path: Optional[str] = None):
-        path = path or _find_library()
-        try:
-            self.lib = ctypes.CDLL(path)
-        except OSError as e:
-            # torch not loaded yet, or a libnccl outside the loader's path: the nvidia-nccl wheel's copy
-            wheel = _wheel_library()
-            if path != "libnccl.so.2" or wheel is None:
-                raise TransportError(f"cannot load NCCL ({path}): {e}; set SGLANG_NCCL_SO_PATH") from e
-            self.lib = ctypes.CDLL(wheel)
-        L = self.lib
-        p_comm = ctypes.c_void_p
-        self._sig(L.ncclGetVersion, [ctypes.POINTER(ctypes.c_int)])
-        self._sig(L.ncclGetUniqueId, [ctypes.POINTER(NcclUniqueId)])
-        self._sig(
-            L.ncclCommInitRankConfig,
-            [ctypes.POINTER(p_comm), ctypes.c_int, NcclUniqueId, ctypes.c_int, ctypes.POINTER(NcclConfig)],
-        )
-        self._sig(L.ncclCommGetAsyncError, [p_comm, ctypes.POINTER(ctypes.c_int)])
-        self._sig(L.ncclCommAbort, [p_comm])
-        self._sig(L.ncclCommSplit, [p_comm, ctypes.c_int, ctypes.c_int, ctypes.POINTER(p_comm), ctypes.POINTER(NcclConfig)])
-        self._sig(L.ncclCommDestroy, [p_comm])
-        for name in ("ncclSend", "ncclRecv"):
-            self._sig(
-                getattr(L, name),
-                [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, p_comm, ctypes.c_void_p],
-            )
-        self._sig(L.ncclGroupStart, [])
-        self._sig(L.ncclGroupEnd, [])
-        L.ncclGetErrorString.restype = ctypes.c_char_p
-        L.ncclGetErrorString.argtypes = [ctypes.c_int]
-        L.ncclGetLastError.restype = ctypes.c_char_p
-        L.ncclGetLastError.argtypes = [p_comm]
-        v = ctypes.c_int()
-        self.check(L.ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")
-        self.version = v.value
-        if self.version < _MIN_VERSION:
-            raise TransportError(f"NCCL {self.version} is too old: per-communicator config needs NCCL >= 2.17")
-
-    @staticmethod
-    def _sig(fn, argtypes) -> None:
-        fn.restype = ctypes.c_int
-        fn.argtypes = argtypes
-
-    @classmethod
-    def get(cls) -> "NcclLibrary":
-        with cls._instance_lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
-
-    def error_text(self, code: int, comm: Optional[int] = None) -> str:
-        text = self.lib.ncclGetErrorString(code).decode(errors="replace")
-        last = self.lib.ncclGetLastError(comm).decode(errors="replace") if comm is not None else ""
-        return f"{text} ({code})" + (f": {last}" if last else "")
-
-    def check(self, code: int, what: str, comm: Optional[int] = None) -> int:
-        """Raise TransportError unless `code` is success or in-progress; returns the code."""
-        if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
-            raise TransportError(f"{what} failed: {self.error_text(code, comm)}")
-        return code
-
-    def async_error(self, comm: int) -> int:
-        out = ctypes.c_int()
-        code = self.lib.ncclCommGetAsyncError(comm, ctypes.byref(out))
-        return out.value if code == NCCL_SUCCESS else code
 
 
 def pack_unique_id(raw: bytes, max_ctas: Optional[int]) -> bytes:
@@ -326,12 +184,12 @@ class NcclPairComm(PairComm):
                 with torch.cuda.device(self.device):
                     if len(bufs) == 1:
                         b = bufs[0]
-                        code = fn(ctypes.c_void_p(b.data_ptr()), b.numel(), _NCCL_UINT8, self.peer, self.handle, stream_ptr)
+                        code = fn(ctypes.c_void_p(b.data_ptr()), b.numel(), NCCL_UINT8, self.peer, self.handle, stream_ptr)
                     else:
                         self.lib.check(self.lib.lib.ncclGroupStart(), "ncclGroupStart")
                         for b in bufs:
                             self.lib.check(
-                                fn(ctypes.c_void_p(b.data_ptr()), b.numel(), _NCCL_UINT8, self.peer, self.handle, stream_ptr),
+                                fn(ctypes.c_void_p(b.data_ptr()), b.numel(), NCCL_UINT8, self.peer, self.handle, stream_ptr),
                                 what,
                                 self.handle,
                             )
@@ -422,8 +280,8 @@ class NcclTransport(TwoSidedTransport):
         max_ctas: Optional[int] = None,
         *,
         blocking: bool = False,
-        split_blocking: Optional[bool] = None,
-        high_priority: Optional[bool] = None,
+        split_blocking: bool = False,
+        high_priority: bool = False,
         library: Optional[NcclLibrary] = None,
     ):
         if not torch.cuda.is_available():
@@ -434,14 +292,16 @@ class NcclTransport(TwoSidedTransport):
         self.max_ctas = max_ctas
         # blocking communicators are for baselines only: their init cannot time out
         self.blocking = blocking
-        if split_blocking is None:
-            split_blocking = os.environ.get("SGLANG_P2P_NCCL_SPLIT", "0") == "1"
         # operations on a blocking child split off the non-blocking communicator (see connect)
         self.split_blocking = split_blocking and not blocking
-        if high_priority is None:
-            high_priority = os.environ.get("SGLANG_P2P_NCCL_STREAM_PRIORITY", "normal") == "high"
         self.high_priority = high_priority
         self.lib = library or NcclLibrary.get()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, device: Optional[torch.device] = None) -> "NcclTransport":
+        """The transport with the configured NCCL knobs: split, stream priority, which libnccl."""
+        return cls(device, split_blocking=config.nccl_split, high_priority=config.nccl_high_priority,
+                   library=NcclLibrary.get(config.nccl_library))
 
     def new_unique_id(self, max_ctas: Optional[int] = -1) -> bytes:  # type: ignore[override]
         cap = self.max_ctas if max_ctas == -1 else max_ctas

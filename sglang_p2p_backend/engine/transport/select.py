@@ -30,11 +30,10 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Hashable, Optional, Union
 
+from sglang_p2p_backend.engine.config import AUTO, TRANSPORT_VAR as ENV_VAR, parse_transport
+
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "SGLANG_P2P_TRANSPORT"
-TRANSPORTS = ("cudaipc", "nccl", "mooncake", "gloo", "tcp")
-AUTO = "auto"
 #: where the kernel lists RDMA devices (IB and RoCE HCAs alike)
 SYSFS_INFINIBAND = "/sys/class/infiniband"
 
@@ -75,13 +74,10 @@ def _ask(value: BoolOrQuery) -> bool:
 
 
 def parse_forced(value: Optional[str]) -> Optional[str]:
-    """The transport forced by `SGLANG_P2P_TRANSPORT`, or None for `auto`/unset; ValueError for a typo."""
-    name = (value or "").strip().lower()
-    if name in ("", AUTO):
-        return None
-    if name not in TRANSPORTS:
-        raise ValueError(f"{ENV_VAR}={value!r} is not one of {(AUTO,) + TRANSPORTS}")
-    return name
+    """The transport forced by `SGLANG_P2P_TRANSPORT`, or None for `auto`/unset; ConfigError (a ValueError)
+    for a typo."""
+    name = parse_transport(value)
+    return None if name == AUTO else name
 
 
 def choose_transport(forced: Optional[str], facts: PeerFacts) -> Choice:
@@ -153,9 +149,9 @@ def process_transports(forced: Optional[str], *, gpu: bool, rdma_present: bool, 
     return ProcessTransports("nccl" if gpu else "tcp", None, ipc=ipc)
 
 
-def rdma_present(sysfs: str = SYSFS_INFINIBAND) -> bool:
-    """RDMA devices exist and `MC_FORCE_TCP` does not keep Mooncake off them."""
-    return bool(rdma_devices(sysfs)) and os.environ.get("MC_FORCE_TCP", "").strip().lower() not in ("1", "true", "yes", "on")
+def rdma_present(sysfs: str = SYSFS_INFINIBAND, *, force_tcp: bool = False) -> bool:
+    """RDMA devices exist and Mooncake may use them (`force_tcp`: `MC_FORCE_TCP` keeps it off them)."""
+    return bool(rdma_devices(sysfs)) and not force_tcp
 
 
 def rdma_devices(sysfs: str = SYSFS_INFINIBAND) -> list[str]:
@@ -169,11 +165,9 @@ def rdma_devices(sysfs: str = SYSFS_INFINIBAND) -> list[str]:
 class TransportSelector:
     """Chooses per peer and logs the choice once per peer (again only if it changes)."""
 
-    def __init__(self, forced: Optional[str] = None, log: logging.Logger = logger) -> None:
-        # read the environment once: a forced value must not change under running transfers
-        raw = os.environ.get(ENV_VAR) if forced is None else forced
-        parse_forced(raw)  # fail at start-up on a typo, not at the first transfer
-        self._forced = raw
+    def __init__(self, forced: Optional[str] = AUTO, log: logging.Logger = logger) -> None:
+        parse_forced(forced)  # fail at start-up on a typo, not at the first transfer
+        self._forced = forced
         self._log = log
         self._last: dict[Hashable, Choice] = {}
 

@@ -10,7 +10,6 @@ per-pair channel that comes and goes without a process-group rendezvous (gloo).
 
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 import threading
@@ -18,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.transport.base import Completion, DoneCompletion, PairComm, TransportError, TwoSidedTransport
 
 _TOKEN_LEN = 16
@@ -72,9 +72,9 @@ class TcpPairComm(PairComm):
 class TcpTransport(TwoSidedTransport):
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", io_timeout: Optional[float] = None):
+    def __init__(self, host: str = "127.0.0.1", io_timeout: float = EngineConfig.io_timeout):
         self.host = host
-        self.io_timeout = io_timeout or float(os.environ.get("SGLANG_P2P_IO_TIMEOUT", "30"))
+        self.io_timeout = io_timeout
         self._listeners: dict[bytes, socket.socket] = {}
         self._lock = threading.Lock()
 
