@@ -30,8 +30,9 @@ pytest_on() {  # pytest_on RELEASE PYTEST-ARGS...: one pytest run; its failure (
 
 if [ $FAST = 1 ]; then
   bash scripts/install_cpu.sh --releases 0.5.23 --no-bench >/dev/null || exit 1
-  pytest_on 0.5.23 -n "$WORKERS" -m "not slow and not gpu and not serial" tests "$@"
-  pytest_on 0.5.23 -m "not slow and not gpu and serial" tests "$@"
+  # no path given: pytest's testpaths (tests/); a path given narrows the run to it
+  pytest_on 0.5.23 -n "$WORKERS" -m "not slow and not gpu and not serial" "$@"
+  pytest_on 0.5.23 -m "not slow and not gpu and serial" "$@"
   exit $status
 fi
 
