@@ -4,8 +4,10 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-bash scripts/install_cpu.sh >/dev/null
+release=${SGLANG_RELEASE:-0.5.23}
+# only what the demo imports: .venv, one SGLang release and the project (no test tools, no benchmark venv)
+bash scripts/install_cpu.sh --releases "$release" --no-extras --no-bench >/dev/null
 # shellcheck disable=SC1091
-. scripts/env.sh "${SGLANG_RELEASE:-0.5.23}"
+. scripts/env.sh "$release"
 export SGLANG_HOST_IP=${SGLANG_HOST_IP:-127.0.0.1}
 exec python -m sglang_p2p_backend.demo "$@"

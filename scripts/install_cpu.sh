@@ -5,12 +5,26 @@
 # The SGLang release in use is chosen by putting its folder first on PYTHONPATH (scripts/env.sh does that).
 # torch must be installed first and everything SGLang-related with --no-deps: a plain `torch` requirement
 # would pull the multi-GB CUDA build. Idempotent: a finished step is skipped on the next run.
+# Options (what the demo needs is less than what the tests need):
+#   --releases "0.5.23 ..."  the SGLang releases to install (default: SGLANG_RELEASES, else every supported one)
+#   --no-extras              skip requirements/extra-*.txt (test tools, Kubernetes client, shellcheck, Mooncake)
+#   --no-bench               skip the benchmark tools' venv (.venv-bench, bench/sweep/install_tools.sh)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 RELEASES=${SGLANG_RELEASES:-"0.5.23 0.5.17"}
+EXTRAS=1
+BENCH=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --releases) RELEASES=$2; shift 2 ;;
+    --no-extras) EXTRAS=0; shift ;;
+    --no-bench) BENCH=0; shift ;;
+    *) echo "install_cpu.sh: unknown option $1 (--releases LIST, --no-extras, --no-bench)" >&2; exit 2 ;;
+  esac
+done
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Debian's libibverbs1: Mooncake's non-CUDA wheel links it even for its tcp protocol
@@ -49,7 +63,7 @@ done
 echo "torch==2.13.0" > .venv/constraints.txt
 grep -v '^#' requirements/cpu-common.txt >> .venv/constraints.txt
 for f in requirements/extra-*.txt; do
-  [ -e "$f" ] || continue
+  [ "$EXTRAS" = 1 ] && [ -e "$f" ] || continue
   stamp=.venv/.$(basename "$f").installed
   cmp -s "$f" "$stamp" 2>/dev/null && continue
   case "$f" in
@@ -59,7 +73,14 @@ for f in requirements/extra-*.txt; do
   cp "$f" "$stamp"
 done
 # genai-bench + evalscope for the benchmark sweeps: their own venv (.venv-bench), their pins clash with SGLang's
-bash bench/sweep/install_tools.sh
-# the project itself (editable, so the sglang.srt.plugins entry point is registered)
-"${PIP[@]}" --no-deps --no-build-isolation -e .
+if [ "$BENCH" = 1 ]; then
+  bash bench/sweep/install_tools.sh
+fi
+# the project itself (editable, so the sglang.srt.plugins entry point is registered); the stamp names this
+# checkout, so a venv moved to or shared with another checkout installs it again
+stamp=.venv/.project-installed
+if ! { cat pyproject.toml; echo "$ROOT"; } | cmp -s - "$stamp"; then
+  "${PIP[@]}" --no-deps --no-build-isolation -e .
+  { cat pyproject.toml; echo "$ROOT"; } > "$stamp"
+fi
 echo "CPU environment ready: .venv + .deps/sglang-{${RELEASES// /,}}"

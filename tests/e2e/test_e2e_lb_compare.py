@@ -114,6 +114,7 @@ def _peer_args() -> list[str]:
     return out
 
 
+@pytest.mark.serial  # kill times in seconds and a 30 s bound
 def test_compare_end_to_end_against_simulated_workers(tmp_path):
     """The harness as the GPU host runs it, at small counts: 3 repetitions per LB in rotated order, two
     workloads, every LB at once through kill -9 and restart of a prefill and a decode, one JSON, a plot."""

@@ -4,6 +4,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from e2e import decode_log, procstat, serve
 from e2e.stats import RequestRecord
 from sglang_p2p_backend.engine.threads import set_os_name
@@ -41,6 +43,7 @@ def test_decode_log_read_from_an_offset(tmp_path: Path):
     assert decode_log.offset(tmp_path / "missing") == 0 and decode_log.read_since(None, 0) == ""
 
 
+@pytest.mark.serial  # a busy thread's CPU share: other tests' load lowers it
 def test_busy_thread_shows_cpu_and_idle_one_does_not():
     stop = threading.Event()
     tids = {}

@@ -29,7 +29,7 @@ from sglang_p2p_backend.engine.copy.plan import copy_descriptors  # noqa: E402
 from sglang_p2p_backend.engine.transport.base import TransportError  # noqa: E402
 from sglang_p2p_backend.engine.transport.mooncake import MAX_BATCH_DESCRIPTORS, MooncakeTransport  # noqa: E402
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.serial]  # frozen and dead peers: bounds in seconds
 
 PAGES = 256  # pages per region on both sides
 MLA = dict(regions=6, item_len=4 * 1152)  # page 4 x (kv_lora 512 + rope 64) x bf16

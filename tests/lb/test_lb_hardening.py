@@ -96,6 +96,7 @@ async def _open(port: int, data: bytes):
     return reader, writer
 
 
+@pytest.mark.serial
 def test_slowloris_sockets_do_not_block_real_requests():
     async def body():
         proxy = ProxyConfig(max_concurrent=4, body_timeout=2.0, request_timeout=20)
@@ -137,6 +138,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.serial
 def test_sigstopped_decode_in_flight_requests_answered_within_bound():
     """A decode process that accepts connections but stopped (SIGSTOP): ejected and its requests failed fast."""
 

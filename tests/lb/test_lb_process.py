@@ -16,7 +16,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_http(url: str, timeout: float = 15.0) -> None:
+def _wait_http(url: str, timeout: float = 60.0) -> None:  # a start-up wait (polled): room for a loaded machine
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         try:

@@ -14,7 +14,7 @@ import pytest
 from sglang_p2p_backend.testing.launch import run_pair
 from sglang_p2p_backend.testing.shm_ipc import IPC_STANDIN_ENV
 
-pytestmark = [pytest.mark.sglang]
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 FAST = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "8", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "8",
         "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1"}
