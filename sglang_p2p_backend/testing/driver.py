@@ -281,7 +281,7 @@ class Role:
             out["arrivals_pending"] = m.arrivals.pending()
             out["live_rooms"] = sorted(m.live_rooms)
             out["prefills"] = {k: p.state for k, p in m.prefills.items()}
-            out["receivers"] = sorted(m.receivers)
+            out["receivers"] = sorted(m.channels.receivers) if m.channels else []
             out["deferred_abort_rooms"] = sorted(getattr(m, "_deferred_abort_ack_tracker", {}))
         return out
 
