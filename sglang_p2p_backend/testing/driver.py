@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import importlib
 import json
 import math
 import os
@@ -32,13 +33,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from sglang_p2p_backend.testing.shm_ipc import IPC_STANDIN_ENV
-
 from sglang_p2p_backend.testing import runtime
 from sglang_p2p_backend.testing.launch import one_gpu_env
 from sglang_p2p_backend.testing.pools import HostPools, PoolSpec
 
 FIRST_TOKEN = 4242
+#: names a stand-in for CUDA IPC ("module:Class", an `IpcBackend` that also allocates the pools) this process
+#: installs before its manager starts: the suite's shared-memory one runs the same-host path on CPU
+IPC_BACKEND_ENV = "P2P_TEST_IPC_BACKEND"
 
 
 @dataclass
@@ -110,14 +112,7 @@ class Role:
         self.KVPoll = KVPoll
         backend = TransferBackend("p2pnccl")
         self.cls = {t: get_kv_class(backend, t) for t in KVClassType}
-        self.shm = None
-        if plan.get("ipc_standin") or os.environ.get(IPC_STANDIN_ENV) == "1":
-            # CPU stand-in for CUDA IPC (testing/shm_ipc.py): pools in shared memory
-            from sglang_p2p_backend.engine.transport import cuda_ipc
-            from sglang_p2p_backend.testing.shm_ipc import ShmBackend
-
-            self.shm = ShmBackend()
-            cuda_ipc.use_backend(self.shm)
+        self.shm = ipc_standin(os.environ.get(IPC_BACKEND_ENV, ""))
         self.pools = HostPools.allocate(self.spec, self.shm.allocate if self.shm else None)
         aux_rows = max(64, len(plan["requests"]) + 2)
         self.meta = runtime.metadata_buffers(aux_rows, int(plan.get("aux_hidden_size", {}).get(role, 16)))
@@ -518,6 +513,18 @@ class Role:
             self.shm.close()
         out["threads_left"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("p2p-"))
         return out
+
+
+def ipc_standin(name: str):
+    """Install the stand-in for CUDA IPC that `name` ("module:Class") names, and return it; None for ""."""
+    if not name:
+        return None
+    from sglang_p2p_backend.engine.transport import cuda_ipc
+
+    module, _, cls = name.partition(":")
+    backend = getattr(importlib.import_module(module), cls)()
+    cuda_ipc.use_backend(backend)
+    return backend
 
 
 def rank_heads(spec: PoolSpec, attn_tp: int, attn_tp_rank: int) -> PoolSpec:
