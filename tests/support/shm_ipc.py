@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.engine.transport.cuda_ipc import IpcBackend, IpcUnavailable
-from sglang_p2p_backend.testing.driver import IPC_BACKEND_ENV
+from sglang_p2p_backend.testing.role import IPC_BACKEND_ENV
 
 _HANDLE_BYTES = 64
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
