@@ -19,8 +19,8 @@ thread, budget and socket are released; the next request registers again.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -39,8 +39,7 @@ from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.wire.agreement import differences
 from sglang_p2p_backend.engine.pair.arrivals import ArrivalTracker
 from sglang_p2p_backend.engine.copy.heads import Heads, HeadsError, pair_heads
-from sglang_p2p_backend.engine.pair.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
-from sglang_p2p_backend.engine.pair.pipeline import PairReceiver
+from sglang_p2p_backend.engine.pair.channels import PairReceivers
 from sglang_p2p_backend.engine.wire.control import ControlError
 from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.adapter.manager import P2pNcclKVManager
@@ -73,7 +72,6 @@ class DecodeKVManager(P2pNcclKVManager):
     _role = "decode"
 
     def _init_role(self) -> None:
-        self.receivers: Dict[str, PairReceiver] = {}
         self.prefills: Dict[str, PrefillPeer] = {}
         #: rooms waiting for KV: what each published (the only pages its chunks may write)
         self.live_rooms: Dict[int, checks.Published] = {}
@@ -85,9 +83,11 @@ class DecodeKVManager(P2pNcclKVManager):
         #: a rank that receives only two-sided sees every page land, so a Success must cover every published page
         self.two_sided_only = self.two_sided is not None and self.one_sided is None and self.ipc is None
         self.arrivals = ArrivalTracker(self._apply_prefill_final)
-        # the decode admits pair channels within its own budget but never closes one: the prefill owns the
-        # pair's traffic, so the decode asks it to release an idle channel instead (CommRelease)
-        self.comm_budget = CommBudget.from_config(self.config, "decode") if self.two_sided else None
+        self.channels = PairReceivers(
+            self.two_sided, self.staging, self.copier, self.session, self.config, send=self._control_send,
+            wanted=self.room_wanted, on_chunk=self.arrivals.landed, check=self._check_chunk,
+        ) if self.two_sided else None
+        self.comm_budget = self.channels.budget if self.channels else None
         if self.ipc is not None:
             # exported once: KV regions, then state components' regions (the order of kv_ptrs, state_ptrs)
             self.ipc.register(self.local_memory.pool_regions())
@@ -236,24 +236,22 @@ class DecodeKVManager(P2pNcclKVManager):
                 self.watch.seen(session)
             return
         self.watch.seen(session)
-        if isinstance(msg, (wire.CommOffer, wire.CommInit, wire.ChunkHeader, wire.CommClosed)) and self.two_sided is None:
+        if isinstance(msg, (wire.CommOffer, wire.CommInit, wire.ChunkHeader, wire.CommClosed)) and self.channels is None:
             # cannot happen with a compatible prefill (it saw our transports at registration); fail, do not hang
             self.drop("unexpected", session, f"{type(msg).__name__}: this decode rank runs only {self.transports.names()}")
             if isinstance(msg, wire.ChunkHeader):
                 self.room_failed(msg.room, f"prefill {session} sent two-sided chunks but this decode rank runs only {self.transports.names()}")
         elif isinstance(msg, wire.CommOffer):
-            self._on_offer(msg)
+            self.channels.offered(msg)
         elif isinstance(msg, wire.CommInit):
             if msg.transport != self.two_sided.name:
                 self.drop("bounds", session, f"CommInit for transport {msg.transport!r}, this rank runs {self.two_sided.name}")
             else:
-                self._receiver(session).submit(msg)
+                self.channels.joined(msg)
         elif isinstance(msg, wire.ChunkHeader):
             self._on_chunk(msg, peer)
         elif isinstance(msg, wire.CommClosed):
-            receiver = self.receivers.get(session)
-            if receiver is not None:
-                receiver.closed_by_peer(msg.generation)
+            self.channels.closed_by_peer(msg)
         elif isinstance(msg, wire.AuxData):
             self._on_aux(msg)
         elif isinstance(msg, wire.Status):
@@ -264,8 +262,7 @@ class DecodeKVManager(P2pNcclKVManager):
     def _on_chunk(self, msg: wire.ChunkHeader, peer: PrefillPeer) -> None:
         if msg.room in self.live_rooms and msg.prefill_rank == peer.prefill_rank:
             self.arrivals.announce(msg.room, msg.prefill_rank, msg.session)
-        self.comm_budget.touch(msg.session)
-        self._receiver(msg.session).submit(msg)
+        self.channels.chunk(msg)
 
     def _check_chunk(self, header: wire.ChunkHeader) -> checks.ChunkVerdict:
         """The receiver's checks of a chunk (its thread, arrival order): the room's published pages and sequence."""
@@ -323,63 +320,9 @@ class DecodeKVManager(P2pNcclKVManager):
         ACK counts only once that thread finished every chunk queued before it; otherwise at once."""
         ack = AbortAck.from_zmq(frames) if self.enable_deferred_decode_kv_release else None
         peers = self.arrivals.peers(ack.room, ack.prefill_rank) if ack is not None else []
-        receivers = [self.receivers[p] for p in peers if p in self.receivers]
-        if not receivers:
-            self.handle_abort_ack_message(frames)
-            return
-        left, lock = [len(receivers)], threading.Lock()
-
-        def drained() -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                self.handle_abort_ack_message(frames)  # note_abort_ack for the armed generation
-
-        for receiver in receivers:
-            receiver.submit(drained)
-
-    # ------------------------------------------------------------------ pair channels
-    def _receiver(self, session: str) -> PairReceiver:
-        receiver = self.receivers.get(session)
-        if receiver is None:
-            receiver = self.receivers[session] = PairReceiver(
-                transport=self.two_sided,
-                staging=self.staging,
-                copier=self.copier,
-                peer_session=session,
-                wanted=self.room_wanted,
-                on_chunk=self.arrivals.landed,
-                connect_timeout=self.config.connect_timeout,
-                io_timeout=self.config.io_timeout,
-                on_channel=lambda init, s=session: self._channel_changed(s, init),
-                on_refused=lambda h, reason, s=session: self._control_send(
-                    s, wire.ChunkRefused(self.session, h.generation, h.room, reason), block=False),
-                check=self._check_chunk,
-            )
-        return receiver
-
-    def _on_offer(self, msg: wire.CommOffer) -> None:
-        """A prefill wants a pair channel: answer the cap this rank's budget affords, or no room (and ask the
-        least recently used prefill with an idle channel to release it, so a retry finds room)."""
-        # a new offer replaces this prefill's channel (its receiver drops the old one at the CommInit)
-        self.comm_budget.closed(msg.session)
-        try:
-            decision = self.comm_budget.admit(msg.session, cap_from_wire(msg.cap), evict=False)
-            answer = wire.CommAnswer(self.session, msg.offer, cap_to_wire(decision.cap))
-        except NoRoom as e:
-            answer = wire.CommAnswer(self.session, msg.offer, -1, f"decode communicator budget full: {e}")
-            others = [p for p in self.comm_budget.idle_peers() if p != msg.session]
-            if others:
-                self._control_send(others[0], wire.CommRelease(self.session))
-        self._control_send(msg.session, answer)
-
-    def _channel_changed(self, session: str, init: Optional[wire.CommInit]) -> None:
-        """The receiver of `session` joined a channel (`init`) or dropped one (None): keep the budget true."""
-        if init is None:
-            self.comm_budget.closed(session)
-        else:
-            self.comm_budget.opened(session, cap_from_wire(init.cap) if init.cap >= 0 else -1)
+        done = functools.partial(self.handle_abort_ack_message, frames)  # note_abort_ack for the armed generation
+        if self.channels is None or not self.channels.after_queued(peers, done):
+            done()
 
     # ------------------------------------------------------------------ liveness
     def _peer_dead(self, session: str, reason: str) -> None:
@@ -392,17 +335,14 @@ class DecodeKVManager(P2pNcclKVManager):
         logger.error("p2pnccl: %s", reason)
         self._fail_rooms_served_by(session, reason)
         self.arrivals.peer_lost(session, reason)
-        receiver = self.receivers.pop(session, None)
-        if receiver is not None:
-            receiver.abort(reason)
-        if self.comm_budget is not None:
-            self.comm_budget.closed(session)
+        if self.channels is not None:
+            self.channels.peer_dead(session, reason)
         self.control.forget(session)
         self.issued.forget(session)
 
     def _close_role(self) -> None:
-        for receiver in list(self.receivers.values()):
-            receiver.close()
+        if self.channels is not None:
+            self.channels.close()
 
     # ------------------------------------------------------------------ status
     def _apply_prefill_final(self, room: int, prefill_rank: int, success: bool, reason: str) -> None:

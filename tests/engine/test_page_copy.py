@@ -13,7 +13,7 @@ from sglang_p2p_backend.engine.copy.plan import copy_descriptors
 from sglang_p2p_backend.engine.copy.span_copy import expand_pages, page_table
 from sglang_p2p_backend.engine.transport import cuda_ipc
 from sglang_p2p_backend.engine.transport.base import TransportError
-from sglang_p2p_backend.testing.shm_ipc import ShmBackend
+from support.shm_ipc import ShmBackend
 
 ITEM = 48  # bytes of one page in a region (3 words of 16)
 REGIONS = 3

@@ -3,7 +3,7 @@ role on 127.0.0.1, tcp transport): every case asserts what the user sees (failed
 bytes that land) and what is left behind (tables, sockets, threads, file descriptors).
 
 The hostile party is this test process: it pushes forged or mutated frames at a rank's control socket
-(sglang_p2p_backend/testing/hostile.py) while a real pair transfers.
+(tests/support/hostile.py) while a real pair transfers.
 """
 
 import random
@@ -11,11 +11,11 @@ import time
 
 import msgspec
 import pytest
+from support import hostile
 from test_pd_transfer import FAST_FAILURE_ENV, assert_all_landed, failed_reason
 
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.wire.agreement import local_agreement
-from sglang_p2p_backend.testing import hostile
 from sglang_p2p_backend.testing.launch import PairRun, run_pair
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

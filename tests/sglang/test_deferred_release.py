@@ -19,7 +19,9 @@ if not hasattr(common, "AbortAck"):
     pytest.skip("this SGLang release has no deferred decode KV release (added in 0.5.23)", allow_module_level=True)
 
 from sglang_p2p_backend.adapter.decode import DecodeKVManager  # noqa: E402
+from sglang_p2p_backend.engine.config import EngineConfig  # noqa: E402
 from sglang_p2p_backend.engine.pair.arrivals import ArrivalTracker  # noqa: E402
+from sglang_p2p_backend.engine.pair.channels import PairReceivers  # noqa: E402
 from sglang_p2p_backend.engine.pair.pipeline import PairReceiver  # noqa: E402
 
 PEER = "10.0.0.1:5000"
@@ -38,7 +40,9 @@ def decode_manager():
     mgr._deferred_abort_generation = 0
     mgr.two_sided = object()
     mgr.arrivals = ArrivalTracker(lambda *a: None)
-    mgr.receivers = {}
+    mgr.channels = PairReceivers(transport=None, staging=None, copier=_Copier(), session="decode", config=EngineConfig(),
+                                 send=lambda *a: True, wanted=lambda room: False, on_chunk=lambda *a: None,
+                                 check=lambda header: None)
     mgr.dropped = Counter()
     return mgr
 
@@ -66,7 +70,7 @@ def wait_for(cond, timeout=5.0) -> bool:
 
 def test_ack_counts_only_after_the_receiver_finished_the_chunks_before_it(receiver):
     mgr = decode_manager()
-    mgr.receivers[PEER] = receiver
+    mgr.channels.receivers[PEER] = receiver
     generation = mgr.register_deferred_abort_room(ROOM)
     mgr.arrivals.announce(ROOM, RANK, PEER)  # a chunk of the room was announced and is being scattered
     scatter_may_end = threading.Event()
@@ -80,7 +84,7 @@ def test_ack_counts_only_after_the_receiver_finished_the_chunks_before_it(receiv
 
 def test_ack_counts_at_once_without_chunks_in_flight_and_stale_generations_do_not(receiver):
     mgr = decode_manager()
-    mgr.receivers[PEER] = receiver
+    mgr.channels.receivers[PEER] = receiver
     receiver.submit(lambda: time.sleep(1))  # another room's chunk: must not delay this room's ACK
     old = mgr.register_deferred_abort_room(ROOM)
     generation = mgr.register_deferred_abort_room(ROOM)  # the room was aborted again (reused)

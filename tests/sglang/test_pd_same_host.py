@@ -1,5 +1,5 @@
 """The same-host path (SGLANG_P2P_TRANSPORT=cudaipc) through SGLang's classes on CPU, with the shared-memory
-stand-in for CUDA IPC (testing/shm_ipc.py: the decode's pools live in shared segments, handles are their
+stand-in for CUDA IPC (tests/support/shm_ipc.py: the decode's pools live in shared segments, handles are their
 names). What runs is the product's code: the export in the registration, the prefill's checks of it against
 the registered pools, mapping once per decode process in the worker that owns it, bounds on every write, the
 aux row and Status on the control channel after the copy, and unmapping when the peer dies. Only the CUDA
@@ -10,15 +10,15 @@ test_pd_transfer.py, `cudaipc-standin`); here: what is particular to it.
 """
 
 import pytest
+from support.shm_ipc import IPC_STANDIN
 
 from sglang_p2p_backend.testing.launch import run_pair
-from sglang_p2p_backend.testing.shm_ipc import IPC_STANDIN_ENV
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 FAST = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "8", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "8",
         "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1"}
-IPC = {"SGLANG_P2P_TRANSPORT": "cudaipc", IPC_STANDIN_ENV: "1"}
+IPC = {"SGLANG_P2P_TRANSPORT": "cudaipc", **IPC_STANDIN}
 
 
 def _plan(**extra) -> dict:
@@ -92,7 +92,7 @@ def test_head_slices_of_a_different_attention_tp_land_exactly():
 def test_auto_takes_the_same_host_path_and_falls_back_when_the_export_is_unusable():
     # both sides on auto: the prefill maps the same-host decode and copies into it; with an export that does not
     # cover the registered pool it logs why, keeps the decode on the two-sided path, and the KV still lands
-    standin = {IPC_STANDIN_ENV: "1"}
+    standin = dict(IPC_STANDIN)
     for faults, want_mapped in (({}, True), ({"decode": {"ipc_export_short": True}}, False)):
         result = run_pair(_plan(faults=faults), env={**FAST, **standin})
         d, p = result["decode"], result["prefill"]

@@ -14,9 +14,9 @@ cases exercise the control plane and staging, which do not depend on the transpo
 import importlib.util
 
 import pytest
+from support.shm_ipc import IPC_STANDIN
 
 from sglang_p2p_backend.testing.launch import run_pair
-from sglang_p2p_backend.testing.shm_ipc import IPC_STANDIN_ENV
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -33,9 +33,9 @@ FAST_FAILURE_ENV = {
 
 
 MOONCAKE_ENV = {"SGLANG_P2P_TRANSPORT": "mooncake", "MC_FORCE_TCP": "1", "GLOG_minloglevel": "2"}
-# the same-host path with its CPU stand-in for CUDA IPC (testing/shm_ipc.py): pools in shared memory
+# the same-host path with its CPU stand-in for CUDA IPC (tests/support/shm_ipc.py): pools in shared memory
 # (a dead decode's memory stays writable while the prefill maps it: its death is noticed by liveness, so quickly)
-IPC_ENV = {"SGLANG_P2P_TRANSPORT": "cudaipc", IPC_STANDIN_ENV: "1", "SGLANG_P2P_PEER_TIMEOUT": "2"}
+IPC_ENV = {"SGLANG_P2P_TRANSPORT": "cudaipc", **IPC_STANDIN, "SGLANG_P2P_PEER_TIMEOUT": "2"}
 TRANSPORTS = [
     pytest.param({}, id="tcp"),
     pytest.param(IPC_ENV, id="cudaipc-standin"),

@@ -3,7 +3,7 @@ sender that is not one of a pair's two processes cannot make a room succeed with
 out with registrations from addresses it does not own, and every mismatch between a prefill and a decode fails
 both sides' requests within seconds naming both values; a refusal lasts only as long as its cause.
 
-The hostile party is this test process (sglang_p2p_backend/testing/hostile.py). No test here sets
+The hostile party is this test process (tests/support/hostile.py). No test here sets
 SGLANG_P2P_AUTH_KEY unless it says so: the default configuration is what most users run.
 """
 
@@ -13,12 +13,12 @@ import time
 
 import msgspec
 import pytest
+from support import hostile
 from test_control_plane import HOSTILE_ENV, LINGER, POOL, slow_rooms
 from test_pd_transfer import FAST_FAILURE_ENV, assert_all_landed, failed_reason
 
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.wire.agreement import local_agreement
-from sglang_p2p_backend.testing import hostile
 from sglang_p2p_backend.testing.launch import PairRun, run_pair
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

@@ -1,9 +1,12 @@
-"""Prefill side of the two-sided pair channels: one `PairSender` per decode rank, opened within the
-communicator budget after an offer/answer with the decode, aborted when the peer dies or refuses a chunk.
+"""The two-sided pair channels of one rank, both sides: `PairChannels` on the prefill (one `PairSender` per
+decode rank, opened within the communicator budget after an offer/answer with the decode, aborted when the peer
+dies or refuses a chunk) and `PairReceivers` on the decode (one `PairReceiver` per prefill rank, admitted within
+its own budget when the prefill offers a channel, dropped when the prefill closes it or dies).
 
 Only the prefill closes pair channels (engine/pair/comm_budget.py): its own victims when admitting a new one, idle
 ones a decode asks it to release (CommRelease). Senders belong to the transfer worker that owns the peer;
-other threads only abort a sender's channel (thread-safe on every transport), never replace it.
+other threads only abort a sender's channel (thread-safe on every transport), never replace it. Each receiver
+is a thread of its own; the decode's control thread only queues work on it.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterable, Optional
 
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.pair.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
@@ -20,14 +24,21 @@ from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.copy.heads import PairHeads
-from sglang_p2p_backend.engine.pair.pipeline import PairSender
+from sglang_p2p_backend.engine.pair.pipeline import ChunkDone, PairReceiver, PairSender
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.transport.base import TransportError, TwoSidedTransport
+from sglang_p2p_backend.engine.wire.checks import ChunkVerdict
 
 logger = logging.getLogger(__name__)
 
 
+#: best-effort control send of the decode side: (session, message, block) -> whether it went out
+Send = Callable[[str, wire.Message, bool], bool]
+
+
 class PairChannels:
+    """Prefill side: the senders of this rank's pair channels, one per decode rank."""
+
     def __init__(
         self,
         transport: TwoSidedTransport,
@@ -151,3 +162,122 @@ class PairChannels:
     def close(self) -> None:
         for sender in list(self.senders.values()):
             sender.close()
+
+
+class PairReceivers:
+    """Decode side: the receivers of this rank's pair channels, one per prefill rank. The decode admits channels
+    within its own budget but never closes one: the prefill owns the pair's traffic, so the decode asks it to
+    release an idle channel instead (CommRelease)."""
+
+    def __init__(
+        self,
+        transport: TwoSidedTransport,
+        staging: StagingPool,
+        copier: PageCopier,
+        session: str,
+        config: EngineConfig,
+        send: Send,
+        wanted: Callable[[int], bool],
+        on_chunk: ChunkDone,
+        check: Callable[[wire.ChunkHeader], ChunkVerdict],
+    ):
+        self.transport = transport
+        self.staging = staging
+        self.copier = copier
+        self.session = session
+        self.config = config
+        self.send = send
+        #: whether a room still wants its chunks scattered
+        self.wanted = wanted
+        #: told each chunk a receiver handled (room, prefill rank, error or None)
+        self.on_chunk = on_chunk
+        #: a chunk header's checks against the room's published pages, on the receiver's thread
+        self.check = check
+        self.receivers: Dict[str, PairReceiver] = {}
+        self.budget = CommBudget.from_config(config, "decode")
+
+    def offered(self, msg: wire.CommOffer) -> None:
+        """A prefill wants a pair channel: answer the cap this rank's budget affords, or no room (and ask the
+        least recently used prefill with an idle channel to release it, so a retry finds room)."""
+        # a new offer replaces this prefill's channel (its receiver drops the old one at the CommInit)
+        self.budget.closed(msg.session)
+        try:
+            decision = self.budget.admit(msg.session, cap_from_wire(msg.cap), evict=False)
+            answer = wire.CommAnswer(self.session, msg.offer, cap_to_wire(decision.cap))
+        except NoRoom as e:
+            answer = wire.CommAnswer(self.session, msg.offer, -1, f"decode communicator budget full: {e}")
+            others = [p for p in self.budget.idle_peers() if p != msg.session]
+            if others:
+                self.send(others[0], wire.CommRelease(self.session), True)
+        self.send(msg.session, answer, True)
+
+    def joined(self, msg: wire.CommInit) -> None:
+        """The prefill opened a channel: its receiver joins it once the chunks queued before are handled."""
+        self._receiver(msg.session).submit(msg)
+
+    def chunk(self, msg: wire.ChunkHeader) -> None:
+        """Queue an announced chunk on its prefill's receiver (its bytes follow on the pair channel)."""
+        self.budget.touch(msg.session)
+        self._receiver(msg.session).submit(msg)
+
+    def closed_by_peer(self, msg: wire.CommClosed) -> None:
+        """The prefill released a channel (its pool's eviction): dropped behind the chunks it sent on it."""
+        receiver = self.receivers.get(msg.session)
+        if receiver is not None:
+            receiver.closed_by_peer(msg.generation)
+
+    def after_queued(self, sessions: Iterable[str], done: Callable[[], None]) -> bool:
+        """Call `done` once the receivers of `sessions` handled every chunk queued so far; False (and `done` is
+        not called) when none of them has a receiver."""
+        receivers = [self.receivers[s] for s in sessions if s in self.receivers]
+        if not receivers:
+            return False
+        left, lock = [len(receivers)], threading.Lock()
+
+        def drained() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                done()
+
+        for receiver in receivers:
+            receiver.submit(drained)
+        return True
+
+    def peer_dead(self, session: str, reason: str) -> None:
+        """The prefill is dead: abort its receiver's channel (a receive in flight fails now), release its budget."""
+        receiver = self.receivers.pop(session, None)
+        if receiver is not None:
+            receiver.abort(reason)
+        self.budget.closed(session)
+
+    def close(self) -> None:
+        for receiver in list(self.receivers.values()):
+            receiver.close()
+
+    def _receiver(self, session: str) -> PairReceiver:
+        receiver = self.receivers.get(session)
+        if receiver is None:
+            receiver = self.receivers[session] = PairReceiver(
+                transport=self.transport,
+                staging=self.staging,
+                copier=self.copier,
+                peer_session=session,
+                wanted=self.wanted,
+                on_chunk=self.on_chunk,
+                connect_timeout=self.config.connect_timeout,
+                io_timeout=self.config.io_timeout,
+                on_channel=lambda init, s=session: self._channel_changed(s, init),
+                on_refused=lambda h, reason, s=session: self.send(
+                    s, wire.ChunkRefused(self.session, h.generation, h.room, reason), False),
+                check=self.check,
+            )
+        return receiver
+
+    def _channel_changed(self, session: str, init: Optional[wire.CommInit]) -> None:
+        """The receiver of `session` joined a channel (`init`) or dropped one (None): keep the budget true."""
+        if init is None:
+            self.budget.closed(session)
+        else:
+            self.budget.opened(session, cap_from_wire(init.cap) if init.cap >= 0 else -1)

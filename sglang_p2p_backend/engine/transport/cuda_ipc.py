@@ -16,7 +16,7 @@ offers no `cudaipc`, so its prefills use NCCL; the log line says why.
 
 How memory is shared is one small object (`IpcBackend`: find an address's allocation, make/open/close a
 handle, reach a device, copy); `CudaBackend` is the real one. CPU tests install the shared-memory stand-in of
-`testing/shm_ipc.py` with `use_backend`, so the exchange, checks, mapping and unmapping run through SGLang's
+`tests/support/shm_ipc.py` with `use_backend`, so the exchange, checks, mapping and unmapping run through SGLang's
 classes without a GPU.
 
 Why ctypes over the CUDA runtime and driver by hand: torch exposes CUDA IPC only for whole storages it

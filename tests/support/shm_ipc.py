@@ -3,13 +3,14 @@
 It stands in for hardware CI lacks (a GPU), so that the same-host path's registration exchange, export checks,
 mapping per decode process, bounds on every write, aux rows, Status ordering and unmapping on restart run
 through SGLang's real classes on a CPU machine. What it does not prove: the CUDA calls and the copy kernel
-(tests/gpu/test_cuda_ipc.py and the benchmark do, on a GPU). Installed in a role's process by the test driver
-(`plan["ipc_standin"]`, or IPC_STANDIN_ENV=1 in its environment) with `cuda_ipc.use_backend(ShmBackend())`, before the manager starts.
+(tests/gpu/test_cuda_ipc.py and the benchmark do, on a GPU). The test driver installs it in a role's process
+before the manager starts when that process's environment carries `IPC_STANDIN`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from multiprocessing import resource_tracker, shared_memory
 from typing import Optional
@@ -18,10 +19,16 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.engine.transport.cuda_ipc import IpcBackend, IpcUnavailable
+from sglang_p2p_backend.testing.role import IPC_BACKEND_ENV
 
 _HANDLE_BYTES = 64
-#: set to 1 in a role's environment, the test driver installs this stand-in in that process
-IPC_STANDIN_ENV = "P2P_TEST_IPC_STANDIN"
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: a role's environment (`PairRun`'s env) in which the test driver installs this stand-in: the driver imports
+#: it by name, so tests/ goes on that process's path (last: nothing of the suite may shadow a real module)
+IPC_STANDIN = {
+    IPC_BACKEND_ENV: "support.shm_ipc:ShmBackend",
+    "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _TESTS) if p),
+}
 
 
 def _address(shm: shared_memory.SharedMemory) -> int:

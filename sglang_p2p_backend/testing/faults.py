@@ -1,0 +1,75 @@
+"""Faults a plan injects into a role's process (`plan["faults"][role]`), as a hung, dying, buggy or forged
+server would show them to its peer.
+
+Prefill: `chunk_delay_s` (a pause between a request's sends), `abort_after_chunks`, `exit_after_chunks`,
+`stop_after_chunks` (abort the request, exit, or SIGSTOP after that many chunks), `aux_row` (aux rows sent to
+another row than the published one), `write_delay_s` (every write starts later: prefill_role.py's write watch),
+`stop_self` (SIGSTOP once registered). Decode: `abort_after_s`, `exit_after_s`, `stop_after_s` (counted from a
+request's metadata), `ipc_export_short` (a CUDA IPC export that does not cover the pool it registers).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from sglang_p2p_backend.testing.plan import Req
+
+#: the exit code of a process a fault killed
+EXIT_CODE = 17
+
+
+def stop_self(plan: dict, role: str) -> None:
+    """This process stops (SIGSTOP) as a hung or frozen server would; the time goes to `<role>.stopped_at`."""
+    with open(os.path.join(plan["workdir"], f"{role}.stopped_at"), "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def prefill_after_send(faults: dict, plan: dict, req: Req, last: bool) -> bool:
+    """The prefill's faults after a send() of `req`; True when one aborted the request (an AbortReq reaching
+    the prefill scheduler mid-transfer)."""
+    delay = float(faults.get("chunk_delay_s", 0))
+    if delay and not last:
+        time.sleep(delay)
+    if "abort_after_chunks" in faults and req.sent >= faults["abort_after_chunks"] * req.chunk_pages:
+        req.handle.abort()
+        return True
+    if "exit_after_chunks" in faults and req.sent >= faults["exit_after_chunks"] * req.chunk_pages:
+        time.sleep(0.3)
+        os._exit(EXIT_CODE)
+    if "stop_after_chunks" in faults and req.sent >= faults["stop_after_chunks"] * req.chunk_pages:
+        stop_self(plan, "prefill")
+    return False
+
+
+def decode_after_metadata(faults: dict, plan: dict, req: Req, now: float) -> bool:
+    """The decode's faults while `req` waits for its KV; True when one aborted the request."""
+    waited = now - req.result["metadata_at"]
+    if "abort_after_s" in faults and waited >= faults["abort_after_s"]:
+        req.result["abort_at"] = time.time()
+        req.handle.abort()
+        return True
+    if "exit_after_s" in faults and waited >= faults["exit_after_s"]:
+        os._exit(EXIT_CODE)
+    if "stop_after_s" in faults and waited >= faults["stop_after_s"]:
+        stop_self(plan, "decode")
+    return False
+
+
+def misdirect_aux(mgr: Any, rows: dict) -> None:
+    """Prefill fault `aux_row` ({room: row}): the aux row of those rooms is sent to that row of the decode
+    instead of the one it published (a buggy or compromised prefill; two-sided transports)."""
+    if not rows:
+        return
+    send_aux = mgr._send_aux
+    mgr._send_aux = lambda session, room, src, dst: send_aux(session, room, src, int(rows.get(str(room), dst)))
+
+
+def shorten_ipc_export(mgr: Any, nbytes: int) -> None:
+    """Decode fault `ipc_export_short`: the export no longer covers the pool it registers (a forged or buggy
+    peer); its first region loses `nbytes`."""
+    if mgr.ipc is not None and mgr.ipc.export is not None:
+        mgr.ipc.export.regions[0].length -= nbytes

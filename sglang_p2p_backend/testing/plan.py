@@ -1,0 +1,92 @@
+"""What a run's plan asks of one role's process: its requests, its rank's share of the pools, the DP rank that
+takes a room, and the ready markers the processes of both roles meet at (files in the plan's workdir).
+
+The plan is one JSON file both roles read (testing/launch.py writes it): the pool layout, the requests (room,
+prompt tokens, chunking, decode prefix, aborts), per-role settings and optional faults (testing/faults.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import numpy as np
+
+from sglang_p2p_backend.testing.pools import PoolSpec
+
+#: the first output token the prefill writes into a request's aux row (the decode reports what it read)
+FIRST_TOKEN = 4242
+
+
+@dataclass
+class Req:
+    room: int
+    tokens: int
+    chunk_pages: int
+    prefix: int = 0  # decode prefix tokens (page aligned)
+    #: {"side": "prefill"|"decode", "at": ...}: abort this request on that side at that point (prefill: "bootstrap",
+    #: "chunk" after `n` chunks, "last" after the last chunk; decode: "init" before its metadata, "transfer" after it)
+    abort: Optional[dict] = None
+    #: decode: start no sooner than this many seconds into the run, and only once `<after>.ready` exists
+    start_after_s: float = 0.0
+    after: str = ""
+    handle: Any = None
+    phase: str = "new"
+    pages: Optional[np.ndarray] = None
+    aux: int = -1
+    state_slot: int = -1
+    sent: int = 0
+    started: float = 0.0
+    hold: Optional[tuple] = None  # decode, deferred release: (required_acks, monotonic deadline)
+    snapshot: Optional[list] = None  # decode: the held pages' bytes when they were released
+    result: dict = field(default_factory=dict)
+
+
+def requests(plan: dict, role: str) -> list[Req]:
+    """The plan's requests this role sees (a request may name `roles` to reach only one side)."""
+    return [
+        Req(r["room"], r["tokens"], r.get("chunk_pages", 1 << 30), r.get("prefix", 0),
+            r["abort"] if r.get("abort", {}).get("side") == role else None, r.get("start_after_s", 0.0),
+            r.get("after", ""))
+        for r in plan["requests"]
+        if role in r.get("roles", ("prefill", "decode"))
+    ]
+
+
+def rank_heads(spec: PoolSpec, attn_tp: int, attn_tp_rank: int) -> PoolSpec:
+    """An MHA pool of `total_kv_heads` heads as attention TP rank `attn_tp_rank` of `attn_tp` holds it: its
+    `max(1, total // tp)` heads, contiguous blocks, or head `rank // (tp // total)` when heads are replicated
+    (SGLang's MHA pool on a TP rank)."""
+    if spec.layout != "mha" or not spec.total_kv_heads:
+        return spec
+    total = spec.total_kv_heads
+    n = max(1, total // attn_tp)
+    first = attn_tp_rank * n if total >= attn_tp else attn_tp_rank // (attn_tp // total)
+    return replace(spec, kv_heads=n, heads_lo=first)
+
+
+def dp_rank_of(plan: dict, role: str, room: int, dp: int) -> int:
+    """The DP rank a role's DP controller picks for `room`: the prefill's default follows the bootstrap room
+    (`room % dp`, what the decode's bootstrap lookup assumes); the decode's may be anything SGLang's load
+    balancer picks, so the plan may name it per room (`decode_dp_rank`), else `room % dp` too."""
+    if role == "decode":
+        chosen = plan.get("decode_dp_rank", {}).get(str(room))
+        if chosen is not None:
+            return int(chosen)
+    return room % dp
+
+
+def touch(plan: dict, name: str) -> None:
+    """Mark `name` ready for the other processes of the run."""
+    open(os.path.join(plan["workdir"], f"{name}.ready"), "w").close()
+
+
+def wait_for(plan: dict, names: list[str], timeout: float = 120) -> None:
+    """Wait until every one of `names` was marked ready. Raises RuntimeError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(os.path.join(plan["workdir"], f"{n}.ready")) for n in names):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"peers {names} not ready after {timeout:.0f}s")
+        time.sleep(0.05)

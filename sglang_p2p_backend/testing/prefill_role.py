@@ -1,0 +1,222 @@
+"""The prefill role's driver process: SGLang's prefill scheduler loop over its requests, the bootstrap server
+beside it as SGLang's prefill main process runs one, and a watch over the manager's writes.
+
+A request goes Bootstrapping -> WaitingForInput -> init -> send chunks -> Success | Failed, polled as SGLang's
+prefill scheduler polls it. The pages a request sends are filled with the plan's seeded contents
+first (testing/pools.py), so the decode can check them byte for byte. Per room the prefill reports
+`write_done_at`, `ack_sent_at` and `sent_bytes` (what its writes moved).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import threading
+import time
+import urllib.request
+from typing import Any, Callable
+
+import numpy as np
+
+from sglang_p2p_backend.testing import faults, runtime
+from sglang_p2p_backend.testing.plan import FIRST_TOKEN, Req, touch, wait_for
+from sglang_p2p_backend.testing.role import Role
+
+
+def _serve_bootstrap(host: str, port: int, parent: int) -> None:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    get_kv_class(TransferBackend("p2pnccl"), KVClassType.BOOTSTRAP_SERVER)(host=host, port=port)
+    while os.getppid() == parent:  # live exactly as long as the "scheduler" process
+        time.sleep(0.2)
+
+
+def start_bootstrap_process(host: str, port: int) -> Any:
+    """SGLang runs the bootstrap server in the prefill's main process, apart from the scheduler process;
+    so does the driver, so a stopped or killed scheduler leaves (or takes down) the bootstrap as in SGLang."""
+    proc = mp.get_context("spawn").Process(target=_serve_bootstrap, args=(host, port, os.getpid()), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://{host}:{port}/health", timeout=1).read()
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"bootstrap server on {host}:{port} did not come up")
+
+
+class PrefillRole(Role):
+    role = "prefill"
+    _rng_offset = 2
+
+    def mode(self) -> Any:
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        return DisaggregationMode.PREFILL
+
+    def before_manager(self) -> None:
+        self.bootstrap = None
+        if self.rank == 0:
+            self.bootstrap = start_bootstrap_process(self.host, self.bootstrap_port)
+            touch(self.plan, "bootstrap")
+        else:
+            wait_for(self.plan, ["bootstrap"])  # every prefill rank registers with the bootstrap server at start
+
+    def set_kv_args(self, args: Any) -> None:
+        args.engine_rank = self.rank
+        if self.spec.layout == "mha":  # as SGLang's prefill scheduler sets them
+            args.kv_head_num = self.spec.kv_heads
+            args.total_kv_head_num = self.spec.total_kv_heads or self.spec.kv_heads * self.attn_tp
+
+    def after_manager(self) -> None:
+        self.write_done_at: dict[int, float] = {}
+        self.sent_bytes: dict[int, int] = {}
+        self.ack_sent_at: dict[int, float] = {}
+        self.watch_writes(self.faults.get("write_delay_s", 0))
+        faults.misdirect_aux(self.mgr, self.faults.get("aux_row", {}))
+
+    def watch_writes(self, delay) -> None:
+        """Record when each room's last write returned (`write_done_at`) and when its deferred ABORT_ACKs went
+        out (`ack_sent_at`). Fault `write_delay_s` (seconds, or {room: seconds}): each write of the manager (a
+        Mooncake batch write, a CUDA IPC copy, a pair channel send) starts that much later, so it is in flight
+        for that long."""
+        from sglang_p2p_backend.engine.pair.pipeline import PairSender
+
+        mgr, current = self.mgr, threading.local()
+        process = mgr._process
+
+        def tracked_process(task):
+            current.room = task.room
+            return process(task)
+
+        def delayed(send: Callable) -> Callable:
+            def wrapper(*a, **kw):
+                room = getattr(current, "room", None)
+                pause = float(delay.get(str(room), 0) if isinstance(delay, dict) else delay or 0)
+                if pause:
+                    time.sleep(pause)
+                try:
+                    out = send(*a, **kw)
+                    if isinstance(out, int):  # bytes the write moved (KV pages, state; aux rows one-sided)
+                        self.sent_bytes[room] = self.sent_bytes.get(room, 0) + out
+                    return out
+                finally:
+                    self.write_done_at[room] = time.time()
+
+            return wrapper
+
+        mgr._process = tracked_process
+        if getattr(mgr, "one_sided_sender", None) is not None:
+            mgr.one_sided_sender.send = delayed(mgr.one_sided_sender.send)
+        if getattr(mgr, "ipc", None) is not None:
+            mgr.ipc.write = delayed(mgr.ipc.write)
+            mgr.ipc.write_pages = delayed(mgr.ipc.write_pages)
+        PairSender.send = delayed(PairSender.send)
+        if hasattr(mgr, "_send_abort_ack"):  # SGLang 0.5.23+
+            send_ack = mgr._send_abort_ack
+
+            def recorded_ack(room, target):
+                self.ack_sent_at.setdefault(room, time.time())
+                return send_ack(room, target)
+
+            mgr._send_abort_ack = recorded_ack
+
+    # ------------------------------------------------------------------ state machine
+    def step(self, req: Req, now: float) -> None:
+        P = self.KVPoll
+        if req.phase == "new":
+            req.handle = self.sender(req)
+            req.phase, req.started = "bootstrap", now
+            self.aborts_at(req, "bootstrap")
+            return
+        status = req.handle.poll()
+        if status == P.Failed:
+            self.fail(req)
+            return
+        if req.phase == "bootstrap":
+            if status == P.WaitingForInput:
+                self.prepare(req)
+                req.phase = "send"
+            elif status != P.Bootstrapping:
+                raise RuntimeError(f"unexpected poll state {status} during bootstrap (SGLang raises here too)")
+            return
+        if req.phase == "send":
+            self.send(req)
+            return
+        if status == P.Success:
+            req.handle.clear()
+            req.result["bytes"] = req.handle.get_transfer_metric().transfer_total_bytes
+            req.result["transfer_s"] = now - req.result["first_send_at"]
+            req.result["success_at"] = now
+            self.finish(req, True)
+
+    def sender(self, req: Req) -> Any:
+        from sglang.srt.disaggregation.utils import KVClassType
+
+        cls = self.cls[KVClassType.SENDER]
+        return cls(mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=req.room, **runtime.sender_kwargs(cls))
+
+    def prepare(self, req: Req) -> None:
+        """The decode's prefix is known: take and fill the request's pages, aux row and state slot, init()."""
+        prefix = req.handle.pop_decode_prefix_len()
+        first = prefix // self.spec.page_size
+        total = math.ceil(req.tokens / self.spec.page_size)
+        req.pages = self.take_pages(total - first)
+        self.pools.fill(self.seed, req.room, req.pages, first, total)
+        req.aux = self.free_aux.pop()
+        self.meta.output_ids[req.aux][0] = FIRST_TOKEN
+        self.meta.bootstrap_room[req.aux][0] = req.room
+        if self.spec.state_slots:
+            self.take_state_slot(req)
+            self.pools.fill_state(self.seed, req.room, req.state_slot)
+        req.handle.init(len(req.pages), req.aux)
+
+    def send(self, req: Req) -> None:
+        """One send() of the request's next chunk (with the state slot on the last one)."""
+        n = min(req.chunk_pages, len(req.pages) - req.sent)
+        last = req.sent + n == len(req.pages)
+        state = [np.array([req.state_slot], dtype=np.int32)] if last and self.spec.state_slots else None
+        if req.sent == 0:
+            req.result["first_send_at"] = time.monotonic()
+        req.handle.send(req.pages[req.sent : req.sent + n], state)
+        req.sent += n
+        if faults.prefill_after_send(self.faults, self.plan, req, last):
+            req.phase = "inflight"
+            return
+        if last:
+            req.phase = "inflight"
+            self.aborts_at(req, "last")
+        elif req.abort and req.abort.get("at") == "chunk" and req.sent >= req.abort.get("n", 1) * req.chunk_pages:
+            self.aborts_at(req, "chunk")
+            req.phase = "inflight"
+
+    # ------------------------------------------------------------------ report
+    def report(self, req: Req) -> None:
+        if req.room in self.write_done_at:
+            req.result["write_done_at"] = self.write_done_at[req.room]
+            req.result["sent_bytes"] = self.sent_bytes.get(req.room, 0)
+        if req.room in self.ack_sent_at:
+            req.result["ack_sent_at"] = self.ack_sent_at[req.room]
+
+    def role_leftovers(self) -> dict:
+        m = self.mgr
+        return {
+            "transfer_infos": sorted(m.transfer_infos),
+            "req_to_decode_prefix_len": sorted(m.req_to_decode_prefix_len),
+            # deferred decode KV release (0.5.23+): in-flight counts and ACKs still held
+            "staging_outstanding": sorted(getattr(m, "_staging_outstanding", {})),
+            "deferred_ack_targets": sorted(getattr(m, "_deferred_ack_targets", {})),
+            "decode_peers": sorted(m.decode_peers),
+            "rejected_peers": dict(m.rejected_peers),
+            "pending_registrations": len(m.pending),
+            "answer_sockets": m.answers.open_endpoints(),
+            "concluded": sorted(m.concluded),
+            "owned_rooms": sorted(m.owned_rooms),
+            "ipc_failed": dict(m.ipc_failed),
+            "ipc_mapped": m.ipc.mapped_peers() if m.ipc is not None else [],
+        }
