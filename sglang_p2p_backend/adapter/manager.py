@@ -43,7 +43,7 @@ from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.pair.liveness import PeerWatch
 from sglang_p2p_backend.engine.copy.memory import page_views, regions_from_lists
-from sglang_p2p_backend.engine.transport.onesided import LocalMemory
+from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.wire.pair_secret import IssuedSecrets, open_frames
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.threads import set_os_name

@@ -18,36 +18,18 @@ from its registration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
 from sglang_p2p_backend.engine.copy.memory import Region
+from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.wire.messages import PeerRegister
 from sglang_p2p_backend.engine.copy.heads import PairHeads
 from sglang_p2p_backend.engine.copy.plan import PlanError, copy_descriptors
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 
 Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src addresses, dst addresses, lengths)
-
-
-@dataclass(frozen=True)
-class LocalMemory:
-    """This rank's memory as SGLang describes it: KV regions, state components' regions, aux buffers
-    (`item_len` of an aux region = bytes of one row)."""
-
-    kv: Sequence[Region]
-    state: Sequence[Sequence[Region]]
-    aux: Sequence[Region]
-
-    def pool_regions(self) -> list[tuple[int, int]]:
-        """(address, length) of the KV regions, then the state components' regions: the pools page ids index."""
-        return [(r.ptr, r.length) for r in [*self.kv, *(r for comp in self.state for r in comp)]]
-
-    def regions(self) -> list[tuple[int, int]]:
-        """(address, length) of every region, aux buffers included, for registration with the one-sided engine."""
-        return self.pool_regions() + [(r.ptr, r.length) for r in self.aux]
 
 
 def _group(local: LocalMemory, peer: PeerRegister, g: int) -> tuple[list[int], list[int], list[int]]:
