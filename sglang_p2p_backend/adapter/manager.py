@@ -185,8 +185,6 @@ class P2pNcclKVManager(CommonKVManager):
         self.dropped: Counter = Counter()  # dropped inbound messages by kind (tests, metrics)
         #: set when a background loop cannot go on: every room then fails with this reason
         self.broken: Optional[str] = None
-        # prefill: orders "a write of room r starts" against "r is aborted, ACK if nothing is in flight"
-        self._flight_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         self._init_role()

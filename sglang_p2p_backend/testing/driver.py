@@ -170,8 +170,8 @@ class Role:
         instead of the one it published (a buggy or compromised prefill; two-sided transports)."""
         if not rows:
             return
-        send_aux = self.mgr._send_aux
-        self.mgr._send_aux = lambda session, room, src, dst: send_aux(session, room, src, int(rows.get(str(room), dst)))
+        send_aux = self.mgr.workers._send_aux
+        self.mgr.workers._send_aux = lambda session, room, src, dst: send_aux(session, room, src, int(rows.get(str(room), dst)))
 
     def watch_writes(self, delay) -> None:
         """Prefill: record when each room's last write returned (`write_done_at`) and when its deferred
@@ -181,7 +181,7 @@ class Role:
         from sglang_p2p_backend.engine.pair.pipeline import PairSender
 
         mgr, current = self.mgr, threading.local()
-        process = mgr._process
+        process = mgr.workers._process
 
         def tracked_process(task):
             current.room = task.room
@@ -203,7 +203,7 @@ class Role:
 
             return wrapper
 
-        mgr._process = tracked_process
+        mgr.workers._process = tracked_process
         if getattr(mgr, "one_sided_sender", None) is not None:
             mgr.one_sided_sender.send = delayed(mgr.one_sided_sender.send)
         if getattr(mgr, "ipc", None) is not None:
@@ -275,7 +275,7 @@ class Role:
             out["answer_sockets"] = m.answers.open_endpoints()
             out["concluded"] = sorted(m.concluded)
             out["owned_rooms"] = sorted(m.owned_rooms)
-            out["ipc_failed"] = dict(m.ipc_failed)
+            out["ipc_failed"] = dict(m.same_host.failed)
             out["ipc_mapped"] = m.ipc.mapped_peers() if m.ipc is not None else []
         else:
             out["arrivals_pending"] = m.arrivals.pending()
