@@ -39,7 +39,7 @@ from sglang_p2p_backend.engine.transport.onesided import OneSidedSender
 from sglang_p2p_backend.engine.transport.select import PeerFacts, TransportSelector
 from sglang_p2p_backend.adapter.bounded import Bounded
 from sglang_p2p_backend.adapter.deferred_release import DeferredRelease
-from sglang_p2p_backend.adapter.manager import P2pNcclKVManager
+from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
 from sglang_p2p_backend.engine.pair.channels import PairChannels
 from sglang_p2p_backend.adapter.same_host import SameHostPath
 from sglang_p2p_backend.adapter.transfer_workers import TransferInfo, TransferTask, TransferWorkers
@@ -52,7 +52,7 @@ _PENDING = 64
 _ANSWER_LINGER_MS = 500
 
 
-class PrefillKVManager(P2pNcclKVManager):
+class PrefillKVManager(P2pNcclKVManagerBase):
     """The prefill role: registrations and room destinations here; chunks on `workers`, the same-host path in
     `same_host`, decode aborts and their held ACKs in `release`."""
 
