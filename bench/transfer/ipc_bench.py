@@ -142,7 +142,7 @@ class Prefill:
 
         from sglang_p2p_backend.engine.wire import messages
         from sglang_p2p_backend.engine.copy.memory import Region
-        from sglang_p2p_backend.engine.transport.onesided import LocalMemory
+        from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
         from sglang_p2p_backend.engine.transport.cuda_ipc import CudaIpcTransport, check_export, reachable
 
         self.torch, self.conn, self.cfg = torch, conn, cfg

@@ -2,7 +2,7 @@
 
 Shaped like SGLang's Mooncake backend (`disaggregation/mooncake/conn.py`): the Common classes do bootstrap,
 rank mapping, heartbeat and timeouts. The KV manager is split by role (manager.py: what both share; prefill.py,
-decode.py: each role), the control protocol lives in engine/ (messages.py: message types and static bounds;
+decode.py: each role; `P2pNcclKVManager` here builds the role's), the control protocol lives in engine/ (messages.py: message types and static bounds;
 checks.py: bounds against local facts; agreement.py: what both sides compare at registration; auth.py: the
 optional HMAC envelope; liveness.py: heartbeats), the data path in engine/ too, free of SGLang imports.
 
@@ -32,21 +32,38 @@ from typing import Any, List, Optional
 import numpy as np
 import numpy.typing as npt
 
-from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     CommonKVReceiver,
     CommonKVSender,
     KVTransferError,
 )
+from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_p2p_backend.adapter.bootstrap import P2pNcclKVBootstrapServer, signed_writes
 from sglang_p2p_backend.adapter.decode import DecodeKVManager, published_room
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.wire.control import ControlError
-from sglang_p2p_backend.adapter.manager import P2pNcclKVManager
+from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
 from sglang_p2p_backend.adapter.prefill import PrefillKVManager
 
 __all__ = ["P2pNcclKVManager", "P2pNcclKVSender", "P2pNcclKVReceiver", "P2pNcclKVBootstrapServer"]
+
+
+class P2pNcclKVManager:
+    """The manager class SGLang's registry hands out for both roles: calling it builds the role's manager,
+    `PrefillKVManager` or `DecodeKVManager` (SGLang only calls it, so no instance of this class exists)."""
+
+    def __new__(
+        cls,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: Optional[bool] = False,
+        **kwargs: Any,
+    ) -> P2pNcclKVManagerBase:
+        role = PrefillKVManager if disaggregation_mode == DisaggregationMode.PREFILL else DecodeKVManager
+        return role(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
 
 
 def _latched_poll(obj, timed_state: int, check_timeout) -> KVPoll:
@@ -66,7 +83,7 @@ def _latched_poll(obj, timed_state: int, check_timeout) -> KVPoll:
     return status
 
 
-def _raise_failure(obj, mgr: P2pNcclKVManager) -> None:
+def _raise_failure(obj, mgr: P2pNcclKVManagerBase) -> None:
     if obj.conclude_state is None:
         obj.conclude_state = KVPoll.Failed
     obj.clear()
@@ -218,7 +235,7 @@ class P2pNcclKVReceiver(CommonKVReceiver):
 class _ControlSocket:
     """What SGLang's receiver code expects of a socket (`send_multipart`), sending on the control channel."""
 
-    def __init__(self, mgr: P2pNcclKVManager, endpoint: str):
+    def __init__(self, mgr: P2pNcclKVManagerBase, endpoint: str):
         self._mgr, self._endpoint = mgr, endpoint
 
     def send_multipart(self, frames: List[bytes]) -> None:

@@ -42,7 +42,7 @@ from sglang_p2p_backend.engine.copy.heads import Heads, HeadsError, pair_heads
 from sglang_p2p_backend.engine.pair.channels import PairReceivers
 from sglang_p2p_backend.engine.wire.control import ControlError
 from sglang_p2p_backend.engine.transport.base import TransportError
-from sglang_p2p_backend.adapter.manager import P2pNcclKVManager
+from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
 from sglang_p2p_backend.adapter.server_ranks import rank_endpoints
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class PrefillPeer:
     held: list = field(default_factory=list)
 
 
-class DecodeKVManager(P2pNcclKVManager):
+class DecodeKVManager(P2pNcclKVManagerBase):
     _role = "decode"
 
     def _init_role(self) -> None:

@@ -1,8 +1,9 @@
 """The p2pnccl KV manager: what both roles share (memory, transports, control channel, auth, liveness).
 
 SGLang builds one manager class for both roles (`get_kv_class(..., KVClassType.MANAGER)(args, mode, ...)`);
-`P2pNcclKVManager.__new__` hands the call to the role's class, `prefill.PrefillKVManager` or
-`decode.DecodeKVManager`, both subclasses of this one, as vLLM's connector splits scheduler and worker roles.
+that class, conn.py's `P2pNcclKVManager`, builds the role's: `prefill.PrefillKVManager` or
+`decode.DecodeKVManager`, both subclasses of `P2pNcclKVManagerBase` here, as vLLM's connector splits scheduler
+and worker roles.
 
 Inbound control traffic (ours and SGLang's own ABORT / ABORT_ACK frames) arrives on the PULL socket SGLang's
 Common manager binds. One thread reads it: it opens the authenticated envelope when a key is set
@@ -17,7 +18,6 @@ cannot go on marks the manager broken, and every room then fails with that reaso
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 import socket
@@ -43,7 +43,7 @@ from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.pair.liveness import PeerWatch
 from sglang_p2p_backend.engine.copy.memory import page_views, regions_from_lists
-from sglang_p2p_backend.engine.transport.onesided import LocalMemory
+from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.wire.pair_secret import IssuedSecrets, open_frames
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.threads import set_os_name
@@ -76,21 +76,12 @@ def _shorten_gil_switch(ms: float) -> None:
         sys.setswitchinterval(ms / 1e3)
 
 
-def _role_class(mode: Any) -> type:
-    name = "prefill.PrefillKVManager" if mode == DisaggregationMode.PREFILL else "decode.DecodeKVManager"
-    module, cls = name.split(".")
-    return getattr(importlib.import_module(f"sglang_p2p_backend.adapter.{module}"), cls)
+class P2pNcclKVManagerBase(CommonKVManager):
+    """What the prefill and decode managers share; each role subclasses it (prefill.py, decode.py)."""
 
-
-class P2pNcclKVManager(CommonKVManager):
     # SGLang 0.5.23+ may hold an aborted room's decode pages until every prefill rank ACKs that no write
     # into them is in flight (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE); unused by 0.5.17
     supports_deferred_decode_kv_release = True
-
-    def __new__(cls, *args: Any, **kwargs: Any):
-        if cls is P2pNcclKVManager and (len(args) > 1 or "disaggregation_mode" in kwargs):
-            cls = _role_class(args[1] if len(args) > 1 else kwargs["disaggregation_mode"])
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -185,8 +176,6 @@ class P2pNcclKVManager(CommonKVManager):
         self.dropped: Counter = Counter()  # dropped inbound messages by kind (tests, metrics)
         #: set when a background loop cannot go on: every room then fails with this reason
         self.broken: Optional[str] = None
-        # prefill: orders "a write of room r starts" against "r is aborted, ACK if nothing is in flight"
-        self._flight_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         self._init_role()

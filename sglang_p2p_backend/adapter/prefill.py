@@ -11,25 +11,23 @@ replaced by another process claiming its session (a restarted decode is accepted
 dead), nor displaced by any number of new ones. Refusals are logged rate-limited. Only registered decode ranks
 may publish destinations (RoomMetadata), each checked against the pools they declared; anything else is dropped before a byte, a
 socket or a table entry is spent on it. Chunks move on transfer workers sharded by decode peer (one peer's
-chunks stay ordered): two-sided (NCCL, tcp) through `PairSender`, one-sided (Mooncake) through
-`OneSidedSender`, then Status. A decode silent for SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail, its
-pair channel is aborted (not waited on) and its registration, budget and socket are released.
+chunks stay ordered, transfer_workers.py): two-sided (NCCL, tcp) through `PairSender`, one-sided (Mooncake, and
+CUDA IPC to a same-host decode: same_host.py) through `OneSidedSender`, then Status. A decode's ABORT and the
+ACK SGLang's deferred decode KV release waits for are deferred_release.py's. A decode silent for
+SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail, its pair channel is aborted (not waited on) and its
+registration, budget and socket are released.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import time
-from collections import OrderedDict
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import numpy.typing as npt
 
 from sglang.srt.disaggregation.base.conn import KVPoll
-
-try:  # deferred decode KV release (SGLang 0.5.23+); 0.5.17 has none of it and keeps the plain abort path
-    from sglang.srt.disaggregation.common.conn import AbortNotification
-except ImportError:
-    AbortNotification = None
 
 from sglang_p2p_backend.engine.wire import checks
 from sglang_p2p_backend.engine.wire import messages as wire
@@ -38,11 +36,13 @@ from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.wire.pair_secret import IssuedSecrets
 from sglang_p2p_backend.engine.copy.heads import HeadsError, PairHeads, pair_heads
 from sglang_p2p_backend.engine.transport.onesided import OneSidedSender
-from sglang_p2p_backend.engine.transport.select import TransportSelector
-from sglang_p2p_backend.adapter.manager import P2pNcclKVManager
+from sglang_p2p_backend.engine.transport.select import PeerFacts, TransportSelector
+from sglang_p2p_backend.adapter.bounded import Bounded
+from sglang_p2p_backend.adapter.deferred_release import DeferredRelease
+from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
 from sglang_p2p_backend.engine.pair.channels import PairChannels
 from sglang_p2p_backend.adapter.same_host import SameHostPath
-from sglang_p2p_backend.adapter.transfer_workers import ResetPeer, TransferInfo, TransferWorkers
+from sglang_p2p_backend.adapter.transfer_workers import TransferInfo, TransferTask, TransferWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -52,36 +52,25 @@ _PENDING = 64
 _ANSWER_LINGER_MS = 500
 
 
-class _Bounded(OrderedDict):
-    """A dict that keeps its newest `limit` entries (tables a stranger can add to)."""
+class PrefillKVManager(P2pNcclKVManagerBase):
+    """The prefill role: registrations and room destinations here; chunks on `workers`, the same-host path in
+    `same_host`, decode aborts and their held ACKs in `release`."""
 
-    def __init__(self, limit: int):
-        super().__init__()
-        self.limit = limit
-
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        while len(self) > self.limit:
-            self.popitem(last=False)
-
-
-class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
     _role = "prefill"
 
     def _init_role(self) -> None:
         self.decode_peers: Dict[str, wire.PeerRegister] = {}
         #: per decode rank with a different attention TP (MHA/GQA): the heads it takes from this rank
         self.peer_heads: Dict[str, Optional[PairHeads]] = {}
-        self.rejected_peers: Dict[str, str] = _Bounded(self.config.max_peers)
+        self.rejected_peers: Dict[str, str] = Bounded(self.config.max_peers)
         #: registrations answered but not yet confirmed by their decode, and the secrets issued to them
-        self.pending: Dict[str, wire.PeerRegister] = _Bounded(_PENDING)
+        self.pending: Dict[str, wire.PeerRegister] = Bounded(_PENDING)
         self.pending_secrets = IssuedSecrets(_PENDING)
         #: answers to registrations go out here, never on a live peer's socket budget
         self.answers = ControlChannel(send_timeout_s=0.5, max_sockets=_PENDING, auth=self.auth, linger_ms=_ANSWER_LINGER_MS)
         #: session -> when it was last answered: its answer socket closes a moment later (the sweep)
-        self._answered: Dict[str, float] = _Bounded(4 * _PENDING)
-        self._pending_at: Dict[str, float] = _Bounded(4 * _PENDING)
+        self._answered: Dict[str, float] = Bounded(4 * _PENDING)
+        self._pending_at: Dict[str, float] = Bounded(4 * _PENDING)
         self.refusals = 0
         self.selector = TransportSelector(self.config.transport)
         # pair communicators live within a GPU-memory budget (engine/pair/comm_budget.py); `auto` asks it whether
@@ -94,15 +83,76 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         self.nccl_admits: Callable[[str], bool] = self.channels.admits if self.channels else (lambda s: True)
         self.one_sided_sender = OneSidedSender(self.one_sided, self.local_memory) if self.one_sided else None
         #: rooms concluded here before their destinations arrived: late RoomMetadata is answered Failed
-        self.concluded: Dict[int, tuple] = _Bounded(1 << 16)
-        #: decode ranks the CUDA IPC path cannot serve (why), until they register again
-        self.ipc_failed: Dict[str, str] = _Bounded(self.config.max_peers)
-        self.ipc_checked: Dict[str, wire.PeerRegister] = _Bounded(self.config.max_peers)  # registrations that passed
+        self.concluded: Dict[int, tuple] = Bounded(1 << 16)
         self.owned_rooms: set = set()  # rooms with a live sender on this rank
         self._born: Dict[int, float] = {}  # room -> when its first destinations arrived
-        self.shards = [queue.SimpleQueue() for _ in range(self.config.workers)]
-        for i, shard in enumerate(self.shards):
-            self._spawn(lambda s=shard: self._transfer_step(s), f"p2p-transfer-{i}")
+        self.same_host = SameHostPath(self.ipc, self.local_memory, self.device, self.decode_peers,
+                                      self._common_transports, self.config.max_peers)
+        self.release = DeferredRelease(self, self.decode_peers, self._fail_or_bury, self.drop)
+        self.workers = TransferWorkers(
+            count=self.config.workers,
+            spawn=self._spawn,
+            request_status=self.request_status,
+            destinations=self.transfer_infos,
+            peers=self.decode_peers,
+            rejected=self.rejected_peers,
+            heads=self.peer_heads,
+            route=self._route,
+            channels=self.channels,
+            same_host=self.same_host,
+            one_sided=self.one_sided_sender,
+            release=self.release,
+            control=self.control,
+            session=self.session,
+            prefill_rank=self.prefill_rank,
+            local=self.local_memory,
+            fail_room=self._fail_room,
+            succeed=self._succeed,
+        )
+
+    # ------------------------------------------------------------------ SGLang's sender
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: npt.NDArray[np.int32],
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: Optional[int] = None,
+        state_indices: Optional[List] = None,
+        num_kv_tokens: Optional[int] = None,
+        *,
+        wait_event: Any = None,
+        **_: Any,
+    ) -> None:
+        """Queue one chunk of `bootstrap_room` (P2pNcclKVSender.send); dropped when the room is not live."""
+        self.workers.add(TransferTask(
+            bootstrap_room,
+            np.array(kv_indices, dtype=np.int32, copy=True),
+            index_slice,
+            is_last_chunk,
+            aux_index,
+            state_indices,
+            wait_event,
+        ))
+
+    # ------------------------------------------------------------------ routes
+    def _route(self, session: str) -> str:
+        """Which transport serves this decode rank now (logged once per peer, and when it changes)."""
+        reg = self.decode_peers[session]
+        facts = PeerFacts(
+            same_host=reg.hostname == self.hostname,
+            rdma_present=self.transports.mooncake == "rdma",
+            nccl_fits=lambda: self.nccl_admits(session),
+            gpu=self.device.type == "cuda",
+            mooncake_available=self.one_sided is not None,
+            peer_offers=tuple(self._common_transports(reg)),
+            ipc=lambda: self.same_host.usable(session),
+        )
+        return self.selector.choose(session, facts).transport
+
+    def _common_transports(self, reg: wire.PeerRegister) -> List[str]:
+        offered = [t for t in reg.transports if (t != "mooncake" or reg.mooncake_session) and (t != "cudaipc" or reg.ipc)]
+        return [t for t in self.transports.names() if t in offered]
 
     # ------------------------------------------------------------------ inbound
     def _admit(self, msg: wire.Message, secret: Optional[bytes]) -> bool:
@@ -193,7 +243,7 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         common = self._common_transports(reg)
         only_ipc = self.config.transport == "cudaipc" or common == ["cudaipc"]
         if only_ipc and not problems:  # nothing to fall back to: refuse now, naming why
-            ipc = self._ipc_problem(reg)
+            ipc = self.same_host.problem(reg)
             if ipc:
                 problems.append(f"SGLANG_P2P_TRANSPORT=cudaipc cannot serve this pair: {ipc}; use auto or nccl")
         if not common:
@@ -240,13 +290,13 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         self.watch.watch(session)
         if old is None or old.incarnation != reg.incarnation:
             self.selector.forget(session)
-            self.ipc_failed.pop(session, None)
+            self.same_host.registered(session)
             if self.one_sided is not None and reg.mooncake_session:
                 # a failed Mooncake session is skipped until its decode rank registers again: now
                 self.one_sided.peer_registered(reg.mooncake_session)
             # a new process behind the session: its old pair channel is gone; the owning worker creates a
             # fresh one on its next chunk
-            self._shard_of(session).put(ResetPeer(session))
+            self.workers.reset_peer(session)
 
     def _on_metadata(self, msg: wire.RoomMetadata) -> None:
         room, peer = msg.room, self.decode_peers.get(msg.session)
@@ -289,49 +339,16 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
 
     def _on_sglang_frames(self, frames: List[bytes], sender: Optional[str]) -> None:
         if frames and frames[0] == b"ABORT":
-            self._on_decode_abort(frames, sender)
+            self.release.on_abort(frames, sender)
         else:
             self.drop("unexpected", sender or "?", f"frames {frames[:1]!r} are not for a prefill rank")
-
-    def _on_decode_abort(self, frames: List[bytes], sender: Optional[str]) -> None:
-        """A decode rank aborted `room`: fail it here (or remember it, if this rank has not started it). With
-        deferred decode KV release (0.5.23+) the decode holds the room's pages until this rank ACKs; the ACK
-        goes out once no write of the room is in flight (now, or when its last task ends: `_flight_end`)."""
-        target = None
-        try:
-            if AbortNotification is not None:
-                note = AbortNotification.from_zmq(frames)
-                if note is None:
-                    raise ValueError("not an AbortNotification")
-                room, who = note.room, f"{note.decode_ip}:{note.decode_port}"
-                if self._deferred_release():
-                    target = note.deferred_ack_target()  # None for a decode that did not arm (no generation)
-            else:
-                room, who = int(frames[1]), f"{frames[2].decode()}:{frames[3].decode()}"
-        except (IndexError, ValueError, UnicodeDecodeError) as e:
-            self.drop("malformed", sender or "?", f"ABORT frames: {e}")
-            return
-        if who not in self.decode_peers or sender != who:
-            self.drop("unregistered", sender or who, f"ABORT of room {room} not from a registered decode rank")
-            return
-        # under the flight lock: a task that starts after this block sees Failed before its first write,
-        # one that started before it is counted in _staging_outstanding, so the ACK waits for it
-        with self._flight_lock:
-            if room in self.request_status:
-                self.room_failed(room, f"Aborted by decode rank {who}")
-            else:  # not started here yet: its sender fails at creation (P2pNcclKVSender)
-                self.concluded[room] = (f"Aborted by decode rank {who}", time.monotonic())
-            if target is not None:
-                self.register_deferred_ack_target(room, target)
-        if target is not None:
-            self._maybe_ack_drained_abort(room)
 
     # ------------------------------------------------------------------ peers
     def _peer_dead(self, session: str, reason: str) -> None:
         if self.decode_peers.pop(session, None) is None:
             return
         self.peer_heads.pop(session, None)
-        self.ipc_checked.pop(session, None)
+        self.same_host.forget(session)
         logger.error("p2pnccl: %s", reason)
         for room, infos in list(self.transfer_infos.items()):
             info = infos.get(session)
@@ -339,7 +356,7 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
                 self._fail_room(room, f"KV transfer to decode rank {session} failed: {reason}", block=False)
         if self.channels is not None:
             self.channels.abort(session, None, reason)  # a worker blocked on the peer returns now
-        self._shard_of(session).put(ResetPeer(session))
+        self.workers.reset_peer(session)
         self.selector.forget(session)
         self.control.forget(session)
         self.issued.forget(session)
@@ -381,8 +398,7 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         self._born.pop(room, None)
 
     def _close_role(self) -> None:
-        for shard in self.shards:
-            shard.put(None)
+        self.workers.stop()
         for t in self._threads:
             t.join(timeout=5)
         if self.channels is not None:
@@ -396,6 +412,11 @@ class PrefillKVManager(SameHostPath, TransferWorkers, P2pNcclKVManager):
         self.room_failed(room, reason)
         if notify and not already:
             self._notify_decode(room, KVPoll.Failed, reason, block)
+
+    def _succeed(self, room: int) -> None:
+        """The room's last chunk reached every decode rank: Status to them (after the data), then here."""
+        self._notify_decode(room, KVPoll.Success)
+        self.update_status(room, KVPoll.Success)
 
     def _notify_decode(self, room: int, status: int, reason: str = "", block: bool = True) -> None:
         for info in list((self.transfer_infos.get(room) or {}).values()):

@@ -1,31 +1,31 @@
 """Prefill side of the same-host path: whether a decode rank's pools can be mapped here, and the chunk copy.
 
-A decode rank that offers `cudaipc` sent its pools' CUDA IPC export in its registration. `_ipc_usable` (asked by
+A decode rank that offers `cudaipc` sent its pools' CUDA IPC export in its registration. `usable` (asked by
 `auto` for a same-host peer) checks that the export matches what the decode registered and that this process
 can reach its GPU; the first chunk maps it (in the worker that owns the peer, so mapping, copies and unmapping
 never race). A peer whose export cannot be mapped is remembered with the reason (logged once) and served by
 NCCL from then on, until it registers again. `ResetPeer` (re-registration, death) unmaps the old process's
-memory before any chunk of the new one is sent, so no stale mapping is ever written through.
-Mixed into `prefill.PrefillKVManager`, whose state it uses.
+memory before any chunk of the new one is sent, so no stale mapping is ever written through. The chunk itself
+goes through the one-sided sender (engine/transport/onesided.py) that Mooncake uses too.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, List, Mapping, Optional
 
-import numpy as np
+import torch
 
+from sglang_p2p_backend.adapter.bounded import Bounded
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.copy.heads import PairHeads
-from sglang_p2p_backend.engine.transport.onesided import chunk_descriptors
+from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
+from sglang_p2p_backend.engine.transport.onesided import OneSidedSender, session_address
 from sglang_p2p_backend.engine.copy.plan import PlanError
 from sglang_p2p_backend.engine.transport.base import TransportError
-from sglang_p2p_backend.engine.transport.cuda_ipc import IpcUnavailable, check_export, reachable
+from sglang_p2p_backend.engine.transport.cuda_ipc import CudaIpcTransport, IpcUnavailable, check_export, reachable
 
 logger = logging.getLogger(__name__)
-
-_NO_IDS = np.zeros(0, dtype=np.int32)
 
 
 def registered_regions(reg: wire.PeerRegister) -> list[tuple[int, int]]:
@@ -41,7 +41,32 @@ def registered_regions(reg: wire.PeerRegister) -> list[tuple[int, int]]:
 
 
 class SameHostPath:
-    def _ipc_problem(self, reg: wire.PeerRegister) -> Optional[str]:
+    """The per-peer state of the CUDA IPC path: which decode ranks passed the check, which cannot be mapped
+    (and why), and the mappings themselves (in the transport). `ipc`: this rank's IPC transport (None: the
+    path is off); `peers`: the live decode registrations; `common_transports(reg)`: the transports this rank
+    and `reg` share."""
+
+    def __init__(
+        self,
+        ipc: Optional[CudaIpcTransport],
+        local: LocalMemory,
+        device: torch.device,
+        peers: Mapping[str, wire.PeerRegister],
+        common_transports: Callable[[wire.PeerRegister], List[str]],
+        max_peers: int,
+    ):
+        self.ipc = ipc
+        self.device = device
+        self._peers = peers
+        self._common_transports = common_transports
+        # an IPC copy is synchronised before it returns: a TransportError proves nothing is still writing
+        self._sender = (OneSidedSender(ipc, local, session_address, settled=(PlanError, TransportError), whole_pages=True)
+                        if ipc is not None else None)
+        #: decode ranks the CUDA IPC path cannot serve (why), until they register again
+        self.failed: dict[str, str] = Bounded(max_peers)
+        self._checked: dict[str, wire.PeerRegister] = Bounded(max_peers)  # registrations that passed
+
+    def problem(self, reg: wire.PeerRegister) -> Optional[str]:
         """Why this rank cannot copy into decode rank `reg` through CUDA IPC (None: it can try to map it)."""
         if self.ipc is None:
             return "this prefill rank runs no CUDA IPC path"
@@ -49,61 +74,54 @@ class SameHostPath:
             return f"decode rank {reg.session} exports no CUDA IPC memory (its log says why)"
         return reachable(reg.ipc, self.device) or check_export(reg.ipc, registered_regions(reg))
 
-    def _ipc_usable(self, session: str) -> bool:
+    def usable(self, session: str) -> bool:
         """`auto`'s question for a same-host peer (asked every chunk): checked once per registration, a negative
         answer logged once."""
-        reg = self.decode_peers.get(session)
-        if reg is None or session in self.ipc_failed:
+        reg = self._peers.get(session)
+        if reg is None or session in self.failed:
             return False
-        if self.ipc_checked.get(session) is reg:
+        if self._checked.get(session) is reg:
             return True
-        problem = self._ipc_problem(reg)
+        problem = self.problem(reg)
         if problem is not None:
-            self._ipc_off(session, problem)
+            self._off(session, problem)
             return False
-        self.ipc_checked[session] = reg
+        self._checked[session] = reg
         return True
 
-    def _ipc_off(self, session: str, problem: str) -> None:
-        self.ipc_failed[session] = problem
+    def _off(self, session: str, problem: str) -> None:
+        self.failed[session] = problem
         logger.warning("p2pnccl: CUDA IPC path to decode rank %s off, NCCL serves it: %s", session, problem)
 
-    def _ipc_reset(self, session: str) -> None:
+    def registered(self, session: str) -> None:
+        """A new decode process registered as `session`: its export is checked afresh."""
+        self.failed.pop(session, None)
+
+    def forget(self, session: str) -> None:
+        """Decode rank `session` is dead: its registration's check no longer holds."""
+        self._checked.pop(session, None)
+
+    def reset(self, session: str) -> None:
         """Worker side of ResetPeer: the old process's memory is unmapped before anything else is sent."""
         if self.ipc is not None:
             self.ipc.forget_peer(session)
 
-    def _send_ipc(self, room: int, peer: wire.PeerRegister, src: list, dst: list, aux: Optional[tuple],
-                  heads: Optional[PairHeads] = None) -> bool:
-        """Copy one chunk into the decode's pages and wait for it; then the aux row on the control channel.
-        False: the peer cannot be mapped (now remembered) and the caller routes again; TransportError when
-        `cudaipc` is forced or the copy failed."""
+    def send(self, peer: wire.PeerRegister, src: list, dst: list, heads: Optional[PairHeads],
+             unsettled: Callable[[], None]) -> bool:
+        """Copy one chunk into the decode's pages and wait for it (the aux row is the caller's: it goes on the
+        control channel). False: the peer cannot be mapped (now remembered) and the caller routes again;
+        TransportError when `cudaipc` is forced or the copy failed; `unsettled` is called when a failed copy
+        cannot prove it stopped."""
         session = peer.session
         if not self.ipc.mapped(session, peer.ipc):
             try:
                 self.ipc.open_peer(session, peer.ipc)
             except IpcUnavailable as e:
-                self._ipc_off(session, f"mapping its pools failed: {e}")
+                self._off(session, f"mapping its pools failed: {e}")
                 # with SGLANG_P2P_TRANSPORT=cudaipc on either side there is no other transport to this decode
                 if self._common_transports(peer) == ["cudaipc"]:
                     raise TransportError(f"decode rank {session} is reachable only through CUDA IPC "
                                          f"(SGLANG_P2P_TRANSPORT=cudaipc), which failed here: {e}; use auto or nccl") from e
                 return False
-        try:
-            if heads is None:
-                # whole KV pages: one page-table launch (ids as SGLang gave them); state components as spans
-                kv = self.local_memory.kv
-                self.ipc.write_pages(session, [r.ptr for r in kv], peer.kv_ptrs, [r.item_len for r in kv],
-                                     src[0], dst[0], min((r.num_items for r in kv), default=0), peer.kv_pages)
-                src, dst = [_NO_IDS, *src[1:]], [_NO_IDS, *dst[1:]]
-            descriptors = chunk_descriptors(self.local_memory, peer, src, dst, None, heads)  # PlanError: nothing moved
-            if len(descriptors[0]):
-                self.ipc.write(session, *descriptors)
-        except (PlanError, TransportError):
-            raise  # refused before anything moved (bounds, layout), or the mapping is gone: the room fails
-        except BaseException:
-            self._poison_unsettled(room)
-            raise
-        if aux is not None:
-            self._send_aux(session, room, *aux)
+        self._sender.send(peer, src, dst, None, heads, unsettled)
         return True

@@ -3,11 +3,10 @@
 `add_transfer_request` (SGLang's sender calls it per send()) queues a task on the worker that owns the room's
 decode peer (peers are sharded over SGLANG_P2P_WORKERS queues, so one peer's chunks stay ordered). A worker
 moves the chunk to every real decode rank of the room: one copy kernel into a same-host decode's mapped pages
-(prefill_ipc.py), two-sided over the pair channel (pair_channels.py), or one-sided with Mooncake
+(same_host.py), two-sided over the pair channel (engine/pair/channels.py), or one-sided with Mooncake
 (engine/transport/onesided.py), only the heads that rank owns when its attention TP differs
-(engine/copy/heads.py; a rank holding a replica another rank sends moves no KV); after the last chunk, Status. With SGLang 0.5.23's deferred
-decode KV release, tasks in flight are counted per room, so an aborted room's ACK waits for them.
-Mixed into `prefill.PrefillKVManager`, whose state it uses.
+(engine/copy/heads.py; a rank holding a replica another rank sends moves no KV); after the last chunk, Status. Every
+task is counted in flight while it runs (deferred_release.py), so an aborted room's ACK waits for it.
 """
 
 from __future__ import annotations
@@ -18,26 +17,23 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import numpy as np
-import numpy.typing as npt
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 
-try:  # deferred decode KV release (SGLang 0.5.23+)
-    from sglang.srt.disaggregation.common.conn import AbortNotification
-except ImportError:
-    AbortNotification = None
-
+from sglang_p2p_backend.adapter.deferred_release import DeferredRelease
+from sglang_p2p_backend.adapter.same_host import SameHostPath
 from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.pair.channels import PairChannels
 from sglang_p2p_backend.engine.pair.comm_budget import NoRoom
-from sglang_p2p_backend.engine.wire.control import ControlError
+from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.copy.heads import PairHeads
-from sglang_p2p_backend.engine.transport.onesided import aux_descriptors
+from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
+from sglang_p2p_backend.engine.transport.onesided import OneSidedSender, aux_descriptors
 from sglang_p2p_backend.engine.copy.plan import PlanError
 from sglang_p2p_backend.engine.transport.base import TransportError
-from sglang_p2p_backend.engine.transport.select import Choice, PeerFacts
 
 logger = logging.getLogger(__name__)
 
@@ -88,71 +84,77 @@ class ResetPeer:
     session: str
 
 
-
 class TransferWorkers:
-    def _deferred_release(self) -> bool:
-        """SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE is on and the release has the machinery (0.5.23+)."""
-        return AbortNotification is not None and bool(getattr(self, "enable_deferred_decode_kv_release", False))
+    """The prefill's transfer queues (one per worker thread, peers sharded over them) and what a worker does
+    with a task. What it reads of the prefill role comes in through the constructor: SGLang's room states
+    (`request_status`) and each room's destinations (`destinations`); the live decode registrations (`peers`),
+    why a decode rank was refused (`rejected`) and the heads each takes (`heads`); which transport serves a
+    peer now (`route`) and the transports themselves; `fail_room(room, reason)` and `succeed(room)` (Status to
+    the decode ranks, then this rank's state). `spawn(step, name)` runs `step` on a thread until the manager
+    closes."""
 
-    def _flight_begin(self, room: int) -> None:
-        """A transfer task of `room` starts: counted before `_process` checks the room is alive."""
-        if self._deferred_release():
-            with self._flight_lock:
-                self._staging_outstanding[room] += 1
+    def __init__(
+        self,
+        *,
+        count: int,
+        spawn: Callable[[Callable[[], None], str], Any],
+        request_status: Mapping[int, KVPoll],
+        destinations: Mapping[int, Dict[str, TransferInfo]],
+        peers: Mapping[str, wire.PeerRegister],
+        rejected: Mapping[str, str],
+        heads: Mapping[str, Optional[PairHeads]],
+        route: Callable[[str], str],
+        channels: Optional[PairChannels],
+        same_host: SameHostPath,
+        one_sided: Optional[OneSidedSender],
+        release: DeferredRelease,
+        control: ControlChannel,
+        session: str,
+        prefill_rank: int,
+        local: LocalMemory,
+        fail_room: Callable[[int, str], None],
+        succeed: Callable[[int], None],
+    ):
+        self.request_status = request_status
+        self.destinations = destinations
+        self.peers = peers
+        self.rejected = rejected
+        self.heads = heads
+        self.route = route
+        self.channels = channels
+        self.same_host = same_host
+        self.one_sided = one_sided
+        self.release = release
+        self.control = control
+        self.session = session
+        self.prefill_rank = prefill_rank
+        self.local = local
+        self.fail_room = fail_room
+        self.succeed = succeed
+        self.shards: List["queue.SimpleQueue[object]"] = [queue.SimpleQueue() for _ in range(count)]
+        for i, shard in enumerate(self.shards):
+            spawn(lambda s=shard: self._transfer_step(s), f"p2p-transfer-{i}")
 
-    def _flight_end(self, room: int) -> None:
-        """A transfer task of `room` ended; the last one of an aborted room sends the held ACKs."""
-        if not self._deferred_release():
-            return
-        with self._flight_lock:
-            left = self._staging_outstanding.get(room, 0) - 1
-            if left > 0:
-                self._staging_outstanding[room] = left
-            else:
-                self._staging_outstanding.pop(room, None)
-        if left <= 0:
-            self._maybe_ack_drained_abort(room)  # pops the targets: at most one ACK per abort
-
-    def _poison_unsettled(self, room: int) -> None:
-        """A write into the decode's pages failed in a way that cannot prove it stopped (a Mooncake batch
-        may still run after its sync call returned an error): never ACK; the decode falls back to its
-        release timeout."""
-        if self._deferred_release():
-            with self._flight_lock:
-                self.poison_deferred_ack_room(room)
-
-    # ------------------------------------------------------------------ transfers
     def _shard_of(self, session: str) -> "queue.SimpleQueue[object]":
         return self.shards[sum(session.encode()) % len(self.shards)]
 
-    def add_transfer_request(
-        self,
-        bootstrap_room: int,
-        kv_indices: npt.NDArray[np.int32],
-        index_slice: slice,
-        is_last_chunk: bool,
-        aux_index: Optional[int] = None,
-        state_indices: Optional[List] = None,
-        num_kv_tokens: Optional[int] = None,
-        *,
-        wait_event: Any = None,
-        **_: Any,
-    ) -> None:
-        status = self.request_status.get(bootstrap_room)
+    def reset_peer(self, session: str) -> None:
+        """Queue a reset behind the peer's earlier chunks: its pair channel and IPC mapping go before its next."""
+        self._shard_of(session).put(ResetPeer(session))
+
+    def stop(self) -> None:
+        """Wake every worker so it sees the manager stopping."""
+        for shard in self.shards:
+            shard.put(None)
+
+    def add(self, task: TransferTask) -> None:
+        """Queue a chunk of a live room with destinations on the worker that owns its first real decode rank."""
+        status = self.request_status.get(task.room)
         if status is None or status == KVPoll.Failed:
             return
-        infos = self.transfer_infos.get(bootstrap_room)
+        infos = self.destinations.get(task.room)
         if not infos:
             return
-        task = TransferTask(
-            bootstrap_room,
-            np.array(kv_indices, dtype=np.int32, copy=True),
-            index_slice,
-            is_last_chunk,
-            aux_index,
-            state_indices,
-            wait_event,
-        )
         real = sorted(s for s, i in infos.items() if not i.is_dummy)
         self._shard_of(real[0] if real else "").put(task)
 
@@ -163,22 +165,22 @@ class TransferWorkers:
         if isinstance(task, ResetPeer):
             if self.channels is not None:
                 self.channels.reset(task.session)
-            self._ipc_reset(task.session)
+            self.same_host.reset(task.session)
             return
-        self._flight_begin(task.room)
+        self.release.begin(task.room)
         try:
             self._process(task)
         except Exception as e:  # anything unexpected still ends the room with a reason
             logger.exception("p2pnccl: transfer of room %s failed", task.room)
-            self._fail_room(task.room, f"prefill transfer error: {e!r}")
+            self.fail_room(task.room, f"prefill transfer error: {e!r}")
         finally:
-            self._flight_end(task.room)
+            self.release.end(task.room)
 
     def _process(self, task: TransferTask) -> None:
         room = task.room
         if task.wait_event is not None:
             task.wait_event.synchronize()
-        infos = self.transfer_infos.get(room)
+        infos = self.destinations.get(room)
         if infos is None or self.request_status.get(room) in (None, KVPoll.Failed):
             return
         alive = lambda: self.request_status.get(room) not in (None, KVPoll.Failed)  # noqa: E731
@@ -187,11 +189,11 @@ class TransferWorkers:
                 continue
             if not alive():
                 return
-            if session not in self.decode_peers:
-                reason = self.rejected_peers.get(session, "it is not registered (or was declared dead)")
-                self._fail_room(room, f"decode rank {session} cannot receive: {reason}")
+            if session not in self.peers:
+                reason = self.rejected.get(session, "it is not registered (or was declared dead)")
+                self.fail_room(room, f"decode rank {session} cannot receive: {reason}")
                 return
-            heads = self.peer_heads.get(session)
+            heads = self.heads.get(session)
             if heads is not None and not heads.src.count:
                 # a replica of heads another prefill rank sends this decode rank: no KV, only aux and Status
                 src, dst = [_NO_IDS], [_NO_IDS]
@@ -199,7 +201,7 @@ class TransferWorkers:
                 src, dst = [task.kv_indices], [info.dst_kv_indices[task.index_slice]]
             if task.is_last and task.state_indices:
                 # group g is state component g-1 on both paths: a component without ids moves nothing
-                for c, ids in enumerate(task.state_indices[: len(self.state_regions)]):
+                for c, ids in enumerate(task.state_indices[: len(self.local.state)]):
                     usable = ids is not None and c < len(info.dst_state_indices)
                     src.append(np.asarray(ids, dtype=np.int32).reshape(-1) if usable else _NO_IDS)
                     dst.append(info.dst_state_indices[c] if usable else _NO_IDS)
@@ -207,29 +209,10 @@ class TransferWorkers:
             try:
                 self._deliver(info, src, dst, aux, alive, heads)
             except (TransportError, ControlError, PlanError) as e:
-                self._fail_room(room, f"KV transfer to decode rank {session} failed: {e}")
+                self.fail_room(room, f"KV transfer to decode rank {session} failed: {e}")
                 return
         if task.is_last and alive():
-            self._notify_decode(room, KVPoll.Success)
-            self.update_status(room, KVPoll.Success)
-
-    def _route(self, session: str) -> Choice:
-        """Which transport serves this decode rank now (logged once per peer, and when it changes)."""
-        reg = self.decode_peers[session]
-        facts = PeerFacts(
-            same_host=reg.hostname == self.hostname,
-            rdma_present=self.transports.mooncake == "rdma",
-            nccl_fits=lambda: self.nccl_admits(session),
-            gpu=self.device.type == "cuda",
-            mooncake_available=self.one_sided is not None,
-            peer_offers=tuple(self._common_transports(reg)),
-            ipc=lambda: self._ipc_usable(session),
-        )
-        return self.selector.choose(session, facts)
-
-    def _common_transports(self, reg: wire.PeerRegister) -> List[str]:
-        offered = [t for t in reg.transports if (t != "mooncake" or reg.mooncake_session) and (t != "cudaipc" or reg.ipc)]
-        return [t for t in self.transports.names() if t in offered]
+            self.succeed(room)
 
     def _deliver(self, info: TransferInfo, src: list, dst: list, aux: Optional[tuple], alive: Callable[[], bool],
                  heads: Optional[PairHeads] = None) -> None:
@@ -237,18 +220,21 @@ class TransferWorkers:
         the KV pages). Lack of communicator memory never fails it: the peer goes to Mooncake when it can, else
         the chunk waits for room (until the room ends)."""
         session, room = info.session, info.room
+        unsettled = lambda: self.release.poison(room)  # noqa: E731
         waiting_since = None
         while alive():
-            peer = self.decode_peers.get(session)
+            peer = self.peers.get(session)
             if peer is None:
                 raise TransportError(f"decode rank {session} was declared dead")
-            route = self._route(session).transport
+            route = self.route(session)
             if route == "cudaipc":
-                if self._send_ipc(room, peer, src, dst, aux, heads):
-                    return
-                continue  # not mappable after all: routed again (NCCL)
+                if not self.same_host.send(peer, src, dst, heads, unsettled):
+                    continue  # not mappable after all: routed again (NCCL)
+                if aux is not None:
+                    self._send_aux(session, room, *aux)
+                return
             if route == "mooncake":
-                self._send_one_sided(room, peer, src, dst, aux, heads)
+                self.one_sided.send(peer, src, dst, aux, heads, unsettled)
                 return
             try:
                 self.channels.send(session, room, self.prefill_rank, src, dst, info.next_seq, alive, heads)
@@ -257,7 +243,7 @@ class TransferWorkers:
                 if waiting_since is None:
                     waiting_since = time.monotonic()
                     logger.info("p2pnccl: room %s waits for a pair channel to decode rank %s: %s", room, session, e)
-                if self._route(session).transport != "mooncake":
+                if self.route(session) != "mooncake":
                     time.sleep(_NO_ROOM_BACKOFF_S)
                 continue
             if waiting_since is not None:
@@ -266,18 +252,9 @@ class TransferWorkers:
                 self._send_aux(session, room, *aux)
             return
 
-    def _send_one_sided(self, room: int, peer: wire.PeerRegister, src: list, dst: list, aux: Optional[tuple],
-                        heads: Optional[PairHeads] = None) -> None:
-        try:
-            self.one_sided_sender.send(peer, src, dst, aux, heads)
-        except PlanError:
-            raise  # found before any byte moved
-        except BaseException:
-            self._poison_unsettled(room)
-            raise
-
     def _send_aux(self, session: str, room: int, src_index: int, dst_index: int) -> None:
-        """The aux rows as host bytes on the control channel (two-sided peers: NCCL cannot reach host memory)."""
-        src, _, lens = aux_descriptors(self.local_memory.aux, self.decode_peers[session], src_index, dst_index)
+        """The aux rows as host bytes on the control channel (two-sided and same-host peers: neither NCCL nor
+        CUDA IPC reaches host memory)."""
+        src, _, lens = aux_descriptors(self.local.aux, self.peers[session], src_index, dst_index)
         rows = [ctypes.string_at(int(a), int(n)) for a, n in zip(src, lens)]
         self.control.send(session, wire.AuxData(self.session, room, dst_index, rows))

@@ -64,8 +64,8 @@ def misdirect_aux(mgr: Any, rows: dict) -> None:
     instead of the one it published (a buggy or compromised prefill; two-sided transports)."""
     if not rows:
         return
-    send_aux = mgr._send_aux
-    mgr._send_aux = lambda session, room, src, dst: send_aux(session, room, src, int(rows.get(str(room), dst)))
+    send_aux = mgr.workers._send_aux
+    mgr.workers._send_aux = lambda session, room, src, dst: send_aux(session, room, src, int(rows.get(str(room), dst)))
 
 
 def shorten_ipc_export(mgr: Any, nbytes: int) -> None:

@@ -88,7 +88,7 @@ class PrefillRole(Role):
         from sglang_p2p_backend.engine.pair.pipeline import PairSender
 
         mgr, current = self.mgr, threading.local()
-        process = mgr._process
+        process = mgr.workers._process
 
         def tracked_process(task):
             current.room = task.room
@@ -110,7 +110,7 @@ class PrefillRole(Role):
 
             return wrapper
 
-        mgr._process = tracked_process
+        mgr.workers._process = tracked_process
         if getattr(mgr, "one_sided_sender", None) is not None:
             mgr.one_sided_sender.send = delayed(mgr.one_sided_sender.send)
         if getattr(mgr, "ipc", None) is not None:
@@ -217,6 +217,6 @@ class PrefillRole(Role):
             "answer_sockets": m.answers.open_endpoints(),
             "concluded": sorted(m.concluded),
             "owned_rooms": sorted(m.owned_rooms),
-            "ipc_failed": dict(m.ipc_failed),
+            "ipc_failed": dict(m.same_host.failed),
             "ipc_mapped": m.ipc.mapped_peers() if m.ipc is not None else [],
         }

@@ -12,7 +12,8 @@ import pytest
 from sglang_p2p_backend.engine.copy.memory import Region
 from sglang_p2p_backend.engine.wire.agreement import local_agreement
 from sglang_p2p_backend.engine.wire.messages import PeerRegister
-from sglang_p2p_backend.engine.transport.onesided import LocalMemory, OneSidedSender, chunk_descriptors
+from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
+from sglang_p2p_backend.engine.transport.onesided import OneSidedSender, chunk_descriptors
 from sglang_p2p_backend.engine.copy.plan import PlanError
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 

@@ -41,7 +41,8 @@ from bench.transfer.pair import guarded as _guarded  # noqa: E402
 from bench.transfer.pair import page_bytes as _pages  # noqa: E402
 from sglang_p2p_backend.engine.wire import messages  # noqa: E402
 from sglang_p2p_backend.engine.copy.memory import Region  # noqa: E402
-from sglang_p2p_backend.engine.transport.onesided import LocalMemory, chunk_descriptors  # noqa: E402
+from sglang_p2p_backend.engine.transport.local_memory import LocalMemory  # noqa: E402
+from sglang_p2p_backend.engine.transport.onesided import chunk_descriptors  # noqa: E402
 from sglang_p2p_backend.engine.transport.base import TransportError  # noqa: E402
 from sglang_p2p_backend.engine.transport.cuda_ipc import (  # noqa: E402
     CudaIpcTransport,

@@ -9,6 +9,10 @@ cannot overtake its data. The decode announced no chunks for such a peer and app
 (engine/pair/arrivals.py). The aux row goes in the last chunk's batch too, so SGLang's metadata gate (the
 `bootstrap_room` row) opens no earlier than the KV has landed.
 
+The same sender drives the same-host CUDA IPC path (transport/cuda_ipc.py): there a peer is addressed by its
+control session, whole KV pages go with one page-table launch (`whole_pages`), and the aux row travels on the
+control channel instead (IPC reaches device memory only).
+
 Groups follow `plan.py`: group 0 is the KV pool (the decode's `kv_ptrs`), group g >= 1 is state component
 g-1 (`state_ptrs[g-1]`). Item lengths were compared at registration, so one length serves both sides, except
 for KV pages with different attention TP: then the prefill writes its head range of every token row into the
@@ -18,36 +22,18 @@ from its registration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
 from sglang_p2p_backend.engine.copy.memory import Region
+from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.wire.messages import PeerRegister
 from sglang_p2p_backend.engine.copy.heads import PairHeads
 from sglang_p2p_backend.engine.copy.plan import PlanError, copy_descriptors
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 
 Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src addresses, dst addresses, lengths)
-
-
-@dataclass(frozen=True)
-class LocalMemory:
-    """This rank's memory as SGLang describes it: KV regions, state components' regions, aux buffers
-    (`item_len` of an aux region = bytes of one row)."""
-
-    kv: Sequence[Region]
-    state: Sequence[Sequence[Region]]
-    aux: Sequence[Region]
-
-    def pool_regions(self) -> list[tuple[int, int]]:
-        """(address, length) of the KV regions, then the state components' regions: the pools page ids index."""
-        return [(r.ptr, r.length) for r in [*self.kv, *(r for comp in self.state for r in comp)]]
-
-    def regions(self) -> list[tuple[int, int]]:
-        """(address, length) of every region, aux buffers included, for registration with the one-sided engine."""
-        return self.pool_regions() + [(r.ptr, r.length) for r in self.aux]
 
 
 def _group(local: LocalMemory, peer: PeerRegister, g: int) -> tuple[list[int], list[int], list[int]]:
@@ -95,13 +81,54 @@ def chunk_descriptors(
     return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
+_NO_IDS = np.zeros(0, dtype=np.int32)
+
+
+def mooncake_address(peer: PeerRegister) -> str:
+    """Where Mooncake writes to reach `peer`: the engine session it registered."""
+    if not peer.mooncake_session:
+        raise TransportError(f"decode rank {peer.session} registered no Mooncake memory")
+    return peer.mooncake_session
+
+
+def session_address(peer: PeerRegister) -> str:
+    """Where CUDA IPC writes to reach `peer`: its mapping is kept under its control session."""
+    return peer.session
+
+
+class PageTableTransport(Protocol):
+    """A one-sided transport that copies whole pages from a page-id table in one launch (CUDA IPC)."""
+
+    def write_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
+                    src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> int: ...
+
+
+def _nothing() -> None:
+    return None
+
+
 class OneSidedSender:
     """Writes chunks to any peer that registered one-sided memory. Thread-safe as far as the transport is
-    (Mooncake serialises writes per peer); each peer's chunks come from the one worker that owns it."""
+    (Mooncake serialises writes per peer); each peer's chunks come from the one worker that owns it.
 
-    def __init__(self, transport: OneSidedTransport, local: LocalMemory):
+    `address` names the peer to the transport. `settled` are the errors after which no byte of the chunk can
+    still be moving: a Mooncake batch may still run after its sync call returned a TransportError, a CUDA IPC
+    copy was synchronised or never started. `whole_pages` (a `PageTableTransport`): KV pages without a head
+    range go as one page-table write, the rest as descriptors."""
+
+    def __init__(
+        self,
+        transport: OneSidedTransport,
+        local: LocalMemory,
+        address: Callable[[PeerRegister], str] = mooncake_address,
+        settled: tuple[type[BaseException], ...] = (PlanError,),
+        whole_pages: bool = False,
+    ):
         self.transport = transport
         self.local = local
+        self.address = address
+        self.settled = settled
+        self.whole_pages = whole_pages
 
     def send(
         self,
@@ -110,13 +137,30 @@ class OneSidedSender:
         dst_ids: Sequence[np.ndarray],
         aux: Optional[tuple[int, int]] = None,
         heads: Optional[PairHeads] = None,
+        unsettled: Callable[[], None] = _nothing,
     ) -> int:
         """One batch write of the chunk (and aux row); returns bytes written. Raises PlanError when the ids
-        do not pair up, TransportError when the write fails (the transport then skips the peer until it
-        registers again)."""
-        if not peer.mooncake_session:
-            raise TransportError(f"decode rank {peer.session} registered no Mooncake memory")
-        src, dst, lens = chunk_descriptors(self.local, peer, src_ids, dst_ids, aux, heads)
-        if len(src):
-            self.transport.write(peer.mooncake_session, src, dst, lens)
-        return int(lens.sum())
+        do not pair up, TransportError when the write fails (Mooncake then skips the peer until it registers
+        again). Any error but a `settled` one calls `unsettled` before it propagates."""
+        try:
+            session = self.address(peer)
+            moved = 0
+            if self.whole_pages and heads is None:
+                moved = self._write_kv_pages(session, peer, src_ids[0], dst_ids[0])
+                src_ids, dst_ids = [_NO_IDS, *src_ids[1:]], [_NO_IDS, *dst_ids[1:]]
+            src, dst, lens = chunk_descriptors(self.local, peer, src_ids, dst_ids, aux, heads)
+            if len(src):
+                self.transport.write(session, src, dst, lens)
+            return moved + int(lens.sum())
+        except self.settled:
+            raise
+        except BaseException:
+            unsettled()
+            raise
+
+    def _write_kv_pages(self, session: str, peer: PeerRegister, src: np.ndarray, dst: np.ndarray) -> int:
+        """Whole KV pages src -> dst of every region in one launch (ids as SGLang gave them)."""
+        kv = self.local.kv
+        pages: PageTableTransport = self.transport  # type: ignore[assignment]
+        return pages.write_pages(session, [r.ptr for r in kv], peer.kv_ptrs, [r.item_len for r in kv],
+                                 src, dst, min((r.num_items for r in kv), default=0), peer.kv_pages)
