@@ -44,6 +44,12 @@ def one_gpu_env(name: str) -> dict:
     return {"NCCL_HOSTID": f"p2p-{name}-{os.getpid()}", "NCCL_SOCKET_IFNAME": "lo"}
 
 
+#: how long a rank may take to come up: every driver imports SGLang (about 13 s of CPU), and several pairs
+#: starting side by side on a 2-core machine take minutes; a test's deadlines count from there, since no test
+#: asserts on start-up time
+STARTUP_S = 240.0
+
+
 class PairRun:
     """A prefill-role and a decode-role driver (one process per rank) running one plan on 127.0.0.1."""
 
@@ -79,9 +85,17 @@ class PairRun:
             stderr=subprocess.STDOUT,
         )
 
-    def session(self, role: str, rank: int = 0, timeout: float = 60.0) -> str:
+    def _session_path(self, role: str, rank: int) -> str:
+        return os.path.join(self.workdir, f"{role}-{rank}.session")
+
+    def _up(self, key: tuple) -> bool:
+        """A rank's manager is up (it wrote its session) or the rank has ended."""
+        path = self._session_path(*key)
+        return (os.path.exists(path) and bool(open(path).read())) or self.procs[key].poll() is not None
+
+    def session(self, role: str, rank: int = 0, timeout: float = STARTUP_S) -> str:
         """The control endpoint ("ip:port") of a rank, once its manager is up."""
-        path = os.path.join(self.workdir, f"{role}-{rank}.session")
+        path = self._session_path(role, rank)
         deadline = time.monotonic() + timeout
         while not os.path.exists(path) or not open(path).read():
             if time.monotonic() > deadline or self.procs[(role, rank)].poll() is not None:
@@ -91,7 +105,11 @@ class PairRun:
 
     def wait(self, timeout: float = 120.0, roles: tuple = ("prefill", "decode")) -> dict:
         """Wait for the ranks of `roles` (the others are killed once those ended), return {"prefill": result|None,
-        "decode": result|None, "returncodes": {...}}. A rank that died (a fault plan) has result None."""
+        "decode": result|None, "returncodes": {...}}. A rank that died (a fault plan) has result None.
+        `timeout` counts from when every rank is up: start-up has its own allowance (`STARTUP_S`)."""
+        up_by = time.monotonic() + STARTUP_S
+        while not all(self._up(key) for key in self.procs) and time.monotonic() < up_by:
+            time.sleep(0.05)
         deadline = time.monotonic() + timeout
         codes = {}
         order = sorted(self.procs, key=lambda k: k[0] not in roles)
