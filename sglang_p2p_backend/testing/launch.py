@@ -10,10 +10,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Any, Optional
+
+from sglang_p2p_backend.testing import forkserver
 
 
 _PORTS = random.Random()
+DRIVER = "sglang_p2p_backend.testing.driver"
 
 
 def free_port() -> int:
@@ -73,14 +76,20 @@ class PairRun:
                 self.outs[(role, rank)] = os.path.join(self.workdir, f"{role}-{rank}.json")
                 self.procs[(role, rank)] = self.start(role, rank, plan_path, self.outs[(role, rank)])
 
-    def start(self, role: str, rank: int, plan_path: str, out: str, env: Optional[dict] = None) -> subprocess.Popen:
-        """One more driver process (a restarted server, say) on another plan; its log goes next to `out`."""
-        log = open(out.removesuffix(".json") + ".log", "w")
+    def start(self, role: str, rank: int, plan_path: str, out: str, env: Optional[dict] = None) -> Any:
+        """One more driver process (a restarted server, say) on another plan; its log goes next to `out`.
+        Returns a `subprocess.Popen` or what stands for one (testing/forkserver.py)."""
+        log_path = out.removesuffix(".json") + ".log"
+        argv = ["--role", role, "--rank", str(rank), "--plan", plan_path, "--out", out]
+        full_env = {**self.env, **(env or {})}
+        if forkserver.enabled():
+            open(log_path, "w").close()
+            return forkserver.start(f"{DRIVER}:main", argv, full_env, log_path)
+        log = open(log_path, "w")
         self.logs[(role, rank, out)] = log
         return subprocess.Popen(
-            [sys.executable, "-m", "sglang_p2p_backend.testing.driver", "--role", role, "--rank", str(rank),
-             "--plan", plan_path, "--out", out],
-            env={**self.env, **(env or {})},
+            [sys.executable, "-m", DRIVER, *argv],
+            env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )

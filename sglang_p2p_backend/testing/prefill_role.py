@@ -37,8 +37,10 @@ def _serve_bootstrap(host: str, port: int, parent: int) -> None:
 
 def start_bootstrap_process(host: str, port: int) -> Any:
     """SGLang runs the bootstrap server in the prefill's main process, apart from the scheduler process;
-    so does the driver, so a stopped or killed scheduler leaves (or takes down) the bootstrap as in SGLang."""
-    proc = mp.get_context("spawn").Process(target=_serve_bootstrap, args=(host, port, os.getpid()), daemon=True)
+    so does the driver, so a stopped or killed scheduler leaves (or takes down) the bootstrap as in SGLang.
+    Forked before this process set anything up (no threads, no process groups, no CUDA yet), so it starts with
+    whatever SGLang modules the driver already imported instead of importing them again."""
+    proc = mp.get_context("fork").Process(target=_serve_bootstrap, args=(host, port, os.getpid()), daemon=True)
     proc.start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -59,12 +61,14 @@ class PrefillRole(Role):
 
         return DisaggregationMode.PREFILL
 
-    def before_manager(self) -> None:
+    def before_setup(self) -> None:
         self.bootstrap = None
         if self.rank == 0:
             self.bootstrap = start_bootstrap_process(self.host, self.bootstrap_port)
             touch(self.plan, "bootstrap")
-        else:
+
+    def before_manager(self) -> None:
+        if self.rank != 0:
             wait_for(self.plan, ["bootstrap"])  # every prefill rank registers with the bootstrap server at start
 
     def set_kv_args(self, args: Any) -> None:

@@ -64,6 +64,7 @@ class Role:
         self.host = plan.get("host", "127.0.0.1")
         self.bootstrap_port = int(plan["bootstrap_port"])
         self.bootstrap_addr = f"{self.host}:{self.bootstrap_port}"
+        self.before_setup()
         self.server_args = runtime.setup(
             role,
             host=self.host,
@@ -120,6 +121,9 @@ class Role:
     def set_kv_args(self, args: Any) -> None:
         """What this role's scheduler sets on KVArgs beyond the pools (its engine rank, say)."""
         raise NotImplementedError
+
+    def before_setup(self) -> None:
+        """What must run before SGLang's process state is set up (processes to fork)."""
 
     def before_manager(self) -> None:
         """What must run before this role's manager starts."""

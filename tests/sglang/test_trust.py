@@ -175,6 +175,10 @@ def test_a_refused_prefill_restarted_with_a_fixed_configuration_is_served():
     deadline = time.monotonic() + 20
     while not _port_free(run.plan["bootstrap_port"]) and time.monotonic() < deadline:
         time.sleep(0.2)  # its bootstrap server goes with it
+    # a real restart (a model load) outlasts the decode's liveness check of the bootstrap server, which then drops
+    # what it cached of the old prefill (its page size included); drivers restart in well under a second
+    time.sleep(float(SLOW_SGLANG_ENV["SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"])
+               * (int(SLOW_SGLANG_ENV["SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"]) + 1) + 1)
     fixed = {**run.plan, "pool_overrides": {}, "requests": [{"room": 1102, "tokens": 32}]}
     fixed_path = os.path.join(run.workdir, "plan-fixed.json")
     with open(fixed_path, "w") as f:
