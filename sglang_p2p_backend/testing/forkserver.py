@@ -7,7 +7,9 @@ own environment, log file and exit code, runs the driver's `main`, and exits as 
 SGLang and this project read their settings from the environment when a manager is built, not at import, so a
 child's environment applies in full (tests/sglang/test_forkserver.py checks that).
 
-`P2P_TEST_FORKSERVER=0` starts every driver as a fresh interpreter instead (on a GPU host, say, when in doubt).
+Only where CUDA is absent by default: CUDA does not survive a fork once initialised, and importing SGLang on a
+GPU host asks CUDA about its devices. `P2P_TEST_FORKSERVER=1` forces the fork server, `=0` starts every driver
+as a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ _CONTEXT: Optional[mp.context.BaseContext] = None
 
 
 def enabled() -> bool:
-    return os.environ.get("P2P_TEST_FORKSERVER", "1") != "0"
+    """Whether drivers are forked (`P2P_TEST_FORKSERVER`, else: this host has no CUDA device)."""
+    setting = os.environ.get("P2P_TEST_FORKSERVER", "")
+    if setting in ("0", "1"):
+        return setting == "1"
+    if setting:
+        raise ValueError(f"P2P_TEST_FORKSERVER={setting!r}: use 1 (fork the drivers) or 0 (a fresh interpreter each)")
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def _context() -> mp.context.BaseContext:

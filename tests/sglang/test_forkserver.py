@@ -43,3 +43,13 @@ def test_a_killed_forked_process_reports_the_signal_as_a_subprocess_would(tmp_pa
     assert child.poll() is None
     child.kill()
     assert child.wait(30) == -signal.SIGKILL
+
+
+def test_the_setting_forces_either_way_and_a_bad_value_is_named(monkeypatch):
+    monkeypatch.setenv("P2P_TEST_FORKSERVER", "0")
+    assert not forkserver.enabled()
+    monkeypatch.setenv("P2P_TEST_FORKSERVER", "1")
+    assert forkserver.enabled()
+    monkeypatch.setenv("P2P_TEST_FORKSERVER", "yes")
+    with pytest.raises(ValueError, match="P2P_TEST_FORKSERVER='yes': use 1"):
+        forkserver.enabled()
