@@ -6,7 +6,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 release=${SGLANG_RELEASE:-0.5.23}
 # only what the demo imports: .venv, one SGLang release and the project (no test tools, no benchmark venv)
-bash scripts/install_cpu.sh --releases "$release" --no-extras --no-bench >/dev/null
+bash scripts/install_cpu.sh --releases "$release" --core --no-bench >/dev/null
 # shellcheck disable=SC1091
 . scripts/env.sh "$release"
 export SGLANG_HOST_IP=${SGLANG_HOST_IP:-127.0.0.1}

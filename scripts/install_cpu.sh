@@ -9,6 +9,9 @@
 #   --releases "0.5.23 ..."  the SGLang releases to install (default: SGLANG_RELEASES, else every supported one)
 #   --no-extras              skip requirements/extra-*.txt (test tools, Kubernetes client, shellcheck, Mooncake)
 #   --no-bench               skip the benchmark tools' venv (.venv-bench, bench/sweep/install_tools.sh)
+#   --core                   only what the demo imports (requirements/cpu-core.txt) instead of cpu-common.txt; implies
+#                            --no-extras. A later run without it completes the environment.
+# The SGLang trees install in the background beside the .venv steps: they go into folders of their own, --no-deps.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -17,18 +20,20 @@ command -v "$PY" >/dev/null || PY=python3
 RELEASES=${SGLANG_RELEASES:-"0.5.23 0.5.17"}
 EXTRAS=1
 BENCH=1
+CORE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --releases) RELEASES=$2; shift 2 ;;
     --no-extras) EXTRAS=0; shift ;;
     --no-bench) BENCH=0; shift ;;
-    *) echo "install_cpu.sh: unknown option $1 (--releases LIST, --no-extras, --no-bench)" >&2; exit 2 ;;
+    --core) CORE=1; EXTRAS=0; shift ;;
+    *) echo "install_cpu.sh: unknown option $1 (--releases LIST, --no-extras, --no-bench, --core)" >&2; exit 2 ;;
   esac
 done
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Debian's libibverbs1: Mooncake's non-CUDA wheel links it even for its tcp protocol
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+# Debian's libibverbs1: Mooncake's non-CUDA wheel (an extra) links it even for its tcp protocol
+if [ "$EXTRAS" = 1 ] && ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
   else
@@ -39,25 +44,45 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install -q)
+install_releases() {
+  for v in $RELEASES; do
+    local d=.deps/sglang-$v
+    if [ ! -f "$d/.installed" ] || ! cmp -s "requirements/sglang-$v.txt" "$d/.installed"; then
+      rm -rf "$d"
+      "${PIP[@]}" --no-deps --target "$d" -r "requirements/sglang-$v.txt"
+      cp "requirements/sglang-$v.txt" "$d/.installed"
+    fi
+  done
+}
+install_releases >.venv/install_releases.log 2>&1 &
+releases_pid=$!
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0+cpu')" 2>/dev/null; then
   "${PIP[@]}" torch==2.13.0
 fi
-if [ ! -f .venv/.common-installed ] || ! cmp -s requirements/cpu-common.txt .venv/.common-installed; then
-  "${PIP[@]}" -r requirements/cpu-common.txt
+torch_companions() {  # torchvision and triton without their torch requirement, and torchvision's CPU import fix
   "${PIP[@]}" --no-deps torchvision==0.28.0 triton==3.9.0
   SP=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   cp scripts/cpu_torchvision_fix.py "$SP/_sglang_p2p_cpu_torchvision_fix.py"
   echo "import _sglang_p2p_cpu_torchvision_fix as m; m.install()" > "$SP/_sglang_p2p_cpu_torchvision_fix.pth"
+}
+if cmp -s requirements/cpu-common.txt .venv/.common-installed 2>/dev/null; then
+  :  # the full set is in, the core set with it
+elif [ "$CORE" = 1 ]; then
+  if ! cat requirements/cpu-core.txt requirements/cpu-common.txt | cmp -s - .venv/.core-installed; then
+    "${PIP[@]}" -r requirements/cpu-core.txt -c requirements/cpu-common.txt
+    torch_companions
+    cat requirements/cpu-core.txt requirements/cpu-common.txt > .venv/.core-installed
+  fi
+else
+  "${PIP[@]}" -r requirements/cpu-common.txt
+  torch_companions
   cp requirements/cpu-common.txt .venv/.common-installed
 fi
-for v in $RELEASES; do
-  d=.deps/sglang-$v
-  if [ ! -f "$d/.installed" ] || ! cmp -s "requirements/sglang-$v.txt" "$d/.installed"; then
-    rm -rf "$d"
-    "${PIP[@]}" --no-deps --target "$d" -r "requirements/sglang-$v.txt"
-    cp "requirements/sglang-$v.txt" "$d/.installed"
-  fi
-done
+if ! wait $releases_pid; then
+  cat .venv/install_releases.log >&2
+  echo "install_cpu.sh: installing SGLang ${RELEASES} into .deps/ failed (log above)" >&2
+  exit 1
+fi
 # Extra tool sets (LB bench peers, benchmark drivers, Mooncake): requirements/extra-*.txt, resolved against
 # torch 2.13.0 and the common pins so nothing upgrades torch to a CUDA build; *-nodeps.txt go in with --no-deps.
 echo "torch==2.13.0" > .venv/constraints.txt
