@@ -5,9 +5,10 @@
 #   bash scripts/test.sh          everything (what CI runs)
 #   bash scripts/test.sh --fast   the edit-test loop: tests not marked `slow`, against 0.5.23 only; installs
 #                                 nothing when the environment is current
-# Most of a PD test's time is process start-up (every driver imports SGLang) and waiting on timeouts, so tests
-# run side by side (pytest-xdist, TEST_WORKERS per pytest run, default 2); tests marked `serial` assert
-# wall-clock bounds and run afterwards with nothing beside them.
+# A PD test's driver processes are forked from one that imported SGLang once per pytest worker
+# (sglang_p2p_backend/testing/forkserver.py); most of what is left is waiting on timeouts, so tests run side by
+# side (pytest-xdist, TEST_WORKERS per pytest run, default 2); tests marked `serial` assert wall-clock bounds and
+# run afterwards with nothing beside them.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
@@ -41,8 +42,8 @@ bench_log=.venv/install_tools.log
 bash bench/sweep/install_tools.sh >"$bench_log" 2>&1 &
 bench_pid=$!
 
-# one release after the other: a PD test's driver processes must come up inside its pair timeout, which
-# includes their SGLang import, so no more than TEST_WORKERS pairs start at once
+# one release after the other (each pytest run has its fork servers import its release): no more than
+# TEST_WORKERS pairs start at once
 pytest_on 0.5.23 -n "$WORKERS" -m "not serial" --ignore "$SWEEP" tests "$@"
 pytest_on 0.5.17 -n "$WORKERS" -m "sglang and not serial" tests "$@"
 pytest_on 0.5.23 -m serial tests "$@"

@@ -46,6 +46,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(os.path.join(plan["workdir"], f"{ns.role}-{ns.rank}.session"), "w") as f:
         f.write(role.mgr.session)  # where a test's hostile sender finds this rank's control socket
     touch(plan, f"{ns.role}-{ns.rank}")
+    # a server's ranks come up together: none starts its requests before every rank of its role is set up (a rank
+    # 0 whose rooms end at once would otherwise exit and take the process groups' store from a rank still joining)
+    wait_for(plan, [f"{ns.role}-{r}" for r in range(int(plan.get("tp", {}).get(ns.role, 1)))])
     if ns.role == "decode":
         wait_for(plan, [f"prefill-{r}" for r in range(int(plan.get("tp", {}).get("prefill", 1)))])
     if ns.role == "prefill" and role.faults.get("stop_self"):

@@ -47,9 +47,9 @@ def one_gpu_env(name: str) -> dict:
     return {"NCCL_HOSTID": f"p2p-{name}-{os.getpid()}", "NCCL_SOCKET_IFNAME": "lo"}
 
 
-#: how long a rank may take to come up: every driver imports SGLang (about 13 s of CPU), and several pairs
-#: starting side by side on a 2-core machine take minutes; a test's deadlines count from there, since no test
-#: asserts on start-up time
+#: how long a rank may take to come up: a driver started as a fresh interpreter imports SGLang (about 13 s of
+#: CPU), as does the fork server before its first driver, and several starting side by side on a 2-core machine
+#: take minutes; a test's deadlines count from there, since no test asserts on start-up time
 STARTUP_S = 240.0
 
 
