@@ -132,6 +132,11 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         reg.secret = self.issued.issue(endpoint)
         self.control.send(endpoint, reg)
 
+    def heartbeat_peers(self) -> List[str]:
+        """Watched prefill ranks that answered the registration: before its answer (and the pair secret in it) a
+        heartbeat would reach the prefill without the secret and be dropped as a stranger's."""
+        return [p for p in self.watch.peers() if getattr(self.prefills.get(p), "state", "") != "pending"]
+
     def send_to_prefill(self, endpoint: str, frames: List[bytes]) -> None:
         """Send to prefill rank `endpoint`, or hold until it answered the registration. Raises ControlError."""
         peer = self.prefills.get(endpoint)

@@ -296,7 +296,7 @@ class P2pNcclKVManagerBase(CommonKVManager):
         if now - self._last_beat >= self.watch.interval_s:
             self._last_beat = now
             beat = wire.Heartbeat(self.session, self.incarnation)
-            for peer in self.watch.peers():
+            for peer in self.heartbeat_peers():
                 try:
                     self.control.send(peer, beat, block=False)
                 except ControlError:
@@ -308,6 +308,10 @@ class P2pNcclKVManagerBase(CommonKVManager):
                 f"{self.watch.timeout_s:g}); it is dead, hung or unreachable",
             )
         self._sweep()
+
+    def heartbeat_peers(self) -> List[str]:
+        """The peers this rank sends heartbeats to: every watched one, unless a role says otherwise."""
+        return self.watch.peers()
 
     def drop(self, kind: str, peer: str, detail: str) -> None:
         """Count and log a dropped inbound message (rate-limited: a flood must not flood the log)."""

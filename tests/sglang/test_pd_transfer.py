@@ -174,6 +174,9 @@ def test_unknown_bootstrap_rooms_time_out_with_the_room_named():
             {"room": 63, "tokens": 10},
         ],
         "deadline_s": 40,
+        # the prefill's room 62 times out as early as the decode's room 61: the prefill stays up past that, or the
+        # decode may see its prefill gone (heartbeat loss) before its own timeout
+        "linger_s": {"prefill": 4.0},
     }
     result = run_pair(plan, env=FAST_FAILURE_ENV)
     d, p = result["decode"], result["prefill"]
