@@ -48,7 +48,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     touch(plan, f"{ns.role}-{ns.rank}")
     # a server's ranks come up together: none starts its requests before every rank of its role is set up (a rank
     # 0 whose rooms end at once would otherwise exit and take the process groups' store from a rank still joining)
-    wait_for(plan, [f"{ns.role}-{r}" for r in range(int(plan.get("tp", {}).get(ns.role, 1)))])
+    wait_for(plan, [f"{ns.role}-{r}" for r in range(role.tp)])
     if ns.role == "decode":
         wait_for(plan, [f"prefill-{r}" for r in range(int(plan.get("tp", {}).get("prefill", 1)))])
     if ns.role == "prefill" and role.faults.get("stop_self"):

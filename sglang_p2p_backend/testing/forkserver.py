@@ -70,7 +70,7 @@ def _run(main: str, argv: list[str], env: dict, log_path: str) -> None:
 
 
 class ForkedProcess:
-    """What PairRun needs of a `subprocess.Popen` (pid, poll, wait, kill, returncode) over a forked child."""
+    """What PairRun and its tests use of a `subprocess.Popen` (pid, poll, wait, kill, returncode), over a forked child."""
 
     def __init__(self, proc: mp.process.BaseProcess, argv: list[str]):
         self.proc, self.args, self.pid = proc, argv, proc.pid
@@ -90,9 +90,6 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.proc.kill()
-
-    def terminate(self) -> None:
-        self.proc.terminate()
 
 
 def start(main: str, argv: list[str], env: dict, log_path: str) -> ForkedProcess:

@@ -6,7 +6,7 @@ import sys
 
 
 def report(argv: list[str]) -> int:
-    """Write this process's environment, pid, parent and preloaded modules to argv[0]; exit with argv[1]."""
+    """Write this process's environment, pid and whether SGLang was preloaded to argv[0]; exit with argv[1]."""
     print("forked child writes to its log")
     with open(argv[0], "w") as f:
         json.dump({"env": dict(os.environ), "pid": os.getpid(),
