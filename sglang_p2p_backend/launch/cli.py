@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 from .config import ROLES, ConfigError, LaunchConfig, load_config
@@ -50,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("--node-rank", type=int, help="node index within the group (default 0)")
     node.add_argument("--rank", type=int, help="global node rank (prefill groups first); default from RANK/SLURM_PROCID")
     lb = sub.add_parser("lb", parents=[common], help="run the load balancer")
+    lb.add_argument("lb_flags", nargs=argparse.REMAINDER, metavar="-- LB_FLAGS",
+                    help="after --: flags appended to the rendered LB command (e.g. -- --policy round_robin)")
     for s in (node, lb):
         s.add_argument("--dry-run", action="store_true", help="print every command of the topology, start nothing")
         s.add_argument("--print-only", action="store_true", help="print this command, start nothing")
@@ -126,6 +129,8 @@ def run(argv: Sequence[str], environ: Mapping[str, str]) -> int:
             cmd = server_command(cfg, node, release)
         else:
             cmd = lb_command(cfg)
+            extra = args.lb_flags[1:] if args.lb_flags[:1] == ["--"] else args.lb_flags
+            cmd = replace(cmd, args=(*cmd.args, *extra))
     except (ConfigError, UnsupportedReleaseError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -17,7 +17,7 @@ import yaml
 ROLES = ("prefill", "decode")
 PER_RANK_KEY = "per_attn_dp_rank"
 
-_TOPOLOGY_KEYS = {"name", "model", "cluster", "prefill", "decode", "lb", "hosts", "env"}
+_TOPOLOGY_KEYS = {"name", "model", "cluster", "prefill", "decode", "lb", "hosts", "env", "shared_gpus"}
 _ROLE_KEYS = {"groups", "nodes", "gpus", "tp", "base_gpu_id", "port", "bootstrap_port", "dist_init_port", "args", "env"}
 _PROFILE_KEYS = {"model_path", "num_routed_experts", "attention_dp", "common", *ROLES}
 _SECTION_KEYS = {"args", "env"}
@@ -26,6 +26,9 @@ _PORT_KEYS = {"http", "bootstrap", "dist_init", "lb"}
 _LB_KEYS = {"host", "port", "policy", "args"}
 _FLAG_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _DEFAULT_PORTS = {"http": 30000, "bootstrap": 8998, "dist_init": 5757, "lb": 8000}
+# SGLang binds dist_init_port and the next 6 ports on a group's node 0 when attention DP is on
+# (PortArgs.init_new: port_base = dist_init_port + 1, then +1..+5); reserve them all.
+DIST_INIT_PORT_SPAN = 7
 
 
 class ConfigError(Exception):
@@ -69,11 +72,22 @@ class LBSpec:
 
 @dataclass(frozen=True)
 class Node:
+    """One node of a group, where it runs and what it takes there.
+
+    Groups of one role whose node 0 shares a host (several small servers on one multi-GPU host) sit side by
+    side: the k-th such group (its `slot`) takes the role's GPUs and ports shifted by k groups, so one
+    topology entry describes them all without a port or GPU clash."""
+
     rank: int  # global: prefill groups first, then decode groups
     role: str
     group: int
     node_rank: int  # within its group
     host: str | None
+    slot: int = 0  # groups of this role placed on the same host before this one
+    base_gpu_id: int | None = None
+    port: int = 0
+    bootstrap_port: int = 0
+    dist_init_port: int = 0
 
     @property
     def label(self) -> str:
@@ -100,6 +114,8 @@ class LaunchConfig:
     # hosts never depends on it
     kubernetes: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     cluster_source: str = ""
+    # servers may share GPUs (small test models, each with a capped pool): the GPU-clash check is off
+    shared_gpus: bool = False
 
     def role(self, name: str) -> RoleSpec:
         return self.prefill if name == "prefill" else self.decode
@@ -111,12 +127,23 @@ class LaunchConfig:
     def nodes(self) -> list[Node]:
         out: list[Node] = []
         for spec in (self.prefill, self.decode):
+            slots: dict[str, int] = {}  # master host -> groups of this role already placed there
             for group in range(spec.groups):
+                master = self._host(len(out))
+                slot = slots.get(master, 0) if master else 0
+                if master:
+                    slots[master] = slot + 1
+                base_gpu = spec.base_gpu_id if slot == 0 else (spec.base_gpu_id or 0) + slot * spec.gpus
                 for node_rank in range(spec.nodes):
-                    rank = len(out)
-                    host = self.hosts[rank] if rank < len(self.hosts) and self.hosts[rank] else None
-                    out.append(Node(rank, spec.role, group, node_rank, host))
+                    out.append(Node(
+                        len(out), spec.role, group, node_rank, self._host(len(out)), slot, base_gpu,
+                        port=spec.port + slot, bootstrap_port=spec.bootstrap_port + slot,
+                        dist_init_port=spec.dist_init_port + slot * DIST_INIT_PORT_SPAN,
+                    ))
         return out
+
+    def _host(self, rank: int) -> str | None:
+        return self.hosts[rank] if rank < len(self.hosts) and self.hosts[rank] else None
 
     def group_nodes(self, role: str, group: int) -> list[Node]:
         return [n for n in self.nodes() if n.role == role and n.group == group]
@@ -300,6 +327,9 @@ def load_config(
             raw_hosts = []
         hosts = tuple("" if h is None else str(h).strip() for h in raw_hosts)
 
+    shared_gpus = topo.get("shared_gpus", False)
+    if not isinstance(shared_gpus, bool):
+        r.problems.append(f"{topo_path}: `shared_gpus` must be true or false")
     attention_dp = profile.get("attention_dp", False)
     if not isinstance(attention_dp, bool):
         rp.problems.append(f"{profile_path}: `attention_dp` must be true or false")
@@ -338,4 +368,5 @@ def load_config(
         hosts_source=hosts_source,
         kubernetes=MappingProxyType(dict(kubernetes)),
         cluster_source=str(cluster_path),
+        shared_gpus=bool(shared_gpus),
     )

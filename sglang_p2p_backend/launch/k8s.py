@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import k8s_checks, lws
-from .config import ROLES, ConfigError, LaunchConfig
+from .config import ROLES, ConfigError, LaunchConfig, Node
 from .k8s_pod import (
     BIND_ALL, BOOTSTRAP_ANNOTATION, LEADER_LABEL, Placement, base_name, group_labels, image_fields, labels, meta,
     http_probe, pull_secrets, secret_env, server_template, tuning_configmap,
@@ -48,6 +48,13 @@ def leader_service(cfg: LaunchConfig, role: str, group: int) -> str:
 
 def leader_dns(cfg: LaunchConfig, kube: KubeSpec, role: str, group: int) -> str:
     return f"{leader_service(cfg, role, group)}.{kube.namespace}.svc.{kube.cluster_domain}"
+
+
+def service_node(cfg: LaunchConfig, kube: KubeSpec, role: str, group: int) -> Node:
+    """A group's leader as the LB dials it in the cluster: its Service's DNS name and the role's ports."""
+    spec = cfg.role(role)
+    return Node(-1, role, group, 0, leader_dns(cfg, kube, role, group), port=spec.port,
+                bootstrap_port=spec.bootstrap_port, dist_init_port=spec.dist_init_port)
 
 
 def lb_name(cfg: LaunchConfig) -> str:
@@ -169,7 +176,7 @@ def discovery_args(cfg: LaunchConfig, kube: KubeSpec) -> list[str]:
 
 def lb_args_for(cfg: LaunchConfig, kube: KubeSpec) -> list[str]:
     if not kube.lb_discovery:
-        return lb_args(cfg, lambda role, group: leader_dns(cfg, kube, role, group), BIND_ALL)
+        return lb_args(cfg, lambda role, group: service_node(cfg, kube, role, group), BIND_ALL)
     args = [*discovery_args(cfg, kube), "--host", BIND_ALL, "--port", str(cfg.lb.port)]
     if cfg.lb.policy:
         args += ["--policy", cfg.lb.policy]

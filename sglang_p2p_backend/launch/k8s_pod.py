@@ -111,7 +111,7 @@ def _container(cfg: LaunchConfig, kube: KubeSpec, role: str, release: str, place
     args = server_args(
         cfg, role, release, bind_host=BIND_ALL,
         dist_init_addr=f"$({placement.leader_address}):{spec.dist_init_port}", node_rank=f"$({placement.worker_index})",
-        base_gpu_id=None,
+        base_gpu_id=None, port=spec.port, bootstrap_port=spec.bootstrap_port,
     )
     env = {k: v for k, v in {**spec.env, **kube.env}.items() if k != HOST_IP_VAR}
     if kube.cache is not None:

@@ -52,6 +52,8 @@ def host_port(host: str, port: int) -> str:
 
 
 def attn_dp_size(cfg: LaunchConfig, role: str) -> int:
+    """Attention-DP ranks of the role's servers: one per TP rank with `attention_dp`; a TP-1 server has plain
+    attention (DP attention over one rank would only add its gathers)."""
     return cfg.role(role).tp if cfg.attention_dp else 1
 
 
@@ -79,21 +81,21 @@ def flag_tokens(args: Mapping[str, Any], attn_dp: int) -> list[str]:
 
 def server_args(
     cfg: LaunchConfig, role: str, release: str, *, bind_host: str, dist_init_addr: str, node_rank: str,
-    base_gpu_id: int | None,
+    base_gpu_id: int | None, port: int, bootstrap_port: int,
 ) -> list[str]:
     """One server's flags. The caller supplies what depends on where it runs: on a host list these are
-    literal values, in a Kubernetes pod they are $(VAR) references the kubelet fills in."""
+    literal values (the node's GPUs and ports), in a Kubernetes pod $(VAR) references the kubelet fills in."""
     spec = cfg.role(role)
     attn_dp = attn_dp_size(cfg, role)
     args = [
         "--model-path", cfg.model_path,
         "--host", bind_host,
-        "--port", str(spec.port),
+        "--port", str(port),
         "--disaggregation-mode", role,
         "--disaggregation-transfer-backend", TRANSFER_BACKEND,
     ]
     if role == "prefill":
-        args += ["--disaggregation-bootstrap-port", str(spec.bootstrap_port)]
+        args += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
     if cfg.ib_devices:
         args += ["--disaggregation-ib-device", cfg.ib_devices]
     args += [
@@ -102,7 +104,7 @@ def server_args(
         "--node-rank", node_rank,
         "--tp-size", str(spec.tp),
     ]
-    if cfg.attention_dp:
+    if attn_dp > 1:
         args += attention_dp_flags(release, attn_dp)
     if base_gpu_id is not None:
         args += ["--base-gpu-id", str(base_gpu_id)]
@@ -114,8 +116,9 @@ def server_command(cfg: LaunchConfig, node: Node, release: str) -> Command:
     master = cfg.group_nodes(node.role, node.group)[0]
     args = server_args(
         cfg, node.role, release, bind_host=cfg.bind_host,
-        dist_init_addr=host_port(master.host or "", spec.dist_init_port),
-        node_rank=str(node.node_rank), base_gpu_id=spec.base_gpu_id,
+        dist_init_addr=host_port(master.host or "", master.dist_init_port),
+        node_rank=str(node.node_rank), base_gpu_id=node.base_gpu_id, port=node.port,
+        bootstrap_port=node.bootstrap_port,
     )
     return Command(
         label=f"{node.label} on {node.host}",
@@ -126,16 +129,17 @@ def server_command(cfg: LaunchConfig, node: Node, release: str) -> Command:
     )
 
 
-def lb_args(cfg: LaunchConfig, master_host: Callable[[str, int], str], bind_host: str) -> list[str]:
+def lb_args(cfg: LaunchConfig, master: Callable[[str, int], Node], bind_host: str) -> list[str]:
     """mini_lb / sgl-router flags: each prefill group's master with its bootstrap port, each decode's master.
-    `master_host(role, group)` is the address the LB dials: a host of the list, or a Service's DNS name."""
+    `master(role, group)` is the node the LB dials: on a host list the group's node 0, in Kubernetes one
+    addressed by its Service's DNS name."""
     args: list[str] = []
     for role in ("prefill", "decode"):
-        spec = cfg.role(role)
-        for group in range(spec.groups):
-            args += [f"--{role}", f"http://{host_port(master_host(role, group), spec.port)}"]
+        for group in range(cfg.role(role).groups):
+            node = master(role, group)
+            args += [f"--{role}", f"http://{host_port(node.host or '', node.port)}"]
             if role == "prefill":
-                args.append(str(spec.bootstrap_port))
+                args.append(str(node.bootstrap_port))
     args += ["--host", bind_host, "--port", str(cfg.lb.port)]
     if cfg.lb.policy:
         args += ["--policy", cfg.lb.policy]
@@ -143,7 +147,7 @@ def lb_args(cfg: LaunchConfig, master_host: Callable[[str, int], str], bind_host
 
 
 def lb_command(cfg: LaunchConfig) -> Command:
-    args = lb_args(cfg, lambda role, group: cfg.group_nodes(role, group)[0].host or "", cfg.bind_host)
+    args = lb_args(cfg, lambda role, group: cfg.group_nodes(role, group)[0], cfg.bind_host)
     host = cfg.lb_host()
     return Command(label=f"load balancer on {host}", host=host, env={}, program=(cfg.python, *LB_PROGRAM), args=tuple(args))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .config import ConfigError, LaunchConfig, Node
+from .config import DIST_INIT_PORT_SPAN, ConfigError, LaunchConfig, Node
 
 # Flags the launcher renders from the topology (aliases included), with where to set them instead.
 LAUNCHER_FLAGS = {
@@ -29,10 +29,6 @@ LAUNCHER_FLAGS = {
     ),
     "base-gpu-id": "`base_gpu_id:` of the role",
 }
-
-# SGLang binds dist_init_port and the next 6 ports on a group's node 0 when attention DP is on
-# (PortArgs.init_new: port_base = dist_init_port + 1, then +1..+5); reserve them all.
-DIST_INIT_PORT_SPAN = 7
 
 
 @dataclass(frozen=True)
@@ -67,10 +63,13 @@ def _size_problems(cfg: LaunchConfig) -> list[str]:
     for spec in (cfg.prefill, cfg.decode):
         group_gpus = spec.nodes * spec.gpus
         shape = f"{spec.nodes} node{'s' if spec.nodes > 1 else ''} x {spec.gpus} GPUs"
-        if spec.gpus + (spec.base_gpu_id or 0) > cfg.gpus_per_node:
+        first = max((n.base_gpu_id or 0 for n in cfg.nodes() if n.role == spec.role), default=0)
+        if spec.gpus + first > cfg.gpus_per_node:
+            packed = " (its groups share a host side by side)" if first != (spec.base_gpu_id or 0) else ""
             problems.append(
-                f"{spec.role}: {spec.gpus} GPUs from GPU {spec.base_gpu_id or 0} do not fit a node of "
-                f"{cfg.gpus_per_node} GPUs: lower `gpus`/`base_gpu_id` or fix `gpus_per_node` in the cluster profile"
+                f"{spec.role}: {spec.gpus} GPUs from GPU {first} do not fit a node of {cfg.gpus_per_node} "
+                f"GPUs{packed}: lower `gpus`/`base_gpu_id`, give the groups hosts of their own, or fix "
+                f"`gpus_per_node` in the cluster profile"
             )
         if group_gpus % spec.tp:
             divisors = [d for d in range(1, group_gpus + 1) if group_gpus % d == 0]
@@ -113,16 +112,15 @@ def _claims(cfg: LaunchConfig) -> dict[str, list[_Claim]]:
     for node in cfg.nodes():
         if node.host is None:
             continue
-        spec = cfg.role(node.role)
         where = f"{node.role} group {node.group} node {node.node_rank}"
         # nodes > 0 of a multi-node group serve a health endpoint on the same HTTP port
-        by_host[node.host].append(_Claim(spec.port, spec.port, f"{where} HTTP"))
+        by_host[node.host].append(_Claim(node.port, node.port, f"{where} HTTP"))
         if node.node_rank == 0:
-            last = spec.dist_init_port + DIST_INIT_PORT_SPAN - 1
-            by_host[node.host].append(_Claim(spec.dist_init_port, last, f"{where} dist-init and derived ports"))
+            last = node.dist_init_port + DIST_INIT_PORT_SPAN - 1
+            by_host[node.host].append(_Claim(node.dist_init_port, last, f"{where} dist-init and derived ports"))
             if node.role == "prefill":
                 by_host[node.host].append(
-                    _Claim(spec.bootstrap_port, spec.bootstrap_port, f"{where} bootstrap server")
+                    _Claim(node.bootstrap_port, node.bootstrap_port, f"{where} bootstrap server")
                 )
     lb_host = cfg.lb_host()
     if lb_host:
@@ -147,14 +145,15 @@ def _port_problems(cfg: LaunchConfig) -> list[str]:
 
 
 def _gpu_problems(cfg: LaunchConfig) -> list[str]:
+    if cfg.shared_gpus:
+        return []
     used: dict[str, list[tuple[range, Node]]] = defaultdict(list)
     problems = []
     for node in cfg.nodes():
         if node.host is None:
             continue
-        spec = cfg.role(node.role)
-        first = spec.base_gpu_id or 0
-        gpus = range(first, first + spec.gpus)
+        first = node.base_gpu_id or 0
+        gpus = range(first, first + cfg.role(node.role).gpus)
         for other_gpus, other in used[node.host]:
             if set(gpus) & set(other_gpus):
                 problems.append(

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from k8s_schema import RBG_SCHEMA, RBG_VERSION, problems
-from launch_cases import TOPOLOGIES, flags, variant  # noqa: F401  (variant is a fixture)
+from launch_cases import RBG_TOPOLOGIES, TOPOLOGIES, flags, variant  # noqa: F401  (variant is a fixture)
 from sglang_p2p_backend.launch import cli, lws, rbg
 from sglang_p2p_backend.launch.config import ROLES, ConfigError, load_config
 from sglang_p2p_backend.launch.k8s import checked, render_files as render_lws
@@ -20,8 +20,6 @@ from sglang_p2p_backend.launch.k8s_profile import kube_spec
 from test_launch_k8s import P3X3, RELEASE, TUNING, objects, selected, with_kubernetes
 
 
-# the one-host topology puts prefill and decode on two ports of one host; discovery dials one port
-RBG_TOPOLOGIES = [p for p in TOPOLOGIES if p.stem != "1p1d-one-host"]
 
 
 def rendered(path, **options):

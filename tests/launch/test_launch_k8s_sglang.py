@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_cases import TOPOLOGIES, variant  # noqa: F401  (variant is a fixture)
+from launch_cases import RBG_TOPOLOGIES, TOPOLOGIES, variant  # noqa: F401  (variant is a fixture)
 from sglang_p2p_backend.launch import cli, lws, rbg
 from sglang_p2p_backend.launch.config import load_config
 from sglang_p2p_backend.launch.k8s import checked, render_files
@@ -47,7 +47,7 @@ def test_every_pod_command_parses_to_the_pods_place_in_its_group(topology):
                 assert ns.disaggregation_bootstrap_port == spec.bootstrap_port
 
 
-@pytest.mark.parametrize("topology", [p for p in TOPOLOGIES if p.stem != "1p1d-one-host"], ids=lambda p: p.stem)
+@pytest.mark.parametrize("topology", RBG_TOPOLOGIES, ids=lambda p: p.stem)
 def test_every_rbg_pod_command_parses_to_the_pods_place_in_its_group(topology):
     cfg = load_config(topology)
     kube = kube_spec(cfg, RELEASE, tuning_dir=TUNING)
