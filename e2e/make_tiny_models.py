@@ -8,6 +8,9 @@ Every model shares one byte-level BPE tokenizer (4096 tokens) trained locally on
 * ``llama-tiny``: 4-layer Llama (hidden 256, 4 heads, 2 KV heads), "sharpened" (below).
 * ``mla-tiny``: 2-layer DeepSeek-V3 (MLA: kv_lora_rank 512, rope 64, nope 128, v 128; all layers dense, so
   no MoE kernels are needed), sharpened the same way.
+* ``deepseek-tiny``: the DeepSeek-V3 shape in miniature for the 4-GPU topologies: MLA as in ``mla-tiny``,
+  4 layers of which the first is dense and three MoE (8 routed experts, top 2, one shared expert, sigmoid
+  routing as V3), so expert parallelism over 2 GPUs has experts on each; sharpened like the others.
 * ``llama-anchor``: 32 layers, hidden 1024, 8 KV heads x head_dim 128, i.e. 128 KiB of KV per token like
   Llama-3-8B: the shape of the usual Mooncake PD baseline, default init, for timing.
 
@@ -28,6 +31,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 QK_SCALE, VO_SCALE, LM_HEAD_SCALE = 2.5, 0.7, 5.0
+# MoE routers at the default init score every expert ~0.5 (sigmoid of ~0), so which two experts a token takes
+# hangs on rounding; scaled up, the choice is decisive and a different TP/EP layout picks the same experts
+ROUTER_SCALE = 5.0
 VOCAB = 4096
 MAX_POSITIONS = 65536  # SGLang's own PD tests send prompts of ~28k tokens
 
@@ -58,11 +64,16 @@ def specs(tok_ids: dict[str, int]) -> dict[str, ModelSpec]:
                     # SGLang 0.5.17's DeepseekV2 model reads this V2-era field, which DeepseekV3Config lacks
                     moe_layer_freq=1,
                     moe_intermediate_size=128, n_group=1, topk_group=1)
+    deepseek_tiny = dict(mla_tiny, num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=8,
+                         n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=128,
+                         # V3's routing, which SGLang's model reads from the config (transformers' class lacks them)
+                         topk_method="noaux_tc", scoring_func="sigmoid")
     anchor = dict(c, hidden_size=1024, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=8,
                   num_key_value_heads=8, head_dim=128)
     return {
         "llama-tiny": ModelSpec("llama-tiny", "llama", llama_tiny, sharpen=True),
         "mla-tiny": ModelSpec("mla-tiny", "deepseek_v3", mla_tiny, sharpen=True),
+        "deepseek-tiny": ModelSpec("deepseek-tiny", "deepseek_v3", deepseek_tiny, sharpen=True),
         "llama-anchor": ModelSpec("llama-anchor", "llama", anchor, sharpen=False),
     }
 
@@ -100,6 +111,9 @@ def sharpen_mla(model: Any) -> None:
         kvb[:, :nope] *= QK_SCALE
         kvb[:, nope:] *= VO_SCALE
         a.o_proj.weight.data *= VO_SCALE
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):  # an MoE layer's router
+            gate.weight.data *= ROUTER_SCALE
     model.lm_head.weight.data *= LM_HEAD_SCALE
 
 

@@ -42,6 +42,7 @@ from sglang_p2p_backend.engine.copy.heads import Heads, HeadsError, pair_heads
 from sglang_p2p_backend.engine.pair.channels import PairReceivers
 from sglang_p2p_backend.engine.wire.control import ControlError
 from sglang_p2p_backend.engine.transport.base import TransportError
+from sglang_p2p_backend.adapter.kv_fault import KVCorruption
 from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
 from sglang_p2p_backend.adapter.server_ranks import rank_endpoints
 
@@ -83,6 +84,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         #: a rank that receives only two-sided sees every page land, so a Success must cover every published page
         self.two_sided_only = self.two_sided is not None and self.one_sided is None and self.ipc is None
         self.arrivals = ArrivalTracker(self._apply_prefill_final)
+        self.kv_fault = KVCorruption(self.config.test_corrupt_kv_file, self.views[0], self.device)
         self.channels = PairReceivers(
             self.two_sided, self.staging, self.copier, self.session, self.config, send=self._control_send,
             wanted=self.room_wanted, on_chunk=self.arrivals.landed, check=self._check_chunk,
@@ -363,6 +365,9 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             if missing:
                 self.room_failed(room, missing)
                 return
+            published = self.live_rooms.get(room)
+            if published is not None:
+                self.kv_fault.apply(room, published.kv_ids)
             self.update_status(room, KVPoll.Success)
 
     def _pages_missing(self, room: int) -> Optional[str]:

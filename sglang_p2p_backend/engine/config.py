@@ -100,6 +100,9 @@ class EngineConfig:
     nccl_library: Optional[str] = None
     #: MC_FORCE_TCP, Mooncake's own switch: Mooncake stays off the RDMA devices, so `auto` counts none
     mooncake_force_tcp: bool = False
+    #: SGLANG_P2P_TEST_CORRUPT_KV_FILE, tests only: while this file exists the decode zeroes a page of every room
+    #: before its Success (adapter/kv_fault.py), the negative control of the end-to-end checks
+    test_corrupt_kv_file: Optional[str] = None
 
     @property
     def slot_bytes(self) -> int:
@@ -126,4 +129,5 @@ class EngineConfig:
             nccl_high_priority=_choice("SGLANG_P2P_NCCL_STREAM_PRIORITY", ("normal", "high")) == "high",
             nccl_library=env.get("SGLANG_P2P_NCCL_SO_PATH") or env.get("SGLANG_NCCL_SO_PATH") or None,
             mooncake_force_tcp=env.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"),
+            test_corrupt_kv_file=env.get("SGLANG_P2P_TEST_CORRUPT_KV_FILE") or None,
         )

@@ -13,7 +13,7 @@ from e2e import make_tiny_models as mtm  # noqa: E402
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("models")
-    assert mtm.main([str(out), "--only", "llama-tiny,mla-tiny"]) == 0
+    assert mtm.main([str(out), "--only", "llama-tiny,mla-tiny,deepseek-tiny"]) == 0
     return out
 
 
@@ -42,6 +42,21 @@ def test_folders_have_weights_config_and_tokenizer(built):
     mla = json.loads((built / "mla-tiny/config.json").read_text())
     assert mla["model_type"] == "deepseek_v3" and mla["kv_lora_rank"] == 512
     assert mla["first_k_dense_replace"] == mla["num_hidden_layers"]  # no MoE layer
+
+
+def test_deepseek_tiny_has_moe_layers_with_decisive_routers(built):
+    cfg = json.loads((built / "deepseek-tiny/config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["first_k_dense_replace"], cfg["n_routed_experts"], cfg["num_experts_per_tok"],
+            cfg["n_shared_experts"], cfg["topk_method"], cfg["scoring_func"]) == (4, 1, 8, 2, 1, "noaux_tc", "sigmoid")
+    ids = mtm.build_tokenizer(built / "tokenizer")
+    base, got = _unsharpened("deepseek-tiny", ids), _weights(built / "deepseek-tiny")
+    assert "model.layers.0.mlp.gate.weight" not in got  # the first layer is dense
+    for layer in (1, 3):
+        key = f"model.layers.{layer}.mlp.gate.weight"
+        torch.testing.assert_close(got[key].float(), (base[key].float() * mtm.ROUTER_SCALE).bfloat16().float(),
+                                   rtol=1e-2, atol=1e-3)
+        assert f"model.layers.{layer}.mlp.experts.7.down_proj.weight" in got
+        assert f"model.layers.{layer}.mlp.shared_experts.up_proj.weight" in got
 
 
 def test_llama_sharpening_scales(built):

@@ -316,3 +316,23 @@ def test_abort_ack_waits_for_the_room_in_flight_only(transport_env):
     assert_clean(d)
     assert_clean(p)
     assert_no_deferred_leftovers(p, d)
+
+
+def test_the_test_only_kv_fault_zeroes_one_page_of_every_room_while_its_file_exists(tmp_path):
+    """The end-to-end checks' negative control (adapter/kv_fault.py): with the flag file present, each room that
+    completes has exactly its middle page zeroed in every KV region, and nothing else changes."""
+    flag = tmp_path / "corrupt"
+    flag.touch()
+    plan = {
+        "pool": {"layout": "mla", "num_layers": 3, "page_size": 1, "num_pages": 200},
+        "requests": [{"room": 61, "tokens": 40, "chunk_pages": 16}, {"room": 62, "tokens": 9, "chunk_pages": 4}],
+        "deadline_s": 60,
+    }
+    result = run_pair(plan, env={"SGLANG_P2P_TEST_CORRUPT_KV_FILE": str(flag)})
+    d = result["decode"]
+    for room, tokens in ((61, 40), (62, 9)):
+        r = d["requests"][str(room)]
+        assert r["status"] == "Success" and r["num_bad_pages"] == 3, r  # one page, in each of the 3 regions
+        assert {b.split(" page ")[0] for b in r["bad_pages"]} == {"region 0", "region 1", "region 2"}
+        assert {b.rsplit("(position ", 1)[1] for b in r["bad_pages"]} == {f"{tokens // 2})"}
+    assert d["untouched_violations"] == []
