@@ -33,6 +33,11 @@
 #   serve: p2pnccl (auto: the CUDA IPC path) next to SGLang's NIXL backend (and Mooncake with --extra), every
 #          server on GPU 0, decode with and without CUDA graphs, repeated cells, scheduler CPU by thread and
 #          py-spy profiles -> $OUT/serve_<kind>.json (e2e/serve.py; flags in E2E_SERVE_ARGS; needs serve.tar.xz)
+#   shapes: the DeepSeek deployment in miniature on a 4-GPU host (--gpus 4): every configs/topologies/mini-*.yaml
+#          started from its launch config, checked against a non-PD server with negative controls
+#          -> $OUT/shapes_<kind>.json (e2e/shapes.py; E2E_SHAPES picks shapes)              (needs sglang.tar.xz)
+#   shape-faults: kill -9 of one of mini-a's two prefills, then of its decode, under load behind our LB's
+#          default policy, each restarted -> $OUT/shape_faults_<kind>.json (e2e/shape_faults.py)
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
 #   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
@@ -61,10 +66,12 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|ipc|serve|unpack) ;;
-  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, ipc, serve or unpack" >&2; exit 2 ;; esac
-case "$GPUS" in 1|2) ;;
-  *) echo "run_all.sh: --gpus must be 1 or 2" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|ipc|serve|shapes|shape-faults|unpack) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, ipc, serve, shapes, shape-faults or unpack" >&2; exit 2 ;; esac
+case "$GPUS" in 1|2|4) ;;
+  *) echo "run_all.sh: --gpus must be 1, 2 or 4" >&2; exit 2 ;; esac
+case "$PHASE:$GPUS" in shapes:4|shape-faults:4) ;; shapes:*|shape-faults:*)
+  echo "run_all.sh: --phase $PHASE needs a 4-GPU host (--gpus 4)" >&2; exit 2 ;; esac
 export E2E_GPUS=$GPUS  # read by e2e.check, e2e.perf, e2e.sglang_tests (e2e/config.py)
 START=$(date +%s)
 export E2E_ROOT E2E_DEADLINE_EPOCH=$((START + BUDGET - 25))  # 25 s kept for results and the log archive
@@ -241,7 +248,21 @@ run_serve() {  # E2E_SERVE_ARGS: e2e.serve's flags (--modes, --cells, --reps, --
     --machine "$KIND" --pyspy "$E2E_ROOT/serve/bin/py-spy" ${E2E_SERVE_ARGS:-}
 }
 
+run_shapes() {
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only deepseek-tiny,llama-tiny
+  step shapes python3 -m e2e.shapes --models "$MODELS" --out "$OUTDIR/shapes_$KIND.json" \
+    --logs "$E2E_ROOT/logs/shapes" --only "${E2E_SHAPES:-mini-a-2p-dpdecode,mini-b-dp-both,mini-c-tp1-tp2,mini-c-tp2-tp1,mini-c-tp1-tp4}"
+}
+
+run_shape_faults() {
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only deepseek-tiny
+  step shape_faults python3 -m e2e.shape_faults --models "$MODELS" --out "$OUTDIR/shape_faults_$KIND.json" \
+    --logs "$E2E_ROOT/logs/shape_faults"
+}
+
 case "$PHASE" in
+  shapes) run_shapes ;;
+  shape-faults) run_shape_faults ;;
   serve) run_serve ;;
   ipc) run_ipc ;;
   liveness) run_liveness ;;

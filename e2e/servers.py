@@ -41,6 +41,8 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     lb_prefill: Optional["Server"] = None
     lb_decode: Optional["Server"] = None
+    #: the command as given (a server started by the launcher from a topology); None: built from the fields
+    argv: Optional[list[str]] = None
     proc: Optional[subprocess.Popen] = None
     log: Optional[Path] = None
     error: str = ""
@@ -50,6 +52,8 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        if self.argv is not None:
+            return list(self.argv)
         if self.mode == "lb":
             assert self.lb_prefill and self.lb_decode
             return [sys.executable, "-m", "sglang_p2p_lb",

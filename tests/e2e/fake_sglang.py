@@ -1,14 +1,15 @@
 """A stand-in for an SGLang server (or an LB in front of one) on 127.0.0.1, for CPU tests of the e2e client code.
 
-    python fake_sglang.py --port N [--shift NATS] [--delay-pool S]
+    python fake_sglang.py --port N [--shift NATS] [--delay-pool S] [--corrupt-file PATH]
 
 /generate answers greedily and deterministically from the prompt (so two instances agree token for token),
 streams cumulative meta_info like SGLang (with prompt_tokens and a toy cached_tokens), and ``--shift`` adds a logprob offset from the 3rd token on: what
-a wrong KV looks like. /metrics exposes sglang:kv_transfer_latency_ms, one observation of 2 ms per request.
+a wrong KV looks like; so does ``--corrupt-file`` while that file exists (the decode's test-only KV fault). /metrics exposes sglang:kv_transfer_latency_ms, one observation of 2 ms per request.
 It prints "Memory pool end" like SGLang once it is about to serve (after --delay-pool seconds).
 """
 import argparse
 import json
+import os
 import time
 
 from aiohttp import web
@@ -30,14 +31,15 @@ def meta(ids, lps, k, prompt_tokens=0, cached_tokens=0):
             "completion_tokens": k, "finish_reason": {"type": "length"} if k == len(ids) else None}
 
 
-def make_app(shift):
+def make_app(shift, corrupt_file=None):
     async def health(_):
         return web.Response(text="ok")
 
     async def generate(req):
         body = await req.json()
         prompt = body.get("input_ids", body.get("text"))
-        ids, lps = answer(prompt, body["sampling_params"]["max_new_tokens"], shift)
+        wrong_kv = corrupt_file is not None and os.path.exists(corrupt_file)
+        ids, lps = answer(prompt, body["sampling_params"]["max_new_tokens"], shift + (0.5 if wrong_kv else 0.0))
         STATE["n"] += 1
         # a toy prefix cache: the first 16 prompt tokens count as cached once a prompt began with them
         head = tuple(prompt[:16]) if isinstance(prompt, list) else prompt[:16]
@@ -71,7 +73,8 @@ if __name__ == "__main__":
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--shift", type=float, default=0.0)
     ap.add_argument("--delay-pool", type=float, default=0.0)
+    ap.add_argument("--corrupt-file")
     a = ap.parse_args()
     time.sleep(a.delay_pool)
     print("Memory pool end. (fake)", flush=True)
-    web.run_app(make_app(a.shift), host="127.0.0.1", port=a.port, print=None)
+    web.run_app(make_app(a.shift, a.corrupt_file), host="127.0.0.1", port=a.port, print=None)

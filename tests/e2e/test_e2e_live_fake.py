@@ -123,3 +123,21 @@ def test_sigterm_to_a_step_still_stops_its_servers_and_pids_are_recorded(tmp_pat
             return
         time.sleep(0.2)
     raise AssertionError("server outlived its step")
+
+
+@pytest.mark.parametrize("honours_fault,verdict,flagged", [(True, "pass", "10/10"), (False, "fail", "5/10")])
+def test_shape_check_needs_every_negative_control_flagged(tmp_path, honours_fault, verdict, flagged):
+    from e2e import shapes
+    from e2e.shape_plan import SHAPES
+
+    flag = tmp_path / "corrupt"
+    ref = FakeServer("ref", 0)
+    pd = FakeServer("pd", 1, *(["--corrupt-file", str(flag)] if honours_fault else []))
+    shape = SHAPES["mini-b-dp-both"]
+    with Stack(tmp_path) as stack:
+        assert len(stack.launch([ref, pd], timeout_s=60)) == 2
+        entry = asyncio.run(shapes.check_shape(shape, ref.url, pd.url, flag))
+    assert entry["summary"]["verdict"] == "pass" and entry["summary"]["bit_identical"]
+    assert entry["controls_flagged"] == flagged and not flag.exists()
+    assert {c["kind"] for c in entry["controls"]} == {"prompt", "kv"}
+    assert shapes.verdict(shape, entry) == verdict

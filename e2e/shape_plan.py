@@ -1,0 +1,128 @@
+"""What e2e/shapes.py starts for each miniature topology: the launcher's own commands and a reference beside them.
+
+Pure: reads the topology through the launcher's loader and renderer, starts nothing. Every PD server and the LB
+are started as an operator would (`python -m sglang_p2p_backend.launch node|lb --config ...`); the reference
+(a non-PD server for the correctness check) runs the decode's rendered command with the PD flags taken out, on
+ports of its own, so it has the decode's exact layout (TP, attention DP, EP) and flags.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from sglang_p2p_backend.launch.config import LaunchConfig, Node, load_config
+from sglang_p2p_backend.launch.render import SGLANG_PROGRAM, server_command
+from sglang_p2p_backend.launch.validate import validate
+
+REPO = Path(__file__).resolve().parent.parent
+TOPOLOGIES = REPO / "configs" / "topologies"
+LAUNCHER = ("-m", "sglang_p2p_backend.launch")
+# PD flags of a rendered server command with how many values each takes: the reference drops them
+PD_FLAGS = {"--disaggregation-mode": 1, "--disaggregation-transfer-backend": 1, "--disaggregation-bootstrap-port": 1,
+            "--disaggregation-ib-device": 1}
+REF_PORT_OFFSET, REF_DIST_INIT_OFFSET = 80, 40  # from the decode's HTTP and dist-init ports
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One miniature: its topology, the model it serves, and where its reference runs."""
+
+    topology: str
+    model: str
+    #: PD's prefill runs the decode's layout too, so PD must be bit-identical to the reference; otherwise the
+    #: prefill computes the prompt's KV in another layout and the answers agree within the layout tolerance
+    same_layout: bool
+    ref_gpu: int  # first GPU of the reference server (it shares GPUs with PD servers: small capped pools)
+    why: str
+
+
+SHAPES = {s.topology: s for s in (
+    Shape("mini-a-2p-dpdecode", "deepseek-tiny", False, 0,
+          "two TP-1 prefills into one TP-2 decode with attention DP 2 and EP 2 (MLA + MoE)"),
+    Shape("mini-b-dp-both", "deepseek-tiny", True, 0,
+          "TP 2 + attention DP 2 + EP 2 on both sides (MLA + MoE)"),
+    Shape("mini-c-tp1-tp2", "llama-tiny", False, 3, "GQA, prefill TP 1 -> decode TP 2"),
+    Shape("mini-c-tp2-tp1", "llama-tiny", False, 3, "GQA, prefill TP 2 -> decode TP 1"),
+    Shape("mini-c-tp1-tp4", "llama-tiny", False, 0,
+          "GQA, prefill TP 1 -> decode TP 4 (more decode ranks than KV heads: SGLang replicates heads)"),
+)}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One process to start: its name, command, the port it serves, the GPU its start is staggered on."""
+
+    name: str
+    role: str  # prefill | decode | reference | lb
+    argv: list[str]
+    port: int
+    gpu: int
+    bootstrap_port: Optional[int] = None
+    env: tuple[tuple[str, str], ...] = ()  # on top of the caller's (the launcher adds the topology's itself)
+
+
+def topology_path(name: str) -> Path:
+    return TOPOLOGIES / f"{name}.yaml"
+
+
+def load(shape: Shape, model_dir: Path) -> LaunchConfig:
+    return validate(load_config(topology_path(shape.topology), model_path=str(model_dir)))
+
+
+def node_launch(shape: Shape, cfg: LaunchConfig, node: Node, model_dir: Path, python: str = sys.executable) -> Launch:
+    argv = [python, *LAUNCHER, "node", "--config", str(topology_path(shape.topology)), "--rank", str(node.rank),
+            "--model-path", str(model_dir)]
+    return Launch(f"{shape.topology}-{node.role}{node.group}", node.role, argv, node.port, node.base_gpu_id or 0,
+                  node.bootstrap_port if node.role == "prefill" else None)
+
+
+def lb_launch(shape: Shape, cfg: LaunchConfig, model_dir: Path, lb_flags: list[str], name: str = "lb",
+              port: Optional[int] = None, python: str = sys.executable) -> Launch:
+    """The topology's LB (`launch lb`), with `lb_flags` appended (and another port when given)."""
+    port = port or cfg.lb.port
+    argv = [python, *LAUNCHER, "lb", "--config", str(topology_path(shape.topology)), "--model-path", str(model_dir),
+            "--", *lb_flags, "--port", str(port)]
+    return Launch(f"{shape.topology}-{name}", "lb", argv, port, -1)
+
+
+def reference_args(decode_args: tuple[str, ...], port: int, dist_init_port: int, base_gpu: int) -> list[str]:
+    """The decode's rendered flags without the PD ones, on other ports and GPUs."""
+    out: list[str] = []
+    replace = {"--port": str(port), "--base-gpu-id": str(base_gpu)}
+    args = list(decode_args)
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        if flag in PD_FLAGS:
+            i += 1 + PD_FLAGS[flag]
+            continue
+        if flag in replace:
+            out += [flag, replace.pop(flag)]
+            i += 2
+            continue
+        if flag == "--dist-init-addr":
+            host = args[i + 1].rsplit(":", 1)[0]
+            out += [flag, f"{host}:{dist_init_port}"]
+            i += 2
+            continue
+        out.append(flag)
+        i += 1
+    return out + [tok for flag, value in replace.items() for tok in (flag, value)]
+
+
+def reference_launch(shape: Shape, cfg: LaunchConfig, release: str, python: str = sys.executable) -> Launch:
+    decode = next(n for n in cfg.nodes() if n.role == "decode")
+    cmd = server_command(cfg, decode, release)
+    port = decode.port + REF_PORT_OFFSET
+    args = reference_args(cmd.args, port, decode.dist_init_port + REF_DIST_INIT_OFFSET, shape.ref_gpu)
+    return Launch(f"{shape.topology}-reference", "reference", [python, *SGLANG_PROGRAM, *args], port, shape.ref_gpu,
+                  env=tuple(cmd.env.items()))
+
+
+def plan(shape: Shape, model_dir: Path, release: str, lb_flags: list[str]) -> list[Launch]:
+    """Every PD server (rank order), the reference, then the LB."""
+    cfg = load(shape, model_dir)
+    servers = [node_launch(shape, cfg, n, model_dir) for n in cfg.nodes()]
+    return [*servers, reference_launch(shape, cfg, release), lb_launch(shape, cfg, model_dir, lb_flags)]

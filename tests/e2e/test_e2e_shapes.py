@@ -1,0 +1,76 @@
+"""The 4-GPU miniature shapes (e2e/shape_plan.py, e2e/shape_faults.py): what each starts, that no two shapes
+clash when they all start together, the reference's flags, and how fault errors are counted. No GPU needed."""
+from pathlib import Path
+
+import pytest
+
+from e2e import shape_faults
+from e2e.shape_plan import SHAPES, plan, reference_args
+from sglang_p2p_backend.launch.validate import DIST_INIT_PORT_SPAN
+
+
+
+def flags(args):
+    """--flag -> the values up to the next flag."""
+    out, key = {}, None
+    for tok in args:
+        key = tok if tok.startswith("--") else key
+        out.setdefault(key, []).extend([] if tok == key else [tok])
+    return out
+
+
+def all_launches(release="0.5.17"):
+    return {name: plan(s, Path("/m") / s.model, release, ["--policy", "round_robin"]) for name, s in SHAPES.items()}
+
+
+def test_every_shape_starts_its_servers_with_the_launcher_and_a_reference_with_the_decodes_layout():
+    launches = all_launches()
+    assert set(launches) == {"mini-a-2p-dpdecode", "mini-b-dp-both", "mini-c-tp1-tp2", "mini-c-tp2-tp1", "mini-c-tp1-tp4"}
+    a = launches["mini-a-2p-dpdecode"]
+    assert [l.role for l in a] == ["prefill", "prefill", "decode", "reference", "lb"]
+    p1 = a[1].argv
+    assert p1[1:4] == ["-m", "sglang_p2p_backend.launch", "node"] and p1[p1.index("--rank") + 1] == "1"
+    assert (a[1].port, a[1].bootstrap_port, a[1].gpu) == (30101, 8101, 1)
+    ref = flags(tuple(a[3].argv[3:]))
+    assert a[3].argv[1:3] == ["-m", "sglang.launch_server"]
+    assert not any(k.startswith("--disaggregation") for k in ref)
+    assert (ref["--tp-size"], ref["--dp-size"], ref["--ep-size"], ref["--port"], ref["--base-gpu-id"]) == (
+        ["2"], ["2"], ["2"], ["30190"], ["0"])
+    assert ref["--dist-init-addr"] == ["127.0.0.1:5160"] and ref["--chunked-prefill-size"] == ["128"]
+    assert dict(a[3].env)["SGLANG_HOST_IP"] == "127.0.0.1"
+    lb = a[4].argv
+    assert lb[lb.index("--") + 1:] == ["--policy", "round_robin", "--port", "8010"]
+
+
+def test_shapes_started_together_never_share_a_port():
+    taken: dict[int, str] = {}
+    for name, launches in all_launches().items():
+        for l in launches:
+            ports = {l.port} | ({l.bootstrap_port} if l.bootstrap_port else set())
+            args = l.argv
+            if l.role == "reference":
+                dist = int(flags(tuple(args[3:]))["--dist-init-addr"][0].rsplit(":", 1)[1])
+                ports |= set(range(dist, dist + DIST_INIT_PORT_SPAN))
+            for port in ports:
+                assert port not in taken, f"{l.name} and {taken[port]} both take port {port}"
+                taken[port] = l.name
+
+
+def test_reference_args_drop_pd_flags_and_move_ports():
+    args = ("--model-path", "/m", "--port", "1", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
+            "p2pnccl", "--dist-init-addr", "10.0.0.1:5", "--skip-server-warmup")
+    assert reference_args(args, 30190, 5160, 3) == [
+        "--model-path", "/m", "--port", "30190", "--dist-init-addr", "10.0.0.1:5160", "--skip-server-warmup",
+        "--base-gpu-id", "3"]
+
+
+def _rec(start, end, ok):
+    return {"start": start, "end": end, "ok": ok, "status": None if ok else 503, "detail": "" if ok else "x"}
+
+
+@pytest.mark.parametrize("left_empty,expected", [(False, (1, 0, 2)), (True, (1, 1, 1))])
+def test_fault_errors_are_split_by_when_their_request_was_sent(left_empty, expected):
+    records = [_rec(0, 12, False), _rec(1, 2, True), _rec(11, 11.1, False), _rec(40, 41, False), _rec(50, 51, True)]
+    out = shape_faults.classify(records, killed_at=10, healthy_at=30, role_left_empty=left_empty)
+    assert (out["errors_in_flight"], out["errors_no_server_of_role_left"], out["errors_other"]) == expected
+    assert (out["requests"], out["ok"], out["in_flight_at_kill"]) == (5, 2, 1)
