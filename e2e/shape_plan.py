@@ -43,7 +43,7 @@ SHAPES = {s.topology: s for s in (
           "two TP-1 prefills into one TP-2 decode with attention DP 2 and EP 2 (MLA + MoE)"),
     Shape("mini-b-dp-both", "deepseek-tiny", True, 0,
           "TP 2 + attention DP 2 + EP 2 on both sides (MLA + MoE)"),
-    Shape("mini-c-tp1-tp2", "llama-tiny", False, 3, "GQA, prefill TP 1 -> decode TP 2"),
+    Shape("mini-c-tp1-tp2", "llama-tiny", False, 2, "GQA, prefill TP 1 -> decode TP 2"),
     Shape("mini-c-tp2-tp1", "llama-tiny", False, 3, "GQA, prefill TP 2 -> decode TP 1"),
     Shape("mini-c-tp1-tp4", "llama-tiny", False, 0,
           "GQA, prefill TP 1 -> decode TP 4 (more decode ranks than KV heads: SGLang replicates heads)"),
