@@ -1,9 +1,10 @@
-"""What e2e/shapes.py starts for each miniature topology: the launcher's own commands and a reference beside them.
+"""What e2e/shapes.py starts for each miniature topology: the launcher's own commands and references beside them.
 
 Pure: reads the topology through the launcher's loader and renderer, starts nothing. Every PD server and the LB
 are started as an operator would (`python -m sglang_p2p_backend.launch node|lb --config ...`); the reference
 (a non-PD server for the correctness check) runs the decode's rendered command with the PD flags taken out, on
-ports of its own, so it has the decode's exact layout (TP, attention DP, EP) and flags.
+ports of its own, so it has the decode's exact layout (TP, attention DP, EP) and flags. Where the prefill runs
+another layout, a second reference runs the prefill's rendered command the same way.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class Shape:
     topology: str
     model: str
     #: PD's prefill runs the decode's layout too, so PD must be bit-identical to the reference; otherwise the
-    #: prefill computes the prompt's KV in another layout and the answers agree within the layout tolerance
+    #: prefill computes the prompt's KV in another layout, and PD must agree within the layout tolerance with
+    #: a reference of one of its two layouts
     same_layout: bool
     ref_gpu: int  # first GPU of the reference server (it shares GPUs with PD servers: small capped pools)
     why: str
@@ -55,7 +57,7 @@ class Launch:
     """One process to start: its name, command, the port it serves, the GPU its start is staggered on."""
 
     name: str
-    role: str  # prefill | decode | reference | lb
+    role: str  # prefill | decode | reference (decode's layout) | reference-prefill (prefill's layout) | lb
     argv: list[str]
     port: int
     gpu: int
@@ -112,17 +114,24 @@ def reference_args(decode_args: tuple[str, ...], port: int, dist_init_port: int,
     return out + [tok for flag, value in replace.items() for tok in (flag, value)]
 
 
-def reference_launch(shape: Shape, cfg: LaunchConfig, release: str, python: str = sys.executable) -> Launch:
-    decode = next(n for n in cfg.nodes() if n.role == "decode")
-    cmd = server_command(cfg, decode, release)
-    port = decode.port + REF_PORT_OFFSET
-    args = reference_args(cmd.args, port, decode.dist_init_port + REF_DIST_INIT_OFFSET, shape.ref_gpu)
-    return Launch(f"{shape.topology}-reference", "reference", [python, *SGLANG_PROGRAM, *args], port, shape.ref_gpu,
+def reference_launch(shape: Shape, cfg: LaunchConfig, release: str, layout: str = "decode",
+                     python: str = sys.executable) -> Launch:
+    """A non-PD server with the `layout` role's rendered flags (its first group's node 0)."""
+    node = next(n for n in cfg.nodes() if n.role == layout)
+    cmd = server_command(cfg, node, release)
+    port = node.port + REF_PORT_OFFSET
+    gpu = min(shape.ref_gpu, cfg.gpus_per_node - cfg.role(layout).gpus)  # the layout's GPUs fit from there
+    args = reference_args(cmd.args, port, node.dist_init_port + REF_DIST_INIT_OFFSET, gpu)
+    role = "reference" if layout == "decode" else "reference-prefill"
+    return Launch(f"{shape.topology}-{role}", role, [python, *SGLANG_PROGRAM, *args], port, gpu,
                   env=tuple(cmd.env.items()))
 
 
 def plan(shape: Shape, model_dir: Path, release: str, lb_flags: list[str]) -> list[Launch]:
-    """Every PD server (rank order), the reference, then the LB."""
+    """Every PD server (rank order), the reference(s), then the LB."""
     cfg = load(shape, model_dir)
     servers = [node_launch(shape, cfg, n, model_dir) for n in cfg.nodes()]
-    return [*servers, reference_launch(shape, cfg, release), lb_launch(shape, cfg, model_dir, lb_flags)]
+    refs = [reference_launch(shape, cfg, release)]
+    if not shape.same_layout:
+        refs.append(reference_launch(shape, cfg, release, "prefill"))
+    return [*servers, *refs, lb_launch(shape, cfg, model_dir, lb_flags)]

@@ -136,8 +136,27 @@ def test_shape_check_needs_every_negative_control_flagged(tmp_path, honours_faul
     shape = SHAPES["mini-b-dp-both"]
     with Stack(tmp_path) as stack:
         assert len(stack.launch([ref, pd], timeout_s=60)) == 2
-        entry = asyncio.run(shapes.check_shape(shape, ref.url, pd.url, flag))
+        entry = asyncio.run(shapes.check_shape(shape, [ref.url], pd.url, flag))
     assert entry["summary"]["verdict"] == "pass" and entry["summary"]["bit_identical"]
     assert entry["controls_flagged"] == flagged and not flag.exists()
     assert {c["kind"] for c in entry["controls"]} == {"prompt", "kv"}
     assert shapes.verdict(shape, entry) == verdict
+
+
+def test_a_mixed_layout_shape_passes_when_pd_agrees_with_either_layouts_reference(tmp_path):
+    """PD of a TP-1 prefill into a DP/EP decode agrees with the prefill-layout reference, not the decode-layout
+    one: it passes, the gap between the two references is reported, and the controls still fail against both."""
+    from e2e import shapes
+    from e2e.shape_plan import SHAPES
+
+    flag = tmp_path / "corrupt"
+    decode_layout, prefill_layout = FakeServer("ref", 0, "--shift", "0.3"), FakeServer("ref-p", 0)
+    pd = FakeServer("pd", 1, "--corrupt-file", str(flag))
+    shape = SHAPES["mini-a-2p-dpdecode"]
+    with Stack(tmp_path) as stack:
+        assert len(stack.launch([decode_layout, prefill_layout, pd], timeout_s=60)) == 3
+        entry = asyncio.run(shapes.check_shape(shape, [decode_layout.url, prefill_layout.url], pd.url, flag))
+        alone = asyncio.run(shapes.check_shape(shape, [decode_layout.url], pd.url, flag))
+    assert entry["summary"]["verdict"] == "pass" and entry["controls_flagged"] == "10/10"
+    assert abs(entry["layout_gap"]["summary"]["max_abs_logprob_diff"] - 0.3) < 1e-6
+    assert alone["summary"]["verdict"] == "fail" and "layout_gap" not in alone

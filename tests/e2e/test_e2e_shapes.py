@@ -27,7 +27,8 @@ def test_every_shape_starts_its_servers_with_the_launcher_and_a_reference_with_t
     launches = all_launches()
     assert set(launches) == {"mini-a-2p-dpdecode", "mini-b-dp-both", "mini-c-tp1-tp2", "mini-c-tp2-tp1", "mini-c-tp1-tp4"}
     a = launches["mini-a-2p-dpdecode"]
-    assert [l.role for l in a] == ["prefill", "prefill", "decode", "reference", "lb"]
+    assert [l.role for l in a] == ["prefill", "prefill", "decode", "reference", "reference-prefill", "lb"]
+    assert [l.role for l in launches["mini-b-dp-both"]] == ["prefill", "decode", "reference", "lb"]  # one layout
     p1 = a[1].argv
     assert p1[1:4] == ["-m", "sglang_p2p_backend.launch", "node"] and p1[p1.index("--rank") + 1] == "1"
     assert (a[1].port, a[1].bootstrap_port, a[1].gpu) == (30101, 8101, 1)
@@ -38,7 +39,10 @@ def test_every_shape_starts_its_servers_with_the_launcher_and_a_reference_with_t
         ["2"], ["2"], ["2"], ["30190"], ["0"])
     assert ref["--dist-init-addr"] == ["127.0.0.1:5160"] and ref["--chunked-prefill-size"] == ["128"]
     assert dict(a[3].env)["SGLANG_HOST_IP"] == "127.0.0.1"
-    lb = a[4].argv
+    ref_p = flags(tuple(a[4].argv[3:]))  # the prefill's layout: TP 1, plain attention, no EP
+    assert (ref_p["--tp-size"], ref_p["--port"], ref_p["--dist-init-addr"]) == (["1"], ["30180"], ["127.0.0.1:5140"])
+    assert not {"--dp-size", "--ep-size"} & ref_p.keys()
+    lb = a[5].argv
     assert lb[lb.index("--") + 1:] == ["--policy", "round_robin", "--port", "8010"]
 
 
@@ -48,7 +52,7 @@ def test_shapes_started_together_never_share_a_port():
         for l in launches:
             ports = {l.port} | ({l.bootstrap_port} if l.bootstrap_port else set())
             args = l.argv
-            if l.role == "reference":
+            if l.role.startswith("reference"):
                 dist = int(flags(tuple(args[3:]))["--dist-init-addr"][0].rsplit(":", 1)[1])
                 ports |= set(range(dist, dist + DIST_INIT_PORT_SPAN))
             for port in ports:
@@ -74,3 +78,11 @@ def test_fault_errors_are_split_by_when_their_request_was_sent(left_empty, expec
     out = shape_faults.classify(records, killed_at=10, healthy_at=30, role_left_empty=left_empty)
     assert (out["errors_in_flight"], out["errors_no_server_of_role_left"], out["errors_other"]) == expected
     assert (out["requests"], out["ok"], out["in_flight_at_kill"]) == (5, 2, 1)
+
+
+def test_every_reference_fits_the_host():
+    for launches in all_launches().values():
+        for l in launches:
+            if l.role.startswith("reference"):
+                tp = int(flags(tuple(l.argv[3:]))["--tp-size"][0])
+                assert 0 <= l.gpu and l.gpu + tp <= 4, (l.name, l.gpu, tp)
