@@ -205,7 +205,7 @@ class P2pNcclKVReceiver(CommonKVReceiver):
             )
             try:
                 mgr.ensure_registered(endpoint)  # again after a refusal or a peer's death
-                mgr.send_to_prefill(endpoint, wire.encode(msg))  # even to a refusing prefill: it fails its side
+                mgr.send_room(endpoint, room, wire.encode(msg))  # even to a refusing prefill: it fails its side
             except ControlError as e:
                 mgr.record_failure(room, f"send_metadata to prefill rank {endpoint} failed: {e}")
                 self.conclude_state = KVPoll.Failed

@@ -76,6 +76,8 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         self.prefills: Dict[str, PrefillPeer] = {}
         #: rooms waiting for KV: what each published (the only pages its chunks may write)
         self.live_rooms: Dict[int, checks.Published] = {}
+        #: the RoomMetadata each live room sent each prefill rank: sent again when that rank released us
+        self._room_frames: Dict[int, Dict[str, List[bytes]]] = {}
         #: bootstrap address -> (why SGLang's check refused that prefill server, when): retried after a while
         self.incompatible_prefills: Dict[str, tuple[str, float]] = {}
         #: rooms of a refused prefill server its ranks were told of, and those ranks (per bootstrap address)
@@ -149,6 +151,32 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             return
         self.control.send_frames(endpoint, frames)
 
+    def send_room(self, endpoint: str, room: int, frames: List[bytes]) -> None:
+        """Publish `room`'s destinations to prefill rank `endpoint` (kept while the room lives). Raises
+        ControlError."""
+        self._room_frames.setdefault(room, {})[endpoint] = frames
+        self.send_to_prefill(endpoint, frames)
+
+    def _released(self, endpoint: str, reason: str) -> None:
+        """Prefill rank `endpoint` gave this idle registration's slot to another decode rank: forget it, and if
+        rooms still wait for that rank, register again now and publish them again (one that crossed the release
+        was dropped there)."""
+        logger.warning("p2pnccl: %s", reason)
+        self.prefills.pop(endpoint, None)
+        self.watch.forget(endpoint)
+        if self.channels is not None:
+            self.channels.peer_dead(endpoint, reason)
+        self.control.forget(endpoint)
+        self.issued.forget(endpoint)
+        rooms = [r for r, sent in self._room_frames.items() if endpoint in sent and self.room_wanted(r)]
+        try:
+            for room in rooms:
+                self.ensure_registered(endpoint)
+                self.send_to_prefill(endpoint, self._room_frames[room][endpoint])
+        except ControlError as e:
+            for room in rooms:
+                self.room_failed(room, f"registering again with prefill rank {endpoint} failed: {e}")
+
     def _release_held(self, endpoint: str, peer: PrefillPeer) -> None:
         held, peer.held = peer.held, []
         for frames in held:
@@ -221,6 +249,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
 
     def forget_room(self, room: int) -> None:
         self.live_rooms.pop(room, None)
+        self._room_frames.pop(room, None)
         self.arrivals.forget(room)
 
     def _fail_rooms_served_by(self, session: str, reason: str) -> None:
@@ -263,6 +292,8 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             self._on_aux(msg)
         elif isinstance(msg, wire.Status):
             self._on_status(msg, peer)
+        elif isinstance(msg, wire.PeerReleased):
+            self._released(session, msg.reason)
         else:
             self.drop("unexpected", session, f"{type(msg).__name__} is not for a decode rank")
 

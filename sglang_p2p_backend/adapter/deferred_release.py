@@ -29,14 +29,15 @@ logger = logging.getLogger(__name__)
 
 class DeferredRelease:
     """`sglang`: the manager whose deferred-ACK machinery this drives. `registered`: the live decode ranks.
-    `fail_or_bury(room, reason)`: fail the room here, or when its sender is created if it is not yet.
+    `fail_or_bury(room, reason, decode)`: fail the room here, or when its sender is created if it is not yet;
+    False when that decode rank does not own the room (the role dropped the abort).
     `drop(kind, peer, detail)`: count and log a dropped message."""
 
     def __init__(
         self,
         sglang: CommonKVManager,
         registered: Container[str],
-        fail_or_bury: Callable[[int, str], None],
+        fail_or_bury: Callable[[int, str, str], bool],
         drop: Callable[[str, str, str], None],
     ):
         self.enabled = AbortNotification is not None and bool(getattr(sglang, "enable_deferred_decode_kv_release", False))
@@ -102,7 +103,8 @@ class DeferredRelease:
         # under the lock: a task that starts after this block sees Failed before its first write, one that
         # started before it is counted in flight, so the ACK waits for it
         with self._lock:
-            self._fail_or_bury(room, f"Aborted by decode rank {who}")
+            if not self._fail_or_bury(room, f"Aborted by decode rank {who}", who):
+                return  # another decode rank's room: dropped by the role
             if target is not None:
                 self._sglang.register_deferred_ack_target(room, target)
         if target is not None:

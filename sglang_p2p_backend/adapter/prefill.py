@@ -2,16 +2,19 @@
 
 A decode rank registers once per pair (PeerRegister: its agreement, pools, transports and pair secret). The
 registration is compared with this rank's agreement and answered (PeerAnswer) either way, so a mismatch is
-refused on both sides; a refusal names what differs and nothing else of this rank's configuration. A matching
-registration costs no slot and no socket of the live peers until the decode confirms it from the address it
-claimed (its first message carrying this rank's pair secret, engine/wire/pair_secret.py): until then it waits in a
-small table of its own, answered from a small pool of sockets, both bounded apart from the live peers, so
-registrations from addresses nobody answers at cannot take a live peer's place. A live registration is never
-replaced by another process claiming its session (a restarted decode is accepted once the old one was declared
-dead), nor displaced by any number of new ones. Refusals are logged rate-limited. Only registered decode ranks
-may publish destinations (RoomMetadata), each checked against the pools they declared; anything else is dropped before a byte, a
-socket or a table entry is spent on it. Chunks move on transfer workers sharded by decode peer (one peer's
-chunks stay ordered, transfer_workers.py): two-sided (NCCL, tcp) through `PairSender`, one-sided (Mooncake, and
+refused on both sides; a refusal names what differs and nothing else of this rank's configuration (one that
+failed authentication, nothing of it at all), and carries no pair secret. A matching registration costs no slot
+and no socket of the live peers until the decode confirms it from the address it claimed (its first message
+carrying this rank's pair secret, engine/wire/pair_secret.py): until then it waits in a small table of its own,
+answered from a small pool of sockets, both bounded apart from the live peers, so registrations from addresses
+nobody answers at cannot take a live peer's place. A live registration is never replaced by another process
+claiming its session (a restarted decode is accepted once the old one was declared dead); with
+SGLANG_P2P_MAX_PEERS live, an idle one gives its slot to a new one, never one at work (peer_slots.py). Refusals
+are logged rate-limited. Only registered decode ranks may publish destinations (RoomMetadata), each checked
+against the pools they declared; the decode ranks that published a room own it, and only they may fail or
+abort it (a refused decode may tell of rooms nobody published). Anything else is dropped before a byte, a
+socket or a table entry is spent on it. Whatever fails a room here, the decode ranks that own it are told.
+Chunks move on transfer workers sharded by decode peer (one peer's chunks stay ordered, transfer_workers.py): two-sided (NCCL, tcp) through `PairSender`, one-sided (Mooncake, and
 CUDA IPC to a same-host decode: same_host.py) through `OneSidedSender`, then Status. A decode's ABORT and the
 ACK SGLang's deferred decode KV release waits for are deferred_release.py's. A decode silent for
 SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail, its pair channel is aborted (not waited on) and its
@@ -39,6 +42,7 @@ from sglang_p2p_backend.engine.transport.onesided import OneSidedSender
 from sglang_p2p_backend.engine.transport.select import PeerFacts, TransportSelector
 from sglang_p2p_backend.adapter.bounded import Bounded
 from sglang_p2p_backend.adapter.deferred_release import DeferredRelease
+from sglang_p2p_backend.adapter.peer_slots import PeerSlots
 from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
 from sglang_p2p_backend.engine.pair.channels import PairChannels
 from sglang_p2p_backend.adapter.same_host import SameHostPath
@@ -63,6 +67,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         #: per decode rank with a different attention TP (MHA/GQA): the heads it takes from this rank
         self.peer_heads: Dict[str, Optional[PairHeads]] = {}
         self.rejected_peers: Dict[str, str] = Bounded(self.config.max_peers)
+        self.slots = PeerSlots(self.config.max_peers)
         #: registrations answered but not yet confirmed by their decode, and the secrets issued to them
         self.pending: Dict[str, wire.PeerRegister] = Bounded(_PENDING)
         self.pending_secrets = IssuedSecrets(_PENDING)
@@ -72,6 +77,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         self._answered: Dict[str, float] = Bounded(4 * _PENDING)
         self._pending_at: Dict[str, float] = Bounded(4 * _PENDING)
         self.refusals = 0
+        self.releases = 0
         self.selector = TransportSelector(self.config.transport)
         # pair communicators live within a GPU-memory budget (engine/pair/comm_budget.py); `auto` asks it whether
         # one more fits before choosing NCCL over Mooncake for a peer
@@ -157,12 +163,15 @@ class PrefillKVManager(P2pNcclKVManagerBase):
     # ------------------------------------------------------------------ inbound
     def _admit(self, msg: wire.Message, secret: Optional[bytes]) -> bool:
         """A registration needs no secret; anything else the one issued to its session, by a live registration
-        or by an answer (then it is the decode's confirmation, which makes the registration live)."""
+        or by an acceptance (then it is the decode's confirmation, which makes the registration live). A refused
+        decode holds none: its RoomMetadata may only fail rooms nobody owns (`_on_metadata`)."""
         if isinstance(msg, wire.PeerRegister):
             return True
         if self.pending_secrets.matches(msg.session, secret):
             if msg.session in self.pending:
                 self._confirm(msg.session)
+            return True
+        if isinstance(msg, wire.RoomMetadata) and msg.session in self.rejected_peers:
             return True
         return self.issued.matches(msg.session, secret)
 
@@ -170,13 +179,15 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         return self.issued.owner(secret)  # SGLang's frames (ABORT) only from live decode ranks
 
     def _unauthenticated(self, frames: List[bytes], problem: str) -> None:
-        """Keys differ: a registration is refused naming it; rooms of a decode this rank answered fail here."""
-        secret, msg = self._unauthenticated_message(frames)
+        """Keys differ: a registration is refused naming only that; the rooms a refused decode tells of fail here
+        if nobody owns them."""
+        _, msg = self._unauthenticated_message(frames)
         if isinstance(msg, wire.PeerRegister) and not self.watch.alive(msg.session):  # never answer for a live peer
             self._refuse(msg, f"control messages fail authentication: {problem}; set the same SGLANG_P2P_AUTH_KEY "
-                              f"(or _FILE) on every prefill and decode")
-        elif isinstance(msg, wire.RoomMetadata) and self.pending_secrets.matches(msg.session, secret):
-            self._fail_or_bury(msg.room, f"control messages of decode rank {msg.session} fail authentication: {problem}")
+                              f"(or _FILE) on every prefill and decode", unauthenticated=True)
+        elif isinstance(msg, wire.RoomMetadata) and msg.session in self.rejected_peers:
+            self._fail_or_bury(msg.room, f"control messages of decode rank {msg.session} fail authentication: "
+                                         f"{problem}", msg.session)
 
     def _on_message(self, msg: wire.Message) -> None:
         peer = self.decode_peers.get(getattr(msg, "session", ""))
@@ -196,35 +207,48 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         elif isinstance(msg, wire.CommRelease):
             self.channels.released(msg.session)
         elif isinstance(msg, wire.ChunkRefused):
-            self.channels.abort(msg.session, msg.generation, f"decode rank refused a chunk: {msg.reason}")
-            self._fail_room(msg.room, f"decode rank {msg.session} refused a chunk: {msg.reason}")
+            if self._owns(msg.session, msg.room, "ChunkRefused"):
+                self.channels.abort(msg.session, msg.generation, f"decode rank refused a chunk: {msg.reason}")
+                self._fail_room(msg.room, f"decode rank {msg.session} refused a chunk: {msg.reason}", cause=msg.session)
         elif isinstance(msg, wire.RoomFailed):
             if msg.session in (self.transfer_infos.get(msg.room) or {}):  # only a room it is a destination of
-                self._fail_room(msg.room, f"decode rank {msg.session} failed the room: {msg.reason}", notify=False)
+                self._fail_room(msg.room, f"decode rank {msg.session} failed the room: {msg.reason}", cause=msg.session)
+            else:
+                self._owns(msg.session, msg.room, "RoomFailed")
         else:
             self.drop("unexpected", msg.session, f"{type(msg).__name__} is not for a prefill rank")
 
-    def _answer(self, reg: wire.PeerRegister, problem: str = "", secret: Optional[bytes] = None) -> None:
+    def _answer(self, reg: wire.PeerRegister, problem: str = "", secret: Optional[bytes] = None,
+                anonymous: bool = False) -> None:
         """Answer a registration from the answers' own sockets, carrying the decode's secret (so only the process
-        that registered reads it as an answer) and ours when given. A refusal carries only what differs."""
-        agreement = redacted(self.agreement, reg.agreement) if problem else self.agreement
-        answer = wire.PeerAnswer(self.session, self.incarnation, self.prefill_rank, agreement, problem,
-                                 self.attn_tp_rank, secret or b"")
+        that registered reads it as an answer) and ours when given. A refusal carries only what differs;
+        `anonymous`, nothing of this rank (the decode's own agreement back)."""
+        if anonymous:
+            answer = wire.PeerAnswer(self.session, 0, 0, reg.agreement, problem)
+        else:
+            agreement = redacted(self.agreement, reg.agreement) if problem else self.agreement
+            answer = wire.PeerAnswer(self.session, self.incarnation, self.prefill_rank, agreement, problem,
+                                     self.attn_tp_rank, secret or b"")
+        self._send_answer(reg, answer)
+
+    def _send_answer(self, reg: wire.PeerRegister, msg: wire.Message) -> None:
         self.answers.set_secret(reg.session, reg.secret)
         self._answered[reg.session] = time.monotonic()
         try:
-            self.answers.send(reg.session, answer, block=False)
+            self.answers.send(reg.session, msg, block=False)
         except ControlError as e:
             self.log_limited(self.refusals, logging.WARNING, "%s", e)
 
-    def _refuse(self, reg: wire.PeerRegister, problem: str) -> None:
-        """Refuse a registration naming why; the decode's rooms published to us later fail here too."""
+    def _refuse(self, reg: wire.PeerRegister, problem: str, unauthenticated: bool = False) -> None:
+        """Refuse a registration naming why (no secret: a refusal grants nothing); the rooms the decode tells of
+        later fail here too, if nobody owns them."""
         self.refusals += 1
         self.log_limited(self.refusals, logging.ERROR, "decode rank %s refused (#%d): %s", reg.session, self.refusals, problem)
         self.pending.pop(reg.session, None)
+        self.pending_secrets.forget(reg.session)
         if reg.session not in self.decode_peers:
             self.rejected_peers[reg.session] = problem
-        self._answer(reg, problem, self.pending_secrets.issue(reg.session))
+        self._answer(reg, problem, anonymous=unauthenticated)
 
     def _heads_for(self, reg: wire.PeerRegister) -> Optional[PairHeads]:
         """The heads this rank sends decode rank `reg` (None: whole pages). Raises HeadsError."""
@@ -273,13 +297,18 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         self._answer(reg, secret=self.pending_secrets.issue(reg.session))
 
     def _confirm(self, session: str) -> None:
-        """The decode of a pending registration answered from its address: it becomes a live peer, unless the
-        live peers fill SGLANG_P2P_MAX_PEERS (a live peer is never displaced)."""
+        """The decode of a pending registration answered from its address: it becomes a live peer. With
+        SGLANG_P2P_MAX_PEERS live, an idle one gives up its slot; when every one carries a known room, refused."""
         reg = self.pending.pop(session)
         old = self.decode_peers.get(session)
         if old is None and len(self.decode_peers) >= self.config.max_peers:
-            self._refuse(reg, f"this prefill rank has {len(self.decode_peers)} decode ranks registered (SGLANG_P2P_MAX_PEERS)")
-            return
+            victim = self.slots.victim(list(self.decode_peers), self._busy_peers())
+            if victim is None:
+                self._refuse(reg, f"this prefill rank has {len(self.decode_peers)} decode ranks registered, each "
+                                  f"with requests in flight (SGLANG_P2P_MAX_PEERS)")
+                return
+            self._release_peer(victim)
+        self.slots.confirmed(session)
         self.issued.adopt(session, self.pending_secrets.get(session))
         self.pending_secrets.forget(session)
         self.answers.forget(session)
@@ -304,8 +333,8 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             problem = self.rejected_peers.get(msg.session)
             if problem is None:
                 self.drop("unregistered", msg.session, f"RoomMetadata of room {room} from an unregistered decode rank")
-            else:  # the decode failed the room when it read our answer; fail our side too
-                self._fail_or_bury(room, f"decode rank {msg.session} refused: {problem}")
+            else:  # the decode failed the room when it read our answer; fail our side too (if nobody owns it)
+                self._fail_or_bury(room, f"decode rank {msg.session} refused: {problem}", msg.session)
             return
         if msg.incarnation != peer.incarnation:
             self.drop("stale", msg.session, f"RoomMetadata of room {room} from decode process {msg.incarnation}, "
@@ -315,23 +344,30 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         if room in self.concluded:
             self._control_send(msg.session, wire.Status(self.session, room, self.prefill_rank, int(KVPoll.Failed), self.concluded[room][0]))
             return
+        infos = self.transfer_infos.get(room) or {}
+        if msg.session not in infos and infos and len(infos) >= infos[next(iter(infos))].required_dst_info_num:
+            self._owns(msg.session, room, "RoomMetadata")  # room taken: dropped, and its sender told
+            self._control_send(msg.session, wire.Status(self.session, room, self.prefill_rank, int(KVPoll.Failed),
+                                                        f"room {room} already has its destinations on prefill rank "
+                                                        f"{self.session}, from other decode ranks"), block=False)
+            return
         try:
             dst = checks.room_metadata(msg, peer)
         except wire.WireError as e:
             self.drop("bounds", msg.session, f"RoomMetadata of room {room}: {e}")
             reason = f"decode rank {msg.session} published invalid destinations: {e}"
             self._control_send(msg.session, wire.Status(self.session, room, self.prefill_rank, int(KVPoll.Failed), reason))
-            self._fail_room(room, reason)
+            if self._owns(msg.session, room, "RoomMetadata"):
+                self._fail_room(room, reason, cause=msg.session)
             return
         infos = self.transfer_infos.setdefault(room, {})
-        if msg.session not in infos and len(infos) >= msg.required_dst_info_num:
-            self.drop("bounds", msg.session, f"room {room} already has its {len(infos)} destinations")
-            return
         infos[msg.session] = TransferInfo(
             msg.session, room, dst.kv_ids, msg.aux_index, dst.state_ids, msg.required_dst_info_num,
             msg.decode_prefix_len, msg.is_dummy,
         )
         self._born.setdefault(room, time.monotonic())
+        if room in self.owned_rooms:
+            self.slots.worked([msg.session])
         if len(infos) == msg.required_dst_info_num:
             self.resolve_kv_replica_factor(infos)
             self.req_to_decode_prefix_len[room] = msg.decode_prefix_len
@@ -347,19 +383,39 @@ class PrefillKVManager(P2pNcclKVManagerBase):
     def _peer_dead(self, session: str, reason: str) -> None:
         if self.decode_peers.pop(session, None) is None:
             return
-        self.peer_heads.pop(session, None)
-        self.same_host.forget(session)
         logger.error("p2pnccl: %s", reason)
         for room, infos in list(self.transfer_infos.items()):
             info = infos.get(session)
             if info is not None and not info.is_dummy:
                 self._fail_room(room, f"KV transfer to decode rank {session} failed: {reason}", block=False)
+        self._forget_peer(session, reason)
+
+    def _forget_peer(self, session: str, reason: str) -> None:
+        self.decode_peers.pop(session, None)
+        self.peer_heads.pop(session, None)
+        self.same_host.forget(session)
+        self.slots.forget(session)
         if self.channels is not None:
             self.channels.abort(session, None, reason)  # a worker blocked on the peer returns now
         self.workers.reset_peer(session)
         self.selector.forget(session)
         self.control.forget(session)
         self.issued.forget(session)
+
+    def _busy_peers(self) -> set:
+        """Live peers that carry a room the scheduler knows (a sender exists for it)."""
+        return {s for room in list(self.owned_rooms) for s in (self.transfer_infos.get(room) or {})}
+
+    def _release_peer(self, session: str) -> None:
+        """Give an idle live peer's slot to a new one: it is told (from the answers' sockets: its own is closed
+        now) and registers again before its next room; destinations it published stay."""
+        reason = (f"prefill rank {self.session} released this idle registration for a new decode rank "
+                  f"(SGLANG_P2P_MAX_PEERS={self.config.max_peers}); register again")
+        self.releases += 1
+        self.log_limited(self.releases, logging.WARNING, "decode rank %s (#%d): %s", session, self.releases, reason)
+        self._send_answer(self.decode_peers[session], wire.PeerReleased(self.session, reason))
+        self.watch.forget(session)
+        self._forget_peer(session, reason)
 
     def _sweep(self) -> None:
         now, ttl = time.monotonic(), self.config.tombstone_s
@@ -389,9 +445,10 @@ class PrefillKVManager(P2pNcclKVManagerBase):
     def room_started(self, room: int) -> None:
         """A sender for `room` exists on this rank (P2pNcclKVSender)."""
         self.owned_rooms.add(room)
+        self.slots.worked(self.transfer_infos.get(room) or {})
         reason = self.concluded.pop(room, (None,))[0]
         if reason:
-            self.room_failed(room, reason)
+            self._fail_room(room, reason)
 
     def room_cleared(self, room: int) -> None:
         self.owned_rooms.discard(room)
@@ -406,29 +463,49 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         self.answers.close()
 
     # ------------------------------------------------------------------ status
-    def _fail_room(self, room: int, reason: str, notify: bool = True, block: bool = True) -> None:
-        """Fail `room` here (if still open) and tell every real decode rank of it (once)."""
-        already = self.request_status.get(room) in (None, KVPoll.Failed)
+    def _owns(self, session: str, room: int, what: str) -> bool:
+        """Whether decode rank `session` may act on `room`: it published it, or nobody did yet (dropped if not)."""
+        owners = self.transfer_infos.get(room) or {}
+        if not owners or session in owners:
+            return True
+        self.drop("not-owner", session, f"{what} of room {room}, which other decode ranks published")
+        return False
+
+    def _fail_room(self, room: int, reason: str, notify: bool = True, block: bool = True,
+                   cause: Optional[str] = None) -> None:
+        """Fail `room` here (if still open) and tell every real decode rank of it (once) but `cause`."""
+        already = self.request_status.get(room) == KVPoll.Failed
         self.room_failed(room, reason)
         if notify and not already:
-            self._notify_decode(room, KVPoll.Failed, reason, block)
+            self._notify_decode(room, KVPoll.Failed, reason, block, skip=cause)
+
+    def _fatal(self, reason: str) -> None:
+        super()._fatal(reason)
+        for room in list(self.transfer_infos):
+            self._notify_decode(room, KVPoll.Failed, reason, block=False)
 
     def _succeed(self, room: int) -> None:
         """The room's last chunk reached every decode rank: Status to them (after the data), then here."""
         self._notify_decode(room, KVPoll.Success)
         self.update_status(room, KVPoll.Success)
 
-    def _notify_decode(self, room: int, status: int, reason: str = "", block: bool = True) -> None:
+    def _notify_decode(self, room: int, status: int, reason: str = "", block: bool = True,
+                       skip: Optional[str] = None) -> None:
         for info in list((self.transfer_infos.get(room) or {}).values()):
-            if not info.is_dummy and info.session in self.decode_peers:
+            if not info.is_dummy and info.session in self.decode_peers and info.session != skip:
                 self._control_send(info.session, wire.Status(self.session, room, self.prefill_rank, int(status), reason), block)
 
-    def _fail_or_bury(self, room: int, reason: str) -> None:
-        """Fail `room` here, or, if its sender does not exist yet, fail it when it does (P2pNcclKVSender)."""
+    def _fail_or_bury(self, room: int, reason: str, cause: str) -> bool:
+        """Decode rank `cause` ends `room`: fail it here, or, if its sender does not exist yet, when it does
+        (P2pNcclKVSender); the room's other decode ranks are told. Only an owner may (False: dropped)."""
+        if not self._owns(cause, room, "the end"):
+            return False
         if room in self.request_status:
-            self._fail_room(room, reason, notify=False)
+            self._fail_room(room, reason, cause=cause)
         else:
             self.concluded[room] = (reason, time.monotonic())
+            self._notify_decode(room, KVPoll.Failed, reason, block=False, skip=cause)
+        return True
 
     def notify_aborted(self, room: int) -> None:
         if self.transfer_infos.get(room):

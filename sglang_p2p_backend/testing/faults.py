@@ -2,7 +2,8 @@
 server would show them to its peer.
 
 Prefill: `chunk_delay_s` (a pause between a request's sends), `abort_after_chunks`, `exit_after_chunks`,
-`stop_after_chunks` (abort the request, exit, or SIGSTOP after that many chunks), `aux_row` (aux rows sent to
+`stop_after_chunks` (abort the request, exit, or SIGSTOP after that many chunks), `broken_after_chunks` (the
+manager marked broken, as when one of its threads cannot go on), `aux_row` (aux rows sent to
 another row than the published one), `write_delay_s` (every write starts later: prefill_role.py's write watch),
 `stop_self` (SIGSTOP once registered). Decode: `abort_after_s`, `exit_after_s`, `stop_after_s` (counted from a
 request's metadata), `ipc_export_short` (a CUDA IPC export that does not cover the pool it registers).
@@ -42,6 +43,8 @@ def prefill_after_send(faults: dict, plan: dict, req: Req, last: bool) -> bool:
         os._exit(EXIT_CODE)
     if "stop_after_chunks" in faults and req.sent >= faults["stop_after_chunks"] * req.chunk_pages:
         stop_self(plan, "prefill")
+    if "broken_after_chunks" in faults and req.sent >= faults["broken_after_chunks"] * req.chunk_pages:
+        req.handle.kv_mgr._fatal("p2pnccl thread p2p-prefill-control stopped: injected")
     return False
 
 

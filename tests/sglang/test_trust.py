@@ -12,9 +12,10 @@ import os
 import time
 
 import msgspec
+import numpy as np
 import pytest
 from support import hostile
-from test_control_plane import HOSTILE_ENV, LINGER, POOL, slow_rooms
+from test_control_plane import HOSTILE_ENV, KEY, LINGER, POOL, slow_rooms
 from test_pd_transfer import FAST_FAILURE_ENV, assert_all_landed, failed_reason
 
 from sglang_p2p_backend.engine.wire import messages as wire
@@ -67,12 +68,15 @@ def _pool_agreement(pool: dict) -> wire.Agreement:
                            aux_item_lens=aux_lens)
 
 
-def phantom_registrations(count: int, agreement: wire.Agreement) -> list:
-    return [wire.encode(wire.PeerRegister(
-        session=hostile.phantom(i), incarnation=1, hostname="phantom", engine_rank=0, attn_tp_size=1,
+def registration(session: str, agreement: wire.Agreement, secret: bytes = b"s" * 16) -> list:
+    return wire.encode(wire.PeerRegister(
+        session=session, incarnation=1, hostname="phantom", engine_rank=0, attn_tp_size=1,
         agreement=agreement, kv_ptrs=[1 << 20] * len(agreement.kv_item_lens), aux_ptrs=[], aux_item_lens=[],
-        state_ptrs=[], kv_pages=1 << 20, aux_rows=64, state_slots=[], transports=["tcp"], secret=b"s" * 16))
-        for i in range(count)]
+        state_ptrs=[], kv_pages=1 << 20, aux_rows=64, state_slots=[], transports=["tcp"], secret=secret))
+
+
+def phantom_registrations(count: int, agreement: wire.Agreement) -> list:
+    return [registration(hostile.phantom(i), agreement) for i in range(count)]
 
 
 def test_600_phantom_registrations_leave_the_real_decode_served():
@@ -105,6 +109,96 @@ def test_600_phantom_registrations_leave_the_real_decode_served():
     assert res["fds_end"] - res["fds_start"] <= 16, res
     log = open(os.path.join(result["workdir"], "prefill-0.log")).read()
     assert 0 < log.count("p2pnccl: decode rank") <= 20, "refusal logs are rate-limited"
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "key"])
+def test_a_refused_stranger_cannot_fail_another_decodes_room(keyed):
+    """A stranger listening at the address it claims registers and is refused (another page size; with the key,
+    no envelope). The refusal carries no pair secret and, with the key, nothing of the prefill; the stranger's
+    RoomMetadata naming the real decode's live rooms, sealed with whatever the refusal carried, fails nothing.
+    Before, the refusal's secret failed such a room on the prefill within 0.05 s, and the decode that owned it
+    waited for SGLang's waiting timeout."""
+    rooms = [1201, 1202]
+    plan = {"pool": POOL, "requests": slow_rooms(rooms, tokens=200), "faults": {"prefill": {"chunk_delay_s": 0.4}},
+            "deadline_s": 60, "linger_s": LINGER}
+    run = PairRun(plan, env={**HOSTILE_ENV, **(KEY if keyed else {})})
+    prefill = run.session("prefill")
+    run.session("decode")
+    stranger = hostile.Stranger(prefill)
+    mine = msgspec.structs.replace(_pool_agreement(POOL), page_size=99)
+    try:
+        stranger.send(registration(stranger.session, mine))
+        ours, answer = stranger.answer()
+        time.sleep(2.0)  # the real decode's rooms are published and transferring
+        for room in rooms:  # as a refused decode tells the prefill of its rooms
+            stranger.send(wire.encode(wire.RoomMetadata(stranger.session, 1, room, b"", -1, [], 1, 0, True)))
+    finally:
+        stranger.close()
+    result = run.wait(90)
+    assert_all_landed(result, rooms)
+    assert ours == b"s" * 16 and answer.problem and answer.secret == b"", answer
+    if keyed:  # 'authentication required' and nothing of this rank
+        assert "SGLANG_P2P_AUTH_KEY set and the peer sends none" in answer.problem and "page" not in answer.problem
+        assert answer.agreement == mine and (answer.incarnation, answer.prefill_rank, answer.attn_tp_rank) == (0, 0, 0)
+    else:
+        assert "page size differs: prefill 1, decode 99" in answer.problem, answer.problem
+    dropped = result["prefill"]["leftovers"]["dropped"]
+    assert dropped.get("auth" if keyed else "not-owner") == (3 if keyed else 2), dropped
+
+
+def test_live_strangers_cannot_take_a_real_decodes_slot_or_its_rooms():
+    """Without a key, strangers that answer at the addresses they claim, confirm with the secret they were handed
+    and keep heartbeating fill the prefill's peer table (SGLANG_P2P_MAX_PEERS=8, 12 of them) before the real decode
+    registers: idle ones go (told so), the decode is served, and a live stranger sends every room operation for
+    the decode's live rooms with its own secret (ChunkRefused, RoomFailed, a second RoomMetadata, SGLang's ABORT):
+    every room lands byte-exact. Before, the decode was refused ('this prefill rank has 8 decode ranks
+    registered')."""
+    rooms = [1301, 1302, 1303]
+    requests = [{**r, "start_after_s": 3.0} for r in slow_rooms(rooms, tokens=200)]
+    plan = {"pool": POOL, "requests": requests, "faults": {"prefill": {"chunk_delay_s": 0.4}}, "deadline_s": 60,
+            "linger_s": LINGER}
+    run = PairRun(plan, env={**HOSTILE_ENV, "SGLANG_P2P_MAX_PEERS": "8"})
+    prefill = run.session("prefill")
+    strangers = [hostile.Stranger(prefill) for _ in range(12)]
+    try:
+        for s in strangers:
+            s.send(registration(s.session, _pool_agreement(POOL)))
+            assert not s.answer()[1].problem
+            s.beat()
+        run.session("decode")
+        time.sleep(5.5)  # the decode registered and its rooms are published and transferring
+        last = strangers[-1]  # the newest stranger is still live
+        ids = np.arange(4, dtype=np.int32).tobytes()
+        for room in rooms:
+            for msg in (wire.ChunkRefused(last.session, 0, room, "forged"),
+                        wire.RoomFailed(last.session, room, "forged"),
+                        wire.RoomMetadata(last.session, 1, room, ids, 1, [], 1, 0, False)):
+                last.send(wire.encode(msg))
+            last.send([b"ABORT", str(room).encode(), *map(str.encode, last.session.split(":"))])
+        result = run.wait(90)
+        inboxes = [s.received() for s in strangers]
+    finally:
+        for s in strangers:
+            s.close()
+    assert_all_landed(result, rooms)
+    released = [any(isinstance(m, wire.PeerReleased) for m in inbox) for inbox in inboxes]
+    assert sum(released) == 5 and not released[-1], released  # 5 idle ones made room, oldest first
+    left = result["prefill"]["leftovers"]
+    assert len(left["decode_peers"]) <= 8 and left["control_sockets"] <= 8, left
+    assert left["dropped"]["not-owner"] == 4 * len(rooms), left["dropped"]
+
+
+def test_a_room_the_prefill_fails_fails_on_its_decode_within_seconds():
+    """The prefill fails a room mid-transfer on its own (its manager is broken: a thread could not go on): the
+    decode that owns it fails it within seconds with the prefill's reason, not at SGLang's waiting timeout (120 s
+    here). Before, the decode was not told."""
+    plan = {"pool": POOL, "requests": slow_rooms([1401], tokens=200), "deadline_s": 40,
+            "faults": {"prefill": {"chunk_delay_s": 0.2, "broken_after_chunks": 2}},
+            "linger_s": {"prefill": 12.0}}  # up past the 5 s: its exit would end the room on the decode too
+    result = run_pair(plan, env=SLOW_SGLANG_ENV)
+    p, d = result["prefill"]["requests"]["1401"], result["decode"]["requests"]["1401"]
+    assert "p2p-prefill-control stopped: injected" in failed_reason(result["decode"], 1401), d
+    assert d["ended_at"] - p["ended_at"] < 5, (p, d)
 
 
 def _mismatch_plan(room: int, **overrides) -> dict:

@@ -2,19 +2,24 @@
 
 Forged messages are built with the real message types (so they decode), mutated ones are valid frames with
 bytes flipped, cut or grown, from a seeded generator (reproducible). Every send is bounded in count and time.
+A `Stranger` goes further: it listens at the address it claims, so it reads what a rank answers it and can
+confirm a registration and keep heartbeating, as an attacker that owns addresses can.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
-from typing import Iterable
+from typing import Iterable, Optional
 
 import msgspec
 import numpy as np
 import zmq
 
 from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.wire.auth import AUTH_MAGIC
+from sglang_p2p_backend.engine.wire.pair_secret import open_frames, seal
 
 
 def push(endpoint: str, messages: Iterable[list[bytes]], pause_s: float = 0.0) -> int:
@@ -90,3 +95,64 @@ def mutated(frames: list[list[bytes]], count: int, seed: int = 0) -> list[list[b
 def encode_raw(obj: object) -> list[bytes]:
     """Our magic around any msgpack value (a message of a type the receiver does not know, say)."""
     return [wire.MAGIC, msgspec.msgpack.encode(obj)]
+
+
+class Stranger:
+    """A sender that really listens at the session it claims (127.0.0.1, a free port): it reads the answers a
+    rank sends it (opened as a peer would, without checking any tag) and sends from one PUSH socket to one rank.
+    `beat()` keeps heartbeating with the secret the rank issued it, from a thread, until `close()`."""
+
+    def __init__(self, target: str):
+        ctx = zmq.Context.instance()
+        self.inbox = ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
+        self.session = f"127.0.0.1:{port}"
+        self.out = ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 1000)
+        self.out.setsockopt(zmq.SNDTIMEO, 2000)
+        self.out.connect(f"tcp://{target}")
+        self.secret: Optional[bytes] = None  # the one the rank issued this stranger, once it answered
+        self._stop = threading.Event()
+        self._beats: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def send(self, frames: list[bytes]) -> None:
+        with self._lock:
+            self.out.send_multipart(seal(frames, self.secret))
+
+    def answer(self, timeout_s: float = 10.0) -> tuple[Optional[bytes], wire.PeerAnswer]:
+        """(the secret the answer carried for us, the answer); keeps the rank's secret for later sends."""
+        if not self.inbox.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no answer at {self.session}")
+        frames = self.inbox.recv_multipart()
+        ours, inner = open_frames(frames[3:] if frames[0] == AUTH_MAGIC else frames)
+        msg = wire.decode(inner)
+        assert isinstance(msg, wire.PeerAnswer), msg
+        self.secret = msg.secret or None
+        return ours, msg
+
+    def received(self, timeout_s: float = 0.5) -> list:
+        """Every message of ours waiting in the inbox (heartbeats, statuses...), opened as `answer` does."""
+        out = []
+        while self.inbox.poll(int(timeout_s * 1000)):
+            frames = self.inbox.recv_multipart()
+            out.append(wire.decode(open_frames(frames[3:] if frames[0] == AUTH_MAGIC else frames)[1]))
+        return out
+
+    def beat(self, interval_s: float = 0.5) -> None:
+        """Confirm the registration and keep it alive, as a decode does."""
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                self.send(wire.encode(wire.Heartbeat(self.session, 1)))
+
+        self.send(wire.encode(wire.Heartbeat(self.session, 1)))
+        self._beats = threading.Thread(target=loop, daemon=True)
+        self._beats.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._beats is not None:
+            self._beats.join(5)
+        self.inbox.close()
+        self.out.close()

@@ -24,8 +24,8 @@ MAGIC = b"P2P1"
 #: what both sides must speak; compared at registration (agreement.py)
 # 3: head ranges (different attention TP on MHA pools); 4: CUDA IPC export (same host); 5: pair secrets (every
 # message after registration carries the secret its receiver issued: pair_secret.py), aux rows in the agreement,
-# RoomFailed
-PROTOCOL_VERSION = 5
+# RoomFailed; 6: refusals carry no pair secret, PeerReleased
+PROTOCOL_VERSION = 6
 
 # static bounds of wire fields: generous for any deployment, small enough that nothing sized by them is costly
 Session = Annotated[str, Meta(min_length=3, max_length=200)]
@@ -125,8 +125,9 @@ class PeerRegister(msgspec.Struct, tag=True):
 class PeerAnswer(msgspec.Struct, tag=True):
     """Prefill rank -> decode rank, answering PeerRegister: accepted (problem "") or refused and why, with the
     prefill's agreement so the decode compares too (a refusal carries the decode's own agreement with only the
-    differing values replaced: a stranger learns nothing else), and the prefill rank it will report Status as.
-    The decode's first message after an acceptance (a Heartbeat carrying `secret`) confirms the registration."""
+    differing values replaced: a stranger learns nothing else; one that failed authentication, nothing of the
+    prefill at all), and the prefill rank it will report Status as. Only an acceptance carries `secret`; the
+    decode's first message after it (a Heartbeat carrying `secret`) confirms the registration."""
 
     session: Session
     incarnation: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
@@ -137,6 +138,14 @@ class PeerAnswer(msgspec.Struct, tag=True):
     attn_tp_rank: Count = 0
     #: the prefill's pair secret for this registration: every later message of the decode to it carries it
     secret: Secret = b""
+
+
+class PeerReleased(msgspec.Struct, tag=True):
+    """Prefill rank -> decode rank: its live registration, idle (no room the prefill's scheduler knows), gave its
+    slot to a new one (SGLANG_P2P_MAX_PEERS); the decode registers again before its next room."""
+
+    session: Session
+    reason: Short
 
 
 class Heartbeat(msgspec.Struct, tag=True):
@@ -265,7 +274,7 @@ class Status(msgspec.Struct, tag=True):
 
 Message = Union[
     PeerRegister, PeerAnswer, Heartbeat, RoomMetadata, CommInit, ChunkHeader, AuxData, Status,
-    CommOffer, CommAnswer, CommClosed, CommRelease, ChunkRefused, RoomFailed,
+    CommOffer, CommAnswer, CommClosed, CommRelease, ChunkRefused, RoomFailed, PeerReleased,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
