@@ -223,9 +223,9 @@ class Dispatcher:
         return self.policy.choose(ps, ds, ctx)
 
     def _last_resort(self, role: str, exclude: set[str]) -> list[Worker]:
-        """No worker of a role is routable: try the ejected ones rather than refuse (a restarted server
-        serves before health checks re-admit it, and with one decode, as in 3P1D, there is no other; a dead
-        one refuses the connection at once and the request moves on). A worker that already failed this
+        """No worker of a role is routable (all ejected, removed or with an open circuit): try the ejected
+        ones rather than refuse (a restarted server serves before health checks re-admit it; a dead one
+        refuses the connection at once and the request moves on). A worker that already failed this
         request stays out."""
         # not a stalled one (its liveness probe times out): that one would hold the request until a timeout
         ws = [w for w in self.pool.all(role) if w.url not in exclude and w.consecutive_timeouts == 0]  # type: ignore[arg-type]
@@ -418,7 +418,7 @@ class Dispatcher:
             self._note_failure(w, f"request transport error: {type(e).__name__}: {e}")
 
     def _note_failure(self, w: Worker, reason: str) -> None:
-        if record_failure(w, reason, self.cfg.passive_failure_threshold):
+        if record_failure(w, reason, self.cfg.passive_failure_threshold, self.pool.has_spare(w)):
             self.metrics.ejections.labels(w.role).inc()
 
     async def _prefill_answer(self, p_task: asyncio.Task) -> Any:
