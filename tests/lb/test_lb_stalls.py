@@ -5,17 +5,95 @@ A stopped worker (SIGSTOP) still completes TCP handshakes (the kernel does) but 
 """
 
 import asyncio
+import time
 
 import pytest
 
-from lb_harness import cluster, run, wait_until
+from lb_harness import cluster, run, sim_process, wait_until
 from sglang_p2p_lb.health import HealthConfig
+from sglang_p2p_lb.proxy import ProxyConfig
+from sglang_p2p_lb.workers import Worker
 
 GEN = {"text": "a b c", "sampling_params": {"max_new_tokens": 2}}
 
 
 def _ejections(c) -> str:
     return "".join(line for line in c.lb.metrics.render().decode().splitlines() if line.startswith("sglang_p2p_lb_worker_ejections_total{"))
+
+
+@pytest.mark.serial
+def test_frozen_prefill_costs_no_client_error():
+    """One of two prefills SIGSTOPped: every request, streamed or not, that waited on it is sent again to the
+    other prefill with a new room (nothing had reached its client); the frozen one is ejected."""
+
+    async def body():
+        hc = HealthConfig(interval=0.2, timeout=5.0, liveness_timeout=0.4, timeout_failure_threshold=2, success_threshold=1)
+        # long first-byte bounds: only stall detection can move these requests in time
+        proxy = ProxyConfig(max_retries=2, request_timeout=30, first_byte_timeout=30, idle_stream_timeout=30)
+        with sim_process("prefill") as frozen:
+            async with cluster(1, 1, policy="round_robin", health=hc, proxy=proxy) as c:
+                p = c.lb.pool.add(Worker(frozen.url, "prefill", frozen.bootstrap_port))
+                assert await frozen.answering(c.http)
+                assert await wait_until(lambda: p.consecutive_successes > 0)
+                frozen.freeze()
+                reqs = [{**GEN, "stream": i % 2 == 0} for i in range(20)]
+                t0 = time.perf_counter()
+                outs = await asyncio.gather(*(c.post("/generate", r) for r in reqs))
+                elapsed = time.perf_counter() - t0
+                assert [o[0] for o in outs] == [200] * 20, [o[2] for o in outs if o[0] != 200]
+                for r, (_, raw, out) in zip(reqs, outs):
+                    if r["stream"]:
+                        assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
+                    else:
+                        assert out["text"] == " tok tok"
+                assert c.prefills[0].stats.completed == 20
+                # two timed-out probes (about 2 x (0.2 + 0.4) s), then the retry; slack for a loaded machine
+                assert elapsed < 6.0, elapsed
+                assert p.healthy is False and "stopped or hung" in p.last_error
+                assert 'sglang_p2p_lb_retries_total{side="prefill"}' in c.lb.metrics.render().decode()
+                # the decode legs that waited for the frozen prefill's KV were closed, not left waiting
+                assert await wait_until(lambda: c.decodes[0].stats.cancelled >= 1)
+                assert await wait_until(lambda: c.lb.dispatcher.inflight == 0)
+
+    run(body)
+
+
+def test_frozen_decode_before_its_first_byte_is_retried_on_the_other_decode():
+    async def body():
+        hc = HealthConfig(interval=0.05, timeout=5.0, liveness_timeout=0.2, timeout_failure_threshold=1)
+        async with cluster(1, 2, policy="round_robin", health=hc, proxy=ProxyConfig(request_timeout=30, first_byte_timeout=30)) as c:
+            stuck = c.decodes[0]  # round_robin's first pick
+            stuck.hang_next = 1
+            task = asyncio.create_task(c.post("/generate", GEN))
+            assert await wait_until(lambda: stuck.stats.requests == 1)
+            stuck.model_info_delay = 5.0  # and now its liveness probes hang too: stopped
+            status, _, out = await task
+            assert status == 200 and out["text"] == " tok tok"
+            assert c.decodes[1].stats.completed == 1
+            w = c.lb.pool.get("decode", stuck.url)
+            assert w.healthy is False and w.inflight_reqs == [0]  # ejected (the other decode is a spare), leg closed
+
+    run(body)
+
+
+def test_prefill_stall_after_its_answer_does_not_fail_the_request():
+    """A non-streamed answer comes only when the decode is done; a prefill that stops after handing its KV
+    over no longer concerns the request."""
+
+    async def body():
+        hc = HealthConfig(interval=0.05, timeout=5.0, liveness_timeout=0.1, timeout_failure_threshold=1)
+        async with cluster(1, 1, sim={"decode_ms_per_token": 5}, health=hc) as c:
+            task = asyncio.create_task(c.post("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 300}}))
+            assert await wait_until(lambda: c.prefills[0].stats.completed == 1)
+            c.prefills[0].model_info_delay = c.prefills[0].health_delay = 5.0  # it stops answering
+            p = c.lb.pool.get("prefill", c.prefills[0].url)
+            assert await wait_until(lambda: p.consecutive_timeouts >= 1)
+            assert not task.done()  # the stall was seen while the decode still generated
+            status, _, out = await task
+            assert p.degraded  # the only prefill: kept in rotation
+            assert status == 200 and out["text"] == " tok" * 300
+
+    run(body)
 
 
 def test_one_slow_liveness_probe_ejects_nothing():
