@@ -48,6 +48,7 @@ class Stats:
     prompt_tokens: int = 0  # prefill: prompt tokens prefilled, and how many of them came from the cache
     cached_tokens: int = 0
     health_checks: int = 0
+    liveness_checks: int = 0  # answers to /model_info, SGLang's scheduler-free route the LB probes for liveness
     load_polls: int = 0
     rooms: list[int] = field(default_factory=list)
     bodies: list[dict[str, Any]] = field(default_factory=list)
@@ -73,6 +74,10 @@ class SimWorker:
         self.hang_next = 0
         self.pause_after_first = 0  # decode: stop writing (but keep the stream open) after the first token
         self.health_delay = 0.0
+        # /model_info waits: the next answers take these (one each), then every answer model_info_delay (a busy
+        # HTTP process, e.g. one parsing a 50 MB body, answers nothing for a while)
+        self.model_info_delays: list[float] = []
+        self.model_info_delay = 0.0
         self._rr = itertools.count()
         self._ids = itertools.count()
         self._runners: list[web.AppRunner] = []
@@ -166,6 +171,10 @@ class SimWorker:
         )
 
     async def model_info(self, request: web.Request) -> web.Response:
+        self.stats.liveness_checks += 1
+        delay = self.model_info_delays.pop(0) if self.model_info_delays else self.model_info_delay
+        if delay:
+            await asyncio.sleep(delay)
         return web.json_response({"model_path": self.cfg.model, "tokenizer_path": self.cfg.model, "is_generation": True})
 
     async def models(self, request: web.Request) -> web.Response:

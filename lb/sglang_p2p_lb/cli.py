@@ -57,12 +57,25 @@ def default_max_concurrent() -> int:
     return max(4096, 1024 * len(os.sched_getaffinity(0)))
 
 
+# flags that count something, and their least value
+_COUNTS = {
+    "--queue-size": 0, "--cb-failure-threshold": 1, "--cb-success-threshold": 1, "--cb-half-open-max-probes": 1,
+    "--health-failure-threshold": 1, "--health-success-threshold": 1, "--health-timeout-failure-threshold": 1, "--passive-failure-threshold": 1,
+}
+# durations that must be positive (`not v > 0` also refuses nan)
+_DURATIONS = (
+    "--queue-timeout-secs", "--cb-timeout-duration-secs", "--cb-window-duration-secs",
+    "--health-check-interval-secs", "--health-check-timeout-secs", "--health-liveness-timeout-secs",
+)
+
+
 def check_limits(args: argparse.Namespace) -> None:
-    for flag, v in (("--queue-size", args.queue_size), ("--cb-failure-threshold", args.cb_failure_threshold), ("--cb-success-threshold", args.cb_success_threshold), ("--cb-half-open-max-probes", args.cb_half_open_max_probes)):
-        if v < (0 if flag == "--queue-size" else 1):
-            raise ValueError(f"{flag} must be {'>= 0' if flag == '--queue-size' else '>= 1'}, got {v}")
-    for flag, v in (("--queue-timeout-secs", args.queue_timeout_secs), ("--cb-timeout-duration-secs", args.cb_timeout_duration_secs), ("--cb-window-duration-secs", args.cb_window_duration_secs)):
-        if not v > 0:
+    """A clear error for a count or a duration out of range (each flag's dest is argparse's default)."""
+    for flag, least in _COUNTS.items():
+        if (v := getattr(args, flag[2:].replace("-", "_"))) < least:
+            raise ValueError(f"{flag} must be >= {least}, got {v}")
+    for flag in _DURATIONS:
+        if not (v := getattr(args, flag[2:].replace("-", "_"))) > 0:
             raise ValueError(f"{flag} must be > 0, got {v}")
 
 
@@ -103,17 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--queue-timeout-secs", type=float, default=ProxyConfig.queue_timeout, help="longest wait for a slot, then a 503")
     g.add_argument("--max-body-mb", type=float, default=64.0)
     g = p.add_argument_group("health and load")
-    g.add_argument("--health-check-interval-secs", dest="hc_interval", type=float, default=HealthConfig.interval)
-    g.add_argument("--health-recovery-interval-secs", type=float, default=HealthConfig.recovery_interval, help="how often an ejected worker is probed, so a restarted one is back quickly (0: --health-check-interval-secs)")
-    g.add_argument("--health-check-timeout-secs", dest="hc_timeout", type=float, default=HealthConfig.timeout)
-    g.add_argument("--health-failure-threshold", type=int, default=3)
+    g.add_argument("--health-check-interval-secs", type=float, default=HealthConfig.interval)
+    g.add_argument("--health-recovery-interval-secs", type=float, default=HealthConfig.recovery_interval, help="how often a suspect or ejected worker is probed, so a stopped one is found and a restarted one is back quickly (0: --health-check-interval-secs)")
+    g.add_argument("--health-check-timeout-secs", type=float, default=HealthConfig.timeout)
+    g.add_argument("--health-failure-threshold", type=int, default=HealthConfig.failure_threshold, help="consecutive failed health checks that eject a worker (the last of its role is only marked degraded)")
     g.add_argument("--health-liveness-endpoint", default=HealthConfig.liveness_endpoint, help="answered by SGLang's HTTP process alone: no answer means the worker stopped")
     g.add_argument("--health-liveness-timeout-secs", type=float, default=HealthConfig.liveness_timeout)
-    g.add_argument("--health-timeout-failure-threshold", type=int, default=HealthConfig.timeout_failure_threshold, help="consecutive liveness timeouts that eject a worker and fail its in-flight requests")
-    g.add_argument("--health-success-threshold", type=int, default=2)
+    g.add_argument("--health-timeout-failure-threshold", type=int, default=HealthConfig.timeout_failure_threshold, help="consecutive liveness timeouts (with no load-poll answer between) after which a worker counts as stopped: its in-flight requests are retried elsewhere and it is ejected")
+    g.add_argument("--health-success-threshold", type=int, default=HealthConfig.success_threshold)
     g.add_argument("--health-check-endpoint", default="/health")
     g.add_argument("--disable-health-check", action="store_true")
-    g.add_argument("--passive-failure-threshold", type=int, default=3, help="consecutive request transport errors that eject a worker")
+    g.add_argument("--passive-failure-threshold", type=int, default=ProxyConfig.passive_failure_threshold, help="consecutive request transport errors that eject a worker")
     g.add_argument("--load-poll-interval-secs", dest="load_poll_interval", type=float, default=1.0, help="poll /v1/loads (or /get_load) this often; 0 disables")
     g.add_argument("--load-max-age-secs", dest="poll_max_age", type=float, default=10.0, help="ignore polled loads older than this")
     g.add_argument("--channel-ttl-secs", type=float, default=600.0, help="a P/D pair used within this time counts as having a live transfer channel")
@@ -212,9 +225,9 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
             dp_fields=args.dp_aware,
         ),
         health=HealthConfig(
-            interval=args.hc_interval,
+            interval=args.health_check_interval_secs,
             recovery_interval=args.health_recovery_interval_secs,
-            timeout=args.hc_timeout,
+            timeout=args.health_check_timeout_secs,
             failure_threshold=args.health_failure_threshold,
             timeout_failure_threshold=args.health_timeout_failure_threshold,
             liveness_endpoint=args.health_liveness_endpoint,

@@ -6,13 +6,19 @@ Two probes per worker, each at a fixed rate (a slow probe of one worker never de
   SGLang's `/health` generates a token through the scheduler and may legitimately take up to its own
   SGLANG_HEALTH_CHECK_TIMEOUT (20 s) while a long prefill runs, hence the 25 s default timeout.
 * liveness (`liveness_endpoint`, `/model_info`, which SGLang answers from its HTTP process without the
-  scheduler): no answer within `liveness_timeout` means the process accepts connections but stopped
-  (SIGSTOP, frozen). After `timeout_failure_threshold` (1) such timeouts the worker is ejected and the
-  requests in flight on it fail at once (Worker.notify_stalled): within interval + liveness_timeout.
-An ejected worker is probed every `recovery_interval` (0.5 s) instead, so a restarted server is back in
-rotation within success_threshold x recovery_interval of answering.
-Requests' own transport failures eject a worker too (passive, proxy.py). When a worker answers for the
-first time its `/get_server_info` is read for its DP size.
+  scheduler): no answer within `liveness_timeout` means the process stopped (SIGSTOP, frozen) or is busy
+  (parsing a 50 MB body blocks it for seconds). Both still complete TCP handshakes (the kernel does), so only
+  the streak tells them apart: after `timeout_failure_threshold` (3) timeouts in a row the worker counts as
+  stopped, is ejected, and the requests in flight on it fail at once (Worker.notify_stalled) so the LB can
+  send them elsewhere. Any answer breaks the streak: a liveness or health answer, a load poll
+  (Worker.note_answer), a request leg's answer.
+A worker with a failure or timeout streak, or ejected or degraded, is probed every `recovery_interval` (0.5 s)
+instead of every `interval`: a stopped one is found sooner, a restarted one is back within
+success_threshold x recovery_interval of answering.
+The last worker of a role that could take a request is never ejected (health, liveness or a request's
+transport errors, proxy.py): it is marked degraded and still tried, since ejecting it is a certain outage
+while it may only be busy. It is ejected at its next failure once another worker of its role is back.
+When a worker answers for the first time its `/get_server_info` is read for its DP size.
 """
 
 from __future__ import annotations
@@ -35,49 +41,57 @@ class HealthConfig:
     failure_threshold: int = 3
     success_threshold: int = 2
     endpoint: str = "/health"
-    # interval + liveness_timeout bounds the time to eject a stopped worker: 4 s at these defaults
+    # a stopped worker is found within about interval + timeout_failure_threshold x (liveness_timeout +
+    # recovery_interval): 9.5 s at these defaults
     liveness_endpoint: str = "/model_info"
     liveness_timeout: float = 2.0
-    timeout_failure_threshold: int = 1
-    # an ejected worker is probed this often, so a restarted server is back within
-    # success_threshold x recovery_interval of serving (0: at `interval` like the others)
+    # one slow answer is a busy server, not a stopped one: a 50 MB body held SGLang's HTTP process over 2 s
+    timeout_failure_threshold: int = 3
+    # a suspect or ejected worker is probed this often, so a stopped one is found and a restarted one is
+    # back within success_threshold x recovery_interval of serving (0: at `interval` like the others)
     recovery_interval: float = 0.5
     enabled: bool = True
 
 
-def _eject_at(w: Worker, count: int, threshold: int, reason: str) -> bool:
+def _eject_at(w: Worker, count: int, threshold: int, reason: str, spare: bool) -> bool:
+    """Eject w once `count` reaches `threshold`, or mark it degraded when no `spare` would take its place."""
     w.consecutive_successes = 0
     w.last_error = reason
-    if w.healthy and count >= threshold:
-        w.healthy = False
+    if not w.healthy or count < threshold:
+        return False
+    if spare:
+        w.healthy, w.degraded = False, False
         log.warning("ejecting %s worker %s after %d in a row: %s", w.role, w.url, count, reason)
         return True
+    if not w.degraded:
+        w.degraded = True
+        log.warning("%s worker %s failed %d in a row (%s) but is the last of its role: kept in rotation, degraded", w.role, w.url, count, reason)
     return False
 
 
-def record_stall(w: Worker, reason: str, threshold: int) -> bool:
+def record_stall(w: Worker, reason: str, threshold: int, spare: bool) -> bool:
     """Count one liveness timeout; True when this one ejects the worker."""
     w.consecutive_timeouts += 1
-    return _eject_at(w, w.consecutive_timeouts, threshold, reason)
+    return _eject_at(w, w.consecutive_timeouts, threshold, reason, spare)
 
 
-def record_failure(w: Worker, reason: str, threshold: int) -> bool:
+def record_failure(w: Worker, reason: str, threshold: int, spare: bool) -> bool:
     """Count one failure; True when this one ejects the worker."""
     w.consecutive_failures += 1
-    return _eject_at(w, w.consecutive_failures, threshold, reason)
+    return _eject_at(w, w.consecutive_failures, threshold, reason, spare)
 
 
 def record_success(w: Worker, threshold: int) -> bool:
-    """Count one success; True when this one re-admits an ejected worker."""
+    """Count one success; True when this one re-admits an ejected worker (or clears a degraded one)."""
     w.consecutive_failures = w.consecutive_timeouts = 0
     w.consecutive_successes += 1
-    if not w.healthy and w.consecutive_successes >= threshold:
-        w.healthy = True
-        w.last_error = ""
-        w.breaker.readmit()
-        log.info("re-admitting %s worker %s", w.role, w.url)
-        return True
-    return False
+    if w.consecutive_successes < threshold or w.state == "healthy":
+        return False
+    log.info("%s %s worker %s", "re-admitting" if not w.healthy else "no longer degraded:", w.role, w.url)
+    w.healthy, w.degraded = True, False
+    w.last_error = ""
+    w.breaker.readmit()
+    return True
 
 
 async def fetch_server_info(session: aiohttp.ClientSession, w: Worker, timeout: float) -> dict | None:
@@ -99,6 +113,11 @@ def dp_size_from_info(info: dict) -> int:
     return int(n) if isinstance(n, int) and n > 0 else 1
 
 
+def _suspect(w: Worker) -> bool:
+    """Out of rotation, degraded, or on a failure streak: probed at the recovery pace."""
+    return w.state != "healthy" or w.consecutive_failures > 0 or w.consecutive_timeouts > 0
+
+
 class HealthChecker:
     def __init__(self, pool: WorkerPool, session: aiohttp.ClientSession, cfg: HealthConfig, metrics=None, dp_aware: bool = True) -> None:
         self.pool, self.session, self.cfg, self.metrics, self.dp_aware = pool, session, cfg, metrics, dp_aware
@@ -117,9 +136,13 @@ class HealthChecker:
             record_success(w, self.cfg.success_threshold)
             if id(w) not in self._info_done:
                 await self.discover(w)
-        elif record_failure(w, reason, self.cfg.failure_threshold) and self.metrics is not None:
-            self.metrics.ejections.labels(w.role).inc()
+        elif record_failure(w, reason, self.cfg.failure_threshold, self.pool.has_spare(w)):
+            self._ejected(w)
         return ok
+
+    def _ejected(self, w: Worker) -> None:
+        if self.metrics is not None:
+            self.metrics.ejections.labels(w.role).inc()
 
     async def live(self, w: Worker) -> bool:
         """Liveness: only a timeout counts (a refused connection or an error status is the health probe's)."""
@@ -128,9 +151,11 @@ class HealthChecker:
                 await r.read()
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             reason = f"no answer to {self.cfg.liveness_endpoint} within {self.cfg.liveness_timeout:g}s (stopped or hung)"
-            if record_stall(w, reason, self.cfg.timeout_failure_threshold):
-                if self.metrics is not None:
-                    self.metrics.ejections.labels(w.role).inc()
+            if record_stall(w, reason, self.cfg.timeout_failure_threshold, self.pool.has_spare(w)):
+                self._ejected(w)
+            if w.consecutive_timeouts >= self.cfg.timeout_failure_threshold:
+                # at every timeout past the threshold: a degraded last worker keeps getting requests, and
+                # those must end with a clear error too rather than wait out the first-byte timeout
                 w.notify_stalled(reason)
             return False
         except aiohttp.ClientError:
@@ -150,10 +175,10 @@ class HealthChecker:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.pool))
 
-    def probe_round(self, ejected_only: bool = False) -> None:
-        """Start each probe of every worker (or every ejected one) that has none of that kind in flight."""
+    def probe_round(self, suspects_only: bool = False) -> None:
+        """Start each probe of every worker (or every suspect one) that has none of that kind in flight."""
         for w in self.pool:
-            if ejected_only and w.healthy:
+            if suspects_only and not _suspect(w):
                 continue
             for kind, probe in (("health", self.check), ("live", self.live)):
                 key = (id(w), kind)
@@ -177,7 +202,7 @@ class HealthChecker:
                 full = loop.time() >= next_full - tick / 2
                 if full:
                     next_full += self.cfg.interval
-                self.probe_round(ejected_only=not full)
+                self.probe_round(suspects_only=not full)
         finally:
             for t in list(self._probing.values()):
                 t.cancel()

@@ -64,6 +64,7 @@ class LoadPoller:
                 parsed = parse_legacy_load(doc) if status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return False
+        w.note_answer()  # whatever it said, it answered: not stopped (health.py counts on this)
         if parsed is None:
             return False
         w.record_poll(*parsed)

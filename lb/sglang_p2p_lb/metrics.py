@@ -22,16 +22,18 @@ class _PoolCollector(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily]:
         labels = ["role", "url"]
         healthy = GaugeMetricFamily(f"{PREFIX}_worker_healthy", "1 if the worker is routable, 0 if ejected", labels=labels)
+        degraded = GaugeMetricFamily(f"{PREFIX}_worker_degraded", "1 if the worker fails its checks but is kept in rotation as the last of its role", labels=labels)
         reqs = GaugeMetricFamily(f"{PREFIX}_worker_inflight_requests", "Requests this LB has in flight on the worker", labels=labels)
         toks = GaugeMetricFamily(f"{PREFIX}_worker_outstanding_tokens", "Prompt tokens this LB has in flight on the worker", labels=labels)
         sel = GaugeMetricFamily(f"{PREFIX}_worker_selected", "Times the worker was picked", labels=labels)
         for w in self.pool:
             lv = [w.role, w.url]
             healthy.add_metric(lv, 1.0 if w.healthy else 0.0)
+            degraded.add_metric(lv, 1.0 if w.degraded else 0.0)
             reqs.add_metric(lv, sum(w.inflight_reqs))
             toks.add_metric(lv, sum(w.inflight_tokens))
             sel.add_metric(lv, w.selected)
-        return [healthy, reqs, toks, sel]
+        return [healthy, degraded, reqs, toks, sel]
 
 
 class Metrics:

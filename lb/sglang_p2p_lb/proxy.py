@@ -3,12 +3,13 @@
 Per attempt: the prefill and decode requests start concurrently. The client sees nothing until the decode
 has produced its first SSE event (streaming) or its whole body; until then a failed leg cancels the other
 leg. The request is retried on a new pair with a new room, excluding the worker that failed, only where
-that is safe: the connection was refused or reset, the worker answered 503, or the decode's first event
-is an abort (its KV never arrived). A 4xx or any other 5xx is the worker's verdict on this request and is
-returned as is: a deterministic 500 would fail on every pair. Timeouts are not retried either (the worker
-may still be working on it). Bounded waits: `first_byte_timeout` for the prefill answer and the decode's
-first streamed event, `idle_stream_timeout` between streamed chunks, and a worker that health checks
-find stalled (probe timeout) fails the requests in flight on it at once (Worker.notify_stalled).
+that is safe: the connection was refused or reset, the worker answered 503, the decode's first event
+is an abort (its KV never arrived), or health checks found a leg's worker stopped (Worker.notify_stalled:
+its legs are closed, so a resumed worker aborts them). A 4xx or any other 5xx is the worker's verdict on
+this request and is returned as is: a deterministic 500 would fail on every pair. A first-byte timeout is
+not retried either (the worker answers its probes, so it may still be working on it). Bounded waits:
+`first_byte_timeout` for the prefill answer and the decode's first streamed event, `idle_stream_timeout`
+between streamed chunks, and a stopped worker's requests end at once (retried, or a 504 mid-stream).
 Once bytes have reached the client they pass through unchanged (except the mini_lb logprob merge when
 `return_logprob` is set). A client that disconnects cancels both legs: aiohttp
 cancels the handler and closing the upstream responses closes their connections, which SGLang treats as
@@ -223,9 +224,9 @@ class Dispatcher:
         return self.policy.choose(ps, ds, ctx)
 
     def _last_resort(self, role: str, exclude: set[str]) -> list[Worker]:
-        """No worker of a role is routable: try the ejected ones rather than refuse (a restarted server
-        serves before health checks re-admit it, and with one decode, as in 3P1D, there is no other; a dead
-        one refuses the connection at once and the request moves on). A worker that already failed this
+        """No worker of a role is routable (all ejected, removed or with an open circuit): try the ejected
+        ones rather than refuse (a restarted server serves before health checks re-admit it; a dead one
+        refuses the connection at once and the request moves on). A worker that already failed this
         request stays out."""
         # not a stalled one (its liveness probe times out): that one would hold the request until a timeout
         ws = [w for w in self.pool.all(role) if w.url not in exclude and w.consecutive_timeouts == 0]  # type: ignore[arg-type]
@@ -285,7 +286,8 @@ class Dispatcher:
         stalled: asyncio.Future = loop.create_future()
 
         def on_stall(w: Worker, why: str) -> None:
-            if not stalled.done():
+            # a prefill that has answered handed its KV over: its stall no longer concerns this request
+            if not stalled.done() and not (w is p and p_task.done()):
                 stalled.set_result((w, why))
 
         p.stall_watchers.add(on_stall)
@@ -337,7 +339,8 @@ class Dispatcher:
             if stalled in done:
                 w, why = stalled.result()
                 w.breaker.record_failure()
-                return LegFailure(w.role, w, f"worker stopped answering ({why})", code=504)
+                # nothing reached the client and both legs are closed next: another pair can serve it
+                return LegFailure(w.role, w, f"worker stopped answering ({why})", code=504, retryable=True)
             if p_task in done and isinstance(p_task.result(), LegFailure):
                 return p_task.result()  # fail fast: the decode would wait for KV that never comes
             if not done:
@@ -418,7 +421,7 @@ class Dispatcher:
             self._note_failure(w, f"request transport error: {type(e).__name__}: {e}")
 
     def _note_failure(self, w: Worker, reason: str) -> None:
-        if record_failure(w, reason, self.cfg.passive_failure_threshold):
+        if record_failure(w, reason, self.cfg.passive_failure_threshold, self.pool.has_spare(w)):
             self.metrics.ejections.labels(w.role).inc()
 
     async def _prefill_answer(self, p_task: asyncio.Task) -> Any:

@@ -162,9 +162,17 @@ class LoadBalancer:
 
     # ------------------------------------------------------------ health
     async def health_route(self, request: web.Request) -> web.Response:
-        p, d = self.pool.routable("prefill"), self.pool.routable("decode")
-        status = 200 if p and d else 503
-        return _json({"status": "ok" if status == 200 else "unavailable", "healthy_prefill": len(p), "healthy_decode": len(d)}, status)
+        """200 while each role has a worker in rotation ("degraded" when that is only a failing last one)."""
+        out: dict[str, Any] = {"status": "ok"}
+        for role in ("prefill", "decode"):
+            ws = self.pool.routable(role)  # type: ignore[arg-type]
+            fine = sum(not w.degraded for w in ws)
+            out[f"healthy_{role}"], out[f"degraded_{role}"] = fine, len(ws) - fine
+            if not ws:
+                out["status"] = "unavailable"
+            elif not fine and out["status"] == "ok":
+                out["status"] = "degraded"
+        return _json(out, 503 if out["status"] == "unavailable" else 200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """Generate one token through a real pair (mini_lb only pings the workers, sglang #8063)."""

@@ -64,8 +64,10 @@ class Worker:
     bootstrap_port: int | None = None
     node: str = ""
     dp_size: int = 1
-    # health: `healthy` False means ejected (not routable)
+    # health: `healthy` False means ejected (not routable); `degraded` means failing its checks but kept in
+    # rotation, being the last of its role that could take a request (ejecting it would be a certain outage)
     healthy: bool = True
+    degraded: bool = False
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     consecutive_timeouts: int = 0
@@ -85,6 +87,11 @@ class Worker:
         if not self.node:
             self.node = urlsplit(self.url).hostname or self.url
         self.set_dp_size(self.dp_size)
+
+    @property
+    def state(self) -> str:
+        """healthy, degraded (failing but still tried) or ejected."""
+        return "ejected" if not self.healthy else "degraded" if self.degraded else "healthy"
 
     @property
     def bootstrap_host(self) -> str:
@@ -139,6 +146,10 @@ class Worker:
         for cb in list(self.stall_watchers):
             cb(self, reason)
 
+    def note_answer(self) -> None:
+        """It answered a request of ours (a load poll): busy perhaps, but not stopped, whatever the last probes say."""
+        self.consecutive_timeouts = 0
+
     def observe_latency(self, seconds: float) -> None:
         self.latency = seconds if self.latency is None else (1 - LATENCY_ALPHA) * self.latency + LATENCY_ALPHA * seconds
 
@@ -150,7 +161,9 @@ class Worker:
             "node": self.node,
             "dp_size": self.dp_size,
             "healthy": self.healthy,
+            "state": self.state,
             "consecutive_failures": self.consecutive_failures,
+            "consecutive_timeouts": self.consecutive_timeouts,
             "last_error": self.last_error,
             "inflight_requests": sum(self.inflight_reqs),
             "outstanding_tokens": sum(self.inflight_tokens),
@@ -228,8 +241,13 @@ class WorkerPool:
         return [w for w in self._workers.values() if role is None or w.role == role]
 
     def routable(self, role: Role, exclude: set[str] = frozenset()) -> list[Worker]:
-        """Healthy workers whose circuit lets a request through."""
-        return [w for w in self._workers.values() if w.role == role and w.healthy and w.url not in exclude and w.breaker.allows()]
+        """Workers in rotation whose circuit lets a request through; degraded ones only when no other is left."""
+        ws = [w for w in self._workers.values() if w.role == role and w.healthy and w.url not in exclude and w.breaker.allows()]
+        return [w for w in ws if not w.degraded] or ws
+
+    def has_spare(self, w: Worker) -> bool:
+        """Whether another worker of w's role could take its requests now (so ejecting w leaves the role served)."""
+        return any(o is not w and o.role == w.role and o.healthy and not o.degraded and o.breaker.current() != "open" for o in self._workers.values())
 
     def note_channel(self, p: Worker, d: Worker) -> None:
         self.channels[(p.url, d.url)] = time.monotonic()

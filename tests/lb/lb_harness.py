@@ -5,7 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from typing import Any, AsyncIterator, Awaitable, Callable
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import aiohttp
 import orjson
@@ -110,3 +115,62 @@ async def wait_until(pred: Callable[[], bool], timeout: float = 5.0, step: float
             return True
         await asyncio.sleep(step)
     return pred()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class SimProcess:
+    """A simworker in its own process, so that SIGSTOP freezes it (and only it) as it would a real server."""
+
+    proc: subprocess.Popen
+    url: str
+    bootstrap_port: int | None
+    frozen: bool = False
+
+    def freeze(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.frozen = False
+
+    async def answering(self, http: aiohttp.ClientSession, timeout: float = 20.0) -> bool:
+        """Whether its /health answers within `timeout` (a process start on a loaded machine takes seconds)."""
+
+        async def up() -> bool:
+            try:
+                async with http.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                    return r.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return False
+
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            if await up():
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+
+@contextlib.contextmanager
+def sim_process(role: str, *flags: str) -> Iterator[SimProcess]:
+    port = free_port()
+    boot = free_port() if role == "prefill" else None
+    cmd = [sys.executable, "-m", "simworker", "--role", role, "--host", "127.0.0.1", "--port", str(port), *flags]
+    if boot is not None:
+        cmd += ["--bootstrap-port", str(boot)]
+    sim = SimProcess(subprocess.Popen(cmd), f"http://127.0.0.1:{port}", boot)
+    try:
+        yield sim
+    finally:
+        if sim.frozen:
+            sim.thaw()
+        sim.proc.terminate()
+        sim.proc.wait(10)

@@ -97,18 +97,19 @@ def test_ejection_and_readmission_by_health_checks():
             sick.healthy = True
             assert await wait_until(lambda: w.healthy)
             assert 'sglang_p2p_lb_worker_ejections_total{role="prefill"} 1.0' in c.lb.metrics.render().decode()
-            # with every prefill ejected the LB still tries them (last resort) rather than refuse
+            # with every prefill failing, the last one is kept in rotation (degraded) rather than ejected
             for p in c.prefills:
                 p.healthy = False
-            assert await wait_until(lambda: not any(x.healthy for x in c.lb.pool.all("prefill")))
-            assert (await c.get("/health"))[0] == 503
+            assert await wait_until(lambda: sorted(x.state for x in c.lb.pool.all("prefill")) == ["degraded", "ejected"])
+            assert (await c.get("/health"))[1]["status"] == "degraded"
             assert (await c.post("/generate", GEN))[0] == 200
-            assert 'sglang_p2p_lb_last_resort_total{role="prefill"} 1.0' in c.lb.metrics.render().decode()
-            # and when they are gone too, each is tried once and the answer names the failure
+            # and when they are gone too, each is tried once (the ejected one as a last resort) and the
+            # answer names the failure
             for p in c.prefills:
                 await p.stop()
             status, _, out = await c.post("/generate", GEN)
             assert status == 502 and "ClientConnectorError" in out["error"]["message"], out
+            assert 'sglang_p2p_lb_last_resort_total{role="prefill"} 1.0' in c.lb.metrics.render().decode()
 
     run(body)
 

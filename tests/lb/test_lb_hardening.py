@@ -4,20 +4,17 @@ All on 127.0.0.1 against simulated workers (in-process, or a simworker process w
 """
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import orjson
 import pytest
 
-from lb_harness import ADMIN, ADMIN_KEY, cluster, run, wait_until
+from lb_harness import ADMIN, ADMIN_KEY, cluster, run, sim_process, wait_until
 from sglang_p2p_lb import auth
 from sglang_p2p_lb.auth import AuthConfig
 from sglang_p2p_lb.health import HealthConfig
 from sglang_p2p_lb.proxy import ProxyConfig
+from sglang_p2p_lb.workers import Worker
 from simworker import SimConfig, SimWorker
 
 GEN = {"text": "a b c", "sampling_params": {"max_new_tokens": 2}}
@@ -130,34 +127,21 @@ def test_slowloris_sockets_do_not_block_real_requests():
 
 
 # ------------------------------------------------------------------ stalled workers
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.serial
-def test_sigstopped_decode_in_flight_requests_answered_within_bound():
-    """A decode process that accepts connections but stopped (SIGSTOP): ejected and its requests failed fast."""
+def test_sigstopped_only_decode_answers_clear_504s_and_stays_in_rotation():
+    """The only decode stops (SIGSTOP) but accepts connections: the requests waiting on it get a clear 504
+    within the stall bound, and it stays in rotation (degraded): ejecting it would leave no decode at all."""
 
     async def body():
-        port = _free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "simworker", "--role", "decode", "--host", "127.0.0.1", "--port", str(port), "--decode-ms-per-token", "5"])
-        stopped = False
-        try:
-            hc = HealthConfig(interval=0.3, timeout=5.0, liveness_timeout=0.5, failure_threshold=3, success_threshold=1)
-            # a long first-byte / idle bound, so only stall detection can end the requests in time
-            proxy = ProxyConfig(max_retries=0, request_timeout=60, first_byte_timeout=60, idle_stream_timeout=60)
+        hc = HealthConfig(interval=0.3, timeout=5.0, liveness_timeout=0.5, timeout_failure_threshold=1, failure_threshold=3, success_threshold=1)
+        # a long first-byte / idle bound, so only stall detection can end the requests in time
+        proxy = ProxyConfig(max_retries=0, request_timeout=60, first_byte_timeout=60, idle_stream_timeout=60)
+        bound = hc.interval + hc.liveness_timeout + 1.5  # one probe interval + one probe timeout, plus slack
+        with sim_process("decode", "--decode-ms-per-token", "5") as proc:
             async with cluster(1, 0, health=hc, proxy=proxy) as c:
-                from sglang_p2p_lb.workers import Worker
-
-                d = c.lb.pool.add(Worker(f"http://127.0.0.1:{port}", "decode"))
-                for _ in range(100):  # the process is up when it answers
-                    if (await c.get("/health"))[0] == 200 and (await c.post("/generate", GEN))[0] == 200:
-                        break
-                    await asyncio.sleep(0.1)
+                d = c.lb.pool.add(Worker(proc.url, "decode"))
+                assert await proc.answering(c.http)
+                assert await wait_until(lambda: d.consecutive_successes > 0)
                 long = {"text": "x", "sampling_params": {"max_new_tokens": 100000}}
                 streams, firsts = [], []
                 for _ in range(4):
@@ -166,33 +150,27 @@ def test_sigstopped_decode_in_flight_requests_answered_within_bound():
                     streams.append(r)
                 plain = [asyncio.create_task(c.post("/generate", long)) for _ in range(3)]
                 await asyncio.sleep(0.2)
-                os.kill(proc.pid, signal.SIGSTOP)
-                stopped = True
+                proc.freeze()
                 t0 = time.perf_counter()
                 tails = await asyncio.gather(*(asyncio.wait_for(r.read(), 5.0) for r in streams))
                 outs = await asyncio.wait_for(asyncio.gather(*plain), 5.0)
-                elapsed = time.perf_counter() - t0
-                # bound: one probe interval + one probe timeout, plus scheduling slack on a shared machine
-                assert elapsed < hc.interval + hc.liveness_timeout + 1.5, elapsed
+                assert time.perf_counter() - t0 < bound
                 assert all(f.startswith(b"data: {") for f in firsts)
                 assert all(b"stopped answering" in t and b'"code":504' in t for t in tails)
                 assert [o[0] for o in outs] == [504] * 3 and all("stopped answering" in o[2]["error"]["message"] for o in outs)
-                assert d.healthy is False and "stopped or hung" in d.last_error
-                # nothing left on the LB's books, and new requests get a clear 503 while it is out
+                assert d.healthy and d.degraded and "stopped or hung" in d.last_error
                 assert await wait_until(lambda: c.lb.dispatcher.inflight == 0)
+                # still tried, and answered with the same clear 504 at its next timed-out probe, not held
+                t0 = time.perf_counter()
                 status, _, out = await c.post("/generate", GEN)
-                assert status == 503 and "no healthy decode" in out["error"]["message"]
+                assert status == 504 and "stopped answering" in out["error"]["message"]
+                assert time.perf_counter() - t0 < bound
                 for r in streams:
                     r.release()
-                os.kill(proc.pid, signal.SIGCONT)
-                stopped = False
-                assert await wait_until(lambda: d.healthy, 5)  # taken back once it answers again
+                proc.thaw()
+                assert await wait_until(lambda: not d.degraded, 5)  # back to healthy once it answers again
                 assert (await c.post("/generate", GEN))[0] == 200
-        finally:
-            if stopped:
-                os.kill(proc.pid, signal.SIGCONT)
-            proc.terminate()
-            proc.wait(10)
+                assert "worker_ejections_total{" not in c.lb.metrics.render().decode()
 
     run(body)
 

@@ -129,7 +129,7 @@ def test_random_policy_works_and_info_routes():
             status, _, out = await c.post("/flush_cache", None, raw=b"", headers=ADMIN)
             assert status == 200 and out == {"status": "ok", "flushed": 4}
             assert all(w.stats.flushes == 1 for w in c.prefills + c.decodes)
-            assert (await c.get("/health")) == (200, {"status": "ok", "healthy_prefill": 2, "healthy_decode": 2})
+            assert (await c.get("/health")) == (200, {"status": "ok", "healthy_prefill": 2, "degraded_prefill": 0, "healthy_decode": 2, "degraded_decode": 0})
             status, _ = await c.get("/health_generate")
             assert status == 200 and sum(d.stats.completed for d in c.decodes) == 5
             status, text = await c.get("/metrics")
