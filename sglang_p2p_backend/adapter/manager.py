@@ -34,6 +34,7 @@ from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+from sglang_p2p_backend.adapter import contract
 from sglang_p2p_backend.adapter.bootstrap import signed_writes
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.wire.agreement import local_agreement
@@ -91,6 +92,8 @@ class P2pNcclKVManagerBase(CommonKVManager):
         is_mla_backend: Optional[bool] = False,
         **kwargs: Any,
     ):
+        # before anything binds, registers or starts: a setting p2pnccl cannot serve fails the server here
+        contract.check(args, server_args, str(getattr(disaggregation_mode, "value", disaggregation_mode)))
         self.config = EngineConfig.from_env()
         _shorten_gil_switch(self.config.gil_switch_ms)
         key = key_from_env()
