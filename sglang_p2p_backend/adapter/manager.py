@@ -171,6 +171,10 @@ class P2pNcclKVManagerBase(CommonKVManager):
             attn_tp_size=self.attn_tp_size,
             kv_total_heads=self.kv_total_heads,
             aux_item_lens=args.aux_item_lens,
+            # SGLang 0.5.23's layout labels; 0.5.17 sets neither
+            kv_layout=getattr(args, "kv_layout", None),
+            swa_kv_cache_layout=getattr(args, "swa_kv_cache_layout", None),
+            state_types=contract.state_type_names(args) or [],
         )
         #: the pair secrets this rank issued to its peers (one per registration)
         self.issued = IssuedSecrets(2 * self.config.max_peers)

@@ -95,6 +95,7 @@ class Role:
         args.page_size = self.spec.page_size
         # what the model runner reports for the pool (bf16 KV for a bf16 model unless --kv-cache-dtype says else)
         args.kv_cache_dtype_str = plan.get("kv_dtype", {}).get(role, "bfloat16")
+        args.kv_layout = plan.get("kv_layout", {}).get(role)  # SGLang 0.5.23's layout label (None: the pool has one)
         args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = self.pools.kv_lists()
         args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
         args.state_data_ptrs, args.state_data_lens, args.state_item_lens = self.pools.state_lists()
