@@ -8,7 +8,8 @@ raises `ValueError` with all of them. A setting 0.5.17 lacks reads as its defaul
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+import os
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 #: state components whose indices are not whole items of their regions (p2pnccl copies whole items by position)
 UNSUPPORTED_STATE_TYPES = {
@@ -33,6 +34,13 @@ _SETTINGS: tuple[tuple[str, tuple[str, ...], Callable[[Any], bool], str], ...] =
     ("enable_hisparse", _DECODE, bool,
      "HiSparse decode publishes separate device page ids (device_kv_indices) that p2pnccl does not write"),
     ("enable_pd_role_switch", _BOTH, bool, "p2pnccl has no teardown() (supports_role_switch is False)"),
+    ("disaggregation_decode_allocation_policy", _BOTH, lambda v: v == "prefill_complete",
+     "p2pnccl does not defer the decode's bootstrap until the prefill completes (mark_prefill_complete)"),
+)
+#: environment settings, as the settings above
+_ENV: tuple[tuple[str, str], ...] = (
+    ("SGLANG_RUST_SERVER", "p2pnccl's ranks register with SGLang's Python bootstrap server (signed, checked), not "
+                           "the Rust /route registry (KVArgs.rust_http_port)"),
 )
 
 
@@ -48,6 +56,12 @@ def _setting_refusals(server_args: Any, role: str) -> Iterable[str]:
             yield f"{flag(field)} {value}: {why}"
 
 
+def _env_refusals(env: Mapping[str, str]) -> Iterable[str]:
+    for name, why in _ENV:
+        if env.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            yield f"{name}={env[name]}: {why}"
+
+
 def _state_type_name(state_type: Any) -> str:
     return str(getattr(state_type, "value", state_type)).lower()
 
@@ -59,10 +73,11 @@ def _state_refusals(args: Any) -> Iterable[str]:
             yield f"state component {i} is {_state_type_name(state_type)} (KVArgs.state_types): {why}"
 
 
-def refusals(args: Any, server_args: Any, role: str) -> list[str]:
-    """Every setting of this `role` ("prefill" or "decode") server p2pnccl cannot serve, each naming the flag
-    (or KVArgs field) and why."""
-    return [*_setting_refusals(server_args, role), *_state_refusals(args)]
+def refusals(args: Any, server_args: Any, role: str, env: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Every setting of this `role` ("prefill" or "decode") server p2pnccl cannot serve, each naming the flag,
+    environment variable or KVArgs field, and why (`env`: os.environ unless given)."""
+    env = os.environ if env is None else env
+    return [*_setting_refusals(server_args, role), *_env_refusals(env), *_state_refusals(args)]
 
 
 def check(args: Any, server_args: Any, role: str) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from sglang_p2p_backend.testing import faults
+from sglang_p2p_backend.testing import faults, kv_checksum
 from sglang_p2p_backend.testing.plan import Req
 from sglang_p2p_backend.testing.role import Role
 
@@ -79,7 +79,8 @@ class DecodeRole(Role):
         if status == P.Success and int(self.meta.bootstrap_room[req.aux][0]) != 0:
             self.verify(req)
             req.handle.clear()
-            self.finish(req, True)
+            mismatch = self.verify_checksum(req)
+            self.finish(req, mismatch is None, mismatch or "")
             return
         if req.abort and now - req.result["metadata_at"] >= req.abort.get("after_s", 0):
             self.aborts_at(req, "transfer")
@@ -131,6 +132,17 @@ class DecodeRole(Role):
         first_token = int(self.meta.output_ids[req.aux][0])
         state_ok = self.pools.check_state(self.seed, req.room, req.state_slot) if self.spec.state_slots else True
         req.result.update(bad_pages=bad[:20], num_bad_pages=len(bad), aux_room_ok=room_row == req.room, first_token=first_token, state_ok=state_ok)
+
+    def verify_checksum(self, req: Req) -> Optional[str]:
+        """SGLang's check of the KV checksum before the request decodes (--disaggregation-enable-kv-checksum):
+        the abort message on a mismatch, else None."""
+        if getattr(self.meta, "kv_checksum", None) is None:
+            return None
+        faults.corrupt_after_arrival(self.faults, self.pools, req)
+        comparable = self.mgr.should_verify_kv_checksum(self.bootstrap_addr)
+        req.result.update(checksum_row=list(self.meta.get_kv_checksum(req.aux)), checksum_comparable=comparable)
+        actual = kv_checksum.digest(self.pools, req.pages, req.state_slot)
+        return kv_checksum.mismatch(self.meta, req.aux, req.room, actual, kv_checksum.signature(self.mgr.kv_args), comparable)
 
     # ------------------------------------------------------------------ deferred KV release
     def maybe_hold(self, req: Req) -> None:

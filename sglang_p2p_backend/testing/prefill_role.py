@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sglang_p2p_backend.testing import faults, runtime
+from sglang_p2p_backend.testing import faults, kv_checksum, runtime
 from sglang_p2p_backend.testing.plan import FIRST_TOKEN, Req, touch, wait_for
 from sglang_p2p_backend.testing.role import Role
 
@@ -178,6 +178,10 @@ class PrefillRole(Role):
         if self.spec.state_slots:
             self.take_state_slot(req)
             self.pools.fill_state(self.seed, req.room, req.state_slot)
+        if getattr(self.meta, "kv_checksum", None) is not None:  # --disaggregation-enable-kv-checksum (0.5.23)
+            row = [kv_checksum.digest(self.pools, req.pages, req.state_slot), kv_checksum.signature(self.mgr.kv_args)]
+            kv_checksum.write(self.meta, req.aux, *row)
+            req.result["checksum_row"] = row
         req.handle.init(len(req.pages), req.aux)
 
     def send(self, req: Req) -> None:

@@ -77,7 +77,7 @@ class Role:
             # a rank's device is its pools' GPU (two prefill ranks may share one in the tests)
             local_rank=torch.device(self.spec.device).index if self.spec.device.startswith("cuda") else None,
         )
-        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.base.conn import KVPoll, StateType
         from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
         self.KVPoll = KVPoll
@@ -86,7 +86,8 @@ class Role:
         self.shm = ipc_standin(os.environ.get(IPC_BACKEND_ENV, ""))
         self.pools = HostPools.allocate(self.spec, self.shm.allocate if self.shm else None)
         aux_rows = max(64, len(plan["requests"]) + 2)
-        self.meta = runtime.metadata_buffers(aux_rows, int(plan.get("aux_hidden_size", {}).get(role, 16)))
+        self.meta = runtime.metadata_buffers(aux_rows, int(plan.get("aux_hidden_size", {}).get(role, 16)),
+                                             bool(plan.get("kv_checksum", {}).get(role)))
         self.before_manager()
         args = self.cls[KVClassType.KVARGS]()
         args.pp_rank = 0
@@ -99,7 +100,8 @@ class Role:
         args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = self.pools.kv_lists()
         args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
         args.state_data_ptrs, args.state_data_lens, args.state_item_lens = self.pools.state_lists()
-        args.state_types = ["MAMBA"] if self.spec.state_slots else []
+        args.state_types = [StateType.MAMBA] if self.spec.state_slots else []
+        args.swa_kv_cache_layout = None  # SGLang 0.5.23: no SWA sub-pool
         args.kv_layer_ids = []
         args.num_draft_entries = 0
         args.ib_device = None

@@ -1,14 +1,27 @@
 """SGLang 0.5.23's wider contract between a prefill and a decode process (driver processes on 127.0.0.1, CPU
 transports): layout labels both roles must share, and what travels in the aux buffers."""
 
+import inspect
+
 import pytest
-from test_pd_transfer import FAST_FAILURE_ENV, failed_reason
+from test_pd_hetero_tp import ENV as HETERO_ENV
+from test_pd_hetero_tp import assert_heads_landed, rooms
+from test_pd_hetero_tp import plan as hetero_plan
+from test_pd_transfer import FAST_FAILURE_ENV, TRANSPORTS, assert_all_landed, failed_reason
 
 from sglang_p2p_backend.testing.launch import run_pair
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 POOL = {"layout": "mla", "num_layers": 4, "page_size": 1, "num_pages": 300}
+BOTH = {"prefill": True, "decode": True}
+
+
+def needs_kv_checksum():
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    if "kv_checksum_enabled" not in inspect.signature(MetadataBuffers).parameters:
+        pytest.skip("this SGLang release has no --disaggregation-enable-kv-checksum")
 
 
 # prefill layout, decode layout, both as p2pnccl names them, and what SGLang's own check of the prefill server
@@ -44,3 +57,76 @@ def test_kv_layout_mismatch_is_refused_on_both_sides_naming_both_layouts(prefill
         assert ours in prefill, prefill
         assert (sglang_names if sglang_names and sglang_checks_kv_layout() else ours) in decode, decode
         assert result["decode"]["requests"][str(room)]["seconds"] < 5, "refusal must not wait for a timeout"
+
+
+# ------------------------------------------------------------------ KV checksum (--disaggregation-enable-kv-checksum)
+@pytest.mark.parametrize("transport_env", TRANSPORTS)
+def test_kv_checksum_row_travels_with_the_aux_rows_and_verifies(transport_env):
+    needs_kv_checksum()
+    plan = {
+        "pool": {"layout": "mha", "num_layers": 3, "page_size": 16, "num_pages": 200, "state_slots": 4},
+        "requests": [{"room": 501, "tokens": 21 * 16 + 5, "chunk_pages": 6},
+                     {"room": 502, "tokens": 12 * 16, "chunk_pages": 5, "prefix": 4 * 16}],
+        "kv_checksum": BOTH,
+        "deadline_s": 40,
+    }
+    result = run_pair(plan, env=transport_env)
+    assert_all_landed(result, [501, 502])
+    for room in ("501", "502"):
+        sent, got = result["prefill"]["requests"][room], result["decode"]["requests"][room]
+        assert got["checksum_row"] == sent["checksum_row"] and sent["checksum_row"][0] > 1, (sent, got)
+        assert got["checksum_comparable"] is True
+
+
+def test_pages_altered_after_arrival_fail_the_room_by_checksum():
+    needs_kv_checksum()
+    plan = {"pool": POOL, "requests": [{"room": 511, "tokens": 30, "chunk_pages": 8}, {"room": 512, "tokens": 30}],
+            "kv_checksum": BOTH, "faults": {"decode": {"corrupt_after_arrival": [511]}}, "deadline_s": 40}
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    bad, good = result["decode"]["requests"]["511"], result["decode"]["requests"]["512"]
+    assert bad["num_bad_pages"] == 0, bad  # it landed intact; the page changed afterwards
+    digest = bad["checksum_row"][0]
+    assert bad["status"] == "Failed" and bad["reason"].startswith(
+        f"KV checksum mismatch bootstrap_room=511 expected={digest:#x} got=0x"), bad
+    assert good["status"] == "Success" and good["num_bad_pages"] == 0, good
+
+
+def test_kv_checksum_on_one_side_only_is_refused_naming_the_flag():
+    needs_kv_checksum()
+    plan = {"pool": POOL, "requests": [{"room": 521, "tokens": 20}], "kv_checksum": {"prefill": True},
+            "deadline_s": 40}
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    for side in ("prefill", "decode"):
+        reason = failed_reason(result[side], 521)
+        # the prefill's last aux buffer is the digest row (64 bytes)
+        assert ("aux (metadata) layout (bytes per row of every aux buffer) differs: prefill [64, 64, 64, 64, 16, 16, "
+                "64, 128, 64, 64, 64], decode [64, 64, 64, 64, 16, 16, 64, 128, 64, 64]; run the same SGLang release "
+                "with the same speculative-decoding, logprob and --disaggregation-enable-kv-checksum settings on "
+                "prefill and decode") in reason, reason
+
+
+def test_kv_checksum_is_not_verified_across_attention_tp():
+    # a decode rank of another attention TP holds other heads than its prefill rank digested: SGLang must skip
+    # the comparison (should_verify_kv_checksum False), or every request fails
+    needs_kv_checksum()
+    p = hetero_plan({"prefill": 1, "decode": 2}, 4, 16, tokens=(10, 6, 12))
+    p["kv_checksum"] = BOTH
+    result = run_pair(p, env=HETERO_ENV)
+    assert_heads_landed(result, [rooms(p)] * 2)
+    for d in result["ranks"]["decode"]:
+        assert {r["checksum_comparable"] for r in d["requests"].values()} == {False}, d["requests"]
+
+
+def test_state_components_across_attention_tp_are_refused_on_both_sides():
+    # SGLang slices state per tensor over TP (KVArgs.state_dim_per_tensor, state_slice_outer_counts,
+    # state_conv_shard_groups); p2pnccl does not, so the pair is refused before a byte moves
+    p = hetero_plan({"prefill": 1, "decode": 2}, 4, 16, tokens=(10, 6, 12))
+    p["pool"]["state_slots"] = 8
+    p["requests"] = p["requests"][:1]
+    p["linger_s"] = {"prefill": 3.0}  # both refusals reach the decode ranks before the prefill closes its sockets
+    result = run_pair(p, env=HETERO_ENV)
+    why = ("state components with different attention TP (prefill 1, decode 2) are not sliced by p2pnccl; launch both "
+           "with the same attention TP")
+    for side in (*result["ranks"]["prefill"], *result["ranks"]["decode"]):
+        r = side["requests"]["4001"]
+        assert r["status"] == "Failed" and why in r["reason"], r

@@ -18,6 +18,10 @@ HOST = ("--disaggregation-decode-host-receive-threshold 0.5: p2pnccl receives in
 HISPARSE = ("--enable-hisparse True: HiSparse decode publishes separate device page ids (device_kv_indices) that "
             "p2pnccl does not write")
 ROLE_SWITCH = "--enable-pd-role-switch True: p2pnccl has no teardown() (supports_role_switch is False)"
+PREFILL_COMPLETE = ("--disaggregation-decode-allocation-policy prefill_complete: p2pnccl does not defer the decode's "
+                    "bootstrap until the prefill completes (mark_prefill_complete)")
+RUST = ("SGLANG_RUST_SERVER=1: p2pnccl's ranks register with SGLang's Python bootstrap server (signed, checked), not "
+        "the Rust /route registry (KVArgs.rust_http_port)")
 DSA_TAIL = ("state component 1 is dsa_tail (KVArgs.state_types): its indices name the live slots inside one ring "
             "row per request, not whole items, and p2pnccl copies whole items")
 
@@ -54,6 +58,7 @@ def build_manager(role: str, sargs, state_types=()):
     ("decode", {"disaggregation_decode_host_receive_threshold": 0.5}, HOST),
     ("decode", {"enable_hisparse": True}, HISPARSE),
     ("prefill", {"enable_pd_role_switch": True}, ROLE_SWITCH),
+    ("decode", {"disaggregation_decode_allocation_policy": "prefill_complete"}, PREFILL_COMPLETE),
     ("decode", {"pp_size": 2, "enable_pd_role_switch": True}, f"{PP}; {ROLE_SWITCH}"),
 ])
 def test_a_setting_p2pnccl_cannot_serve_fails_the_manager_naming_the_flag(role, flags, why):
@@ -62,6 +67,13 @@ def test_a_setting_p2pnccl_cannot_serve_fails_the_manager_naming_the_flag(role, 
         build_manager(role, sargs)
     assert str(e.value) == f"p2pnccl cannot serve this {role} server: {why}"
     assert not [t.name for t in threading.enumerate() if t.name.startswith("p2p-")], "refused after starting threads"
+
+
+def test_the_rust_bootstrap_registry_fails_the_manager(monkeypatch):
+    monkeypatch.setenv("SGLANG_RUST_SERVER", "1")
+    with pytest.raises(ValueError) as e:
+        build_manager("prefill", server_args("prefill"))
+    assert str(e.value) == f"p2pnccl cannot serve this prefill server: {RUST}"
 
 
 def test_a_state_component_of_an_unsupported_type_fails_the_manager():
@@ -85,4 +97,25 @@ def test_a_setting_the_role_does_not_read_is_not_refused(role, flags):
 
     from sglang_p2p_backend.adapter.contract import refusals
 
-    assert refusals(KVArgs(), server_args(role, **flags), role) == []
+    assert refusals(KVArgs(), server_args(role, **flags), role, env={"SGLANG_RUST_SERVER": "0"}) == []
+
+
+@pytest.mark.parametrize("kwargs,text", [
+    ({"destination": "host"}, "p2pnccl receives into device KV pages only (no decode host receive: "
+                              "--disaggregation-decode-host-receive-threshold must stay 1)"),
+    ({"device_kv_indices": [1, 2]}, "p2pnccl writes one page list per room; separate device page ids "
+                                    "(device_kv_indices, --enable-hisparse) are not supported"),
+])
+def test_send_metadata_refuses_host_destinations_and_separate_device_pages(kwargs, text):
+    from sglang.srt.disaggregation.base import conn
+
+    if not hasattr(conn, "KVTransferDestination"):
+        pytest.skip("this SGLang release has no KV transfer destinations")
+    from sglang_p2p_backend.adapter.conn import P2pNcclKVReceiver
+
+    if "destination" in kwargs:
+        kwargs = {"destination": conn.KVTransferDestination(kwargs["destination"])}
+    receiver = object.__new__(P2pNcclKVReceiver)  # refused before anything of the receiver is read
+    with pytest.raises(NotImplementedError) as e:
+        receiver.send_metadata([3, 4], 0, None, decode_prefix_len=0, **kwargs)
+    assert str(e.value) == text
