@@ -72,10 +72,13 @@ def test_kv_checksum_row_travels_with_the_aux_rows_and_verifies(transport_env):
     }
     result = run_pair(plan, env=transport_env)
     assert_all_landed(result, [501, 502])
-    for room in ("501", "502"):
+    # SGLang's transfer metric (Common's get_transfer_metric over what send() recorded): pages past the decode's
+    # prefix x 6 regions of 1,024-byte pages, plus the 64-byte state slot
+    for room, pages in (("501", 22), ("502", 8)):
         sent, got = result["prefill"]["requests"][room], result["decode"]["requests"][room]
         assert got["checksum_row"] == sent["checksum_row"] and sent["checksum_row"][0] > 1, (sent, got)
         assert got["checksum_comparable"] is True
+        assert sent["bytes"] == pages * 6 * 1024 + 64, sent
 
 
 def test_pages_altered_after_arrival_fail_the_room_by_checksum():
