@@ -20,14 +20,12 @@ import torch
 from sglang_p2p_backend.testing.pools import HostPools
 
 
-def digest(pools: HostPools, pages: np.ndarray, state_slot: int = -1) -> int:
-    """Adler-32 of the pages' bytes in every KV region, then the state slot's; never 0 (SGLang's "no digest")."""
+def digest(pools: HostPools, pages: np.ndarray, state_ids: Optional[list] = None) -> int:
+    """Adler-32 of the pages' bytes in every KV region, then the state items'; never 0 (SGLang's "no digest")."""
     idx = torch.from_numpy(pages.astype(np.int64)).to(pools.spec.device)
     value = 1
-    for t in pools.kv:
-        value = zlib.adler32(t[idx].cpu().numpy().tobytes(), value)
-    if state_slot >= 0:
-        value = zlib.adler32(pools.state[state_slot].cpu().numpy().tobytes(), value)
+    for t in [t[idx].cpu() for t in pools.kv] + (pools.state_bytes(state_ids) if state_ids else []):
+        value = zlib.adler32(t.numpy().tobytes(), value)
     return value or 1
 
 

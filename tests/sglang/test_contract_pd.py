@@ -17,10 +17,14 @@ POOL = {"layout": "mla", "num_layers": 4, "page_size": 1, "num_pages": 300}
 BOTH = {"prefill": True, "decode": True}
 
 
-def needs_kv_checksum():
+def has_kv_checksum() -> bool:
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
-    if "kv_checksum_enabled" not in inspect.signature(MetadataBuffers).parameters:
+    return "kv_checksum_enabled" in inspect.signature(MetadataBuffers).parameters
+
+
+def needs_kv_checksum():
+    if not has_kv_checksum():
         pytest.skip("this SGLang release has no --disaggregation-enable-kv-checksum")
 
 
@@ -133,3 +137,22 @@ def test_state_components_across_attention_tp_are_refused_on_both_sides():
     for side in (*result["ranks"]["prefill"], *result["ranks"]["decode"]):
         r = side["requests"]["4001"]
         assert r["status"] == "Failed" and why in r["reason"], r
+
+
+# ------------------------------------------------------------------ state components of SGLang's own pools
+@pytest.mark.parametrize("transport_env", [p for p in TRANSPORTS if p.id != "cudaipc-standin"])  # SGLang allocates
+def test_swa_window_of_sglangs_swa_pool_lands_byte_exact(transport_env):
+    # SWAKVPool on CPU, described by SGLang's own setup_state_kv_args: the full layers are the KV regions, the
+    # sliding-window layers one SWA state component of 4 regions, 3 window pages per request at its own page ids
+    pool = {"layout": "mha", "sglang_pool": "swa", "num_layers": 4, "kv_heads": 2, "head_dim": 8, "page_size": 4,
+            "num_pages": 64, "swa_pages": 3}
+    plan = {"pool": pool,
+            "requests": [{"room": 531, "tokens": 4 * 9 + 2, "chunk_pages": 4},
+                         {"room": 532, "tokens": 4 * 6, "prefix": 8}],
+            "kv_checksum": BOTH if has_kv_checksum() else {},
+            "deadline_s": 40}
+    result = run_pair(plan, env=transport_env)
+    assert_all_landed(result, [531, 532])  # KV pages, window pages (state_ok), aux rows; nothing else changed
+    for room, pages in (("531", 10), ("532", 4)):
+        sent = result["prefill"]["requests"][room]
+        assert sent["bytes"] == pages * 4 * 128 + 3 * 4 * 128, sent  # 4 KV regions, 4 SWA regions of 128 B pages
