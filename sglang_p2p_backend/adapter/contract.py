@@ -87,6 +87,14 @@ def check(args: Any, server_args: Any, role: str) -> None:
         raise ValueError(f"p2pnccl cannot serve this {role} server: " + "; ".join(problems))
 
 
+def mha_page_layout() -> str:
+    """"hnd" when SGLang's MHA pools keep head-major pages (SGLANG_USE_HND_KVCACHE), else "" (token-major rows).
+    KVArgs does not carry it, and a whole page copied between the two layouts would be read as other heads."""
+    from sglang.srt.environ import envs
+
+    return "hnd" if envs.SGLANG_USE_HND_KVCACHE.get() else ""
+
+
 def state_type_names(args: Any) -> Optional[list[str]]:
     """KVArgs.state_types as lower-case names (what the peers compare), or None where the release has none."""
     types = getattr(args, "state_types", None)

@@ -175,6 +175,7 @@ class P2pNcclKVManagerBase(CommonKVManager):
             kv_layout=getattr(args, "kv_layout", None),
             swa_kv_cache_layout=getattr(args, "swa_kv_cache_layout", None),
             state_types=contract.state_type_names(args) or [],
+            mha_layout="" if is_mla_backend else contract.mha_page_layout(),
         )
         #: the pair secrets this rank issued to its peers (one per registration)
         self.issued = IssuedSecrets(2 * self.config.max_peers)

@@ -36,6 +36,8 @@ class PoolSpec:
     num_pages: int = 256
     state_slots: int = 0  # 0: no state component
     state_item_len: int = 64
+    state_type: str = "mamba"  # the component's KVArgs.state_types value
+    state_per_request: int = 1  # items one request holds (a slot or request row: 1; pages of a window: more)
     #: "" (the pools above), or SGLang's own pool class: "swa" (SWAKVPool; even layers sliding-window)
     sglang_pool: str = ""
     swa_pages: int = 3  # "swa": the window pages of one request
@@ -113,7 +115,8 @@ class HostPools:
 
             return allocate(spec)
         kv = [region(spec.num_pages, spec.item_len) for _ in range(spec.num_regions)]
-        states = [StateComponent([region(spec.state_slots, spec.state_item_len)])] if spec.state_slots else []
+        states = ([StateComponent([region(spec.state_slots, spec.state_item_len)], spec.state_per_request)]
+                  if spec.state_slots else [])
         return cls(spec, kv, states)
 
     def kv_lists(self) -> tuple[list[int], list[int], list[int]]:
@@ -131,7 +134,7 @@ class HostPools:
         args.state_item_lens = [[t.shape[1] for t in c.regions] for c in self.states]
         from sglang.srt.disaggregation.base.conn import StateType
 
-        args.state_types = [StateType.MAMBA] * len(self.states)
+        args.state_types = [StateType(self.spec.state_type)] * len(self.states)
         args.swa_kv_cache_layout = None  # SGLang 0.5.23: no SWA sub-pool
 
     def fill(self, seed: int, room: int, pages: np.ndarray, first_pos: int, total: int) -> None:

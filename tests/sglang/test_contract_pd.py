@@ -156,3 +156,17 @@ def test_swa_window_of_sglangs_swa_pool_lands_byte_exact(transport_env):
     for room, pages in (("531", 10), ("532", 4)):
         sent = result["prefill"]["requests"][room]
         assert sent["bytes"] == pages * 4 * 128 + 3 * 4 * 128, sent  # 4 KV regions, 4 SWA regions of 128 B pages
+
+
+@pytest.mark.parametrize("state_type,items", [("request_row", 1), ("block_scale", 5), ("swa_ring", 7)])
+def test_state_components_of_each_type_land_at_their_own_indices(state_type, items):
+    # one item per request row, or a list of pages or ring rows: p2pnccl copies each item to the decode's item at
+    # the same position of its list, whatever the type
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    if state_type not in {t.value for t in StateType}:
+        pytest.skip(f"this SGLang release has no {state_type} state")
+    pool = {**POOL, "state_slots": 40, "state_item_len": 96, "state_type": state_type, "state_per_request": items}
+    plan = {"pool": pool, "requests": [{"room": 541, "tokens": 30, "chunk_pages": 8}, {"room": 542, "tokens": 5}],
+            "deadline_s": 40}
+    assert_all_landed(run_pair(plan), [541, 542])  # state_ok: every item byte-exact; untouched: no other item

@@ -48,6 +48,8 @@ _FIXES: dict[str, tuple[str, str]] = {
         "set the same SGLANG_USE_HND_KVCACHE and SGLANG_AITER_KV_CACHE_LAYOUT on prefill and decode",
     ),
     "state_types": ("kind of every state component (KVArgs.state_types)", "prefill and decode must run the same model"),
+    "mha_layout": ("MHA KV page layout (head-major: SGLANG_USE_HND_KVCACHE)", "set the same SGLANG_USE_HND_KVCACHE on "
+                                                                            "prefill and decode"),
 }
 #: what else a refusal may reveal when it differs (a decode needs it to name the head layout it cannot pair)
 _SHAPE = ("attn_tp_size", "kv_total_heads")
@@ -106,6 +108,8 @@ def _head_layout_differences(mine: Agreement, theirs: Agreement, my_role: str, t
     big, small = max(mine.attn_tp_size, theirs.attn_tp_size), min(mine.attn_tp_size, theirs.attn_tp_size)
     if big % small:
         problems.append("neither attention TP size divides the other")
+    if "hnd" in (mine.mha_layout, theirs.mha_layout):
+        problems.append("head-major pages (SGLANG_USE_HND_KVCACHE) are not sliced by p2pnccl")
     if not problems:
         (_, a), (_, b) = _head_layout(mine, total), _head_layout(theirs, total)
         if len(a) != len(b) or a != b or -1 in a:
@@ -131,6 +135,7 @@ def local_agreement(
     kv_layout: Optional[str] = None,
     swa_kv_cache_layout: Optional[str] = None,
     state_types: Sequence[str] = (),
+    mha_layout: str = "",
 ) -> Agreement:
     return Agreement(
         protocol=PROTOCOL_VERSION,
@@ -147,5 +152,6 @@ def local_agreement(
         kv_layout=kv_layout or "",
         swa_kv_cache_layout=swa_kv_cache_layout or "",
         state_types=[str(t) for t in state_types],
+        mha_layout=mha_layout,
     )
 

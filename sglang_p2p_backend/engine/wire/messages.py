@@ -66,6 +66,8 @@ class Agreement(msgspec.Struct, kw_only=True):
     kv_layout: Short = ""
     #: the SWA sub-pool's physical layout (KVArgs.swa_kv_cache_layout, 0.5.23; "" without one)
     swa_kv_cache_layout: Short = ""
+    #: "hnd" when SGLang's MHA pool keeps head-major pages (SGLANG_USE_HND_KVCACHE), "" for token-major rows
+    mha_layout: Short = ""
     #: what each state component is (KVArgs.state_types, lower-case names, in KVArgs order)
     state_types: Annotated[list[Short], Meta(max_length=64)] = msgspec.field(default_factory=list)
 
