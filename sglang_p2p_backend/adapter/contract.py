@@ -37,10 +37,12 @@ _SETTINGS: tuple[tuple[str, tuple[str, ...], Callable[[Any], bool], str], ...] =
     ("disaggregation_decode_allocation_policy", _BOTH, lambda v: v == "prefill_complete",
      "p2pnccl does not defer the decode's bootstrap until the prefill completes (mark_prefill_complete)"),
 )
-#: environment settings, as the settings above
-_ENV: tuple[tuple[str, str], ...] = (
-    ("SGLANG_RUST_SERVER", "p2pnccl's ranks register with SGLang's Python bootstrap server (signed, checked), not "
-                           "the Rust /route registry (KVArgs.rust_http_port)"),
+#: environment settings (variable, refused when the server's settings make SGLang read it, why)
+_ENV: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    # Common registers prefill ranks with the Rust registry only under DP attention (0.5.23 attn_dp_size)
+    ("SGLANG_RUST_SERVER", lambda sargs: int(getattr(sargs, "attn_dp_size", 1) or 1) > 1,
+     "with DP attention SGLang registers prefill ranks with the Rust /route registry (KVArgs.rust_http_port), "
+     "and p2pnccl's ranks use SGLang's Python bootstrap server (signed, checked)"),
 )
 
 
@@ -56,9 +58,9 @@ def _setting_refusals(server_args: Any, role: str) -> Iterable[str]:
             yield f"{flag(field)} {value}: {why}"
 
 
-def _env_refusals(env: Mapping[str, str]) -> Iterable[str]:
-    for name, why in _ENV:
-        if env.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+def _env_refusals(env: Mapping[str, str], server_args: Any) -> Iterable[str]:
+    for name, applies, why in _ENV:
+        if env.get(name, "").strip().lower() in ("1", "true", "yes", "on") and applies(server_args):
             yield f"{name}={env[name]}: {why}"
 
 
@@ -77,7 +79,7 @@ def refusals(args: Any, server_args: Any, role: str, env: Optional[Mapping[str, 
     """Every setting of this `role` ("prefill" or "decode") server p2pnccl cannot serve, each naming the flag,
     environment variable or KVArgs field, and why (`env`: os.environ unless given)."""
     env = os.environ if env is None else env
-    return [*_setting_refusals(server_args, role), *_env_refusals(env), *_state_refusals(args)]
+    return [*_setting_refusals(server_args, role), *_env_refusals(env, server_args), *_state_refusals(args)]
 
 
 def check(args: Any, server_args: Any, role: str) -> None:

@@ -20,8 +20,8 @@ HISPARSE = ("--enable-hisparse True: HiSparse decode publishes separate device p
 ROLE_SWITCH = "--enable-pd-role-switch True: p2pnccl has no teardown() (supports_role_switch is False)"
 PREFILL_COMPLETE = ("--disaggregation-decode-allocation-policy prefill_complete: p2pnccl does not defer the decode's "
                     "bootstrap until the prefill completes (mark_prefill_complete)")
-RUST = ("SGLANG_RUST_SERVER=1: p2pnccl's ranks register with SGLang's Python bootstrap server (signed, checked), not "
-        "the Rust /route registry (KVArgs.rust_http_port)")
+RUST = ("SGLANG_RUST_SERVER=1: with DP attention SGLang registers prefill ranks with the Rust /route registry "
+        "(KVArgs.rust_http_port), and p2pnccl's ranks use SGLang's Python bootstrap server (signed, checked)")
 DSA_TAIL = ("state component 1 is dsa_tail (KVArgs.state_types): its indices name the live slots inside one ring "
             "row per request, not whole items, and p2pnccl copies whole items")
 
@@ -69,11 +69,16 @@ def test_a_setting_p2pnccl_cannot_serve_fails_the_manager_naming_the_flag(role, 
     assert not [t.name for t in threading.enumerate() if t.name.startswith("p2p-")], "refused after starting threads"
 
 
-def test_the_rust_bootstrap_registry_fails_the_manager(monkeypatch):
+def test_the_rust_bootstrap_registry_under_dp_attention_fails_the_manager(monkeypatch):
     monkeypatch.setenv("SGLANG_RUST_SERVER", "1")
     with pytest.raises(ValueError) as e:
-        build_manager("prefill", server_args("prefill"))
+        build_manager("prefill", server_args("prefill", attn_dp_size=2, tp_size=2))
     assert str(e.value) == f"p2pnccl cannot serve this prefill server: {RUST}"
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    from sglang_p2p_backend.adapter.contract import refusals
+
+    assert refusals(KVArgs(), server_args("prefill"), "prefill") == []  # without DP attention it is not read
 
 
 def test_a_state_component_of_an_unsupported_type_fails_the_manager():
