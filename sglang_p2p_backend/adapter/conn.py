@@ -177,7 +177,11 @@ class P2pNcclKVReceiver(CommonKVReceiver):
         **kwargs: Any,
     ):
         if destination is not None and getattr(destination, "value", destination) != "device":
-            raise NotImplementedError("p2pnccl receives into device KV pages only (no decode host receive)")
+            raise NotImplementedError("p2pnccl receives into device KV pages only (no decode host receive: "
+                                      "--disaggregation-decode-host-receive-threshold must stay 1)")
+        if device_kv_indices is not None:
+            raise NotImplementedError("p2pnccl writes one page list per room; separate device page ids "
+                                      "(device_kv_indices, --enable-hisparse) are not supported")
         mgr: DecodeKVManager = self.kv_mgr
         room = self.bootstrap_room
         if getattr(self, "bootstrap_infos", None) is None:

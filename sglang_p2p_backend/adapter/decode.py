@@ -414,6 +414,16 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         return (f"prefill reported Success for room {room}, but {missing.size} of its {np.unique(published.kv_ids).size} "
                 f"published pages never arrived")
 
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        """Whether the KV digest the prefill server at `bootstrap_addr` wrote into the aux row (SGLang 0.5.23,
+        --disaggregation-enable-kv-checksum) covers the bytes this rank holds: an MHA/GQA rank of another attention
+        TP holds other heads than the prefill rank digested, a CP-split or pipeline-staged prefill other pages or
+        layers. MLA pages are whole at any TP. An unknown server is not vouched for."""
+        info = self.prefill_info_table.get(bootstrap_addr)
+        if info is None or info.pp_size != 1 or info.attn_cp_size != 1:
+            return False
+        return bool(self.agreement.mla) or info.attn_tp_size == self.attn_tp_size
+
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Common's check; a mismatch fails the requests instead of raising into the decode scheduler, and is
         retried after a while (the prefill may have been restarted with a fixed configuration). What p2pnccl

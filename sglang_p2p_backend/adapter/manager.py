@@ -34,6 +34,7 @@ from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+from sglang_p2p_backend.adapter import contract
 from sglang_p2p_backend.adapter.bootstrap import signed_writes
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.wire.agreement import local_agreement
@@ -91,6 +92,8 @@ class P2pNcclKVManagerBase(CommonKVManager):
         is_mla_backend: Optional[bool] = False,
         **kwargs: Any,
     ):
+        # before anything binds, registers or starts: a setting p2pnccl cannot serve fails the server here
+        contract.check(args, server_args, str(getattr(disaggregation_mode, "value", disaggregation_mode)))
         self.config = EngineConfig.from_env()
         _shorten_gil_switch(self.config.gil_switch_ms)
         key = key_from_env()
@@ -168,6 +171,11 @@ class P2pNcclKVManagerBase(CommonKVManager):
             attn_tp_size=self.attn_tp_size,
             kv_total_heads=self.kv_total_heads,
             aux_item_lens=args.aux_item_lens,
+            # SGLang 0.5.23's layout labels; 0.5.17 sets neither
+            kv_layout=getattr(args, "kv_layout", None),
+            swa_kv_cache_layout=getattr(args, "swa_kv_cache_layout", None),
+            state_types=contract.state_type_names(args) or [],
+            mha_layout="" if is_mla_backend else contract.mha_page_layout(),
         )
         #: the pair secrets this rank issued to its peers (one per registration)
         self.issued = IssuedSecrets(2 * self.config.max_peers)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from sglang_p2p_backend.testing import faults
+from sglang_p2p_backend.testing import faults, kv_checksum
 from sglang_p2p_backend.testing.plan import Req
 from sglang_p2p_backend.testing.role import Role
 
@@ -79,7 +79,8 @@ class DecodeRole(Role):
         if status == P.Success and int(self.meta.bootstrap_room[req.aux][0]) != 0:
             self.verify(req)
             req.handle.clear()
-            self.finish(req, True)
+            mismatch = self.verify_checksum(req)
+            self.finish(req, mismatch is None, mismatch or "")
             return
         if req.abort and now - req.result["metadata_at"] >= req.abort.get("after_s", 0):
             self.aborts_at(req, "transfer")
@@ -117,11 +118,9 @@ class DecodeRole(Role):
         req.pages = self.take_pages(total - first)
         req.aux = self.free_aux.pop()
         self.meta.bootstrap_room[req.aux][0] = 0
-        state = None
-        if self.spec.state_slots:
-            self.take_state_slot(req)
-            state = [np.array([req.state_slot], dtype=np.int32)]
-        req.handle.send_metadata(req.pages, req.aux, state, decode_prefix_len=req.prefix)
+        if self.pools.states:
+            self.take_state(req)
+        req.handle.send_metadata(req.pages, req.aux, req.state_ids, decode_prefix_len=req.prefix)
 
     def verify(self, req: Req) -> None:
         first = req.prefix // self.spec.page_size
@@ -129,8 +128,19 @@ class DecodeRole(Role):
         bad = self.pools.check(self.seed, req.room, req.pages, first, total)
         room_row = int(self.meta.bootstrap_room[req.aux][0])
         first_token = int(self.meta.output_ids[req.aux][0])
-        state_ok = self.pools.check_state(self.seed, req.room, req.state_slot) if self.spec.state_slots else True
+        state_ok = self.pools.check_state(self.seed, req.room, req.state_ids) if req.state_ids else True
         req.result.update(bad_pages=bad[:20], num_bad_pages=len(bad), aux_room_ok=room_row == req.room, first_token=first_token, state_ok=state_ok)
+
+    def verify_checksum(self, req: Req) -> Optional[str]:
+        """SGLang's check of the KV checksum before the request decodes (--disaggregation-enable-kv-checksum):
+        the abort message on a mismatch, else None."""
+        if getattr(self.meta, "kv_checksum", None) is None:
+            return None
+        faults.corrupt_after_arrival(self.faults, self.pools, req)
+        comparable = self.mgr.should_verify_kv_checksum(self.bootstrap_addr)
+        req.result.update(checksum_row=list(self.meta.get_kv_checksum(req.aux)), checksum_comparable=comparable)
+        actual = kv_checksum.digest(self.pools, req.pages, req.state_ids)
+        return kv_checksum.mismatch(self.meta, req.aux, req.room, actual, kv_checksum.signature(self.mgr.kv_args), comparable)
 
     # ------------------------------------------------------------------ deferred KV release
     def maybe_hold(self, req: Req) -> None:
@@ -160,13 +170,11 @@ class DecodeRole(Role):
     def held_bytes(self, req: Req) -> list:
         idx = torch.from_numpy(req.pages.astype(np.int64)).to(self.spec.device)
         out = [t[idx].cpu().clone() for t in self.pools.kv]
-        if req.state_slot >= 0:
-            out.append(self.pools.state[req.state_slot].cpu().clone())
-        return out
+        return out + (self.pools.state_bytes(req.state_ids) if req.state_ids else [])
 
     # ------------------------------------------------------------------ report
     def after_requests(self, out: dict) -> None:
-        out["untouched_violations"] = self.pools.untouched(self.used_pages, self.used_slots)[:20]
+        out["untouched_violations"] = self.pools.untouched(self.used_pages, self.used_state)[:20]
 
     def report(self, req: Req) -> None:
         if req.snapshot is not None:  # a released page written after its release: the bug deferral prevents

@@ -6,7 +6,8 @@ Prefill: `chunk_delay_s` (a pause between a request's sends), `abort_after_chunk
 manager marked broken, as when one of its threads cannot go on), `aux_row` (aux rows sent to
 another row than the published one), `write_delay_s` (every write starts later: prefill_role.py's write watch),
 `stop_self` (SIGSTOP once registered). Decode: `abort_after_s`, `exit_after_s`, `stop_after_s` (counted from a
-request's metadata), `ipc_export_short` (a CUDA IPC export that does not cover the pool it registers).
+request's metadata), `ipc_export_short` (a CUDA IPC export that does not cover the pool it registers),
+`corrupt_after_arrival` (rooms whose first page is altered after it landed, before the KV checksum is verified).
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ def misdirect_aux(mgr: Any, rows: dict) -> None:
         return
     send_aux = mgr.workers._send_aux
     mgr.workers._send_aux = lambda session, room, src, dst: send_aux(session, room, src, int(rows.get(str(room), dst)))
+
+
+def corrupt_after_arrival(faults: dict, pools: Any, req: Req) -> None:
+    """Decode fault `corrupt_after_arrival` ([room, ...]): the first byte of the room's first page, KV region 0,
+    is inverted after the transfer landed (memory going bad between the transfer and the forward)."""
+    if req.room in faults.get("corrupt_after_arrival", ()) and len(req.pages):
+        pools.kv[0][int(req.pages[0]), 0] ^= 0xFF
 
 
 def shorten_ipc_export(mgr: Any, nbytes: int) -> None:

@@ -36,7 +36,7 @@ class Req:
     phase: str = "new"
     pages: Optional[np.ndarray] = None
     aux: int = -1
-    state_slot: int = -1
+    state_ids: Optional[list] = None  # per state component, the request's items (slot, window pages)
     sent: int = 0
     started: float = 0.0
     hold: Optional[tuple] = None  # decode, deferred release: (required_acks, monotonic deadline)

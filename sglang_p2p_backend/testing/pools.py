@@ -3,7 +3,8 @@
 MHA: K of every layer, then V of every layer, each (tokens, kv_heads, head_dim), page = page_size tokens
 (`MHATokenToKVPool.get_contiguous_buf_infos`). MLA: one region per layer, (tokens, 1, kv_lora_rank + rope)
 (`MLATokenToKVPool`). Page 0 is never handed out (SGLang keeps it as padding). An optional state component
-(one slot-addressed region, like a mamba state) exercises the state path.
+(one slot-addressed region, like a mamba state) exercises the state path. With `sglang_pool` set the pools are
+SGLang's own classes instead, described to the manager by SGLang's own code (testing/sglang_pools.py).
 
 Contents are a pure function of (seed, room, region, page position in the request), so the decode process
 can check what landed without talking to the prefill. With `total_kv_heads` set (MHA), they are defined for the
@@ -14,7 +15,7 @@ a decode rank with another attention TP than the prefill then checks exactly its
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +36,11 @@ class PoolSpec:
     num_pages: int = 256
     state_slots: int = 0  # 0: no state component
     state_item_len: int = 64
+    state_type: str = "mamba"  # the component's KVArgs.state_types value
+    state_per_request: int = 1  # items one request holds (a slot or request row: 1; pages of a window: more)
+    #: "" (the pools above), or SGLang's own pool class: "swa" (SWAKVPool; even layers sliding-window)
+    sglang_pool: str = ""
+    swa_pages: int = 3  # "swa": the window pages of one request
     device: str = "cpu"  # "cuda:N" puts the pools on a GPU (the NCCL transport then moves them)
 
     @property
@@ -70,10 +76,27 @@ class PoolSpec:
 
 
 @dataclass
+class StateComponent:
+    """One state component as KVArgs describes it: its regions as uint8 (items, item_len) views, and how many
+    of its items one request holds (a mamba slot: 1; an SWA window: its pages). Item 0 of SGLang's paged
+    components is padding, never handed out."""
+
+    regions: list
+    per_request: int = 1
+    first_item: int = 0
+
+    @property
+    def num_items(self) -> int:
+        return min(r.shape[0] for r in self.regions)
+
+
+@dataclass
 class HostPools:
     spec: PoolSpec
     kv: list = field(default_factory=list)  # uint8 (num_pages, item_len) per region
-    state: Optional[torch.Tensor] = None  # uint8 (state_slots, state_item_len)
+    states: list = field(default_factory=list)  # StateComponent, in KVArgs order
+    #: SGLang's pool object when `spec.sglang_pool` is set (it owns the memory the views alias)
+    owner: object = None
 
     @classmethod
     def allocate(cls, spec: PoolSpec, raw: Optional[Callable[[int], torch.Tensor]] = None) -> "HostPools":
@@ -87,9 +110,14 @@ class HostPools:
                 return torch.full((rows, width), SENTINEL, dtype=torch.uint8, device=dev)
             return raw(rows * width).view(rows, width).fill_(SENTINEL)
 
+        if spec.sglang_pool:
+            from sglang_p2p_backend.testing.sglang_pools import allocate
+
+            return allocate(spec)
         kv = [region(spec.num_pages, spec.item_len) for _ in range(spec.num_regions)]
-        state = region(spec.state_slots, spec.state_item_len) if spec.state_slots else None
-        return cls(spec, kv, state)
+        states = ([StateComponent([region(spec.state_slots, spec.state_item_len)], spec.state_per_request)]
+                  if spec.state_slots else [])
+        return cls(spec, kv, states)
 
     def kv_lists(self) -> tuple[list[int], list[int], list[int]]:
         return (
@@ -98,10 +126,16 @@ class HostPools:
             [self.spec.item_len] * len(self.kv),
         )
 
-    def state_lists(self) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-        if self.state is None:
-            return [], [], []
-        return [[self.state.data_ptr()]], [[self.state.numel()]], [[self.spec.state_item_len]]
+    def describe(self, args) -> None:
+        """Set KVArgs' KV and state fields as the scheduler does for these pools."""
+        args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = self.kv_lists()
+        args.state_data_ptrs = [[t.data_ptr() for t in c.regions] for c in self.states]
+        args.state_data_lens = [[t.numel() for t in c.regions] for c in self.states]
+        args.state_item_lens = [[t.shape[1] for t in c.regions] for c in self.states]
+        from sglang.srt.disaggregation.base.conn import StateType
+
+        args.state_types = [StateType(self.spec.state_type)] * len(self.states)
+        args.swa_kv_cache_layout = None  # SGLang 0.5.23: no SWA sub-pool
 
     def fill(self, seed: int, room: int, pages: np.ndarray, first_pos: int, total: int) -> None:
         """Write the request's reproducible contents into `pages` (positions first_pos.. of `total`)."""
@@ -110,9 +144,18 @@ class HostPools:
             t[idx] = self.spec.expected(seed, room, r, total)[first_pos : first_pos + len(pages)].to(t.device)
         self._written()
 
-    def fill_state(self, seed: int, room: int, slot: int) -> None:
-        self.state[slot] = expected_pages(seed, room, -1, 1, self.spec.state_item_len)[0].to(self.state.device)
+    def fill_state(self, seed: int, room: int, ids: list[np.ndarray]) -> None:
+        """Write the request's reproducible contents into its items `ids[c]` of every state component c."""
+        for region, item_ids, want in self._state_items(seed, room, ids):
+            region[item_ids] = want.to(region.device)
         self._written()
+
+    def _state_items(self, seed: int, room: int, ids: list[np.ndarray]):
+        """(region view, the request's item ids there, their expected contents) of every state region."""
+        for c, (comp, item_ids) in enumerate(zip(self.states, ids)):
+            idx = torch.from_numpy(np.asarray(item_ids, dtype=np.int64)).to(self.spec.device)
+            for r, t in enumerate(comp.regions):
+                yield t, idx, expected_pages(seed, room, -1 - 64 * c - r, len(idx), t.shape[1])
 
     def _written(self) -> None:
         """On CUDA, wait for the fill kernels: the pages must be complete before a transport reads them from
@@ -132,20 +175,27 @@ class HostPools:
             bad += [f"region {r} page {int(pages[i])} (position {first_pos + i})" for i in rows]
         return bad
 
-    def check_state(self, seed: int, room: int, slot: int) -> bool:
-        return bool(torch.equal(self.state[slot].cpu(), expected_pages(seed, room, -1, 1, self.spec.state_item_len)[0]))
+    def check_state(self, seed: int, room: int, ids: list[np.ndarray]) -> bool:
+        return all(torch.equal(t[idx].cpu(), want) for t, idx, want in self._state_items(seed, room, ids))
 
-    def untouched(self, used_pages: set[int], used_slots: set[int] = frozenset()) -> list[str]:
+    def state_bytes(self, ids: list[np.ndarray]) -> list[torch.Tensor]:
+        """Copies of the request's state items, region by region (what a snapshot or a digest covers)."""
+        return [t[torch.from_numpy(np.asarray(i, dtype=np.int64)).to(t.device)].cpu().clone()
+                for comp, i in zip(self.states, ids) for t in comp.regions]
+
+    def untouched(self, used_pages: set[int], used_state: Sequence[set[int]] = ()) -> list[str]:
         """Pages (and state slots) no request owned that no longer hold the sentinel."""
         free = torch.tensor(sorted(set(range(self.spec.num_pages)) - set(used_pages)), dtype=torch.int64, device=self.spec.device)
         bad = []
         for r, t in enumerate(self.kv):
             rows = (t[free] != SENTINEL).any(dim=1).nonzero().flatten().tolist()
             bad += [f"region {r} page {int(free[i])}" for i in rows]
-        if self.state is not None:
-            for s in set(range(self.spec.state_slots)) - set(used_slots):
-                if bool((self.state[s] != SENTINEL).any()):
-                    bad.append(f"state slot {s}")
+        for c, comp in enumerate(self.states):
+            used = used_state[c] if c < len(used_state) else set()
+            for r, t in enumerate(comp.regions):
+                free = sorted(set(range(comp.first_item, t.shape[0])) - set(used))
+                rows = (t[free] != SENTINEL).any(dim=1).nonzero().flatten().tolist() if free else []
+                bad += [f"state component {c} region {r} item {free[i]}" for i in rows]
         return bad
 
 

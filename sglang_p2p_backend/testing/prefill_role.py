@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sglang_p2p_backend.testing import faults, runtime
+from sglang_p2p_backend.testing import faults, kv_checksum, runtime
 from sglang_p2p_backend.testing.plan import FIRST_TOKEN, Req, touch, wait_for
 from sglang_p2p_backend.testing.role import Role
 
@@ -175,16 +175,20 @@ class PrefillRole(Role):
         req.aux = self.free_aux.pop()
         self.meta.output_ids[req.aux][0] = FIRST_TOKEN
         self.meta.bootstrap_room[req.aux][0] = req.room
-        if self.spec.state_slots:
-            self.take_state_slot(req)
-            self.pools.fill_state(self.seed, req.room, req.state_slot)
+        if self.pools.states:
+            self.take_state(req)
+            self.pools.fill_state(self.seed, req.room, req.state_ids)
+        if getattr(self.meta, "kv_checksum", None) is not None:  # --disaggregation-enable-kv-checksum (0.5.23)
+            row = [kv_checksum.digest(self.pools, req.pages, req.state_ids), kv_checksum.signature(self.mgr.kv_args)]
+            kv_checksum.write(self.meta, req.aux, *row)
+            req.result["checksum_row"] = row
         req.handle.init(len(req.pages), req.aux)
 
     def send(self, req: Req) -> None:
         """One send() of the request's next chunk (with the state slot on the last one)."""
         n = min(req.chunk_pages, len(req.pages) - req.sent)
         last = req.sent + n == len(req.pages)
-        state = [np.array([req.state_slot], dtype=np.int32)] if last and self.spec.state_slots else None
+        state = req.state_ids if last and req.state_ids else None
         if req.sent == 0:
             req.result["first_send_at"] = time.monotonic()
         req.handle.send(req.pages[req.sent : req.sent + n], state)

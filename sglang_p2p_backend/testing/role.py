@@ -86,7 +86,8 @@ class Role:
         self.shm = ipc_standin(os.environ.get(IPC_BACKEND_ENV, ""))
         self.pools = HostPools.allocate(self.spec, self.shm.allocate if self.shm else None)
         aux_rows = max(64, len(plan["requests"]) + 2)
-        self.meta = runtime.metadata_buffers(aux_rows, int(plan.get("aux_hidden_size", {}).get(role, 16)))
+        self.meta = runtime.metadata_buffers(aux_rows, int(plan.get("aux_hidden_size", {}).get(role, 16)),
+                                             bool(plan.get("kv_checksum", {}).get(role)))
         self.before_manager()
         args = self.cls[KVClassType.KVARGS]()
         args.pp_rank = 0
@@ -95,10 +96,9 @@ class Role:
         args.page_size = self.spec.page_size
         # what the model runner reports for the pool (bf16 KV for a bf16 model unless --kv-cache-dtype says else)
         args.kv_cache_dtype_str = plan.get("kv_dtype", {}).get(role, "bfloat16")
-        args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = self.pools.kv_lists()
+        args.kv_layout = plan.get("kv_layout", {}).get(role)  # SGLang 0.5.23's layout label (None: the pool has one)
         args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
-        args.state_data_ptrs, args.state_data_lens, args.state_item_lens = self.pools.state_lists()
-        args.state_types = ["MAMBA"] if self.spec.state_slots else []
+        self.pools.describe(args)  # KV regions and state components, as the scheduler describes its pools
         args.kv_layer_ids = []
         args.num_draft_entries = 0
         args.ib_device = None
@@ -108,9 +108,9 @@ class Role:
         self.rng = np.random.default_rng(self.seed + self._rng_offset)
         self.free_pages = list(self.rng.permutation(np.arange(1, self.spec.num_pages)))
         self.free_aux = list(range(1, aux_rows))
-        self.free_slots = list(range(self.spec.state_slots))
+        self.free_state = [list(self.rng.permutation(np.arange(c.first_item, c.num_items))) for c in self.pools.states]
         self.used_pages: set[int] = set()
-        self.used_slots: set[int] = set()
+        self.used_state: list[set[int]] = [set() for _ in self.pools.states]
         self.after_manager()
 
     # ------------------------------------------------------------------ the role's part
@@ -152,9 +152,15 @@ class Role:
         self.used_pages.update(int(p) for p in pages)
         return pages
 
-    def take_state_slot(self, req: Req) -> None:
-        req.state_slot = self.free_slots.pop()
-        self.used_slots.add(req.state_slot)
+    def take_state(self, req: Req) -> None:
+        """The request's items of every state component (a slot; an SWA window's pages)."""
+        req.state_ids = []
+        for comp, free, used in zip(self.pools.states, self.free_state, self.used_state):
+            if comp.per_request > len(free):
+                raise RuntimeError(f"state component of {comp.num_items} items too small for the plan")
+            ids = np.array([free.pop() for _ in range(comp.per_request)], dtype=np.int32)
+            used.update(int(i) for i in ids)
+            req.state_ids.append(ids)
 
     def finish(self, req: Req, ok: bool, reason: str = "") -> None:
         req.phase = "done"

@@ -89,11 +89,14 @@ def sender_kwargs(sender_cls: type) -> dict:
     return extra
 
 
-def metadata_buffers(size: int, hidden_size: int = 16) -> Any:
+def metadata_buffers(size: int, hidden_size: int = 16, kv_checksum: bool = False) -> Any:
     """SGLang's own aux buffers (host memory), as the scheduler builds them (`hidden_size`: of the draft model's
-    hidden states, which speculative decoding passes along; it sets the bytes of one aux row)."""
+    hidden states, which speculative decoding passes along; it sets the bytes of one aux row; `kv_checksum`:
+    SGLang 0.5.23's --disaggregation-enable-kv-checksum adds the digest buffer)."""
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
+    extra = {"kv_checksum_enabled": True} if kv_checksum else {}
     return MetadataBuffers(
-        size=size, hidden_size=hidden_size, hidden_states_dtype=torch.float32, max_top_logprobs_num=4, max_sampling_mask_tokens=1
+        size=size, hidden_size=hidden_size, hidden_states_dtype=torch.float32, max_top_logprobs_num=4, max_sampling_mask_tokens=1,
+        **extra,
     )

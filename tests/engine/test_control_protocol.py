@@ -70,6 +70,32 @@ def test_differences_name_each_parameter_with_both_values_and_the_fix():
     assert differences(agreement(), agreement(), "prefill", "decode") == []
 
 
+def test_sglang_layout_labels_and_state_types_are_compared_with_both_values():
+    mine = agreement(kv_layout="flashmla", swa_kv_cache_layout="nhd", state_types=["swa"])
+    theirs = agreement(kv_layout="fp8_ds_mla", swa_kv_cache_layout="hnd", state_types=["swa", "block_scale_swa"])
+    assert differences(mine, theirs, "decode", "prefill") == [
+        "KV byte layout (KVArgs.kv_layout) differs: decode 'flashmla', prefill 'fp8_ds_mla'; launch both with the same "
+        "--dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT",
+        "SWA sub-pool layout (KVArgs.swa_kv_cache_layout) differs: decode 'nhd', prefill 'hnd'; set the same "
+        "SGLANG_USE_HND_KVCACHE and SGLANG_AITER_KV_CACHE_LAYOUT on prefill and decode",
+        "kind of every state component (KVArgs.state_types) differs: decode ['swa'], prefill ['swa', 'block_scale_swa']; prefill and "
+        "decode must run the same model",
+    ]
+    assert differences(agreement(kv_layout=None), agreement(kv_layout=""), "decode", "prefill") == []  # 0.5.17: none
+
+
+def test_head_major_mha_pages_must_match_and_are_never_sliced_by_heads():
+    assert differences(agreement(mha_layout="hnd"), agreement(), "prefill", "decode") == [
+        "MHA KV page layout (head-major: SGLANG_USE_HND_KVCACHE) differs: prefill 'hnd', decode none; set the same "
+        "SGLANG_USE_HND_KVCACHE on prefill and decode"]
+    # attention TP 1 -> 2 over 4 heads would slice pages by heads: refused with both sides head-major too
+    one, two = (agreement(mha_layout="hnd", attn_tp_size=tp, kv_total_heads=4, kv_item_lens=[16 * 4 // tp * 256] * 4)
+                for tp in (1, 2))
+    (line,) = differences(one, two, "prefill", "decode")
+    assert line.startswith("KV layout cannot be sliced by heads (head-major pages (SGLANG_USE_HND_KVCACHE) are not "
+                           "sliced by p2pnccl): prefill attention TP 1"), line
+
+
 # ------------------------------------------------------------------ liveness
 def test_peer_watch_reports_silence_once_and_ignores_strangers():
     now = [0.0]

@@ -51,8 +51,8 @@ def test_a_refusal_reveals_only_what_differs():
 def test_aux_layout_is_compared_with_both_values():
     lines = differences(agreement(), agreement(aux_item_lens=[8, 128]), "prefill", "decode")
     assert lines == [f"aux (metadata) layout (bytes per row of every aux buffer) differs: prefill [8, 64], decode "
-                     f"[8, 128]; run the same SGLang release with the same speculative-decoding and logprob settings "
-                     f"on prefill and decode"]
+                     f"[8, 128]; run the same SGLang release with the same speculative-decoding, logprob and "
+                     f"--disaggregation-enable-kv-checksum settings on prefill and decode"]
 
 
 def test_protocol_mismatch_names_both_versions():

@@ -14,7 +14,7 @@ spread over a TP size) is refused with both layouts named.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import msgspec
 
@@ -39,14 +39,25 @@ _FIXES: dict[str, tuple[str, str]] = {
     "auth": ("control-message authentication", "set the same SGLANG_P2P_AUTH_KEY (or _FILE) on every prefill and decode"),
     "aux_item_lens": (
         "aux (metadata) layout (bytes per row of every aux buffer)",
-        "run the same SGLang release with the same speculative-decoding and logprob settings on prefill and decode",
+        "run the same SGLang release with the same speculative-decoding, logprob and --disaggregation-enable-kv-checksum "
+        "settings on prefill and decode",
     ),
+    "kv_layout": ("KV byte layout (KVArgs.kv_layout)", "launch both with the same --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT"),
+    "swa_kv_cache_layout": (
+        "SWA sub-pool layout (KVArgs.swa_kv_cache_layout)",
+        "set the same SGLANG_USE_HND_KVCACHE and SGLANG_AITER_KV_CACHE_LAYOUT on prefill and decode",
+    ),
+    "state_types": ("kind of every state component (KVArgs.state_types)", "prefill and decode must run the same model"),
+    "mha_layout": ("MHA KV page layout (head-major: SGLANG_USE_HND_KVCACHE)", "set the same SGLANG_USE_HND_KVCACHE on "
+                                                                            "prefill and decode"),
 }
 #: what else a refusal may reveal when it differs (a decode needs it to name the head layout it cannot pair)
 _SHAPE = ("attn_tp_size", "kv_total_heads")
 
 
 def _describe(name: str, value: Any) -> str:
+    if value == "":
+        return "none"  # a label one side does not set
     if name in ("kv_item_lens", "state_item_lens") and isinstance(value, list):
         flat = [x for v in value for x in (v if isinstance(v, list) else [v])]
         return f"{len(value)} regions of {sorted(set(flat))} bytes"
@@ -97,6 +108,8 @@ def _head_layout_differences(mine: Agreement, theirs: Agreement, my_role: str, t
     big, small = max(mine.attn_tp_size, theirs.attn_tp_size), min(mine.attn_tp_size, theirs.attn_tp_size)
     if big % small:
         problems.append("neither attention TP size divides the other")
+    if "hnd" in (mine.mha_layout, theirs.mha_layout):
+        problems.append("head-major pages (SGLANG_USE_HND_KVCACHE) are not sliced by p2pnccl")
     if not problems:
         (_, a), (_, b) = _head_layout(mine, total), _head_layout(theirs, total)
         if len(a) != len(b) or a != b or -1 in a:
@@ -119,6 +132,10 @@ def local_agreement(
     attn_tp_size: int = 1,
     kv_total_heads: int = 0,
     aux_item_lens: Sequence[int] = (),
+    kv_layout: Optional[str] = None,
+    swa_kv_cache_layout: Optional[str] = None,
+    state_types: Sequence[str] = (),
+    mha_layout: str = "",
 ) -> Agreement:
     return Agreement(
         protocol=PROTOCOL_VERSION,
@@ -132,5 +149,9 @@ def local_agreement(
         attn_tp_size=int(attn_tp_size),
         kv_total_heads=int(kv_total_heads),
         aux_item_lens=[int(x) for x in aux_item_lens],
+        kv_layout=kv_layout or "",
+        swa_kv_cache_layout=swa_kv_cache_layout or "",
+        state_types=[str(t) for t in state_types],
+        mha_layout=mha_layout,
     )
 

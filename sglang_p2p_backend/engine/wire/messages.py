@@ -62,6 +62,14 @@ class Agreement(msgspec.Struct, kw_only=True):
     kv_total_heads: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
     #: bytes of one aux (metadata) row per aux buffer: the prefill writes its rows into the decode's
     aux_item_lens: ItemLens = msgspec.field(default_factory=list)
+    #: SGLang's KV byte layout label (KVArgs.kv_layout, 0.5.23; "" for pools with only one layout)
+    kv_layout: Short = ""
+    #: the SWA sub-pool's physical layout (KVArgs.swa_kv_cache_layout, 0.5.23; "" without one)
+    swa_kv_cache_layout: Short = ""
+    #: "hnd" when SGLang's MHA pool keeps head-major pages (SGLANG_USE_HND_KVCACHE), "" for token-major rows
+    mha_layout: Short = ""
+    #: what each state component is (KVArgs.state_types, lower-case names, in KVArgs order)
+    state_types: Annotated[list[Short], Meta(max_length=64)] = msgspec.field(default_factory=list)
 
 
 class IpcRegion(msgspec.Struct, array_like=True):
