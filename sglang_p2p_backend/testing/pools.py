@@ -110,10 +110,6 @@ class HostPools:
                 return torch.full((rows, width), SENTINEL, dtype=torch.uint8, device=dev)
             return raw(rows * width).view(rows, width).fill_(SENTINEL)
 
-        if spec.sglang_pool:
-            from sglang_p2p_backend.testing.sglang_pools import allocate
-
-            return allocate(spec)
         kv = [region(spec.num_pages, spec.item_len) for _ in range(spec.num_regions)]
         states = ([StateComponent([region(spec.state_slots, spec.state_item_len)], spec.state_per_request)]
                   if spec.state_slots else [])

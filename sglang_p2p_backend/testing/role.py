@@ -18,6 +18,7 @@ import torch
 
 from sglang_p2p_backend.testing import runtime
 from sglang_p2p_backend.testing.plan import Req, rank_heads
+from sglang_p2p_backend.testing import sglang_pools
 from sglang_p2p_backend.testing.pools import HostPools, PoolSpec
 
 #: names a stand-in for CUDA IPC ("module:Class", an `IpcBackend` that also allocates the pools) this process
@@ -84,7 +85,10 @@ class Role:
         backend = TransferBackend("p2pnccl")
         self.cls = {t: get_kv_class(backend, t) for t in KVClassType}
         self.shm = ipc_standin(os.environ.get(IPC_BACKEND_ENV, ""))
-        self.pools = HostPools.allocate(self.spec, self.shm.allocate if self.shm else None)
+        if self.spec.sglang_pool:  # SGLang's own pool classes (testing/sglang_pools.py)
+            self.pools = sglang_pools.allocate(self.spec)
+        else:
+            self.pools = HostPools.allocate(self.spec, self.shm.allocate if self.shm else None)
         aux_rows = max(64, len(plan["requests"]) + 2)
         self.meta = runtime.metadata_buffers(aux_rows, int(plan.get("aux_hidden_size", {}).get(role, 16)),
                                              bool(plan.get("kv_checksum", {}).get(role)))

@@ -264,9 +264,11 @@ def _run_all(*args, tmp_path, env_extra=None):
 
 def test_run_all_rejects_a_gpu_count_it_has_no_layout_for(tmp_path):
     p = _run_all("--gpus", "3", tmp_path=tmp_path)
-    assert p.returncode == 2 and "--gpus must be 1 or 2" in p.stderr
+    assert p.returncode == 2 and "--gpus must be 1, 2 or 4" in p.stderr
     p = _run_all(tmp_path=tmp_path, env_extra={"E2E_GPUS": "8"})
     assert p.returncode == 2
+    p = _run_all("--phase", "shapes", tmp_path=tmp_path)  # the miniatures need the 4-GPU host
+    assert p.returncode == 2 and "--phase shapes needs a 4-GPU host (--gpus 4)" in p.stderr
 
 
 def test_run_all_unpack_phase_needs_no_sglang_bundle(tmp_path):
