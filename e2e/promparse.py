@@ -39,6 +39,12 @@ def histogram_totals(text: str, name: str) -> Optional[HistogramTotals]:
     return HistogramTotals(total["_sum"], total["_count"]) if seen else None
 
 
+def total(parts: "list[Optional[HistogramTotals]]") -> Optional[HistogramTotals]:
+    """Several servers' histograms as one (None when none of them has it)."""
+    seen = [p for p in parts if p is not None]
+    return HistogramTotals(sum(p.sum for p in seen), sum(p.count for p in seen)) if seen else None
+
+
 def mean_between(before: Optional[HistogramTotals], after: Optional[HistogramTotals]) -> Optional[float]:
     """Mean of the observations made between two snapshots; None when nothing was observed."""
     if after is None:

@@ -38,6 +38,9 @@
 #          -> $OUT/shapes_<kind>.json (e2e/shapes.py; E2E_SHAPES picks shapes)              (needs sglang.tar.xz)
 #   shape-faults: kill -9 of one of mini-a's two prefills, then of its decode, under load behind our LB's
 #          default policy, each restarted -> $OUT/shape_faults_<kind>.json (e2e/shape_faults.py)
+#   shape-serve: serving figures of a 4-GPU miniature (E2E_SERVE_SHAPE: mini-a-serve or mini-b-serve), p2pnccl
+#          next to NIXL and Mooncake on the same rendered commands -> $OUT/shape_serve_<shape>_<kind>.json
+#          (e2e/shape_serve.py; E2E_SERVE_ARGS adds flags; needs serve.tar.xz, this call or an earlier one)
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
 #   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
@@ -66,11 +69,11 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|ipc|serve|shapes|shape-faults|unpack) ;;
-  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, ipc, serve, shapes, shape-faults or unpack" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|ipc|serve|shapes|shape-faults|shape-serve|unpack) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, ipc, serve, shapes, shape-faults, shape-serve or unpack" >&2; exit 2 ;; esac
 case "$GPUS" in 1|2|4) ;;
   *) echo "run_all.sh: --gpus must be 1, 2 or 4" >&2; exit 2 ;; esac
-case "$PHASE:$GPUS" in shapes:4|shape-faults:4) ;; shapes:*|shape-faults:*)
+case "$PHASE:$GPUS" in shapes:4|shape-faults:4|shape-serve:4) ;; shapes:*|shape-faults:*|shape-serve:*)
   echo "run_all.sh: --phase $PHASE needs a 4-GPU host (--gpus 4)" >&2; exit 2 ;; esac
 export E2E_GPUS=$GPUS  # read by e2e.check, e2e.perf, e2e.sglang_tests (e2e/config.py)
 START=$(date +%s)
@@ -260,8 +263,21 @@ run_shape_faults() {
     --logs "$E2E_ROOT/logs/shape_faults"
 }
 
+run_shape_serve() {
+  if [ ! -d "$E2E_ROOT/serve/nixl" ]; then
+    say "shape-serve: no NIXL: carry .bundle/serve.tar.xz (e2e/build_bundle.sh .bundle serve) in this or an earlier call"
+    STATUS=1; return 0
+  fi
+  local shape=${E2E_SERVE_SHAPE:-mini-a-serve}
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only deepseek-anchor
+  # shellcheck disable=SC2086 # E2E_SERVE_ARGS: extra flags, word-split on purpose
+  step shape_serve python3 -m e2e.shape_serve --models "$MODELS" --shape "$shape" --machine "$KIND" \
+    --out "$OUTDIR/shape_serve_${shape}_$KIND.json" --logs "$E2E_ROOT/logs/shape_serve" ${E2E_SERVE_ARGS:-}
+}
+
 case "$PHASE" in
   shapes) run_shapes ;;
+  shape-serve) run_shape_serve ;;
   shape-faults) run_shape_faults ;;
   serve) run_serve ;;
   ipc) run_ipc ;;

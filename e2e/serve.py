@@ -89,6 +89,10 @@ class Pair:
             self.lb[mode] = Server(f"serve-{backend}-lb-{mode}", base + 2 + 2 * i, "lb", lb_prefill=self.prefill,
                                    lb_decode=d, args=["--policy", "random"])
 
+    @property
+    def prefills(self) -> list[Server]:
+        return [self.prefill]
+
     def servers(self) -> list[Server]:
         return [self.prefill, *self.decode.values()]
 
@@ -128,15 +132,18 @@ class Probe:
                       for role, s in (("prefill", pair.prefill), ("decode", pair.decode[mode]))}
         self.names = {role: _thread_names(pid, pyspy) for role, pid in self.procs.items()}
 
+    def _kv(self) -> Optional[promparse.HistogramTotals]:
+        return promparse.total([perf.scrape(p.url) for p in self.pair.prefills])
+
     def __enter__(self) -> "Probe":
-        self.kv0 = perf.scrape(self.pair.prefill.url)
+        self.kv0 = self._kv()
         self.log0 = decode_log.offset(self.pair.decode[self.mode].log)
         self.cpu0 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.cpu1 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
-        self.kv1 = perf.scrape(self.pair.prefill.url)
+        self.kv1 = self._kv()
         self.log_text = decode_log.read_since(self.pair.decode[self.mode].log, self.log0)
 
     def figures(self) -> dict[str, Any]:
@@ -216,58 +223,77 @@ def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[st
     save = lambda: results.write_json(out, res)  # noqa: E731
     pairs = {b: Pair(b, models, modes) for b in [*backends, *extra]}
     with Stack(logs) as stack:
-        t0 = time.monotonic()
-        everything = [s for p in pairs.values() for s in p.servers()]
-        stack.launch(everything, lanes=3)
-        res["launch_s"] = round(time.monotonic() - t0, 1)
-        ready = {}
-        for b, p in pairs.items():
-            failed = failure_report(p.servers())
-            for lb in p.lb.values():
-                if not failed and not stack.launch_lb(lb):
-                    failed = failure_report([lb]) or {lb.name: lb.log_tail()}
-            res["servers"][b] = {"status": "failed", "errors": failed} if failed else {
-                "status": "ok", "pool_tokens": {s.name: pool_tokens(s) for s in p.servers()}}
-            if not failed:
-                ready[b] = p
-        save()
-        # warm-up: Triton compiles, CUDA graphs' first replays, transfer engines' first connections
-        for p in ready.values():
-            for mode in modes:
-                asyncio.run(client.closed_loop(p.lb[mode].url, client.random_prompts(8, 4096, seed=5), 4, 8))
-                asyncio.run(client.closed_loop(p.lb[mode].url, client.random_prompts(16, 1024, seed=6), 16, 8))
+        ready = start(stack, pairs, res, save)
+        warm_up(ready, modes)
         if do_profile and "nograph" in modes:
             for b in backends:
                 if b in ready:
                     res["profile"] += profile(ready[b], logs, pyspy)
                     save()
-        table: dict[tuple, dict[str, Any]] = {}
-        plan = [(mode, plen, conc, backends) for mode in modes for plen, conc in cells]
-        plan += [(mode, plen, conc, [b]) for b, bc in extra.items() for mode in modes for plen, conc in bc]
-        for rep in range(reps):
-            for mode, plen, conc, group in plan:
-                if rep > 0 and len(group) == 1 and group[0] in extra:
-                    continue  # the extra column runs once
-                order = [b for b in group if b in ready]
-                k = rep % max(1, len(order))
-                for b in order[k:] + order[:k]:
-                    if time.monotonic() > deadline:
-                        res["stopped"] = f"deadline in repetition {rep}"
-                        save()
-                        return res
-                    key = (b, plen, conc, mode)
-                    cell = table.setdefault(key, {"backend": b, "input_len": plen, "concurrency": conc,
-                                                  "cuda_graph": mode == "graph", "reps": []})
-                    if cell not in res["cells"]:
-                        res["cells"].append(cell)
-                    r = one_run(ready[b], mode, plen, conc, seed=1000 * plen + conc + 7919 * rep, pyspy=pyspy)
-                    cell["reps"].append(r)
-                    res["summary"] = summarize_cells(res["cells"])
-                    save()
-                    print(f"serve rep {rep} {mode} {b} {plen}x{conc}: ttft p50 {r['ttft_p50_ms']} tpot "
-                          f"{r['tpot_p50_ms']} e2e {r['e2e_p50_ms']} ms, {r['output_tok_s']} tok/s, kv {r['kv_ms']} ms,"
-                          f" failed {r['failed']}", flush=True)
+        measure(ready, modes, cells, backends, extra, reps, res, save, pyspy, deadline)
     return res
+
+
+def start(stack: Stack, pairs: dict[str, Any], res: dict[str, Any], save: Any) -> dict[str, Any]:
+    """Every backend's servers at once, then its LBs; returns the backends that came up (res["servers"] says
+    why the others did not). A pair is a `Pair` or anything with its attributes (e2e/shape_serve.py)."""
+    t0 = time.monotonic()
+    everything = [s for p in pairs.values() for s in p.servers()]
+    stack.launch(everything, lanes=3)
+    res["launch_s"] = round(time.monotonic() - t0, 1)
+    ready = {}
+    for b, p in pairs.items():
+        failed = failure_report(p.servers())
+        for lb in p.lb.values():
+            if not failed and not stack.launch_lb(lb):
+                failed = failure_report([lb]) or {lb.name: lb.log_tail()}
+        res["servers"][b] = {"status": "failed", "errors": failed} if failed else {
+            "status": "ok", "pool_tokens": {s.name: pool_tokens(s) for s in p.servers()}}
+        if not failed:
+            ready[b] = p
+    save()
+    return ready
+
+
+def warm_up(ready: dict[str, Any], modes: list[str]) -> None:
+    """Triton compiles, CUDA graphs' first replays, transfer engines' first connections."""
+    for p in ready.values():
+        for mode in modes:
+            asyncio.run(client.closed_loop(p.lb[mode].url, client.random_prompts(8, 4096, seed=5), 4, 8))
+            asyncio.run(client.closed_loop(p.lb[mode].url, client.random_prompts(16, 1024, seed=6), 16, 8))
+
+
+def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]], backends: list[str],
+            extra: dict[str, list[tuple[int, int]]], reps: int, res: dict[str, Any], save: Any,
+            pyspy: Optional[str], deadline: float) -> None:
+    """Every cell `reps` times, the backends of a cell in an order rotated by repetition; res["cells"] and
+    res["summary"] grow (and are saved) after every run, res["stopped"] says where a deadline cut it short."""
+    table: dict[tuple, dict[str, Any]] = {}
+    plan = [(mode, plen, conc, backends) for mode in modes for plen, conc in cells]
+    plan += [(mode, plen, conc, [b]) for b, bc in extra.items() for mode in modes for plen, conc in bc]
+    for rep in range(reps):
+        for mode, plen, conc, group in plan:
+            if rep > 0 and len(group) == 1 and group[0] in extra:
+                continue  # the extra column runs once
+            order = [b for b in group if b in ready]
+            k = rep % max(1, len(order))
+            for b in order[k:] + order[:k]:
+                if time.monotonic() > deadline:
+                    res["stopped"] = f"deadline in repetition {rep}"
+                    save()
+                    return
+                key = (b, plen, conc, mode)
+                cell = table.setdefault(key, {"backend": b, "input_len": plen, "concurrency": conc,
+                                              "cuda_graph": mode == "graph", "reps": []})
+                if cell not in res["cells"]:
+                    res["cells"].append(cell)
+                r = one_run(ready[b], mode, plen, conc, seed=1000 * plen + conc + 7919 * rep, pyspy=pyspy)
+                cell["reps"].append(r)
+                res["summary"] = summarize_cells(res["cells"])
+                save()
+                print(f"serve rep {rep} {mode} {b} {plen}x{conc}: ttft p50 {r['ttft_p50_ms']} tpot "
+                      f"{r['tpot_p50_ms']} e2e {r['e2e_p50_ms']} ms, {r['output_tok_s']} tok/s, kv {r['kv_ms']} ms,"
+                      f" failed {r['failed']}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 from sglang_p2p_backend.launch.config import LaunchConfig, Node, load_config
 from sglang_p2p_backend.launch.render import SGLANG_PROGRAM, server_command
@@ -89,29 +89,38 @@ def lb_launch(shape: Shape, cfg: LaunchConfig, model_dir: Path, lb_flags: list[s
     return Launch(f"{shape.topology}-{name}", "lb", argv, port, -1)
 
 
-def reference_args(decode_args: tuple[str, ...], port: int, dist_init_port: int, base_gpu: int) -> list[str]:
-    """The decode's rendered flags without the PD ones, on other ports and GPUs."""
+def rewrite_flags(args: Sequence[str], values: Mapping[str, Callable[[str], str]], drop: Mapping[str, int] = {},
+                  add: Mapping[str, str] = {}) -> list[str]:
+    """`args` with the flags in `drop` (name -> how many values) left out, each flag in `values` given
+    values[flag](its value), then the flags of `add` that were not there."""
     out: list[str] = []
-    replace = {"--port": str(port), "--base-gpu-id": str(base_gpu)}
-    args = list(decode_args)
+    seen = set()
+    args = list(args)
     i = 0
     while i < len(args):
         flag = args[i]
-        if flag in PD_FLAGS:
-            i += 1 + PD_FLAGS[flag]
-            continue
-        if flag in replace:
-            out += [flag, replace.pop(flag)]
+        if flag in drop:
+            i += 1 + drop[flag]
+        elif flag in values:
+            out += [flag, values[flag](args[i + 1])]
+            seen.add(flag)
             i += 2
-            continue
-        if flag == "--dist-init-addr":
-            host = args[i + 1].rsplit(":", 1)[0]
-            out += [flag, f"{host}:{dist_init_port}"]
-            i += 2
-            continue
-        out.append(flag)
-        i += 1
-    return out + [tok for flag, value in replace.items() for tok in (flag, value)]
+        else:
+            out.append(flag)
+            i += 1
+    return out + [tok for flag, value in add.items() if flag not in seen for tok in (flag, value)]
+
+
+def with_port(port: int) -> Callable[[str], str]:
+    """A --dist-init-addr value's host with another port."""
+    return lambda addr: f"{addr.rsplit(':', 1)[0]}:{port}"
+
+
+def reference_args(decode_args: tuple[str, ...], port: int, dist_init_port: int, base_gpu: int) -> list[str]:
+    """The decode's rendered flags without the PD ones, on other ports and GPUs."""
+    return rewrite_flags(decode_args, {"--port": lambda _: str(port), "--base-gpu-id": lambda _: str(base_gpu),
+                                       "--dist-init-addr": with_port(dist_init_port)},
+                         drop=PD_FLAGS, add={"--base-gpu-id": str(base_gpu)})
 
 
 def reference_launch(shape: Shape, cfg: LaunchConfig, release: str, layout: str = "decode",

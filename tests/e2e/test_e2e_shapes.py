@@ -86,3 +86,33 @@ def test_every_reference_fits_the_host():
             if l.role.startswith("reference"):
                 tp = int(flags(tuple(l.argv[3:]))["--tp-size"][0])
                 assert 0 <= l.gpu and l.gpu + tp <= 4, (l.name, l.gpu, tp)
+
+
+def test_serving_runs_every_backend_on_the_same_rendered_commands_with_moved_ports():
+    from e2e import shape_serve
+    from e2e.shape_plan import load
+
+    shape = shape_serve.SHAPES["mini-a-serve"]
+    cfg = load(shape, Path("/m/deepseek-anchor"))
+    p2p, nixl, mooncake = (shape_serve.deployment(shape, cfg, Path("/m/deepseek-anchor"), "0.5.17", b, k)
+                           for k, b in enumerate(shape_serve.BACKENDS))
+    assert p2p.prefills[1].argv[1:4] == ["-m", "sglang_p2p_backend.launch", "node"]  # the launcher itself
+    f = flags(tuple(nixl.prefills[1].argv[3:]))
+    assert nixl.prefills[1].argv[1:3] == ["-m", "sglang.launch_server"]
+    assert (f["--disaggregation-transfer-backend"], f["--port"], f["--disaggregation-bootstrap-port"],
+            f["--dist-init-addr"], f["--base-gpu-id"]) == (["nixl"], ["31601"], ["9601"], ["127.0.0.1:6607"], ["1"])
+    d = flags(tuple(mooncake.decode["graph"].argv[3:]))
+    assert (d["--disaggregation-transfer-backend"], d["--port"], d["--dist-init-addr"], d["--dp-size"],
+            d["--ep-size"], d["--cuda-graph-max-bs-decode"]) == (["mooncake"], ["32610"], ["127.0.0.1:7620"], ["2"],
+                                                                  ["2"], ["64"])
+    assert mooncake.decode["graph"].env["MC_INTRANODE_NVLINK"] == "true"
+    # the rest of the flags are the rendered ones, unchanged
+    from sglang_p2p_backend.launch.render import server_command
+
+    moved = ("--disaggregation-transfer-backend", "--port", "--disaggregation-bootstrap-port", "--dist-init-addr")
+    rendered = flags(server_command(cfg, cfg.nodes()[1], "0.5.17").args)
+    assert {k: v for k, v in f.items() if k not in moved} == {k: v for k, v in rendered.items() if k not in moved}
+    lb = nixl.lb["graph"].argv
+    assert lb[lb.index("--prefill"):lb.index("--host")] == [
+        "--prefill", "http://127.0.0.1:31600", "9600", "--prefill", "http://127.0.0.1:31601", "9601",
+        "--decode", "http://127.0.0.1:31610"]
