@@ -63,6 +63,12 @@ class PrefillKVManager(P2pNcclKVManagerBase):
     _role = "prefill"
 
     def _init_role(self) -> None:
+        if self.system_dp_size > 1:
+            # plain DP (--dp-size without DP attention): the DP controller hands rooms to replicas and the bootstrap
+            # server files each replica's ranks under its replica index, but Common's sender checks a room's DP rank
+            # against, and registers it as, `attn_dp_rank`, which is 0 on every replica: rooms of the other replicas
+            # would fail ("follow_bootstrap_room conflict") or be looked up on replica 0
+            self.attn_dp_rank = self.system_dp_rank
         self.decode_peers: Dict[str, wire.PeerRegister] = {}
         #: per decode rank with a different attention TP (MHA/GQA): the heads it takes from this rank
         self.peer_heads: Dict[str, Optional[PairHeads]] = {}

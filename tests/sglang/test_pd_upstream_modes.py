@@ -1,0 +1,82 @@
+"""Failure modes SGLang's own PD users reported, each run through SGLang's classes in driver processes
+(testing/driver.py) with the exact pages, aux rows, statuses and reasons checked. The contract page lists them
+("Upstream failure modes" in docs/sglang-contract.md)."""
+
+import pytest
+from test_pd_transfer import FAST_FAILURE_ENV, IPC_ENV, assert_clean, failed_reason
+
+from sglang_p2p_backend.testing.launch import run_pair
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+POOL = {"layout": "mha", "num_layers": 2, "page_size": 4, "num_pages": 400}
+TRANSPORTS = [pytest.param({}, id="tcp"), pytest.param(IPC_ENV, id="cudaipc-standin")]
+
+
+def landed(side: dict, key: str) -> dict:
+    """The decode's result of request `key`, asserted Success with every page, the aux row and the first token
+    its own."""
+    r = side["requests"][key]
+    assert r["status"] == "Success", r
+    assert r["num_bad_pages"] == 0 and r["aux_room_ok"] and r["first_token_ok"], r
+    return r
+
+
+def assert_ranks_clean(result: dict) -> None:
+    for role in ("prefill", "decode"):
+        for side in result["ranks"][role]:
+            assert side is not None, f"a {role} rank died: {result['workdir']}"
+            assert_clean(side)
+
+
+@pytest.mark.parametrize("transport_env", TRANSPORTS)
+def test_aux_rows_reused_at_once_under_concurrency_each_hold_their_own_room(transport_env):
+    # 40 rooms through 4 aux rows on either side: every row is handed to the next room the moment its room
+    # concludes, some rooms aborted mid-transfer by the decode or the prefill, so a late row of one room has the
+    # chance to land in the next room's slot; each finished room's row must carry its own room and first token
+    requests = [{"room": 5000 + i, "tokens": 4 * (3 + i % 5), "chunk_pages": 2} for i in range(40)]
+    for i in range(3, 40, 9):
+        requests[i]["abort"] = {"side": "decode", "at": "transfer", "after_s": 0}
+    for i in range(7, 40, 11):
+        requests[i]["abort"] = {"side": "prefill", "at": "chunk", "n": 1}
+    aborted = {str(r["room"]) for r in requests if "abort" in r}
+    plan = {"pool": POOL, "requests": requests, "aux_rows": {"prefill": 4, "decode": 4}, "reuse": ["aux"],
+            "faults": {"prefill": {"chunk_delay_s": 0.01}}, "deadline_s": 90, "linger_s": {"prefill": 1.0}}
+    result = run_pair(plan, env={**FAST_FAILURE_ENV, **transport_env}, timeout=150)
+    d, p = result["decode"], result["prefill"]
+    for key, r in d["requests"].items():
+        if key in aborted:
+            assert r["status"] == "Failed" and "Aborted" in r["reason"], r
+        else:
+            landed(d, key)
+            assert p["requests"][key]["status"] == "Success", p["requests"][key]
+    assert d["untouched_violations"] == []
+    assert_clean(d)
+    assert_clean(p)
+
+
+# plain DP: SGLang's --dp-size 2 without DP attention, two prefill replicas (each its own TP group, both behind
+# one bootstrap server) whose DP controller hands out rooms by bootstrap room, or by another load balancer
+PLAIN_DP = {"dp": {"prefill": 2}}
+
+
+@pytest.mark.parametrize("routing", [
+    pytest.param({}, id="follow-bootstrap-room"),
+    # round robin: the replica is the controller's choice, which the decode learns from the bootstrap server
+    pytest.param({"load_balance_method": {"prefill": "round_robin"},
+                  "prefill_dp_rank": {"6001": 0, "6002": 1, "6003": 1, "6004": 0}}, id="round-robin"),
+])
+def test_plain_dp_replicas_each_serve_the_rooms_their_controller_gave_them(routing):
+    rooms = [6001, 6002, 6003, 6004]
+    plan = {"pool": POOL, "requests": [{"room": r, "tokens": 4 * 9 + r % 3, "chunk_pages": 4} for r in rooms],
+            "deadline_s": 40, **PLAIN_DP, **routing}
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    chosen = routing.get("prefill_dp_rank", {str(r): r % 2 for r in rooms})
+    for replica, p in enumerate(result["ranks"]["prefill"]):
+        mine = sorted(k for k, v in chosen.items() if v == replica)
+        assert sorted(p["requests"]) == mine
+        assert {r["status"] for r in p["requests"].values()} == {"Success"}, p["requests"]
+    for room in rooms:
+        landed(result["decode"], str(room))
+    assert result["decode"]["untouched_violations"] == []
+    assert_ranks_clean(result)
