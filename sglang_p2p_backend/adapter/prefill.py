@@ -497,9 +497,21 @@ class PrefillKVManager(P2pNcclKVManagerBase):
 
     def _notify_decode(self, room: int, status: int, reason: str = "", block: bool = True,
                        skip: Optional[str] = None) -> None:
-        for info in list((self.transfer_infos.get(room) or {}).values()):
-            if not info.is_dummy and info.session in self.decode_peers and info.session != skip:
-                self._control_send(info.session, wire.Status(self.session, room, self.prefill_rank, int(status), reason), block)
+        """Status to the room's real decode ranks but `skip`; a failure only once no write of the room is in
+        flight (the decode frees a failed room's pages at once: a write still running would land in another's)."""
+        targets = [info.session for info in list((self.transfer_infos.get(room) or {}).values())
+                   if not info.is_dummy and info.session != skip]
+        msg = wire.Status(self.session, room, self.prefill_rank, int(status), reason)
+
+        def send() -> None:
+            for session in targets:
+                if session in self.decode_peers:
+                    self._control_send(session, msg, block)
+
+        if status == KVPoll.Failed:
+            self.release.after_drain(room, send)
+        else:
+            send()
 
     def _fail_or_bury(self, room: int, reason: str, cause: str) -> bool:
         """Decode rank `cause` ends `room`: fail it here, or, if its sender does not exist yet, when it does

@@ -80,3 +80,23 @@ def test_plain_dp_replicas_each_serve_the_rooms_their_controller_gave_them(routi
         landed(result["decode"], str(room))
     assert result["decode"]["untouched_violations"] == []
     assert_ranks_clean(result)
+
+
+@pytest.mark.parametrize("transport_env", TRANSPORTS)
+def test_pages_of_a_room_the_prefill_aborted_mid_write_are_reused_only_after_the_write(transport_env):
+    # room 7001 (replica 1) is aborted on the prefill while its first write is in flight (3 s long); the decode
+    # hands its pages at once to room 7002, which replica 0 fills. Were the decode told before the write ended,
+    # 7001's bytes would land in 7002's pages after 7002 was checked: they are checked again at the end
+    rooms = [{"room": 7001, "tokens": 4 * 30, "chunk_pages": 10, "abort": {"side": "prefill", "at": "chunk", "n": 2}},
+             {"room": 7002, "tokens": 4 * 30, "after": "decode-7001-done"}]
+    plan = {"pool": POOL, "requests": rooms, "reuse": ["pages"], "deadline_s": 40, **PLAIN_DP,
+            "faults": {"prefill": {"write_delay_s": {"7001": 3.0}, "chunk_delay_s": 0.3}}, "linger_s": {"prefill": 5.0, "decode": 4.0}}
+    result = run_pair(plan, env=transport_env)
+    d, (p0, p1) = result["decode"], result["ranks"]["prefill"]
+    assert "Aborted by AbortReq" in failed_reason(p1, 7001)
+    assert "Aborted on prefill by AbortReq" in failed_reason(d, 7001)
+    assert d["requests"]["7001"]["ended_at"] >= p1["requests"]["7001"]["write_done_at"], (d["requests"], p1["requests"])
+    assert p0["requests"]["7002"]["status"] == "Success"
+    assert landed(d, "7002")["bad_pages_at_end"] == []
+    assert d["untouched_violations"] == []
+    assert_ranks_clean(result)
