@@ -2,10 +2,15 @@
 (testing/driver.py) with the exact pages, aux rows, statuses and reasons checked. The contract page lists them
 ("Upstream failure modes" in docs/sglang-contract.md)."""
 
+import json
+import os
+import time
+
 import pytest
 from test_pd_transfer import FAST_FAILURE_ENV, IPC_ENV, assert_clean, failed_reason
 
-from sglang_p2p_backend.testing.launch import run_pair
+from sglang_p2p_backend.testing.faults import EXIT_CODE
+from sglang_p2p_backend.testing.launch import STARTUP_S, PairRun, run_pair
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -100,3 +105,37 @@ def test_pages_of_a_room_the_prefill_aborted_mid_write_are_reused_only_after_the
     assert landed(d, "7002")["bad_pages_at_end"] == []
     assert d["untouched_violations"] == []
     assert_ranks_clean(result)
+
+
+def test_a_prefill_replaced_at_its_address_fails_the_old_rooms_and_serves_the_new_one():
+    # the prefill process dies mid-transfer and a new one comes up at once behind the same bootstrap address (a
+    # restarted pod behind a Service: SGLang's heartbeat of that address never fails, so it cannot help). The
+    # old room fails within seconds; a room that starts once the old process was declared dead reaches the new one
+    env = {**FAST_FAILURE_ENV, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "120",
+           "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "60", "SGLANG_P2P_PEER_TIMEOUT": "2"}
+    plan = {"pool": POOL, "requests": [{"room": 8001, "tokens": 4 * 60, "chunk_pages": 5},
+                                       {"room": 8002, "tokens": 4 * 9, "roles": ["decode"], "after": "restarted"}],
+            "faults": {"prefill": {"chunk_delay_s": 0.2, "exit_after_chunks": 3}}, "deadline_s": 60}
+    run = PairRun(plan, env=env)
+    run.session("decode")
+    old = run.session("prefill")
+    first = run.procs[("prefill", 0)]
+    assert first.wait(STARTUP_S) == EXIT_CODE, run.workdir
+    killed_at = time.time()
+    replaced = {**run.plan, "faults": {}, "requests": [{"room": 8002, "tokens": 4 * 9}]}
+    path = os.path.join(run.workdir, "plan-new.json")
+    with open(path, "w") as f:
+        json.dump(replaced, f)
+    os.remove(os.path.join(run.workdir, "prefill-0.session"))
+    run.procs[("prefill", 0)] = run.start("prefill", 0, path, os.path.join(run.workdir, "prefill-new.json"))
+    run.session("prefill")
+    time.sleep(float(env["SGLANG_P2P_PEER_TIMEOUT"]) + 1.5)  # the old process is declared dead by now
+    open(os.path.join(run.workdir, "restarted.ready"), "w").close()
+    result = run.wait(60)
+    d = result["decode"]
+    reason = failed_reason(d, 8001)
+    assert f"{old} stopped answering" in reason or "pair channel" in reason, reason
+    assert d["requests"]["8001"]["ended_at"] - killed_at < 4, d["requests"]["8001"]
+    landed(d, "8002")
+    assert json.load(open(os.path.join(run.workdir, "prefill-new.json")))["requests"]["8002"]["status"] == "Success"
+    assert_clean(d)
