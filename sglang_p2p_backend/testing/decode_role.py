@@ -11,7 +11,6 @@ sent, it holds the room's pages until the prefill ranks ACK (or the timeout) and
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any, Optional
 
@@ -51,8 +50,7 @@ class DecodeRole(Role):
             self.try_release(req)
             return
         if req.phase == "new":
-            if now - self.t0 < req.start_after_s or (
-                    req.after and not os.path.exists(os.path.join(self.plan["workdir"], f"{req.after}.ready"))):
+            if not self.may_start(req, now):
                 return
             req.handle = self.cls[KVClassType.RECEIVER](mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=req.room)
             req.phase, req.started = "ensure", now
@@ -97,6 +95,7 @@ class DecodeRole(Role):
         if self.mgr.try_ensure_parallel_info(self.bootstrap_addr):
             dp_rank = self.prefill_dp_rank(req)
             if dp_rank is not None:
+                req.result["prefill_dp_rank"] = dp_rank
                 req.handle.init(dp_rank)
                 req.phase = "handshake"
                 self.aborts_at(req, "init")

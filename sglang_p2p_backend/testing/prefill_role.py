@@ -134,6 +134,8 @@ class PrefillRole(Role):
     def step(self, req: Req, now: float) -> None:
         P = self.KVPoll
         if req.phase == "new":
+            if not self.may_start(req, now):
+                return
             req.handle = self.sender(req)
             req.phase, req.started = "bootstrap", now
             self.aborts_at(req, "bootstrap")

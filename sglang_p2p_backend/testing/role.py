@@ -170,6 +170,11 @@ class Role:
             used.update(int(i) for i in ids)
             req.state_ids.append(ids)
 
+    def may_start(self, req: Req, now: float) -> bool:
+        """The plan lets `req` start: `start_after_s` into the run, and once `<after>.ready` exists."""
+        return now - self.t0 >= req.start_after_s and (
+            not req.after or os.path.exists(os.path.join(self.plan["workdir"], f"{req.after}.ready")))
+
     def take_aux(self, req: Req) -> bool:
         """The request's aux row, if one is free (SGLang's scheduler waits for one too)."""
         if not self.free_aux:

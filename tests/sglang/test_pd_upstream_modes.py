@@ -139,3 +139,20 @@ def test_a_prefill_replaced_at_its_address_fails_the_old_rooms_and_serves_the_ne
     landed(d, "8002")
     assert json.load(open(os.path.join(run.workdir, "prefill-new.json")))["requests"]["8002"]["status"] == "Success"
     assert_clean(d)
+
+
+def test_a_room_bootstrapped_again_is_looked_up_on_the_same_prefill_replica():
+    # round robin put room 6102 on replica 1 (not 6102 % 2); the request is bootstrapped again afterwards (a
+    # retracted request: same room, a new sender and receiver, new pages): the decode's second lookup must
+    # name replica 1 again, and the second transfer land as exactly as the first
+    again = {"room": 6102, "tokens": 4 * 11, "chunk_pages": 4}
+    # each side starts its second attempt once its first one concluded (SGLang never holds two for one room)
+    attempts = [{**again, "attempt": 2, "after": f"{role}-6102-done", "roles": [role]} for role in ("prefill", "decode")]
+    plan = {"pool": POOL, "requests": [again, *attempts], "deadline_s": 40,
+            **PLAIN_DP, "load_balance_method": {"prefill": "round_robin"}, "prefill_dp_rank": {"6102": 1}}
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    p0, p1 = result["ranks"]["prefill"]
+    assert p0["requests"] == {} and {r["status"] for r in p1["requests"].values()} == {"Success"}, p1["requests"]
+    assert [landed(result["decode"], key)["prefill_dp_rank"] for key in ("6102", "6102#2")] == [1, 1]
+    assert result["decode"]["untouched_violations"] == []
+    assert_ranks_clean(result)
