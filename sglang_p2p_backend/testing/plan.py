@@ -35,9 +35,9 @@ class Req:
     #: {"side": "prefill"|"decode", "at": ...}: abort this request on that side at that point (prefill: "bootstrap",
     #: "chunk" after `n` chunks, "last" after the last chunk; decode: "init" before its metadata, "transfer" after it)
     abort: Optional[dict] = None
-    #: decode: start no sooner than this many seconds into the run, and only once `<after>.ready` exists
+    #: start no sooner than this many seconds into the run, and only once `<after>.ready` exists (a name or a list)
     start_after_s: float = 0.0
-    after: str = ""
+    after: Any = ""
     #: the same room again (a retracted request bootstrapped anew): results go to "<room>#<attempt>"
     attempt: int = 1
     handle: Any = None

@@ -171,9 +171,11 @@ class Role:
             req.state_ids.append(ids)
 
     def may_start(self, req: Req, now: float) -> bool:
-        """The plan lets `req` start: `start_after_s` into the run, and once `<after>.ready` exists."""
-        return now - self.t0 >= req.start_after_s and (
-            not req.after or os.path.exists(os.path.join(self.plan["workdir"], f"{req.after}.ready")))
+        """The plan lets `req` start: `start_after_s` into the run, and once `<after>.ready` exists (each of them,
+        for a list)."""
+        names = [req.after] if isinstance(req.after, str) else req.after
+        return now - self.t0 >= req.start_after_s and all(
+            os.path.exists(os.path.join(self.plan["workdir"], f"{name}.ready")) for name in names if name)
 
     def take_aux(self, req: Req) -> bool:
         """The request's aux row, if one is free (SGLang's scheduler waits for one too)."""

@@ -146,8 +146,8 @@ def test_a_room_bootstrapped_again_is_looked_up_on_the_same_prefill_replica():
     # retracted request: same room, a new sender and receiver, new pages): the decode's second lookup must
     # name replica 1 again, and the second transfer land as exactly as the first
     again = {"room": 6102, "tokens": 4 * 11, "chunk_pages": 4}
-    # each side starts its second attempt once its first one concluded (SGLang never holds two for one room)
-    attempts = [{**again, "attempt": 2, "after": f"{role}-6102-done", "roles": [role]} for role in ("prefill", "decode")]
+    # the second attempt starts once both sides concluded the first (a retracted request decoded for a while)
+    attempts = [{**again, "attempt": 2, "after": ["prefill-6102-done", "decode-6102-done"]}]
     plan = {"pool": POOL, "requests": [again, *attempts], "deadline_s": 40,
             **PLAIN_DP, "load_balance_method": {"prefill": "round_robin"}, "prefill_dp_rank": {"6102": 1}}
     result = run_pair(plan, env=FAST_FAILURE_ENV)
