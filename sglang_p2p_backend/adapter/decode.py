@@ -372,11 +372,24 @@ class DecodeKVManager(P2pNcclKVManagerBase):
                       f"and that both sides set the same SGLANG_P2P_AUTH_KEY")
         logger.error("p2pnccl: %s", reason)
         self._fail_rooms_served_by(session, reason)
+        self._forget_routes_to(session)
         self.arrivals.peer_lost(session, reason)
         if self.channels is not None:
             self.channels.peer_dead(session, reason)
         self.control.forget(session)
         self.issued.forget(session)
+
+    def _forget_routes_to(self, session: str) -> None:
+        """SGLang's receivers keep a prefill server's rank endpoints per bootstrap address (`connection_pool`) until
+        its heartbeat fails, which it never does when the server was replaced behind the same address (a restarted
+        pod behind a Service answers its health checks): drop those naming the dead rank, and the server's parallel
+        info, so the next request looks them up again and reaches the new process."""
+        with self.connection_lock:
+            stale = [key for key, infos in self.connection_pool.items()
+                     if any(f"{i.get('rank_ip')}:{i.get('rank_port')}" == session for i in infos)]
+            for key in stale:
+                del self.connection_pool[key]
+                self.prefill_info_table.pop(key.split("_", 1)[0], None)  # key: "<bootstrap addr>_<dp>_<cp>_<tp>"
 
     def _close_role(self) -> None:
         if self.channels is not None:

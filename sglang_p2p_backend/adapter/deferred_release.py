@@ -1,4 +1,9 @@
-"""Deferred decode KV release on the prefill: a decode's ABORT, the room's writes in flight, the held ACK.
+"""A room's writes in flight on the prefill: a failure reaches the decode only after them; a decode's ABORT and the
+ACK deferred decode KV release holds.
+
+A decode frees a failed room's pages at once (only its own aborts are held, below), so a failure this rank
+tells a decode of (`after_drain`) goes out once no write of the room is in flight: a same-host copy or Mooncake
+write still running would land in pages the decode has handed to another request.
 
 With SGLang 0.5.23+'s SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE, a decode that aborts a room keeps its
 pages until every prefill rank ACKs that no write into them is in flight. Here each transfer task of a room is
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import defaultdict
 from typing import Callable, Container, Dict, List, Optional
 
 from sglang.srt.disaggregation.common.conn import CommonKVManager
@@ -45,31 +51,42 @@ class DeferredRelease:
         self._registered = registered
         self._fail_or_bury = fail_or_bury
         self._drop = drop
-        # orders "a write of room r starts" against "r is aborted, ACK if nothing is in flight"
-        self._lock = threading.Lock()
-        # SGLang's private per-room count of transfers in flight: its `_maybe_ack_drained_abort` sends the held
-        # ACK only when the room's count is zero, and `update_status` clears it when a room id is reused, so
-        # the counts must live there (and exist only where deferred release does)
-        self._in_flight: Optional[Dict[int, int]] = sglang._staging_outstanding if self.enabled else None
+        # orders "a write of room r starts" against "r is aborted, ACK if nothing is in flight"; reentrant: an
+        # abort fails the room under it, which asks `after_drain` to tell the room's other decode ranks
+        self._lock = threading.RLock()
+        # SGLang's private per-room count of transfers in flight where deferred release exists: its
+        # `_maybe_ack_drained_abort` sends the held ACK only when the room's count is zero, and `update_status`
+        # clears it when a room id is reused, so the counts must live there
+        self._in_flight: Dict[int, int] = sglang._staging_outstanding if self.enabled else defaultdict(int)
+        self._after: Dict[int, List[Callable[[], None]]] = {}
 
     def begin(self, room: int) -> None:
         """A transfer task of `room` starts: counted before the task checks the room is alive."""
-        if self._in_flight is not None:
-            with self._lock:
-                self._in_flight[room] += 1
+        with self._lock:
+            self._in_flight[room] += 1
 
     def end(self, room: int) -> None:
-        """A transfer task of `room` ended; the last one of an aborted room sends the held ACKs."""
-        if self._in_flight is None:
-            return
+        """A transfer task of `room` ended; the last one runs what waited for the room to drain (and, for an
+        aborted room, sends the held ACKs)."""
         with self._lock:
             left = self._in_flight.get(room, 0) - 1
             if left > 0:
                 self._in_flight[room] = left
             else:
                 self._in_flight.pop(room, None)
-        if left <= 0:
+            waiting = self._after.pop(room, []) if left <= 0 else []
+        for run in waiting:
+            run()
+        if left <= 0 and self.enabled:
             self._sglang._maybe_ack_drained_abort(room)  # pops the targets: at most one ACK per abort
+
+    def after_drain(self, room: int, run: Callable[[], None]) -> None:
+        """`run` now if no transfer task of `room` is in flight, else when the last one ends."""
+        with self._lock:
+            if self._in_flight.get(room, 0) > 0:
+                self._after.setdefault(room, []).append(run)
+                return
+        run()
 
     def poison(self, room: int) -> None:
         """A write into the decode's pages failed in a way that cannot prove it stopped (a Mooncake batch

@@ -63,6 +63,12 @@ class PrefillKVManager(P2pNcclKVManagerBase):
     _role = "prefill"
 
     def _init_role(self) -> None:
+        if self.system_dp_size > 1:
+            # plain DP (--dp-size without DP attention): the DP controller hands rooms to replicas and the bootstrap
+            # server files each replica's ranks under its replica index, but Common's sender checks a room's DP rank
+            # against, and registers it as, `attn_dp_rank`, which is 0 on every replica: rooms of the other replicas
+            # would fail ("follow_bootstrap_room conflict") or be looked up on replica 0
+            self.attn_dp_rank = self.system_dp_rank
         self.decode_peers: Dict[str, wire.PeerRegister] = {}
         #: per decode rank with a different attention TP (MHA/GQA): the heads it takes from this rank
         self.peer_heads: Dict[str, Optional[PairHeads]] = {}
@@ -491,9 +497,21 @@ class PrefillKVManager(P2pNcclKVManagerBase):
 
     def _notify_decode(self, room: int, status: int, reason: str = "", block: bool = True,
                        skip: Optional[str] = None) -> None:
-        for info in list((self.transfer_infos.get(room) or {}).values()):
-            if not info.is_dummy and info.session in self.decode_peers and info.session != skip:
-                self._control_send(info.session, wire.Status(self.session, room, self.prefill_rank, int(status), reason), block)
+        """Status to the room's real decode ranks but `skip`; a failure only once no write of the room is in
+        flight (the decode frees a failed room's pages at once: a write still running would land in another's)."""
+        targets = [info.session for info in list((self.transfer_infos.get(room) or {}).values())
+                   if not info.is_dummy and info.session != skip]
+        msg = wire.Status(self.session, room, self.prefill_rank, int(status), reason)
+
+        def send() -> None:
+            for session in targets:
+                if session in self.decode_peers:
+                    self._control_send(session, msg, block)
+
+        if status == KVPoll.Failed:
+            self.release.after_drain(room, send)
+        else:
+            send()
 
     def _fail_or_bury(self, room: int, reason: str, cause: str) -> bool:
         """Decode rank `cause` ends `room`: fail it here, or, if its sender does not exist yet, when it does

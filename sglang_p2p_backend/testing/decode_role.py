@@ -11,7 +11,6 @@ sent, it holds the room's pages until the prefill ranks ACK (or the timeout) and
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any, Optional
 
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.testing import faults, kv_checksum
-from sglang_p2p_backend.testing.plan import Req
+from sglang_p2p_backend.testing.plan import Req, first_token
 from sglang_p2p_backend.testing.role import Role
 
 #: how often the scheduler retries an unanswered prefill-info lookup before it aborts (_max_ensure_retries)
@@ -36,7 +35,7 @@ class DecodeRole(Role):
         return DisaggregationMode.DECODE
 
     def set_kv_args(self, args: Any) -> None:
-        args.engine_rank = self.rank % self.attn_tp
+        args.engine_rank = self.tp_rank % self.attn_tp
 
     def after_manager(self) -> None:
         if self.faults.get("ipc_export_short"):
@@ -51,8 +50,7 @@ class DecodeRole(Role):
             self.try_release(req)
             return
         if req.phase == "new":
-            if now - self.t0 < req.start_after_s or (
-                    req.after and not os.path.exists(os.path.join(self.plan["workdir"], f"{req.after}.ready"))):
+            if not self.may_start(req, now):
                 return
             req.handle = self.cls[KVClassType.RECEIVER](mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=req.room)
             req.phase, req.started = "ensure", now
@@ -65,11 +63,14 @@ class DecodeRole(Role):
         if status == P.Failed:
             self.fail(req)
             self.maybe_hold(req)
+            if req.phase == "done":
+                self.recycle(req, False)
             return
         if req.phase == "handshake":
             if status == P.WaitingForInput:
-                self.publish(req)
-                req.phase, req.result["metadata_at"] = "transfer", now
+                if self.take_aux(req):
+                    self.publish(req)
+                    req.phase, req.result["metadata_at"] = "transfer", now
             elif status != P.Bootstrapping:
                 raise ValueError(f"Unexpected poll case {status} (SGLang raises here too)")
             return
@@ -81,6 +82,7 @@ class DecodeRole(Role):
             req.handle.clear()
             mismatch = self.verify_checksum(req)
             self.finish(req, mismatch is None, mismatch or "")
+            self.recycle(req, mismatch is None)
             return
         if req.abort and now - req.result["metadata_at"] >= req.abort.get("after_s", 0):
             self.aborts_at(req, "transfer")
@@ -93,6 +95,7 @@ class DecodeRole(Role):
         if self.mgr.try_ensure_parallel_info(self.bootstrap_addr):
             dp_rank = self.prefill_dp_rank(req)
             if dp_rank is not None:
+                req.result["prefill_dp_rank"] = dp_rank
                 req.handle.init(dp_rank)
                 req.phase = "handshake"
                 self.aborts_at(req, "init")
@@ -112,11 +115,10 @@ class DecodeRole(Role):
         return int(found[str(req.room)]) if str(req.room) in found else None
 
     def publish(self, req: Req) -> None:
-        """Take the request's pages (past the decode prefix), aux row and state slot; send_metadata()."""
+        """Take the request's pages (past the decode prefix) and state slot, clear its aux row; send_metadata()."""
         first = req.prefix // self.spec.page_size
         total = math.ceil(req.tokens / self.spec.page_size)
         req.pages = self.take_pages(total - first)
-        req.aux = self.free_aux.pop()
         self.meta.bootstrap_room[req.aux][0] = 0
         if self.pools.states:
             self.take_state(req)
@@ -127,9 +129,10 @@ class DecodeRole(Role):
         total = math.ceil(req.tokens / self.spec.page_size)
         bad = self.pools.check(self.seed, req.room, req.pages, first, total)
         room_row = int(self.meta.bootstrap_room[req.aux][0])
-        first_token = int(self.meta.output_ids[req.aux][0])
+        token = int(self.meta.output_ids[req.aux][0])
         state_ok = self.pools.check_state(self.seed, req.room, req.state_ids) if req.state_ids else True
-        req.result.update(bad_pages=bad[:20], num_bad_pages=len(bad), aux_room_ok=room_row == req.room, first_token=first_token, state_ok=state_ok)
+        req.result.update(bad_pages=bad[:20], num_bad_pages=len(bad), aux_room_ok=room_row == req.room, first_token=token,
+                          first_token_ok=token == first_token(req.room), state_ok=state_ok)
 
     def verify_checksum(self, req: Req) -> Optional[str]:
         """SGLang's check of the KV checksum before the request decodes (--disaggregation-enable-kv-checksum):
@@ -166,6 +169,7 @@ class DecodeRole(Role):
         self.mgr.clear_deferred_abort_state(req.room)  # as decode.py's _do_release
         req.snapshot = self.held_bytes(req)
         req.phase = "done"
+        self.recycle(req, False)
 
     def held_bytes(self, req: Req) -> list:
         idx = torch.from_numpy(req.pages.astype(np.int64)).to(self.spec.device)
@@ -177,6 +181,11 @@ class DecodeRole(Role):
         out["untouched_violations"] = self.pools.untouched(self.used_pages, self.used_state)[:20]
 
     def report(self, req: Req) -> None:
+        if "pages" in self.plan.get("reuse", ()) and req.result.get("status") == "Success":
+            # pages of failed requests were handed out again at once: a late write into them shows here
+            first = req.prefix // self.spec.page_size
+            bad = self.pools.check(self.seed, req.room, req.pages, first, math.ceil(req.tokens / self.spec.page_size))
+            req.result["bad_pages_at_end"] = bad[:20]
         if req.snapshot is not None:  # a released page written after its release: the bug deferral prevents
             req.result["changed_after_release"] = any(not torch.equal(a, b) for a, b in zip(req.snapshot, self.held_bytes(req)))
 

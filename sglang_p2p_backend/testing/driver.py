@@ -48,14 +48,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     touch(plan, f"{ns.role}-{ns.rank}")
     # a server's ranks come up together: none starts its requests before every rank of its role is set up (a rank
     # 0 whose rooms end at once would otherwise exit and take the process groups' store from a rank still joining)
-    wait_for(plan, [f"{ns.role}-{r}" for r in range(role.tp)])
+    wait_for(plan, [f"{ns.role}-{r}" for r in range(role.tp * role.replicas)])
     if ns.role == "decode":
-        wait_for(plan, [f"prefill-{r}" for r in range(int(plan.get("tp", {}).get("prefill", 1)))])
+        prefill = int(plan.get("tp", {}).get("prefill", 1)) * int(plan.get("dp", {}).get("prefill", 1))
+        wait_for(plan, [f"prefill-{r}" for r in range(prefill)])
     if ns.role == "prefill" and role.faults.get("stop_self"):
         os.kill(os.getpid(), signal.SIGSTOP)  # a prefill that registered, then never answers
     reqs = requests(plan, ns.role)
-    if role.attn_dp > 1:  # each side's DP controller hands the request to one DP rank
-        reqs = [r for r in reqs if dp_rank_of(plan, ns.role, r.room, role.attn_dp) == role.dp_rank]
+    if role.num_dp > 1:  # each side's DP controller hands the request to one DP rank
+        reqs = [r for r in reqs if dp_rank_of(plan, ns.role, r.room, role.num_dp) == role.dp_rank]
     result = role.run(reqs, float(plan.get("deadline_s", 60)))
     with open(ns.out, "w") as f:
         json.dump(result, f, indent=1)

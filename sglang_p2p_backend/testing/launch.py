@@ -60,7 +60,11 @@ class PairRun:
         self.workdir = workdir or tempfile.mkdtemp(prefix="p2p-pair-")
         plan = dict(plan)
         plan.setdefault("bootstrap_port", free_port())
-        plan.setdefault("dist_ports", {"prefill": free_port(), "decode": free_port()})
+        # one process group (gloo store) per replica of a server; each rank's process is `rank = replica * tp + tp rank`
+        procs = {role: int(plan.get("tp", {}).get(role, 1)) * int(plan.get("dp", {}).get(role, 1))
+                 for role in ("prefill", "decode")}
+        replicas = {role: int(plan.get("dp", {}).get(role, 1)) for role in procs}
+        plan.setdefault("dist_ports", {role: [free_port() for _ in range(n)] for role, n in replicas.items()})
         plan["workdir"] = self.workdir
         self.plan = plan
         plan_path = os.path.join(self.workdir, "plan.json")
@@ -68,11 +72,10 @@ class PairRun:
             json.dump(plan, f)
         # every address SGLang hands out stays on loopback
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", SGLANG_HOST_IP="127.0.0.1", **(env or {}))
-        tp = {role: int(plan.get("tp", {}).get(role, 1)) for role in ("prefill", "decode")}
         self.procs, self.outs, self.logs = {}, {}, {}
         self.env = full_env
         for role in ("prefill", "decode"):
-            for rank in range(tp[role]):
+            for rank in range(procs[role]):
                 self.outs[(role, rank)] = os.path.join(self.workdir, f"{role}-{rank}.json")
                 self.procs[(role, rank)] = self.start(role, rank, plan_path, self.outs[(role, rank)])
 

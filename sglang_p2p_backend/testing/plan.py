@@ -3,6 +3,9 @@ takes a room, and the ready markers the processes of both roles meet at (files i
 
 The plan is one JSON file both roles read (testing/launch.py writes it): the pool layout, the requests (room,
 prompt tokens, chunking, decode prefix, aborts), per-role settings and optional faults (testing/faults.py).
+`dp` ({role: n}) runs n independent replicas of a server (SGLang's --dp-size without DP attention), each its
+own process group of `tp` ranks; `reuse` (["aux", "pages"]) gives a concluded request's aux row (and a failed
+one's pages) to the next request at once, as SGLang's allocators do.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ import numpy as np
 
 from sglang_p2p_backend.testing.pools import PoolSpec
 
-#: the first output token the prefill writes into a request's aux row (the decode reports what it read)
-FIRST_TOKEN = 4242
+
+def first_token(room: int) -> int:
+    """The first output token the prefill writes into a request's aux row: one of its own per room, so a row
+    that landed in another request's slot shows."""
+    return 4242 + room % 100_000
 
 
 @dataclass
@@ -29,9 +35,11 @@ class Req:
     #: {"side": "prefill"|"decode", "at": ...}: abort this request on that side at that point (prefill: "bootstrap",
     #: "chunk" after `n` chunks, "last" after the last chunk; decode: "init" before its metadata, "transfer" after it)
     abort: Optional[dict] = None
-    #: decode: start no sooner than this many seconds into the run, and only once `<after>.ready` exists
+    #: start no sooner than this many seconds into the run, and only once `<after>.ready` exists (a name or a list)
     start_after_s: float = 0.0
-    after: str = ""
+    after: Any = ""
+    #: the same room again (a retracted request bootstrapped anew): results go to "<room>#<attempt>"
+    attempt: int = 1
     handle: Any = None
     phase: str = "new"
     pages: Optional[np.ndarray] = None
@@ -43,13 +51,17 @@ class Req:
     snapshot: Optional[list] = None  # decode: the held pages' bytes when they were released
     result: dict = field(default_factory=dict)
 
+    @property
+    def key(self) -> str:
+        return str(self.room) if self.attempt == 1 else f"{self.room}#{self.attempt}"
+
 
 def requests(plan: dict, role: str) -> list[Req]:
     """The plan's requests this role sees (a request may name `roles` to reach only one side)."""
     return [
         Req(r["room"], r["tokens"], r.get("chunk_pages", 1 << 30), r.get("prefix", 0),
             r["abort"] if r.get("abort", {}).get("side") == role else None, r.get("start_after_s", 0.0),
-            r.get("after", ""))
+            r.get("after", ""), r.get("attempt", 1))
         for r in plan["requests"]
         if role in r.get("roles", ("prefill", "decode"))
     ]
@@ -69,13 +81,10 @@ def rank_heads(spec: PoolSpec, attn_tp: int, attn_tp_rank: int) -> PoolSpec:
 
 def dp_rank_of(plan: dict, role: str, room: int, dp: int) -> int:
     """The DP rank a role's DP controller picks for `room`: the prefill's default follows the bootstrap room
-    (`room % dp`, what the decode's bootstrap lookup assumes); the decode's may be anything SGLang's load
-    balancer picks, so the plan may name it per room (`decode_dp_rank`), else `room % dp` too."""
-    if role == "decode":
-        chosen = plan.get("decode_dp_rank", {}).get(str(room))
-        if chosen is not None:
-            return int(chosen)
-    return room % dp
+    (`room % dp`, what the decode's bootstrap lookup assumes); another load balancer may pick anything, so the
+    plan may name it per room (`decode_dp_rank`, `prefill_dp_rank`), else `room % dp` too."""
+    chosen = plan.get(f"{role}_dp_rank", {}).get(str(room))
+    return int(chosen) if chosen is not None else room % dp
 
 
 def touch(plan: dict, name: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sglang_p2p_backend.testing import faults, kv_checksum, runtime
-from sglang_p2p_backend.testing.plan import FIRST_TOKEN, Req, touch, wait_for
+from sglang_p2p_backend.testing.plan import Req, first_token, touch, wait_for
 from sglang_p2p_backend.testing.role import Role
 
 
@@ -63,7 +63,7 @@ class PrefillRole(Role):
 
     def before_setup(self) -> None:
         self.bootstrap = None
-        if self.rank == 0:
+        if self.rank == 0:  # one bootstrap server for every replica of the server
             self.bootstrap = start_bootstrap_process(self.host, self.bootstrap_port)
             touch(self.plan, "bootstrap")
 
@@ -72,7 +72,7 @@ class PrefillRole(Role):
             wait_for(self.plan, ["bootstrap"])  # every prefill rank registers with the bootstrap server at start
 
     def set_kv_args(self, args: Any) -> None:
-        args.engine_rank = self.rank
+        args.engine_rank = self.tp_rank
         if self.spec.layout == "mha":  # as SGLang's prefill scheduler sets them
             args.kv_head_num = self.spec.kv_heads
             args.total_kv_head_num = self.spec.total_kv_heads or self.spec.kv_heads * self.attn_tp
@@ -134,6 +134,8 @@ class PrefillRole(Role):
     def step(self, req: Req, now: float) -> None:
         P = self.KVPoll
         if req.phase == "new":
+            if not self.may_start(req, now):
+                return
             req.handle = self.sender(req)
             req.phase, req.started = "bootstrap", now
             self.aborts_at(req, "bootstrap")
@@ -141,11 +143,13 @@ class PrefillRole(Role):
         status = req.handle.poll()
         if status == P.Failed:
             self.fail(req)
+            self.recycle(req, False)
             return
         if req.phase == "bootstrap":
             if status == P.WaitingForInput:
-                self.prepare(req)
-                req.phase = "send"
+                if self.take_aux(req):
+                    self.prepare(req)
+                    req.phase = "send"
             elif status != P.Bootstrapping:
                 raise RuntimeError(f"unexpected poll state {status} during bootstrap (SGLang raises here too)")
             return
@@ -158,6 +162,7 @@ class PrefillRole(Role):
             req.result["transfer_s"] = now - req.result["first_send_at"]
             req.result["success_at"] = now
             self.finish(req, True)
+            self.recycle(req, True)
 
     def sender(self, req: Req) -> Any:
         from sglang.srt.disaggregation.utils import KVClassType
@@ -166,14 +171,14 @@ class PrefillRole(Role):
         return cls(mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=req.room, **runtime.sender_kwargs(cls))
 
     def prepare(self, req: Req) -> None:
-        """The decode's prefix is known: take and fill the request's pages, aux row and state slot, init()."""
+        """The decode's prefix is known: take and fill the request's pages, fill its aux row, take its state slot,
+        init()."""
         prefix = req.handle.pop_decode_prefix_len()
         first = prefix // self.spec.page_size
         total = math.ceil(req.tokens / self.spec.page_size)
         req.pages = self.take_pages(total - first)
         self.pools.fill(self.seed, req.room, req.pages, first, total)
-        req.aux = self.free_aux.pop()
-        self.meta.output_ids[req.aux][0] = FIRST_TOKEN
+        self.meta.output_ids[req.aux][0] = first_token(req.room)
         self.meta.bootstrap_room[req.aux][0] = req.room
         if self.pools.states:
             self.take_state(req)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.testing import runtime
-from sglang_p2p_backend.testing.plan import Req, rank_heads
+from sglang_p2p_backend.testing.plan import Req, rank_heads, touch
 from sglang_p2p_backend.testing import sglang_pools
 from sglang_p2p_backend.testing.pools import HostPools, PoolSpec
 
@@ -52,14 +52,18 @@ class Role:
 
     def __init__(self, plan: dict, rank: int = 0):
         role = self.role
-        self.rank = rank
+        self.rank = rank  # of every process of the role; its TP rank within its replica is `tp_rank`
         self.plan = plan
         self.tp = int(plan.get("tp", {}).get(role, 1))
+        self.replicas = int(plan.get("dp", {}).get(role, 1))
+        self.replica, self.tp_rank = divmod(rank, self.tp)
         self.attn_dp = int(plan.get("attn_dp", {}).get(role, 1))
         self.attn_tp = self.tp // self.attn_dp
-        self.dp_rank = rank // self.attn_tp
+        # the DP rank this process serves, as its server's DP controller numbers them (one of the two DPs is 1)
+        self.dp_rank = self.replica if self.replicas > 1 else self.tp_rank // self.attn_tp
+        self.num_dp = self.replicas * self.attn_dp
         self.spec = rank_heads(PoolSpec(**{**plan["pool"], **plan.get("pool_overrides", {}).get(role, {})}),
-                               self.attn_tp, rank % self.attn_tp)
+                               self.attn_tp, self.tp_rank % self.attn_tp)
         self.seed = int(plan.get("seed", 0))
         self.faults = plan.get("faults", {}).get(role, {})
         self.host = plan.get("host", "127.0.0.1")
@@ -70,11 +74,14 @@ class Role:
             role,
             host=self.host,
             bootstrap_port=self.bootstrap_port,
-            dist_port=int(plan["dist_ports"][role]),
+            dist_port=int(plan["dist_ports"][role][self.replica]),
             page_size=self.spec.page_size,
             tp_size=self.tp,
-            tp_rank=rank,
+            tp_rank=self.tp_rank,
             attn_dp=self.attn_dp,
+            replicas=self.replicas,
+            replica=self.replica,
+            load_balance_method=plan.get("load_balance_method", {}).get(role),
             # a rank's device is its pools' GPU (two prefill ranks may share one in the tests)
             local_rank=torch.device(self.spec.device).index if self.spec.device.startswith("cuda") else None,
         )
@@ -89,7 +96,8 @@ class Role:
             self.pools = sglang_pools.allocate(self.spec)
         else:
             self.pools = HostPools.allocate(self.spec, self.shm.allocate if self.shm else None)
-        aux_rows = max(64, len(plan["requests"]) + 2)
+        # row 0 is never handed out; a plan may make the rows few, so they are reused at once (`reuse`)
+        aux_rows = int(plan["aux_rows"][role]) + 1 if role in plan.get("aux_rows", {}) else max(64, len(plan["requests"]) + 2)
         self.meta = runtime.metadata_buffers(aux_rows, int(plan.get("aux_hidden_size", {}).get(role, 16)),
                                              bool(plan.get("kv_checksum", {}).get(role)))
         self.before_manager()
@@ -166,10 +174,34 @@ class Role:
             used.update(int(i) for i in ids)
             req.state_ids.append(ids)
 
+    def may_start(self, req: Req, now: float) -> bool:
+        """The plan lets `req` start: `start_after_s` into the run, and once `<after>.ready` exists (each of them,
+        for a list)."""
+        names = [req.after] if isinstance(req.after, str) else req.after
+        return now - self.t0 >= req.start_after_s and all(
+            os.path.exists(os.path.join(self.plan["workdir"], f"{name}.ready")) for name in names if name)
+
+    def take_aux(self, req: Req) -> bool:
+        """The request's aux row, if one is free (SGLang's scheduler waits for one too)."""
+        if not self.free_aux:
+            return False
+        req.aux = self.free_aux.pop()
+        return True
+
+    def recycle(self, req: Req, ok: bool) -> None:
+        """Plan `reuse`: the concluded request's aux row, and a failed one's pages, go to the next request at once
+        (last in, first out), as SGLang's allocators hand them out."""
+        reuse = self.plan.get("reuse", ())
+        if "aux" in reuse and req.aux > 0:
+            self.free_aux.append(req.aux)
+        if "pages" in reuse and not ok and req.pages is not None:
+            self.free_pages.extend(int(p) for p in req.pages[::-1])
+
     def finish(self, req: Req, ok: bool, reason: str = "") -> None:
         req.phase = "done"
         req.result.update(status="Success" if ok else "Failed", reason=reason, seconds=time.monotonic() - req.started,
                           ended_at=time.time())
+        touch(self.plan, f"{self.role}-{req.key}-done")  # what a later request of the plan may wait for
 
     def aborts_at(self, req: Req, point: str) -> bool:
         """The plan aborts `req` on this side at `point`: abort it as the scheduler would (AbortReq)."""
@@ -223,7 +255,7 @@ class Role:
                 self.step(r, now)
             time.sleep(0.002)
         elapsed = time.monotonic() - t0
-        out = {"role": self.role, "elapsed_s": elapsed, "requests": {str(r.room): r.result for r in reqs}}
+        out = {"role": self.role, "elapsed_s": elapsed, "requests": {r.key: r.result for r in reqs}}
         self.after_requests(out)
         linger = float(self.plan.get("linger_s", {}).get(self.role, 0))
         time.sleep(linger)  # let the peer finish before this role's sockets go away

@@ -25,11 +25,15 @@ def setup(
     tp_size: int = 1,
     tp_rank: int = 0,
     attn_dp: int = 1,
+    replicas: int = 1,
+    replica: int = 0,
+    load_balance_method: Optional[str] = None,
     local_rank: Optional[int] = None,
 ) -> Any:
     """Load plugins, build ServerArgs for `mode` ("prefill"/"decode") with p2pnccl, publish them and build
     gloo process groups for this rank of a `tp_size`-rank server (one process per rank, as SGLang runs its
-    TP schedulers). Returns the ServerArgs."""
+    TP schedulers). `replicas` > 1: --dp-size without DP attention, this rank in replica `replica` (each replica
+    its own process groups, as SGLang's DP controller launches them). Returns the ServerArgs."""
     os.environ.setdefault("MASTER_ADDR", host)
     os.environ["MASTER_PORT"] = str(dist_port)
     from sglang.srt.plugins import load_plugins
@@ -45,6 +49,11 @@ def setup(
             dp_fields = {"attn_dp_size": attn_dp}
         else:
             dp_fields = {"dp_size": attn_dp, "enable_dp_attention": True}
+    elif replicas > 1:
+        dp_fields = {"dp_size": replicas}
+    # what SGLang resolves "auto" to when a server starts (a PD prefill follows the bootstrap room), which these
+    # ServerArgs would otherwise keep as "auto"
+    dp_fields["load_balance_method"] = load_balance_method or ("follow_bootstrap_room" if mode == "prefill" else "round_robin")
     server_args = ServerArgs(
         **dp_fields,
         model_path="dummy",
@@ -58,7 +67,8 @@ def setup(
     )
     rc.reset_context()
     if hasattr(rc, "SpawnRanks"):  # 0.5.23
-        rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=tp_rank))
+        rc.publish(server_args, role="scheduler",
+                   ranks=rc.SpawnRanks(world_rank=tp_rank, dp_rank=replica if replicas > 1 else None))
     else:  # 0.5.17
         rc.publish(server_args, role="scheduler")
     # SGLang makes cuda:local_rank this process's device when CUDA exists: it must be the GPU the rank's KV pools
