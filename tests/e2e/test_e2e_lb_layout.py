@@ -1,0 +1,77 @@
+"""e2e/lb_layout.py (where lb_compare's servers run, their pools, the calibrated rates) and the calibration
+end to end against simulated workers on 127.0.0.1."""
+from pathlib import Path
+
+import pytest
+
+from e2e import lb_layout as ll
+
+pytest.importorskip("aiohttp")
+
+from e2e import lb_compare as lc  # noqa: E402
+
+
+def test_one_server_per_gpu_prefills_first():
+    assert ll.placement("2p2d", 4) == [("prefill", 0, 0), ("prefill", 1, 1), ("decode", 0, 2), ("decode", 1, 3)]
+    assert ll.placement("3p1d", 4) == [("prefill", 0, 0), ("prefill", 1, 1), ("prefill", 2, 2), ("decode", 0, 3)]
+    assert ll.placement("3p1d", 1) == [("prefill", 0, 0), ("prefill", 1, 0), ("prefill", 2, 0), ("decode", 0, 0)]
+    with pytest.raises(ValueError, match="needs 1 or 4 GPUs, not 2"):
+        ll.placement("2p2d", 2)
+
+
+def test_pools_fit_an_80gb_h100_and_the_long_prefixes_overflow_one_prefill():
+    four = ll.LAYOUTS[4]
+    assert ll.KV_BYTES_PER_TOKEN["llama-anchor"] == 128 * 1024 and ll.KV_BYTES_PER_TOKEN["llama-tiny"] == 2048
+    assert ll.pool_gib(four, "prefill") == 12.0 and ll.pool_gib(four, "decode") == 56.0
+    # 56 GiB + 0.45 GiB of weights within 0.88 of ~78.5 GiB free; not within 0.88 of 60 GiB
+    assert ll.fits(four, "3p1d", 78.5) and ll.fits(four, "2p2d", 78.5) and not ll.fits(four, "3p1d", 60.0)
+    # every server of the one-GPU layout on GPU 0: 3 x (0.1875 + 0.01) + (0.5 + 0.01) GiB
+    assert ll.fits(ll.LAYOUTS[1], "3p1d", 8.0) and not ll.fits(ll.LAYOUTS[1], "3p1d", 5.0)
+    wp = lc.WorkloadParams(**dict(four.workload))
+    assert wp.long_prefixes * wp.long_prefix == 120_000
+    assert four.prefill_tokens < wp.long_prefixes * wp.long_prefix < 2 * four.prefill_tokens
+
+
+def test_burst_size_and_rates():
+    assert ll.burst_size(2, 12400, 98304) == 7  # half of two 98k pools in flight
+    assert ll.burst_size(3, 900, 98304) == 24  # 8 per prefill
+    assert ll.burst_size(2, 100_000, 98304) == 4  # at least 2 per prefill
+    table = ll.rates({"bursty_mixed": 200_000.0, "long_prefix": 100_000.0}, {"bursty_mixed": 2000.0, "long_prefix": 12500.0}, ll.LOADS, 60.0)
+    # bursty: 100 req/s of capacity, 0.8 of it is 80, capped at 60; long_prefix: 8 req/s, 1.2 x 8 = 9.6 req/s = 3.2 chats/s
+    assert table == {"bursty_mixed": {"capacity_rps": 100.0, "offered_rps": 60.0, "capped": True, "bursty_rate": 60.0},
+                     "long_prefix": {"capacity_rps": 8.0, "offered_rps": 9.6, "capped": False, "long_rate": 3.2}}
+
+
+def test_calibrated_rates_replace_only_the_rate_fields():
+    wp = lc.WorkloadParams(long_prefix=1000, long_prefixes=4)
+    mean = lc.mean_prompt("long_prefix", wp)
+    assert 1100 <= mean <= 1400  # 1000 + 100 a turn + 150 for each earlier turn, 3 turns
+    new, table = lc.calibrated(wp, {"long_prefix": 12 * mean}, {"long_prefix": 1.5}, 60.0)
+    assert table["long_prefix"]["capacity_rps"] == 12.0 and new.long_rate == 6.0  # 1.5 x 12 req/s over 3 turns
+    assert (new.bursty_rate, new.chat_rate, new.long_prefix) == (wp.bursty_rate, wp.chat_rate, 1000)
+    same, why = lc.calibrated(wp, {"long_prefix": 0.0}, {"long_prefix": 1.5}, 60.0)
+    assert same == wp and "default rates stay" in why["error"]
+
+
+def test_bursty_lengths_follow_the_layout():
+    big = lc.make_workload("bursty_mixed", 30.0, 1, lc.WorkloadParams(**dict(ll.LAYOUTS[4].workload)))
+    small = lc.make_workload("bursty_mixed", 30.0, 1, lc.WorkloadParams())
+    assert max(len(r.input_ids) for r in big) <= 14000 and max(len(r.input_ids) for r in small) <= 6000
+    assert sum(len(r.input_ids) for r in big) > 2 * sum(len(r.input_ids) for r in small)
+
+
+@pytest.mark.serial  # a few simulated workers and an LB process
+def test_capacity_measured_through_a_round_robin_lb(tmp_path: Path):
+    """The warm-up's calibration against 2 prefills of 0.05 ms a token: a burst of fresh prompts of the mean
+    length, every one answered, and a capacity that bounds what the simulated prefills can do."""
+    cluster = lc.SimCluster(2, 1, ["--prefill-ms-per-token", "0.05", "--decode-ms-per-token", "1"], tmp_path)
+    try:
+        assert len(cluster.launch()) == 3
+        h = lc.Harness(cluster, {}, tmp_path, lc.WorkloadParams(long_prefix=2000, long_prefixes=3))
+        out = h.warm_up(["long_prefix"], 1.0, calibrate_pool=20000)
+    finally:
+        cluster.stop()
+    cap = out["capacity_tok_s"]["long_prefix"]
+    # two prefills of 20k tokens/s each at most (0.05 ms a token); an LB hop and the client take some of it
+    assert 2000 < cap <= 40000, cap
+    assert out["long_prefix"]["num_failed"] == 0
