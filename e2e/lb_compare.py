@@ -741,7 +741,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--logs", type=Path, required=True)
     ap.add_argument("--lbs", default=",".join(DEFAULT_LBS), help="comma-separated: ours:<policy>, mini_lb, smg:<policy>")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--workloads", default=None, help="comma-separated, in the order the plan keeps them (default: the layout's)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-run-s", type=float, default=20.0, help="longest run per workload; shorter when the budget asks")
     ap.add_argument("--min-run-s", type=float, default=4.0)
@@ -775,7 +775,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     exit_on_sigterm()
     layout: Layout = lb_layout.LAYOUTS[args.gpus]
     specs = parse_lbs(args.lbs)
-    workloads = [w for w in args.workloads.split(",") if w]
+    workloads = [w for w in (args.workloads or ",".join(layout.workloads)).split(",") if w]
     for w in workloads:
         make_workload(w, 0.0, 0, WorkloadParams())  # unknown names fail here, before any server starts
     peers = {**(bundle_peers(args.bundle_lb) if args.bundle_lb else {}), **venv_peers(args.sglang_router_python, args.smg_python)}

@@ -16,7 +16,8 @@ holds 458,752 tokens (56 GiB: 3P1D's one decode takes every running request, up 
 ``--mem-fraction-static 0.88`` (0.88 x ~78.5 GiB free, less 0.45 GiB of weights, is 68.6 GiB, so 12 GiB stay
 for activations and the CUDA context). The bursty workload's prompts grow with the model (median 600, 15% of
 6k-14k tokens) so that long prompts block a prefill for ~0.1-0.2 s, the head-of-line blocking a load-aware
-router avoids; the few-shot prefixes grow to 4k tokens.
+router avoids; the few-shot prefixes grow to 4k tokens. Where the time left is short, shared_prefix (whose
+prefixes fit every prefill's cache) is dropped before long_prefix.
 
 Rates: on the 4-GPU layout the request rates come from the prefill capacity measured after the warm-up
 (tokens per second of a burst of fresh prompts of each workload's mean length), times a load factor per
@@ -48,12 +49,15 @@ class Layout:
     lanes: int  # servers of one GPU that start side by side (e2e.servers.Stack.launch)
     workload: tuple[tuple[str, Any], ...] = ()  # WorkloadParams fields this layout sets
     calibrate: bool = False
+    # in the order the plan keeps them: the last is dropped first when the time left is short
+    workloads: tuple[str, ...] = ("bursty_mixed", "shared_prefix", "long_prefix")
 
 
 LAYOUTS = {
     1: Layout(1, "llama-tiny", "0.2", 98304, 262144, "nccl", 3),
     4: Layout(4, "llama-anchor", "0.88", 98304, 458752, "auto", 1, calibrate=True,
-              workload=(("short_median", 600), ("long_min", 6000), ("long_max", 14000), ("chat_prefix", 4000))),
+              workload=(("short_median", 600), ("long_min", 6000), ("long_max", 14000), ("chat_prefix", 4000)),
+              workloads=("bursty_mixed", "long_prefix", "shared_prefix")),
 }
 
 

@@ -75,3 +75,31 @@ def test_capacity_measured_through_a_round_robin_lb(tmp_path: Path):
     # two prefills of 20k tokens/s each at most (0.05 ms a token); an LB hop and the client take some of it
     assert 2000 < cap <= 40000, cap
     assert out["long_prefix"]["num_failed"] == 0
+
+
+def test_workload_order_per_layout():
+    assert ll.LAYOUTS[1].workloads == lc.WORKLOADS
+    assert ll.LAYOUTS[4].workloads == ("bursty_mixed", "long_prefix", "shared_prefix")  # shared_prefix dropped first
+
+
+@pytest.mark.serial  # four SGLang processes that fail on a missing model
+def test_four_gpu_run_wires_its_layout_into_the_servers(tmp_path):
+    """--gpus 4 as run_all.sh calls it, with no model there: the servers fail to start, and the results and the
+    servers' command lines show the layout (llama-anchor, one GPU each, 0.88 and the pools, CUDA IPC)."""
+    import json
+    import subprocess
+    import sys
+
+    out, logs = tmp_path / "o.json", tmp_path / "logs"
+    p = subprocess.run([sys.executable, "-m", "e2e.lb_compare", "--gpus", "4", "--models", str(tmp_path / "models"), "--topology", "3p1d",
+                        "--out", str(out), "--logs", str(logs), "--machine", "test-x4"], capture_output=True, text=True, timeout=200)
+    assert p.returncode == 1, p.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["error"]) == {"lbc-prefill0", "lbc-prefill1", "lbc-prefill2", "lbc-decode0"}
+    assert (doc["machine"], doc["gpus"], doc["model"], doc["pool_gib"]) == ("test-x4", 4, "llama-anchor", {"prefill": 12.0, "decode": 56.0})
+    assert doc["transport"].startswith("p2pnccl, SGLANG_P2P_TRANSPORT=auto")
+    assert doc["workload_params"]["long_max"] == 14000 and doc["workload_params"]["chat_prefix"] == 4000
+    for name, gpu, tokens in (("lbc-prefill2", 2, 98304), ("lbc-decode0", 3, 458752)):
+        cmd = (logs / f"{name}.log").read_text().splitlines()[0].split()
+        assert cmd[cmd.index("--base-gpu-id") + 1] == str(gpu) and cmd[cmd.index("--max-total-tokens") + 1] == str(tokens)
+        assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.88" and cmd[cmd.index("--model-path") + 1] == str(tmp_path / "models/llama-anchor")
