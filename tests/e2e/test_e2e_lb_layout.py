@@ -103,3 +103,26 @@ def test_four_gpu_run_wires_its_layout_into_the_servers(tmp_path):
         cmd = (logs / f"{name}.log").read_text().splitlines()[0].split()
         assert cmd[cmd.index("--base-gpu-id") + 1] == str(gpu) and cmd[cmd.index("--max-total-tokens") + 1] == str(tokens)
         assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.88" and cmd[cmd.index("--model-path") + 1] == str(tmp_path / "models/llama-anchor")
+
+
+@pytest.mark.serial  # simulated workers and an LB process, ~10 s
+def test_calibrated_rates_drive_the_comparison(tmp_path):
+    """lb_compare --calibrate on simulated workers: the warm-up measures each workload's capacity, the rates
+    follow it (capped at --max-rps), and the comparison's workloads are generated at those rates."""
+    import json
+
+    out = tmp_path / "o.json"
+    rc = lc.main(["--sim", "--sim-knobs", "--prefill-ms-per-token 0.05 --decode-ms-per-token 1 --prefix-cache-tokens 2000", "--calibrate",
+                  "--max-rps", "1000", "--loads", "bursty_mixed=0.5,long_prefix=0.5", "--out", str(out), "--logs", str(tmp_path / "logs"),
+                  "--lbs", "ours:load_aware", "--reps", "1", "--workloads", "bursty_mixed,long_prefix", "--long-prefix", "600",
+                  "--long-prefixes", "4", "--budget-s", "20", "--max-run-s", "2", "--min-run-s", "1", "--warmup-s", "1", "--fault-s", "0",
+                  "--turn-gap", "0.3"])
+    doc = json.loads(out.read_text())
+    assert rc == 0, doc.get("error")
+    cap = doc["warmup"]["capacity_tok_s"]
+    assert set(cap) == {"bursty_mixed", "long_prefix"} and min(cap.values()) > 0
+    for wl, field in (("bursty_mixed", "bursty_rate"), ("long_prefix", "long_rate")):
+        row = doc["rates"][wl]
+        assert abs(row["offered_rps"] - 0.5 * row["capacity_rps"]) <= 0.01  # both rounded to 0.01
+        assert doc["workload_params"][field] == row[field] and not row["capped"]
+    assert doc["runs"]["ours:load_aware"]["bursty_mixed"][0]["num_failed"] == 0
