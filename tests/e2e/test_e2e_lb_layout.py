@@ -126,3 +126,21 @@ def test_calibrated_rates_drive_the_comparison(tmp_path):
         assert abs(row["offered_rps"] - 0.5 * row["capacity_rps"]) <= 0.01  # both rounded to 0.01
         assert doc["workload_params"][field] == row[field] and not row["capped"]
     assert doc["runs"]["ours:load_aware"]["bursty_mixed"][0]["num_failed"] == 0
+
+
+def test_run_all_lb_on_four_gpus_refuses_to_run_without_the_peers(tmp_path):
+    """run_all.sh --gpus 4 --phase lb on a machine where lb.tar.xz was never unpacked stops at once (a 10-minute
+    call for our LB alone would be wasted) and says what to carry."""
+    import os
+    import subprocess
+
+    pytest.importorskip("sglang")  # the preflight imports it
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "root/sglang").mkdir(parents=True)
+    (tmp_path / "root/sglang/.unpacked").write_text("x")
+    env = {**os.environ, "E2E_ROOT": str(tmp_path / "root"), "E2E_BUNDLE": str(tmp_path / "none"), "OUT": str(tmp_path / "out"),
+           "E2E_KIND": "cpu-test"}
+    env.pop("E2E_LB_ARGS", None)
+    p = subprocess.run(["bash", str(repo / "e2e/run_all.sh"), "--gpus", "4", "--phase", "lb"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 1 and "no lb.tar.xz unpacked on this machine" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "lb_compare: start" not in p.stdout and "models: start" not in p.stdout
