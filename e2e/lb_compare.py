@@ -765,7 +765,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
                     help="rates from the prefill capacity measured after the warm-up (default: on with --gpus 4)")
     ap.add_argument("--loads", default=",".join(f"{k}={v}" for k, v in lb_layout.LOADS.items()), help="calibrated load per workload")
-    ap.add_argument("--max-rps", type=float, default=60.0, help="calibrated rates stop here (one client process, Python LBs)")
+    ap.add_argument("--max-rps", type=float, default=120.0, help="calibrated rates stop here (one client process, Python LBs)")
     ap.add_argument("--seed", type=int, default=0)
     for f in WorkloadParams.__dataclass_fields__.values():
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None, help=f"default: the layout's, else {f.default}")

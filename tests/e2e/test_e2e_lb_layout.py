@@ -37,9 +37,9 @@ def test_burst_size_and_rates():
     assert ll.burst_size(3, 900, 98304) == 24  # 8 per prefill
     assert ll.burst_size(2, 100_000, 98304) == 4  # at least 2 per prefill
     table = ll.rates({"bursty_mixed": 200_000.0, "long_prefix": 100_000.0}, {"bursty_mixed": 2000.0, "long_prefix": 12500.0}, ll.LOADS, 60.0)
-    # bursty: 100 req/s of capacity, 0.8 of it is 80, capped at 60; long_prefix: 8 req/s, 1.2 x 8 = 9.6 req/s = 3.2 chats/s
+    # bursty: 100 req/s of capacity, 0.8 of it is 80, capped at 60; long_prefix: 8 req/s, 1.5 x 8 = 12 req/s = 4 chats/s
     assert table == {"bursty_mixed": {"capacity_rps": 100.0, "offered_rps": 60.0, "capped": True, "bursty_rate": 60.0},
-                     "long_prefix": {"capacity_rps": 8.0, "offered_rps": 9.6, "capped": False, "long_rate": 3.2}}
+                     "long_prefix": {"capacity_rps": 8.0, "offered_rps": 12.0, "capped": False, "long_rate": 4.0}}
 
 
 def test_calibrated_rates_replace_only_the_rate_fields():
