@@ -80,8 +80,10 @@ def _client(target: dict[str, Any], n: int, concurrency: int) -> tuple[list[floa
 
 
 def drive(pool: ProcessPoolExecutor, procs: int, target: dict[str, Any], n: int, concurrency: int) -> tuple[list[float], int, float]:
-    """`n` requests at `concurrency` over `procs` client processes: every latency, the errors, the longest wall."""
-    futs = [pool.submit(_client, target, k, c) for k, c in zip(split(n, procs), split(concurrency, procs)) if k and c]
+    """`n` requests at `concurrency` over `procs` client processes (fewer where there are fewer slots or
+    requests than processes): every latency, the errors, the longest wall."""
+    procs = max(1, min(procs, concurrency, n))
+    futs = [pool.submit(_client, target, k, c) for k, c in zip(split(n, procs), split(concurrency, procs))]
     lat: list[float] = []
     errors, wall = 0, 0.0
     for f in futs:

@@ -20,6 +20,22 @@ def test_split_spreads_requests_and_slots_over_client_processes():
     assert lo.split(2, 4) == [1, 1, 0, 0]
 
 
+def test_drive_sends_every_request_when_processes_outnumber_slots():
+    """8 client processes but 3 slots: 3 processes run, and all 10 requests are sent (none lost to a process
+    that got requests but no slot)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = []
+
+    class Pool:
+        def submit(self, fn, target, n, c):
+            calls.append((n, c))
+            return ThreadPoolExecutor(1).submit(lambda: ([0.001] * n, 0, 0.5))
+
+    lat, errors, wall = lo.drive(Pool(), 8, {"kind": "lb", "url": "x"}, 10, 3)
+    assert calls == [(4, 1), (3, 1), (3, 1)] and len(lat) == 10 and errors == 0 and wall == 0.5
+
+
 def test_run_stats():
     s = lo.run_stats([0.01, 0.02, 0.03, 0.04], 1, 2.0, 0.008)
     # linear-interpolated percentiles: p50 between 20 and 30 ms, p99 at 0.97 of the way from 30 to 40 ms
@@ -60,8 +76,9 @@ def test_overhead_end_to_end_against_simulated_workers(tmp_path):
         peers += ["--smg-python", str(PEERS / "smg/bin/python")]
         targets.append("smg:cache_aware")
     out = tmp_path / "o.json"
-    rc = lo.main(["--out", str(out), "--logs", str(tmp_path / "logs"), "--targets", ",".join(targets), "--requests", "120",
-                  "--concurrency", "16", "--warmup", "20", "--reps", "2", "--prefills", "2", "--decodes", "2", "--client-procs", "2", *peers])
+    # 3 client processes for 16 slots and 121 requests: shares of 6/5/5 slots and 41/40/40 requests
+    rc = lo.main(["--out", str(out), "--logs", str(tmp_path / "logs"), "--targets", ",".join(targets), "--requests", "121",
+                  "--concurrency", "16", "--warmup", "20", "--reps", "2", "--prefills", "2", "--decodes", "2", "--client-procs", "3", *peers])
     doc = json.loads(out.read_text())
     assert rc == 0, doc
     assert [list(r) for r in doc["reps"]] == [targets, targets[1:] + targets[:1]]
@@ -69,7 +86,7 @@ def test_overhead_end_to_end_against_simulated_workers(tmp_path):
         cell = doc["summary"][name]
         assert cell["reps"] == 2 and cell["errors"] == 0 and 0 < cell["p50_ms"] <= cell["p99_ms"]
         assert (cell["cpu_ms_per_req"] is None) == (name == "direct")
-        assert all(r[name]["requests"] == 120 for r in doc["reps"])
+        assert all(r[name]["requests"] == 121 for r in doc["reps"])
     assert doc["summary"]["ours:load_aware"]["cpu_ms_per_req"] > 0 and "added_p99_ms" in doc["summary"]["ours:load_aware"]
     if "smg:cache_aware" in targets:
         assert isinstance(doc["check"]["met"], bool) and doc["check"]["smg"] == "smg:cache_aware"
