@@ -621,14 +621,16 @@ class Harness:
         return s
 
     def faults(self, specs: Sequence[LBSpec], duration: float, rate: float, seed: int, restart_timeout: float, probe_s: float = 20.0,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
-        """All LBs at once, each with its own client; SIGKILL prefill 0 then decode 0, restart both."""
+               log: Callable[[str], None] = print, out: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """All LBs at once, each with its own client; SIGKILL prefill 0 then decode 0, restart both. Filled into
+        `out` as it goes, so what a step's timeout cut off keeps what was measured."""
         procs = [(s, self.lb(s, "faults")) for s in specs]
         procs = [(s, p) for s, p in procs if p is not None]
         victims = [("prefill", 0), ("decode", 0)]
         kill_at = [duration / 5, 2 * duration / 5]
         started: list[LBProc] = []
-        out: dict[str, Any] = {"not_started": {}}
+        out = {} if out is None else out
+        out["not_started"] = {}
         try:
             started += [p.start() for _, p in procs]  # side by side; each is waited for below
             for s, p in list(procs):
@@ -668,28 +670,16 @@ class Harness:
                 return t0_mono, killed, res[0], dict(res[1:])
 
             t0_mono, killed, thread, results = asyncio.run(drive())
+            out["killed"] = [{"role": r, "index": i, "at_s": t} for (r, i), t in zip(victims, killed)]
+            # the errors are kept before the restart is waited for (a timeout there keeps them), then once more
+            # with the restart's time (3P1D's window without a decode ends there)
+            self._split_errors(out, results, killed, victims, None)
             thread.join(restart_timeout + 30)
-            out.update(killed=[{"role": r, "index": i, "at_s": t} for (r, i), t in zip(victims, killed)],
-                       restarted=restarted.get("names", []), per_lb={})
-            back_at = restarted["healthy_at"] - t0_mono if "healthy_at" in restarted else float("inf")
-            if "healthy_at" in restarted:
+            out["restarted"] = restarted.get("names", [])
+            back_at = restarted["healthy_at"] - t0_mono if "healthy_at" in restarted else None
+            if back_at is not None:
                 out["restart_s"] = round(back_at - killed[-1], 1)
-            # a killed server that was the only one of its role (3P1D's decode): nothing could serve meanwhile
-            down = [(t, back_at) for (role, _), t in zip(victims, killed) if len(self.cluster.prefills if role == "prefill" else self.cluster.decodes) == 1]
-            out["no_server_of_a_role_s"] = [[round(a, 2), round(b, 2)] for a, b in down]
-            for name, (answers, wall) in results.items():
-                bad = [a for a in answers if not a.record.ok]
-                none_up = [a for a in bad if not in_flight_at(a, killed) and any(lo <= a.sent_at <= hi for lo, hi in down)]
-                out["per_lb"][name] = {
-                    "requests": len(answers),
-                    "client_errors": len(bad),
-                    "errors_in_flight_at_a_kill": sum(1 for a in bad if in_flight_at(a, killed)),
-                    "errors_while_no_server_of_a_role": len(none_up),
-                    "errors_beyond_in_flight": sum(1 for a in bad if not in_flight_at(a, killed)) - len(none_up),
-                    "error_sent_at_s": [round(a.sent_at, 2) for a in bad][:40],
-                    "errors": sorted({a.record.error[:120] for a in bad})[:5],
-                    "run": {k: v for k, v in lb_real.summarize(answers, wall).items() if k != "errors"},
-                }
+            self._split_errors(out, results, killed, victims, back_at)
             if len(restarted.get("names", [])) == len(victims):
                 back = self.back_in_rotation(procs, [self.cluster.url_of(*v) for v in victims], probe_s, since=restarted["healthy_at"])
                 for name, b in back.items():
@@ -698,6 +688,29 @@ class Harness:
         finally:
             for p in started:
                 p.__exit__()
+
+    def _split_errors(self, out: dict[str, Any], results: dict[str, Any], killed: Sequence[float], victims: Sequence[tuple[str, int]],
+                      back_at: Optional[float]) -> None:
+        """Per LB the client errors: in flight at a kill, sent while no server of a killed one's role was left
+        (until `back_at`, seconds into the run; None: not back), and the rest."""
+        end = float("inf") if back_at is None else back_at
+        # a killed server that was the only one of its role (3P1D's decode): nothing could serve meanwhile
+        down = [(t, end) for (role, _), t in zip(victims, killed) if len(self.cluster.prefills if role == "prefill" else self.cluster.decodes) == 1]
+        out["no_server_of_a_role_s"] = [[round(a, 2), None if b == float("inf") else round(b, 2)] for a, b in down]
+        per_lb = out.setdefault("per_lb", {})
+        for name, (answers, wall) in results.items():
+            bad = [a for a in answers if not a.record.ok]
+            none_up = [a for a in bad if not in_flight_at(a, killed) and any(lo <= a.sent_at <= hi for lo, hi in down)]
+            per_lb.setdefault(name, {}).update({
+                "requests": len(answers),
+                "client_errors": len(bad),
+                "errors_in_flight_at_a_kill": sum(1 for a in bad if in_flight_at(a, killed)),
+                "errors_while_no_server_of_a_role": len(none_up),
+                "errors_beyond_in_flight": sum(1 for a in bad if not in_flight_at(a, killed)) - len(none_up),
+                "error_sent_at_s": [round(a.sent_at, 2) for a in bad][:40],
+                "errors": sorted({a.record.error[:120] for a in bad})[:5],
+                "run": {k: v for k, v in lb_real.summarize(answers, wall).items() if k != "errors"},
+            })
 
     def back_in_rotation(self, procs, urls: Sequence[str], probe_s: float, burst: int = 12, seed: int = 0,
                          since: Optional[float] = None) -> dict[str, dict[str, Optional[float]]]:
@@ -837,7 +850,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     h.compare(specs, p, args.seed, doc, stop_at=end - fault_reserve, lb_run_s=lb_run_s)
                 if args.fault_s > 0:
                     if end - time.monotonic() >= fault_reserve:
-                        doc["faults"] = h.faults(specs, args.fault_s, h.wp.bursty_rate, args.seed + 100, args.restart_timeout)
+                        doc["faults"] = {}
+                        h.faults(specs, args.fault_s, h.wp.bursty_rate, args.seed + 100, args.restart_timeout, out=doc["faults"])
                     else:
                         doc["faults"] = {"skipped": f"{end - time.monotonic():.0f} s left, the fault phase needs {fault_reserve:.0f}"}
         finally:

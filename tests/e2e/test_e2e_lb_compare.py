@@ -207,3 +207,25 @@ def test_an_lb_that_does_not_start_is_skipped_once_and_for_all(tmp_path):
     assert doc["skipped"] == {"smg:cache_aware": "rep 0: LB exited with 3 before serving"}
     assert doc["runs"]["smg:cache_aware"]["bursty_mixed"] == [] and time.monotonic() - t0 < 30
     assert len(list(tmp_path.glob("lb-smg-cache_aware-rep*.log"))) == 1  # tried in rep 0 only
+
+
+def test_fault_errors_split_before_and_after_the_restart(tmp_path):
+    """3P1D: the one decode killed at 4 s. Until it is back, a request sent then fails for want of a decode;
+    once the restart's time is known, one sent after it counts against the LB."""
+    class ThreeOne:
+        prefills = [("p0", 1), ("p1", 2), ("p2", 3)]
+        decodes = ["d0"]
+
+    def a(sent, e2e, ok=False):
+        return Answer(RequestRecord(ok, 0.01 if ok else None, e2e, 4 if ok else 0, "" if ok else "x"), 10, 0, sent)
+
+    answers = [a(1.9, 0.5), a(5.0, 0.1), a(1.0, 0.5, ok=True), a(0.5, 0.2)]
+    h = lc.Harness(cluster=ThreeOne(), peers={}, logs=tmp_path, wp=lc.WorkloadParams())
+    out: dict = {}
+    h._split_errors(out, {"lb": (answers, 6.0)}, [2.0, 4.0], [("prefill", 0), ("decode", 0)], None)
+    row = out["per_lb"]["lb"]
+    assert out["no_server_of_a_role_s"] == [[4.0, None]]
+    assert (row["client_errors"], row["errors_in_flight_at_a_kill"], row["errors_while_no_server_of_a_role"], row["errors_beyond_in_flight"]) == (3, 1, 1, 1)
+    h._split_errors(out, {"lb": (answers, 6.0)}, [2.0, 4.0], [("prefill", 0), ("decode", 0)], 4.5)
+    assert out["no_server_of_a_role_s"] == [[4.0, 4.5]]
+    assert (row["errors_while_no_server_of_a_role"], row["errors_beyond_in_flight"]) == (0, 2)
