@@ -22,6 +22,10 @@
 #                            protobuf, PyYAML, setproctitle), whatever versions the host image has
 #                  minilb/   sglang-router 0.3.2 (SGLang's mini_lb; its argument parser loads the Rust module too);
 #                            fastapi, uvicorn, orjson and aiohttp come from sglang.tar.xz and the host image
+#                  common/   orjson, fastapi, uvicorn, pydantic, setproctitle (sglang.tar.xz's versions): what
+#                            our LB and mini_lb need beyond the host image, on the path only where no SGLang bundle
+#                            is unpacked, so run_all.sh --phase lb-overhead runs in a call that carries lb.tar.xz
+#                            alone (50 MiB in all)
 # Needs pip (any Python) and network here; PIP_INDEX_URL etc. are honoured. XZ_THREADS (default 2).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -157,6 +161,11 @@ build_lb() {
   dl "$W/w7" sglang-router==0.3.2
   mkdir -p "$W/lb/minilb"
   unpack_wheels "$W/w7" "$W/lb/minilb"
+  # the versions sglang.tar.xz carries
+  dl "$W/w8" orjson==3.13.0 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+     annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.2 setproctitle==1.3.8
+  mkdir -p "$W/lb/common"
+  unpack_wheels "$W/w8" "$W/lb/common"
   check_needed_libs "$W/lb" || { echo "build_bundle.sh: a peer router misses a library" >&2; exit 1; }
   pack lb "$W/lb"
 }

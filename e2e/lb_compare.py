@@ -1,11 +1,13 @@
 """Our LB against SGLang's mini_lb and smg on the same PD servers: workloads, repetitions, kill -9, one JSON.
 
-    python3 -m e2e.lb_compare --models DIR --topology 2p2d|3p1d --out FILE --logs DIR [--lbs ...] [--reps 3]
+    python3 -m e2e.lb_compare --models DIR [--gpus 1|4] --topology 2p2d|3p1d --out FILE --logs DIR [--lbs ...] [--reps 3]
     python3 -m e2e.lb_compare --sim ...   (simulated workers, simworker, for a CPU proof run)
-    (bash e2e/run_all.sh --gpus 1 --phase lb runs it with the bundle: E2E_LB_TOPOLOGY picks the topology)
+    (bash e2e/run_all.sh --gpus 1|4 --phase lb runs it with the bundle: E2E_LB_TOPOLOGY picks the topology)
 
-The servers start once (llama-tiny on GPU 0, p2pnccl over NCCL with an NCCL_HOSTID per server, as
-e2e/lb_real.py) and every LB runs in front of the same ones:
+The servers start once and every LB runs in front of the same ones. Where they run, the model and pools are
+e2e/lb_layout.py's (it says why): ``--gpus 1``, llama-tiny on GPU 0, p2pnccl over NCCL with an NCCL_HOSTID
+per server (as e2e/lb_real.py); ``--gpus 4``, one llama-anchor server per GPU, p2pnccl over CUDA IPC between
+the GPUs, longer prompts, and request rates from the prefill capacity measured after the warm-up. The LBs:
 * ``ours:<policy>``: sglang-p2p-lb (load_aware and prefix_aware by default);
 * ``mini_lb``: sglang-router 0.3.2's ``python -m sglang_router.launch_router --pd-disaggregation --mini-lb``
   (what SGLang's PD docs and test fixture use; random pairs);
@@ -13,12 +15,12 @@ e2e/lb_real.py) and every LB runs in front of the same ones:
   with its health checks every 2 s like ours (its default is 60 s).
 A warm-up first runs every workload through a round-robin LB, so every server has compiled its kernels for
 every shape before anything is measured. Then, per repetition, every LB in an order rotated by one each time
-(a fresh LB process, so no LB keeps a prefix tree from a previous run), runs each workload open-loop against
-cold caches (every server's /flush_cache first). Per run: TTFT p50/p99, E2E p99, output tok/s, cache hit
+(fresh LB processes started side by side, so no LB keeps a prefix tree from a previous run), runs each
+workload open-loop against cold caches (every server's /flush_cache first). Per run: TTFT p50/p99, E2E p99, output tok/s, cache hit
 rate (meta_info.cached_tokens over prompt tokens), errors; per LB and workload the median and the spread
 (min, max) over the repetitions. The workloads (e2e/lb_real.py's generators):
-* ``bursty_mixed``: Poisson with 3x bursts, 85% short prompts, 15% 2k-6k;
-* ``shared_prefix``: multi-turn chats over 6 few-shot prefixes of 2k tokens;
+* ``bursty_mixed``: Poisson with 3x bursts, 85% short prompts, 15% 2k-6k (6k-14k on 4 GPUs);
+* ``shared_prefix``: multi-turn chats over 6 few-shot prefixes of 2k tokens (4k on 4 GPUs);
 * ``long_prefix``: 3-turn chats over 10 prefixes of 12k tokens, more than one prefill's radix cache holds
   (98k tokens) and less than two: a miss costs a 12k-token prefill, so routing for cache hits can show in
   TTFT. It shows best with ``--transport cudaipc``: over NCCL's loopback sockets the whole prompt's KV
@@ -28,7 +30,8 @@ Faults: every LB runs at once, each with its own open-loop client at 1/n of the 
 then a decode get SIGKILL, both restart; per LB the client errors, split into requests in flight at a kill,
 requests sent while no server of the killed one's role was left (3P1D's only decode) and the rest (the target:
 none), and, once both servers serve again, how long until the LB sends a request to each of them (a burst
-through one LB at a time, attributed by the restarted servers' own request counters).
+through one LB at a time, attributed by the restarted servers' own request counters, counted from when both
+answered /health to the start of the burst that reached the server).
 The run time per workload is planned from the time left (E2E_DEADLINE_EPOCH) so that everything fits one
 device call; what did not fit is named in the JSON.
 """
@@ -36,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import math
 import os
 import random
 import signal
@@ -49,14 +54,14 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from . import lb_real
+from . import lb_layout, lb_real
+from .lb_layout import TOPOLOGIES, Layout
 from .lb_real import Req
 
 DEFAULT_LBS = ("ours:load_aware", "ours:prefix_aware", "mini_lb", "smg:cache_aware", "smg:power_of_two")
 WORKLOADS = ("bursty_mixed", "shared_prefix", "long_prefix")
-TOPOLOGIES = {"2p2d": (2, 2), "3p1d": (3, 1)}
 PEER_HEALTH_INTERVAL = "2"  # smg checks every 60 s by default; ours every 2 s
 
 
@@ -148,14 +153,17 @@ def free_port() -> int:
 
 
 class LBProc:
-    """One LB process in a session of its own (ended with one killpg); ready once a request goes through."""
+    """One LB process in a session of its own (ended with one killpg); ready once a request goes through.
+    ``start`` only launches it (several LBs start side by side); entering the context waits until it serves."""
 
     def __init__(self, spec: LBSpec, argv: list[str], env: dict[str, str], port: int, log: Path) -> None:
         self.spec, self.argv, self.env, self.port, self.log = spec, argv, env, port, log
         self.url = f"http://127.0.0.1:{port}"
         self.proc: Optional[subprocess.Popen] = None
 
-    def __enter__(self) -> "LBProc":
+    def start(self) -> "LBProc":
+        if self.proc is not None:
+            return self
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "a") as f:
             f.write("$ " + " ".join(self.argv) + "\n")
@@ -165,6 +173,10 @@ class LBProc:
         from .servers import record_pid
 
         record_pid(self.proc.pid)
+        return self
+
+    def __enter__(self) -> "LBProc":
+        self.start()
         try:
             wait_ready(self.url, self.proc)
         except BaseException:
@@ -205,6 +217,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
 @dataclass(frozen=True)
 class WorkloadParams:
     bursty_rate: float = 32.0  # requests/s (mean over the bursts)
+    short_median: int = 300  # bursty: 85% short prompts (lognormal) ...
+    long_min: int = 2000  # ... and 15% long ones, uniform in [long_min, long_max]
+    long_max: int = 6000
     chat_rate: float = 6.0  # shared_prefix conversations/s, 4 turns each
     chat_prefix: int = 2000
     turn_gap: float = 1.0  # seconds between the turns of a conversation (runs are short)
@@ -217,13 +232,29 @@ class WorkloadParams:
 
 def make_workload(name: str, duration: float, seed: int, wp: WorkloadParams) -> list[Req]:
     if name == "bursty_mixed":
-        return lb_real.bursty_mixed(duration, wp.bursty_rate, seed)
+        return lb_real.bursty_mixed(duration, wp.bursty_rate, seed, wp.short_median, wp.long_min, wp.long_max)
     if name == "shared_prefix":
         return lb_real.shared_prefix(duration, wp.chat_rate, seed, prefix_len=wp.chat_prefix, question=wp.question, answer=wp.answer, gap=wp.turn_gap)
     if name == "long_prefix":
         return lb_real.shared_prefix(duration, wp.long_rate, seed + 7919, n_prefixes=wp.long_prefixes, prefix_len=wp.long_prefix,
                                      turns=3, question=wp.question, answer=wp.answer, gap=wp.turn_gap)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def mean_prompt(name: str, wp: WorkloadParams) -> float:
+    """Mean prompt tokens of a workload's requests (a minute of it; the lengths do not depend on the rate)."""
+    reqs = make_workload(name, 60.0, 0, wp)
+    return sum(len(r.input_ids) for r in reqs) / len(reqs)
+
+
+def calibrated(wp: WorkloadParams, capacity_tok_s: dict[str, float], loads: dict[str, float],
+               max_rps: float) -> tuple[WorkloadParams, dict[str, Any]]:
+    """`wp` with the rates lb_layout.rates derives from the measured capacities; unchanged when one is missing."""
+    if not capacity_tok_s or min(capacity_tok_s.values()) <= 0:
+        return wp, {"error": f"no capacity measured ({capacity_tok_s}): the default rates stay"}
+    table = lb_layout.rates(capacity_tok_s, {wl: mean_prompt(wl, wp) for wl in capacity_tok_s}, loads, max_rps)
+    fields = {lb_layout.RATE_FIELD[wl]: row[lb_layout.RATE_FIELD[wl]] for wl, row in table.items()}
+    return dataclasses.replace(wp, **fields), table
 
 
 # ----------------------------------------------------------------------------- servers
@@ -261,12 +292,15 @@ class _Url:
 
 def transport_env(transport: str, name: str) -> dict[str, str]:
     """nccl: NCCL over loopback sockets, an NCCL_HOSTID per server (e2e/config.py says why); cudaipc: the
-    same-host copy kernel straight into the decode's pools, what SGLANG_P2P_TRANSPORT=auto picks on one host."""
+    same-host copy kernel straight into the decode's pools, what SGLANG_P2P_TRANSPORT=auto picks on one host;
+    auto: one server per GPU, p2pnccl's own choice (CUDA IPC between the GPUs of one host)."""
+    if transport == "auto":
+        return {"SGLANG_P2P_TRANSPORT": "auto"}
     if transport == "cudaipc":
         return {"SGLANG_P2P_TRANSPORT": "cudaipc"}
     if transport == "nccl":
         return {"SGLANG_P2P_TRANSPORT": "nccl", **lb_real._one_gpu_env(name)}
-    raise ValueError(f"transport must be nccl or cudaipc, got {transport!r}")
+    raise ValueError(f"transport must be nccl, cudaipc or auto, got {transport!r}")
 
 
 def _prom_total(text: str, name: str) -> float:
@@ -278,23 +312,22 @@ def _prom_total(text: str, name: str) -> float:
 
 
 class SGLangCluster(Cluster):
-    """Real SGLang servers on GPU 0 (e2e/lb_real.py's flags), started through e2e.servers.Stack."""
+    """Real SGLang servers placed as lb_layout.placement says, started through e2e.servers.Stack."""
 
-    def __init__(self, stack: Any, models: Path, n_p: int, n_d: int, flags: Sequence[str], decode_flags: Sequence[str], transport: str = "nccl") -> None:
+    def __init__(self, stack: Any, model: Path, where: Sequence[tuple[str, int, int]], flags: Sequence[str], decode_flags: Sequence[str],
+                 transport: str = "nccl") -> None:
         from . import config
         from .servers import Server
 
         self.stack = stack
-        model = models / lb_real.MODEL
         self.servers: dict[tuple[str, int], Any] = {}
-        for role, n in (("prefill", n_p), ("decode", n_d)):
-            for i in range(n):
-                name = f"lbc-{role}{i}"
-                env = {**config.COMMON_ENV, **transport_env(transport, name)}
-                port = lb_real.BASE_PORT + (i if role == "prefill" else 4 + i)
-                args = list(flags if role == "prefill" else decode_flags)
-                self.servers[(role, i)] = Server(name, port, role, model, gpu=0, backend="p2pnccl",
-                                                 bootstrap_port=port + 10 if role == "prefill" else None, args=args, env=env)
+        for role, i, gpu in where:
+            name = f"lbc-{role}{i}"
+            env = {**config.COMMON_ENV, **transport_env(transport, name)}
+            port = lb_real.BASE_PORT + (i if role == "prefill" else 4 + i)
+            args = list(flags if role == "prefill" else decode_flags)
+            self.servers[(role, i)] = Server(name, port, role, model, gpu=gpu, backend="p2pnccl",
+                                             bootstrap_port=port + 10 if role == "prefill" else None, args=args, env=env)
         self.prefills = [(s.url, s.bootstrap_port) for (r, _), s in self.servers.items() if r == "prefill"]
         self.decodes = [s.url for (r, _), s in self.servers.items() if r == "decode"]
 
@@ -402,16 +435,18 @@ class Plan:
 
 
 def plan(budget_s: float, n_lbs: int, workloads: Sequence[str], reps: int, max_run_s: float, min_run_s: float,
-         lb_start_s: float, run_overhead_s: float, fault_s: float) -> Plan:
-    """The longest run time per workload (up to max_run_s) that fits the budget; workloads are dropped from
-    the end when not even min_run_s fits."""
+         lb_start_s: float, run_overhead_s: float, fault_s: float, drain_frac: float = 0.0) -> Plan:
+    """The longest run time per workload (up to max_run_s, in tenths of a second) that fits the budget; workloads
+    are dropped from the end when not even min_run_s fits. A repetition's LBs start side by side (one
+    lb_start_s per repetition); a run lasts run_s x (1 + drain_frac) (the queue a run leaves drains) plus
+    run_overhead_s (cache flush, the last answers)."""
     kept = list(workloads)
     while kept:
         runs = n_lbs * len(kept) * reps
-        left = budget_s - fault_s - reps * n_lbs * lb_start_s - runs * run_overhead_s
-        run_s = min(max_run_s, left / runs)
+        left = budget_s - fault_s - reps * lb_start_s - runs * run_overhead_s
+        run_s = min(max_run_s, math.floor(10 * left / (runs * (1 + drain_frac))) / 10)
         if run_s >= min_run_s:
-            return Plan(round(run_s, 1), tuple(kept), reps, tuple(w for w in workloads if w not in kept))
+            return Plan(run_s, tuple(kept), reps, tuple(w for w in workloads if w not in kept))
         kept.pop()
     return Plan(0.0, (), reps, tuple(workloads), f"{budget_s:.0f} s left: not even one {min_run_s:g} s run per LB fits")
 
@@ -480,7 +515,11 @@ def in_flight_at(a: lb_real.Answer, times: Sequence[float]) -> bool:
     return any(a.sent_at < t <= end for t in times)
 
 
-def rotated(specs: Sequence[LBSpec], rep: int) -> list[LBSpec]:
+T = TypeVar("T")
+
+
+def rotated(specs: Sequence[T], rep: int) -> list[T]:
+    """`specs` rotated left by `rep` (each one goes first once in len(specs) repetitions)."""
     k = rep % len(specs)
     return list(specs[k:]) + list(specs[:k])
 
@@ -497,8 +536,9 @@ class Harness:
             return None
         return LBProc(spec, cmd[0], cmd[1], port, self.logs / f"lb-{spec.name.replace(':', '-')}-{tag}.log")
 
-    def warm_up(self, workloads: Sequence[str], seconds: float) -> dict[str, Any]:
-        """Every workload's shapes through every server (round robin), then cold caches again."""
+    def warm_up(self, workloads: Sequence[str], seconds: float, calibrate_pool: int = 0) -> dict[str, Any]:
+        """Every workload's shapes through every server (round robin), then cold caches again. With
+        `calibrate_pool` (a prefill's pool in tokens) also the prefill capacity per workload (`capacity`)."""
         out: dict[str, Any] = {}
         proc = self.lb(LBSpec("ours", "round_robin"), "warmup")
         assert proc is not None
@@ -506,8 +546,21 @@ class Harness:
             for wl in workloads:
                 answers, wall = asyncio.run(lb_real.open_loop(proc.url, make_workload(wl, seconds, 10_000, self.wp), self.client_timeout))
                 out[wl] = lb_real.summarize(answers, wall)
+            if calibrate_pool:
+                out["capacity_tok_s"] = {wl: self.capacity(proc.url, wl, calibrate_pool) for wl in workloads}
         self.cluster.flush()
         return out
+
+    def capacity(self, url: str, wl: str, pool_tokens: int) -> float:
+        """Prefill tokens/s of the whole cluster at `wl`'s mean prompt length: a burst of fresh prompts (one output
+        token each) sent at once on cold caches, their tokens over the time until the last answer."""
+        length = round(mean_prompt(wl, self.wp))
+        n = lb_layout.burst_size(len(self.cluster.prefills), length, pool_tokens)
+        rng = random.Random(length)
+        self.cluster.flush()
+        answers, wall = asyncio.run(lb_real.open_loop(url, [Req(0.0, lb_real._ids(rng, length), 1) for _ in range(n)], self.client_timeout))
+        ok = sum(1 for a in answers if a.record.ok)
+        return round(ok * length / wall, 1) if ok == n else 0.0
 
     def compare(self, specs: Sequence[LBSpec], p: Plan, seed: int, doc: dict[str, Any], stop_at: float = float("inf"),
                 lb_run_s: float = 0.0, log: Callable[[str], None] = print) -> None:
@@ -520,52 +573,75 @@ class Harness:
         for rep in range(p.reps):
             loads = {wl: make_workload(wl, p.run_s, seed + rep, self.wp) for wl in p.workloads}
             order.append([s.name for s in rotated(specs, rep)])
-            for spec in rotated(specs, rep):
-                if time.monotonic() + lb_run_s > stop_at:
-                    doc["cut_short"] = f"out of time before rep {rep} of {spec.name}"
-                    log(f"[lb_compare] {doc['cut_short']}")
-                    summarize_compare(doc, p.workloads)
-                    return
-                if spec.name in skipped:
-                    continue  # not installed, or it did not start once: do not spend the budget on it again
-                proc = self.lb(spec, f"rep{rep}")
-                if proc is None:
-                    skipped[spec.name] = "peer not installed (no lb.tar.xz / --*-python)"
-                    continue
-                try:
-                    with proc:
-                        for wl, reqs in loads.items():
-                            self.cluster.flush()
-                            answers, wall = asyncio.run(lb_real.open_loop(proc.url, reqs, self.client_timeout))
-                            s = lb_real.summarize(answers, wall)
-                            s["errors"] = s["errors"][:5]
-                            runs[spec.name][wl].append(s)
-                            log(f"[lb_compare] rep {rep} {spec.name} {wl}: ttft p50/p99 {s['ttft_ms_p50']}/{s['ttft_ms_p99']} ms, "
-                                f"hit {s['cache_hit_rate']}, failed {s['num_failed']}/{s['num_requests']}")
-                except (RuntimeError, TimeoutError) as e:
-                    skipped[spec.name] = f"rep {rep}: {e}"
-                    log(f"[lb_compare] {spec.name} rep {rep} did not run: {e}")
+            if time.monotonic() + lb_run_s > stop_at:
+                return self._cut(doc, p, f"out of time before rep {rep} of {order[-1][0]}", log)
+            # the rep's LBs start side by side (fresh processes, no prefix tree from an earlier rep) and run in turn
+            procs = self._start_all([s for s in rotated(specs, rep) if s.name not in skipped], rep, skipped)
+            try:
+                for spec, proc in procs:
+                    if time.monotonic() + lb_run_s > stop_at:
+                        return self._cut(doc, p, f"out of time before rep {rep} of {spec.name}", log)
+                    try:
+                        with proc:
+                            for wl, reqs in loads.items():
+                                runs[spec.name][wl].append(self._run(proc.url, reqs))
+                                s = runs[spec.name][wl][-1]
+                                log(f"[lb_compare] rep {rep} {spec.name} {wl}: ttft p50/p99 {s['ttft_ms_p50']}/{s['ttft_ms_p99']} ms, "
+                                    f"hit {s['cache_hit_rate']}, failed {s['num_failed']}/{s['num_requests']}")
+                    except (RuntimeError, TimeoutError) as e:
+                        skipped[spec.name] = f"rep {rep}: {e}"
+                        log(f"[lb_compare] {spec.name} rep {rep} did not run: {e}")
+            finally:
+                for _, proc in procs:
+                    proc.__exit__()
         summarize_compare(doc, p.workloads)
 
+    def _cut(self, doc: dict[str, Any], p: Plan, why: str, log: Callable[[str], None]) -> None:
+        doc["cut_short"] = why
+        log(f"[lb_compare] {why}")
+        summarize_compare(doc, p.workloads)
+
+    def _start_all(self, specs: Sequence[LBSpec], rep: int, skipped: dict[str, str]) -> list[tuple[LBSpec, LBProc]]:
+        """Launch every LB of a repetition; a peer that is not installed is noted in `skipped`."""
+        out = []
+        for spec in specs:
+            proc = self.lb(spec, f"rep{rep}")
+            if proc is None:
+                skipped[spec.name] = "peer not installed (no lb.tar.xz / --*-python)"
+            else:
+                out.append((spec, proc.start()))
+        return out
+
+    def _run(self, url: str, reqs: Sequence[Req]) -> dict[str, Any]:
+        """One open-loop run on cold caches."""
+        self.cluster.flush()
+        answers, wall = asyncio.run(lb_real.open_loop(url, reqs, self.client_timeout))
+        s = lb_real.summarize(answers, wall)
+        s["errors"] = s["errors"][:5]
+        return s
+
     def faults(self, specs: Sequence[LBSpec], duration: float, rate: float, seed: int, restart_timeout: float, probe_s: float = 20.0,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
-        """All LBs at once, each with its own client; SIGKILL prefill 0 then decode 0, restart both."""
+               log: Callable[[str], None] = print, out: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """All LBs at once, each with its own client; SIGKILL prefill 0 then decode 0, restart both. Filled into
+        `out` as it goes, so what a step's timeout cut off keeps what was measured."""
         procs = [(s, self.lb(s, "faults")) for s in specs]
         procs = [(s, p) for s, p in procs if p is not None]
         victims = [("prefill", 0), ("decode", 0)]
         kill_at = [duration / 5, 2 * duration / 5]
         started: list[LBProc] = []
-        out: dict[str, Any] = {"not_started": {}}
+        out = {} if out is None else out
+        out["not_started"] = {}
         try:
+            started += [p.start() for _, p in procs]  # side by side; each is waited for below
             for s, p in list(procs):
                 try:
-                    started.append(p.__enter__())
+                    p.__enter__()
                 except (RuntimeError, TimeoutError) as e:
                     out["not_started"][s.name] = str(e)[:300]
                     procs.remove((s, p))
             if not procs:
                 return out
-            per_lb = {s.name: make_workload("bursty_mixed", duration, seed + k, WorkloadParams(bursty_rate=rate / len(procs))) for k, (s, _) in enumerate(procs)}
+            per_lb = {s.name: make_workload("bursty_mixed", duration, seed + k, dataclasses.replace(self.wp, bursty_rate=rate / len(procs))) for k, (s, _) in enumerate(procs)}
             restarted: dict[str, Any] = {}
 
             def restart() -> None:
@@ -594,30 +670,18 @@ class Harness:
                 return t0_mono, killed, res[0], dict(res[1:])
 
             t0_mono, killed, thread, results = asyncio.run(drive())
+            out["killed"] = [{"role": r, "index": i, "at_s": t} for (r, i), t in zip(victims, killed)]
+            # the errors are kept before the restart is waited for (a timeout there keeps them), then once more
+            # with the restart's time (3P1D's window without a decode ends there)
+            self._split_errors(out, results, killed, victims, None)
             thread.join(restart_timeout + 30)
-            out.update(killed=[{"role": r, "index": i, "at_s": t} for (r, i), t in zip(victims, killed)],
-                       restarted=restarted.get("names", []), per_lb={})
-            back_at = restarted["healthy_at"] - t0_mono if "healthy_at" in restarted else float("inf")
-            if "healthy_at" in restarted:
+            out["restarted"] = restarted.get("names", [])
+            back_at = restarted["healthy_at"] - t0_mono if "healthy_at" in restarted else None
+            if back_at is not None:
                 out["restart_s"] = round(back_at - killed[-1], 1)
-            # a killed server that was the only one of its role (3P1D's decode): nothing could serve meanwhile
-            down = [(t, back_at) for (role, _), t in zip(victims, killed) if len(self.cluster.prefills if role == "prefill" else self.cluster.decodes) == 1]
-            out["no_server_of_a_role_s"] = [[round(a, 2), round(b, 2)] for a, b in down]
-            for name, (answers, wall) in results.items():
-                bad = [a for a in answers if not a.record.ok]
-                none_up = [a for a in bad if not in_flight_at(a, killed) and any(lo <= a.sent_at <= hi for lo, hi in down)]
-                out["per_lb"][name] = {
-                    "requests": len(answers),
-                    "client_errors": len(bad),
-                    "errors_in_flight_at_a_kill": sum(1 for a in bad if in_flight_at(a, killed)),
-                    "errors_while_no_server_of_a_role": len(none_up),
-                    "errors_beyond_in_flight": sum(1 for a in bad if not in_flight_at(a, killed)) - len(none_up),
-                    "error_sent_at_s": [round(a.sent_at, 2) for a in bad][:40],
-                    "errors": sorted({a.record.error[:120] for a in bad})[:5],
-                    "run": {k: v for k, v in lb_real.summarize(answers, wall).items() if k != "errors"},
-                }
+            self._split_errors(out, results, killed, victims, back_at)
             if len(restarted.get("names", [])) == len(victims):
-                back = self.back_in_rotation(procs, [self.cluster.url_of(*v) for v in victims], probe_s)
+                back = self.back_in_rotation(procs, [self.cluster.url_of(*v) for v in victims], probe_s, since=restarted["healthy_at"])
                 for name, b in back.items():
                     out["per_lb"][name]["back_in_rotation_s"] = b
             return out
@@ -625,14 +689,40 @@ class Harness:
             for p in started:
                 p.__exit__()
 
-    def back_in_rotation(self, procs, urls: Sequence[str], probe_s: float, burst: int = 12, seed: int = 0) -> dict[str, dict[str, Optional[float]]]:
-        """Seconds from the restart (both serving) until each LB sent a request to each restarted server.
+    def _split_errors(self, out: dict[str, Any], results: dict[str, Any], killed: Sequence[float], victims: Sequence[tuple[str, int]],
+                      back_at: Optional[float]) -> None:
+        """Per LB the client errors: in flight at a kill, sent while no server of a killed one's role was left
+        (until `back_at`, seconds into the run; None: not back), and the rest."""
+        end = float("inf") if back_at is None else back_at
+        # a killed server that was the only one of its role (3P1D's decode): nothing could serve meanwhile
+        down = [(t, end) for (role, _), t in zip(victims, killed) if len(self.cluster.prefills if role == "prefill" else self.cluster.decodes) == 1]
+        out["no_server_of_a_role_s"] = [[round(a, 2), None if b == float("inf") else round(b, 2)] for a, b in down]
+        per_lb = out.setdefault("per_lb", {})
+        for name, (answers, wall) in results.items():
+            bad = [a for a in answers if not a.record.ok]
+            none_up = [a for a in bad if not in_flight_at(a, killed) and any(lo <= a.sent_at <= hi for lo, hi in down)]
+            per_lb.setdefault(name, {}).update({
+                "requests": len(answers),
+                "client_errors": len(bad),
+                "errors_in_flight_at_a_kill": sum(1 for a in bad if in_flight_at(a, killed)),
+                "errors_while_no_server_of_a_role": len(none_up),
+                "errors_beyond_in_flight": sum(1 for a in bad if not in_flight_at(a, killed)) - len(none_up),
+                "error_sent_at_s": [round(a.sent_at, 2) for a in bad][:40],
+                "errors": sorted({a.record.error[:120] for a in bad})[:5],
+                "run": {k: v for k, v in lb_real.summarize(answers, wall).items() if k != "errors"},
+            })
+
+    def back_in_rotation(self, procs, urls: Sequence[str], probe_s: float, burst: int = 12, seed: int = 0,
+                         since: Optional[float] = None) -> dict[str, dict[str, Optional[float]]]:
+        """Seconds from `since` (monotonic: when both restarted servers answered /health; default: now) until
+        the start of the first burst through an LB that reached each restarted server (an upper bound).
 
         A burst of `burst` concurrent requests (distinct 400-token prompts) through one LB at a time, the LBs
         in turn: at zero load a load-aware LB rightly keeps to its fastest pair, so a lone probe would not
         show whether a server is back; a burst spreads over every server the LB routes to. The restarted
         servers' own request counters, read before and after each burst, say which LB reached them."""
         t0 = time.monotonic()
+        ref = t0 if since is None else since
         rng = random.Random(seed)
         back: dict[str, dict[str, Optional[float]]] = {s.name: {u: None for u in urls} for s, _ in procs}
         while time.monotonic() - t0 < probe_s and any(v is None for b in back.values() for v in b.values()):
@@ -640,20 +730,23 @@ class Harness:
                 if all(v is not None for v in back[s.name].values()):
                     continue
                 before = {u: self.cluster.served(u) for u in urls}
+                sent = time.monotonic()
                 reqs = [Req(0.0, lb_real._ids(rng, 400), 8) for _ in range(burst)]
                 asyncio.run(lb_real.open_loop(p.url, reqs, 15.0))
                 time.sleep(0.05)  # a prefill counts a request when it finishes, just before its decode answers
                 for u in urls:
                     after = self.cluster.served(u)
                     if back[s.name][u] is None and None not in (before[u], after) and after > before[u]:
-                        back[s.name][u] = round(time.monotonic() - t0, 2)
+                        back[s.name][u] = round(sent - ref, 2)
         return back
 
 
 # ----------------------------------------------------------------------------- main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=Path, help="folder with llama-tiny (real servers)")
+    ap.add_argument("--models", type=Path, help="folder with the layout's model (real servers)")
+    ap.add_argument("--gpus", type=int, choices=sorted(lb_layout.LAYOUTS), default=1, help="1: every server on GPU 0; 4: one server per GPU")
+    ap.add_argument("--machine", default="", help="the machine's name for the results (run_all.sh: nvidia-h100-x4, ...)")
     ap.add_argument("--sim", action="store_true", help="simulated workers instead of SGLang (CPU proof run)")
     ap.add_argument("--sim-knobs", default="--prefill-ms-per-token 0.01 --decode-ms-per-token 1 --prefix-cache-tokens 4000",
                     help="simworker flags for --sim")
@@ -661,7 +754,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--logs", type=Path, required=True)
     ap.add_argument("--lbs", default=",".join(DEFAULT_LBS), help="comma-separated: ours:<policy>, mini_lb, smg:<policy>")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--workloads", default=None, help="comma-separated, in the order the plan keeps them (default: the layout's)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-run-s", type=float, default=20.0, help="longest run per workload; shorter when the budget asks")
     ap.add_argument("--min-run-s", type=float, default=4.0)
@@ -669,35 +762,50 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--fault-s", type=float, default=12.0, help="load run of the fault phase (0: no fault phase)")
     ap.add_argument("--budget-s", type=float, default=None, help="default: until E2E_DEADLINE_EPOCH less a margin")
     ap.add_argument("--restart-timeout", type=float, default=150.0)
-    ap.add_argument("--lb-start-s", type=float, default=2.5, help="planning: seconds to start one LB")
+    ap.add_argument("--lb-start-s", type=float, default=2.5, help="planning: seconds until the LBs started side by side serve")
     ap.add_argument("--run-overhead-s", type=float, default=1.5, help="planning: flush and the tail of each run")
+    ap.add_argument("--drain-frac", type=float, default=None, help="planning: a run's queue drains in this share of its length "
+                    "(default 0.25 with --gpus 4, else 0)")
     ap.add_argument("--restart-s", type=float, default=60.0, help="planning: seconds for the killed servers to serve again")
     ap.add_argument("--bundle-lb", type=Path, default=None, help="lb.tar.xz unpacked (smg/, minilb/)")
     ap.add_argument("--sglang-router-python", default=None, help="python of a venv with sglang-router==0.3.2")
     ap.add_argument("--smg-python", default=None, help="python of a venv with smg==1.13.0")
-    ap.add_argument("--prefill-max-total-tokens", type=int, default=98304, help="each prefill's KV pool, which is its radix cache")
-    ap.add_argument("--decode-max-total-tokens", type=int, default=262144)
-    ap.add_argument("--transport", choices=("nccl", "cudaipc"), default=os.environ.get("E2E_P2P_1GPU") or "nccl",
-                    help="how p2pnccl moves the KV on the one GPU (default: $E2E_P2P_1GPU, else nccl)")
+    ap.add_argument("--prefill-max-total-tokens", type=int, default=None,
+                    help="each prefill's KV pool, which is its radix cache (default: the layout's)")
+    ap.add_argument("--decode-max-total-tokens", type=int, default=None)
+    ap.add_argument("--transport", choices=("nccl", "cudaipc", "auto"), default=None,
+                    help="how p2pnccl moves the KV (default: auto with --gpus 4, else $E2E_P2P_1GPU or nccl)")
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+                    help="rates from the prefill capacity measured after the warm-up (default: on with --gpus 4)")
+    ap.add_argument("--loads", default=",".join(f"{k}={v}" for k, v in lb_layout.LOADS.items()), help="calibrated load per workload")
+    ap.add_argument("--max-rps", type=float, default=120.0, help="calibrated rates stop here (one client process, Python LBs)")
     ap.add_argument("--seed", type=int, default=0)
     for f in WorkloadParams.__dataclass_fields__.values():
-        ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+        ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None, help=f"default: the layout's, else {f.default}")
     args = ap.parse_args(argv)
     from .servers import Stack, exit_on_sigterm, failure_report
 
     exit_on_sigterm()
+    layout: Layout = lb_layout.LAYOUTS[args.gpus]
     specs = parse_lbs(args.lbs)
-    workloads = [w for w in args.workloads.split(",") if w]
+    workloads = [w for w in (args.workloads or ",".join(layout.workloads)).split(",") if w]
     for w in workloads:
         make_workload(w, 0.0, 0, WorkloadParams())  # unknown names fail here, before any server starts
     peers = {**(bundle_peers(args.bundle_lb) if args.bundle_lb else {}), **venv_peers(args.sglang_router_python, args.smg_python)}
-    wp = WorkloadParams(**{k: getattr(args, k) for k in WorkloadParams.__dataclass_fields__})
+    preset = dict(layout.workload)
+    wp = WorkloadParams(**{k: v if (v := getattr(args, k)) is not None else preset.get(k, f.default)
+                           for k, f in WorkloadParams.__dataclass_fields__.items()})
+    prefill_tokens = args.prefill_max_total_tokens or layout.prefill_tokens
+    decode_tokens = args.decode_max_total_tokens or layout.decode_tokens
+    transport = args.transport or (layout.transport if args.gpus > 1 else os.environ.get("E2E_P2P_1GPU") or layout.transport)
+    drain = args.drain_frac if args.drain_frac is not None else (0.25 if args.gpus > 1 else 0.0)
+    calibrate = layout.calibrate if args.calibrate is None else args.calibrate
     n_p, n_d = TOPOLOGIES[args.topology]
+    where = lb_layout.placement(args.topology, args.gpus)
     t_start = time.monotonic()
     deadline = float(os.environ["E2E_DEADLINE_EPOCH"]) if os.environ.get("E2E_DEADLINE_EPOCH") else None
-    doc: dict[str, Any] = {"topology": args.topology, "sim": args.sim, "lbs": [s.name for s in specs], "peers": sorted(peers),
-                           "workload_params": asdict(wp), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    flags = [*lb_real.FLAGS]
+    doc: dict[str, Any] = {"machine": args.machine, "gpus": args.gpus, "topology": args.topology, "sim": args.sim, "lbs": [s.name for s in specs],
+                           "peers": sorted(peers), "workload_params": asdict(wp), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     with Stack(args.logs) as stack:
         if args.sim:
             cluster: Cluster = SimCluster(n_p, n_d, args.sim_knobs.split(), args.logs)
@@ -705,36 +813,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             if args.models is None:
                 ap.error("--models is needed without --sim")
-            p_flags = _with_max_tokens(flags, args.prefill_max_total_tokens)
-            d_flags = _with_max_tokens(flags, args.decode_max_total_tokens)
-            cluster = SGLangCluster(stack, args.models, n_p, n_d, p_flags, d_flags, args.transport)
-            doc.update(model=lb_real.MODEL, prefill_flags=p_flags, decode_flags=d_flags, servers=f"{n_p} prefill + {n_d} decode on GPU 0",
-                       transport={"nccl": "p2pnccl over NCCL, socket transport on loopback (one GPU, NCCL_HOSTID per server)",
-                                  "cudaipc": "p2pnccl over CUDA IPC (one GPU, copy kernel into the decode's pools)"}[args.transport])
+            flags = _with_flag(lb_real.FLAGS, "--mem-fraction-static", layout.mem_fraction)
+            p_flags = _with_max_tokens(flags, prefill_tokens)
+            d_flags = _with_max_tokens(flags, decode_tokens)
+            cluster = SGLangCluster(stack, args.models / layout.model, where, p_flags, d_flags, transport)
+            doc.update(model=layout.model, prefill_flags=p_flags, decode_flags=d_flags, servers=servers_text(where),
+                       placement=[{"role": r, "index": i, "gpu": g} for r, i, g in where], transport=TRANSPORT_TEXT[transport],
+                       pool_gib={"prefill": round(prefill_tokens * lb_layout.KV_BYTES_PER_TOKEN[layout.model] / 2**30, 2),
+                                 "decode": round(decode_tokens * lb_layout.KV_BYTES_PER_TOKEN[layout.model] / 2**30, 2)})
         try:
-            up = cluster.launch(lanes=3)
+            up = cluster.launch(lanes=layout.lanes)
             doc["launch_s"] = round(time.monotonic() - t_start, 1)
             if len(up) < n_p + n_d:
                 doc["error"] = failure_report(list(cluster.servers.values())) if isinstance(cluster, SGLangCluster) else f"up: {up}"
             else:
-                cache = args.prefill_max_total_tokens if not args.sim else _knob(args.sim_knobs.split(), "--prefix-cache-tokens")
+                cache = prefill_tokens if not args.sim else _knob(args.sim_knobs.split(), "--prefix-cache-tokens")
                 h = Harness(cluster, peers, args.logs, wp, tree=tree_blocks(cache) if cache else None)
                 doc["ours_tree_blocks"] = h.tree
-                doc["warmup"] = h.warm_up(workloads, args.warmup_s)
+                doc["warmup"] = h.warm_up(workloads, args.warmup_s, calibrate_pool=(cache or prefill_tokens) if calibrate else 0)
+                if calibrate:
+                    loads = {k: float(v) for k, v in (x.split("=") for x in args.loads.split(","))}
+                    h.wp, doc["rates"] = calibrated(wp, doc["warmup"]["capacity_tok_s"], loads, args.max_rps)
+                    doc["workload_params"] = asdict(h.wp)
+                    print(f"[lb_compare] rates: {doc['rates']}", flush=True)
                 # what is left now, for the comparison and the fault phase
                 budget = args.budget_s if args.budget_s is not None else ((deadline - time.time() - 20) if deadline else 600.0)
-                # faults: the restart begins 2/5 into the load run; then the probes and the LBs' starts
-                fault_reserve = max(args.fault_s, 0.4 * args.fault_s + args.restart_s) + 10 + len(specs) * args.lb_start_s if args.fault_s > 0 else 0.0
-                p = plan(budget, len(specs), workloads, args.reps, args.max_run_s, args.min_run_s, args.lb_start_s, args.run_overhead_s, fault_reserve)
+                # faults: the restart begins 2/5 into the load run; then the probes and the LBs' start
+                fault_reserve = max(args.fault_s, 0.4 * args.fault_s + args.restart_s) + 10 + args.lb_start_s if args.fault_s > 0 else 0.0
+                p = plan(budget, len(specs), workloads, args.reps, args.max_run_s, args.min_run_s, args.lb_start_s, args.run_overhead_s,
+                         fault_reserve, drain)
                 doc["plan"] = asdict(p)
                 print(f"[lb_compare] plan: {doc['plan']}", flush=True)
                 end = time.monotonic() + budget
                 if p.workloads:
-                    lb_run_s = args.lb_start_s + len(p.workloads) * (p.run_s + args.run_overhead_s)
+                    lb_run_s = args.lb_start_s + len(p.workloads) * (p.run_s * (1 + drain) + args.run_overhead_s)
                     h.compare(specs, p, args.seed, doc, stop_at=end - fault_reserve, lb_run_s=lb_run_s)
                 if args.fault_s > 0:
                     if end - time.monotonic() >= fault_reserve:
-                        doc["faults"] = h.faults(specs, args.fault_s, wp.bursty_rate, args.seed + 100, args.restart_timeout)
+                        doc["faults"] = {}
+                        h.faults(specs, args.fault_s, h.wp.bursty_rate, args.seed + 100, args.restart_timeout, out=doc["faults"])
                     else:
                         doc["faults"] = {"skipped": f"{end - time.monotonic():.0f} s left, the fault phase needs {fault_reserve:.0f}"}
         finally:
@@ -750,15 +867,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if "error" not in doc and doc.get("aggregate") else 1
 
 
+TRANSPORT_TEXT = {"nccl": "p2pnccl over NCCL, socket transport on loopback (one GPU, NCCL_HOSTID per server)",
+                  "cudaipc": "p2pnccl over CUDA IPC (one GPU, copy kernel into the decode's pools)",
+                  "auto": "p2pnccl, SGLANG_P2P_TRANSPORT=auto: CUDA IPC between the GPUs of one host"}
+
+
+def servers_text(where: Sequence[tuple[str, int, int]]) -> str:
+    """"2 prefill + 2 decode on GPU 0", or each server's GPU."""
+    n_p = sum(1 for r, _, _ in where if r == "prefill")
+    gpus = {g for _, _, g in where}
+    if len(gpus) == 1:
+        return f"{n_p} prefill + {len(where) - n_p} decode on GPU {gpus.pop()}"
+    return ", ".join(f"{r} {i} on GPU {g}" for r, i, g in where)
+
+
 def _knob(argv: Sequence[str], flag: str) -> Optional[int]:
     return int(argv[argv.index(flag) + 1]) if flag in argv else None
 
 
-def _with_max_tokens(flags: Sequence[str], n: int) -> list[str]:
+def _with_flag(flags: Sequence[str], name: str, value: object) -> list[str]:
     out = list(flags)
-    i = out.index("--max-total-tokens")
-    out[i + 1] = str(n)
+    out[out.index(name) + 1] = str(value)
     return out
+
+
+def _with_max_tokens(flags: Sequence[str], n: int) -> list[str]:
+    return _with_flag(flags, "--max-total-tokens", n)
 
 
 if __name__ == "__main__":

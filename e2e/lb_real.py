@@ -53,8 +53,10 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
 
 
-def bursty_mixed(duration: float, rate: float, seed: int = 0) -> list[Req]:
-    """Poisson arrivals, 3x rate for the last quarter of every 4 s; 85% short prompts (median 300), 15% 2k-6k."""
+def bursty_mixed(duration: float, rate: float, seed: int = 0, short_median: int = 300, long_min: int = 2000,
+                 long_max: int = 6000) -> list[Req]:
+    """Poisson arrivals, 3x rate for the last quarter of every 4 s; 85% short prompts (lognormal, median 300),
+    15% long (uniform 2k-6k)."""
     rng = random.Random(seed)
     calm = rate / (0.75 + 3 * 0.25)
     out, t = [], 0.0
@@ -62,7 +64,7 @@ def bursty_mixed(duration: float, rate: float, seed: int = 0) -> list[Req]:
         t += rng.expovariate(calm * (3.0 if (t % 4.0) >= 3.0 else 1.0))
         if t >= duration:
             return out
-        n = rng.randint(2000, 6000) if rng.random() < 0.15 else max(8, int(rng.lognormvariate(math.log(300), 0.6)))
+        n = rng.randint(long_min, long_max) if rng.random() < 0.15 else max(8, int(rng.lognormvariate(math.log(short_median), 0.6)))
         out.append(Req(t, _ids(rng, n), rng.randint(16, 64)))
 
 

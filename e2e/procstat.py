@@ -75,6 +75,17 @@ def _cpu_s(task: Path) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by `pid` and its descendants that are still running."""
+    total = 0.0
+    for p in [pid, *children(pid)]:
+        try:
+            total += _cpu_s(Path(f"/proc/{p}"))
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
 def thread_cpu(pid: int) -> dict[int, float]:
     """CPU seconds (user + system) of every thread of `pid` so far, by thread id."""
     return _per_thread(pid, _cpu_s)

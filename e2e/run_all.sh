@@ -20,12 +20,16 @@
 #          P/D launch with E2E_LIVENESS_BACKEND (p2pnccl over NCCL, or mooncake), then its chunked-prefill abort
 #          test -> $OUT/liveness_<backend>.json                  (needs sglang.tar.xz; mooncake: extras too)
 #   faults: kill -9 / SIGSTOP of decode and prefill under load behind our LB, restart -> $OUT/faults.json
-#   lb:    our LB vs SGLang's mini_lb vs smg in front of the same llama-tiny PD servers (p2pnccl, all on GPU 0):
+#   lb:    our LB vs SGLang's mini_lb vs smg in front of the same PD servers: llama-tiny all on GPU 0, or with
+#          --gpus 4 llama-anchor one server per GPU (rates from the measured prefill capacity);
 #          E2E_LB_TOPOLOGY=2p2d (default) or 3p1d; warm-up, 3 repetitions per LB in rotated order of the bursty,
 #          shared-prefix and long-prefix workloads (run length planned to fit the budget), then SIGKILL of a
 #          prefill and a decode under load through every LB at once and their restart
 #          -> $OUT/lb_compare_<topology>_<kind>.json (e2e/lb_compare.py). Carry .bundle/lb.tar.xz for the peers
 #          (without it only our LB runs). E2E_LB_ARGS: extra flags (e.g. "--lbs ours:load_aware,mini_lb").
+#   lb-overhead: the LBs' own cost on this host's CPUs: simulated workers answering at once, 2,000 requests at
+#          concurrency 256 through ours, smg, mini_lb and sent directly -> $OUT/lb_overhead_<kind>.json
+#          (e2e/lb_overhead.py; E2E_LB_OVERHEAD_ARGS adds flags). Needs only lb.tar.xz, no SGLang bundle.
 #   ipc:   the same-host CUDA IPC path on this machine: tests/gpu/test_cuda_ipc.py (two processes, byte-exact),
 #          bench/transfer/ipc_bench.py -> $OUT/ipc_$KIND.json, then the SGLang-class byte-exact cases with
 #          SGLANG_P2P_TRANSPORT=cudaipc (tests/gpu/test_pd_sglang_cuda.py; E2E_IPC_SGLANG_K selects, "" skips)
@@ -69,8 +73,8 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|ipc|serve|shapes|shape-faults|shape-serve|unpack) ;;
-  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, ipc, serve, shapes, shape-faults, shape-serve or unpack" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|lb-overhead|ipc|serve|shapes|shape-faults|shape-serve|unpack) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, lb-overhead, ipc, serve, shapes, shape-faults, shape-serve or unpack" >&2; exit 2 ;; esac
 case "$GPUS" in 1|2|4) ;;
   *) echo "run_all.sh: --gpus must be 1, 2 or 4" >&2; exit 2 ;; esac
 case "$PHASE:$GPUS" in shapes:4|shape-faults:4|shape-serve:4) ;; shapes:*|shape-faults:*|shape-serve:*)
@@ -102,7 +106,8 @@ if [ "$PHASE" = unpack ]; then
   for part in sglang extras serve lb; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
   exit 0
 fi
-if [ ! -f "$E2E_ROOT/sglang/.unpacked" ]; then
+HAVE_SGLANG=0; [ -f "$E2E_ROOT/sglang/.unpacked" ] && HAVE_SGLANG=1
+if [ "$HAVE_SGLANG" = 0 ] && [ "$PHASE" != lb-overhead ]; then
   echo "run_all.sh: no SGLang bundle: carry .bundle/sglang.tar.xz in this call (e2e/build_bundle.sh builds it)" >&2
   exit 3
 fi
@@ -113,6 +118,8 @@ export PYTHONPATH=$ROOT:$ROOT/lb:$ROOT/e2e/stubs:$E2E_ROOT/plugin:$E2E_ROOT/sgla
 HAVE_MOONCAKE=0
 if [ -d "$E2E_ROOT/extras/mooncake" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/extras/mooncake; HAVE_MOONCAKE=1; fi
 if [ -d "$E2E_ROOT/serve/nixl" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/serve/nixl; fi
+# lb-overhead without SGLang: what our LB and mini_lb need beyond the host image (orjson, fastapi, uvicorn)
+if [ "$HAVE_SGLANG" = 0 ] && [ -d "$E2E_ROOT/lb/common" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/lb/common; fi
 if [ "$HAVE_MOONCAKE" = 0 ] && [ -d "$E2E_ROOT/serve/mooncake" ]; then
   PYTHONPATH=$PYTHONPATH:$E2E_ROOT/serve/mooncake; HAVE_MOONCAKE=1
 fi
@@ -135,7 +142,10 @@ if [ -z "$KIND" ]; then  # the machine's name in the results, from its GPUs: 2 x
 fi
 KIND=${KIND:-nvidia-h200-x2}
 python3 -m e2e.machine "$KIND" > "$STATE/machine.json" 2>/dev/null || true
-if ! python3 -c "
+if [ "$HAVE_SGLANG" = 0 ]; then  # lb-overhead only: our LB and its client, no SGLang
+  python3 -c "import sglang_p2p_lb, aiohttp, orjson; print('preflight: LB importable (no SGLang bundle)')" \
+    || { echo "run_all.sh: preflight failed: carry .bundle/lb.tar.xz (its common/ has orjson)" >&2; exit 4; }
+elif ! python3 -c "
 from importlib.metadata import entry_points
 import sglang_p2p_backend, sglang_p2p_lb, sglang
 assert any(e.name == 'p2pnccl' for e in entry_points(group='sglang.srt.plugins')), 'p2pnccl entry point not found'
@@ -218,13 +228,25 @@ run_faults() {
     --only "${E2E_FAULTS:-}"
 }
 
-run_lb() {  # every server on GPU 0 whatever --gpus says; p2pnccl over NCCL with an NCCL_HOSTID per server
-  local topo=${E2E_LB_TOPOLOGY:-2p2d}
-  step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny
+run_lb() {  # --gpus 4: one llama-anchor server per GPU (e2e/lb_layout.py); else all llama-tiny on GPU 0
+  local topo=${E2E_LB_TOPOLOGY:-2p2d} gpus=1 model=llama-tiny
+  if [ "$GPUS" = 4 ]; then gpus=4; model=llama-anchor; fi
+  if [ "$GPUS" = 4 ] && [ ! -d "$E2E_ROOT/lb" ] && [ -z "${E2E_LB_ARGS:-}" ]; then  # a 10-minute call for our LB alone: no
+    say "lb: no lb.tar.xz unpacked on this machine: carry .bundle/lb.tar.xz (an earlier call, e.g. --phase lb-overhead)"
+    STATUS=1; return 0
+  fi
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only "$model"
   [ -d "$E2E_ROOT/lb" ] || say "lb: no lb.tar.xz carried: mini_lb and smg are skipped"
   # shellcheck disable=SC2086 # E2E_LB_ARGS: extra flags, word-split on purpose
-  step lb_compare python3 -m e2e.lb_compare --models "$MODELS" --topology "$topo" --bundle-lb "$E2E_ROOT/lb" \
-    --out "$OUTDIR/lb_compare_${topo}_$KIND.json" --logs "$E2E_ROOT/logs/lb_compare_$topo" ${E2E_LB_ARGS:-}
+  step lb_compare python3 -m e2e.lb_compare --models "$MODELS" --gpus "$gpus" --topology "$topo" --bundle-lb "$E2E_ROOT/lb" \
+    --machine "$KIND" --out "$OUTDIR/lb_compare_${topo}_$KIND.json" --logs "$E2E_ROOT/logs/lb_compare_$topo" ${E2E_LB_ARGS:-}
+}
+
+run_lb_overhead() {  # CPU only: simulated workers, every LB of lb.tar.xz and direct dispatch
+  [ -d "$E2E_ROOT/lb" ] || say "lb-overhead: no lb.tar.xz carried: mini_lb and smg are skipped"
+  # shellcheck disable=SC2086 # E2E_LB_OVERHEAD_ARGS: extra flags, word-split on purpose
+  step lb_overhead python3 -m e2e.lb_overhead --bundle-lb "$E2E_ROOT/lb" --machine "$KIND" \
+    --out "$OUTDIR/lb_overhead_$KIND.json" --logs "$E2E_ROOT/logs/lb_overhead" ${E2E_LB_OVERHEAD_ARGS:-}
 }
 
 run_ipc() {  # pytest output goes to $OUT/ipc_tests.log; figures to $OUT/ipc_$KIND.json
@@ -285,6 +307,7 @@ case "$PHASE" in
   faults) run_faults ;;
   check) run_check ;;
   lb) run_lb ;;
+  lb-overhead) run_lb_overhead ;;
   sglang-tests) run_sglang_tests ;;
   perf) run_perf ;;
   all) run_check; run_perf ;;

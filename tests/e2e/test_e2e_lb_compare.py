@@ -61,12 +61,14 @@ def test_bundle_peers_put_each_folder_on_its_own_path(tmp_path, monkeypatch):
 
 
 def test_plan_fits_the_budget_and_drops_workloads_from_the_end():
+    # 45 runs: (400 - 80 faults - 3 reps x 2.5 s of LB start side by side - 45 x 1.5 s overhead) / 45 = 5.44 -> 5.4
     p = lc.plan(400, 5, lc.WORKLOADS, 3, 20.0, 4.0, 2.5, 1.5, 80)
-    runs = 5 * 3 * 3
-    assert p.workloads == lc.WORKLOADS and 4.0 <= p.run_s <= 20.0
-    assert 80 + 15 * 2.5 + runs * (1.5 + p.run_s) <= 400 + 0.1 * runs
+    assert p == lc.Plan(5.4, lc.WORKLOADS, 3)
+    # a queue that drains in a quarter of the run: 245 / (45 x 1.25) = 4.36 -> 4.3
+    assert lc.plan(400, 5, lc.WORKLOADS, 3, 20.0, 4.0, 2.5, 1.5, 80, drain_frac=0.25).run_s == 4.3
+    # three workloads leave 1.0 s, two 2.25 s, one (200 - 80 - 7.5 - 22.5) / 15 = 6.0 s
     p = lc.plan(200, 5, lc.WORKLOADS, 3, 20.0, 4.0, 2.5, 1.5, 80)
-    assert p.workloads == ("bursty_mixed",) and p.dropped == ("shared_prefix", "long_prefix")
+    assert p.workloads == ("bursty_mixed",) and p.dropped == ("shared_prefix", "long_prefix") and p.run_s == 6.0
     p = lc.plan(50, 5, lc.WORKLOADS, 3, 20.0, 4.0, 2.5, 1.5, 80)
     assert p.workloads == () and "not even one" in p.note
     assert lc.plan(10_000, 2, ["bursty_mixed"], 3, 20.0, 4.0, 2.5, 1.5, 0).run_s == 20.0
@@ -163,17 +165,23 @@ def test_sglang_servers_of_each_topology():
     flags = lc._with_max_tokens(lc.lb_real.FLAGS, 65536)
     assert flags[flags.index("--max-total-tokens") + 1] == "65536" and lc.lb_real.FLAGS[lc.lb_real.FLAGS.index("--max-total-tokens") + 1] == "131072"
     for topo, (n_p, n_d) in lc.TOPOLOGIES.items():
-        for transport in ("nccl", "cudaipc"):
-            c = lc.SGLangCluster(NoStack(), Path("/models"), n_p, n_d, flags, lc._with_max_tokens(flags, 262144), transport)
+        for gpus, transport in ((1, "nccl"), (1, "cudaipc"), (4, "auto")):
+            where = lc.lb_layout.placement(topo, gpus)
+            c = lc.SGLangCluster(NoStack(), Path("/models/m"), where, flags, lc._with_max_tokens(flags, 262144), transport)
             assert len(c.prefills) == n_p and len(c.decodes) == n_d
             ports = [s.port for s in c.servers.values()] + [bp for _, bp in c.prefills]
             assert len(set(ports)) == len(ports)  # no two servers (or bootstrap servers) share a port
-            for (role, _), s in c.servers.items():
+            for (role, i), s in c.servers.items():
                 cmd = s.command()
-                assert cmd[cmd.index("--disaggregation-mode") + 1] == role and cmd[cmd.index("--base-gpu-id") + 1] == "0"
+                gpu = 0 if gpus == 1 else (i if role == "prefill" else n_p + i)
+                assert cmd[cmd.index("--disaggregation-mode") + 1] == role and cmd[cmd.index("--base-gpu-id") + 1] == str(gpu)
                 assert cmd[cmd.index("--max-total-tokens") + 1] == ("65536" if role == "prefill" else "262144")
+                assert cmd[cmd.index("--model-path") + 1] == "/models/m"
                 assert s.env["SGLANG_P2P_TRANSPORT"] == transport and (("NCCL_HOSTID" in s.env) == (transport == "nccl"))
-    with pytest.raises(ValueError, match="nccl or cudaipc"):
+    assert lc.servers_text(lc.lb_layout.placement("3p1d", 4)) == "prefill 0 on GPU 0, prefill 1 on GPU 1, prefill 2 on GPU 2, decode 0 on GPU 3"
+    assert lc.servers_text(lc.lb_layout.placement("2p2d", 1)) == "2 prefill + 2 decode on GPU 0"
+    assert lc._with_flag(lc.lb_real.FLAGS, "--mem-fraction-static", "0.88")[lc.lb_real.FLAGS.index("--mem-fraction-static") + 1] == "0.88"
+    with pytest.raises(ValueError, match="nccl, cudaipc or auto"):
         lc.transport_env("mooncake", "x")
 
 
@@ -199,3 +207,25 @@ def test_an_lb_that_does_not_start_is_skipped_once_and_for_all(tmp_path):
     assert doc["skipped"] == {"smg:cache_aware": "rep 0: LB exited with 3 before serving"}
     assert doc["runs"]["smg:cache_aware"]["bursty_mixed"] == [] and time.monotonic() - t0 < 30
     assert len(list(tmp_path.glob("lb-smg-cache_aware-rep*.log"))) == 1  # tried in rep 0 only
+
+
+def test_fault_errors_split_before_and_after_the_restart(tmp_path):
+    """3P1D: the one decode killed at 4 s. Until it is back, a request sent then fails for want of a decode;
+    once the restart's time is known, one sent after it counts against the LB."""
+    class ThreeOne:
+        prefills = [("p0", 1), ("p1", 2), ("p2", 3)]
+        decodes = ["d0"]
+
+    def a(sent, e2e, ok=False):
+        return Answer(RequestRecord(ok, 0.01 if ok else None, e2e, 4 if ok else 0, "" if ok else "x"), 10, 0, sent)
+
+    answers = [a(1.9, 0.5), a(5.0, 0.1), a(1.0, 0.5, ok=True), a(0.5, 0.2)]
+    h = lc.Harness(cluster=ThreeOne(), peers={}, logs=tmp_path, wp=lc.WorkloadParams())
+    out: dict = {}
+    h._split_errors(out, {"lb": (answers, 6.0)}, [2.0, 4.0], [("prefill", 0), ("decode", 0)], None)
+    row = out["per_lb"]["lb"]
+    assert out["no_server_of_a_role_s"] == [[4.0, None]]
+    assert (row["client_errors"], row["errors_in_flight_at_a_kill"], row["errors_while_no_server_of_a_role"], row["errors_beyond_in_flight"]) == (3, 1, 1, 1)
+    h._split_errors(out, {"lb": (answers, 6.0)}, [2.0, 4.0], [("prefill", 0), ("decode", 0)], 4.5)
+    assert out["no_server_of_a_role_s"] == [[4.0, 4.5]]
+    assert (row["errors_while_no_server_of_a_role"], row["errors_beyond_in_flight"]) == (0, 2)

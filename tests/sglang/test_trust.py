@@ -188,6 +188,31 @@ def test_live_strangers_cannot_take_a_real_decodes_slot_or_its_rooms():
     assert left["dropped"]["not-owner"] == 4 * len(rooms), left["dropped"]
 
 
+def test_a_released_decode_registers_again_for_its_next_room():
+    """SGLANG_P2P_MAX_PEERS=1: the real decode finished its first room and is idle when a live stranger registers,
+    so it gives its slot up (PeerReleased). Its next room must not be lost: the decode registers again (now the
+    idle stranger, which never carried a room, makes room) and the room lands byte-exact."""
+    plan = {"pool": POOL, "deadline_s": 60, "linger_s": LINGER,
+            "requests": [{"room": 1601, "tokens": 40}, {"room": 1602, "tokens": 40, "start_after_s": 6.0}]}
+    run = PairRun(plan, env={**HOSTILE_ENV, "SGLANG_P2P_MAX_PEERS": "1"})
+    prefill = run.session("prefill")
+    run.session("decode")
+    stranger = hostile.Stranger(prefill)
+    try:
+        time.sleep(3.0)  # room 1601 has landed: the decode is live and idle
+        stranger.send(registration(stranger.session, _pool_agreement(POOL)))
+        assert not stranger.answer()[1].problem  # it took the idle decode's slot
+        stranger.beat()
+        result = run.wait(60)
+        inbox = stranger.received()
+    finally:
+        stranger.close()
+    assert_all_landed(result, [1601, 1602])
+    assert any(isinstance(m, wire.PeerReleased) for m in inbox), inbox  # gave the slot back to the decode
+    left = result["prefill"]["leftovers"]
+    assert len(left["decode_peers"]) <= 1 and left["control_sockets"] <= 1, left
+
+
 def test_a_room_the_prefill_fails_fails_on_its_decode_within_seconds():
     """The prefill fails a room mid-transfer on its own (its manager is broken: a thread could not go on): the
     decode that owns it fails it within seconds with the prefill's reason, not at SGLang's waiting timeout (120 s
