@@ -193,24 +193,28 @@ def test_a_released_decode_registers_again_for_its_next_room():
     so it gives its slot up (PeerReleased). Its next room must not be lost: the decode registers again (now the
     idle stranger, which never carried a room, makes room) and the room lands byte-exact."""
     plan = {"pool": POOL, "deadline_s": 60, "linger_s": LINGER,
-            "requests": [{"room": 1601, "tokens": 40}, {"room": 1602, "tokens": 40, "start_after_s": 6.0}]}
+            "requests": [{"room": 1601, "tokens": 40}, {"room": 1602, "tokens": 40, "after": "stranger-in"}]}
     run = PairRun(plan, env={**HOSTILE_ENV, "SGLANG_P2P_MAX_PEERS": "1"})
     prefill = run.session("prefill")
-    run.session("decode")
     stranger = hostile.Stranger(prefill)
     try:
-        time.sleep(3.0)  # room 1601 has landed: the decode is live and idle
+        done = os.path.join(run.workdir, "decode-1601-done.ready")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:  # the decode is live and idle
+            time.sleep(0.05)
         stranger.send(registration(stranger.session, _pool_agreement(POOL)))
-        assert not stranger.answer()[1].problem  # it took the idle decode's slot
+        assert not stranger.answer()[1].problem  # it takes the idle decode's slot
         stranger.beat()
+        time.sleep(1.0)
+        open(os.path.join(run.workdir, "stranger-in.ready"), "w").close()  # the decode's next room starts
         result = run.wait(60)
         inbox = stranger.received()
     finally:
         stranger.close()
     assert_all_landed(result, [1601, 1602])
-    assert any(isinstance(m, wire.PeerReleased) for m in inbox), inbox  # gave the slot back to the decode
-    left = result["prefill"]["leftovers"]
-    assert len(left["decode_peers"]) <= 1 and left["control_sockets"] <= 1, left
+    assert any(isinstance(m, wire.PeerReleased) for m in inbox), inbox  # it gave the slot back to the decode
+    assert result["decode"]["leftovers"]["prefills"] == {prefill: "accepted"}, result["decode"]["leftovers"]
+    assert result["prefill"]["leftovers"]["decode_peers"] == [run.session("decode")]
 
 
 def test_a_room_the_prefill_fails_fails_on_its_decode_within_seconds():
