@@ -277,8 +277,10 @@ def test_frozen_peer_times_out_within_the_transfer_timeout(prefill, lone_peer: P
     """A peer that stops answering (SIGSTOP) must not hang the writer beyond the transfer timeout."""
     t, _, _ = prefill
     descs = MLA_KV.descriptors(prefill, lone_peer, [(0, 0, 1)])
+    from support import stopped  # here: the peer process runs this module without tests/ on its path
+
     t.write(lone_peer.session, *descs)
-    os.kill(lone_peer.proc.pid, signal.SIGSTOP)
+    stopped.stop(lone_peer.proc.pid)  # stopped for sure before the write that must time out
     t0 = time.monotonic()
     with pytest.raises(TransportError, match=f"timeout \\({t.transfer_timeout_s}s\\)"):
         t.write(lone_peer.session, *descs)
