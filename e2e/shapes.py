@@ -48,6 +48,7 @@ LAYOUT_TOLERANCE = 0.06
 PERTURB_EVERY = 256
 CHECK_LB_FLAGS = ["--policy", "round_robin", "--log-level", "warning"]
 CONTROL_MIN_TOKENS = 64
+CHECK_RESERVE_S = 120  # what the checks of every shape need after the launch
 
 
 def server_for(launch: Launch, flag_file: Path) -> Server:
@@ -154,7 +155,9 @@ def run(models: Path, logs: Path, only: list[str], deadline: float, results: dic
         servers = {name: [server_for(l, flags[name]) for l in ls] for name, ls in launches.items()}
         sglang = [s for ss in servers.values() for s in ss if s.mode != "lb"]
         t0 = time.monotonic()
-        stack.launch(sglang, timeout_s=max(60.0, min(420.0, deadline - time.monotonic() - 120)), lanes=4)
+        # the checks take about a minute; servers not up by then are reported with their log tails
+        results["launch_timeout_s"] = round(max(60.0, min(420.0, deadline - time.monotonic() - CHECK_RESERVE_S)))
+        stack.launch(sglang, timeout_s=results["launch_timeout_s"], lanes=4)
         results["launch_s"] = round(time.monotonic() - t0, 1)
         ready: dict[str, tuple[list[Server], Server, list[Server]]] = {}
         for name, ss in servers.items():
