@@ -44,6 +44,7 @@ from sglang_p2p_backend.adapter.bounded import Bounded
 from sglang_p2p_backend.adapter.deferred_release import DeferredRelease
 from sglang_p2p_backend.adapter.peer_slots import PeerSlots
 from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
+from sglang_p2p_backend.adapter.next_attempts import NextAttempts
 from sglang_p2p_backend.engine.pair.channels import PairChannels
 from sglang_p2p_backend.adapter.same_host import SameHostPath
 from sglang_p2p_backend.adapter.transfer_workers import TransferInfo, TransferTask, TransferWorkers
@@ -97,6 +98,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         #: rooms concluded here before their destinations arrived: late RoomMetadata is answered Failed
         self.concluded: Dict[int, tuple] = Bounded(1 << 16)
         self.owned_rooms: set = set()  # rooms with a live sender on this rank
+        self.next_attempts = NextAttempts(1 << 12)
         self._born: Dict[int, float] = {}  # room -> when its first destinations arrived
         self.same_host = SameHostPath(self.ipc, self.local_memory, self.device, self.decode_peers,
                                       self._common_transports, self.config.max_peers)
@@ -347,6 +349,8 @@ class PrefillKVManager(P2pNcclKVManagerBase):
                                             f"registered is {peer.incarnation}")
             return
         self.watch.seen(msg.session)
+        if self.next_attempts.hold(msg, lambda: self._previous_attempt(room, msg.session)):
+            return
         if room in self.concluded:
             self._control_send(msg.session, wire.Status(self.session, room, self.prefill_rank, int(KVPoll.Failed), self.concluded[room][0]))
             return
@@ -456,9 +460,22 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         if reason:
             self._fail_room(room, reason)
 
+    def _previous_attempt(self, room: int, session: str) -> bool:
+        """Whether a RoomMetadata of `room` from `session` is for its next attempt: the sender of this one is not
+        cleared yet, and it concluded with that decode rank's destinations (or is being cleared)."""
+        if room not in self.owned_rooms:
+            return False
+        status = self.request_status.get(room)
+        return status is None or (status in (KVPoll.Success, KVPoll.Failed) and session in (self.transfer_infos.get(room) or {}))
+
     def room_cleared(self, room: int) -> None:
-        self.owned_rooms.discard(room)
-        self._born.pop(room, None)
+        """The room's sender was cleared: destinations of its next attempt that came meanwhile are published now."""
+        def cleared() -> None:
+            self.owned_rooms.discard(room)
+            self._born.pop(room, None)
+
+        for msg in self.next_attempts.release(room, cleared):
+            self._on_metadata(msg)
 
     def _close_role(self) -> None:
         self.workers.stop()

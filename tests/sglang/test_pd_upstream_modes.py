@@ -146,8 +146,9 @@ def test_a_room_bootstrapped_again_is_looked_up_on_the_same_prefill_replica():
     # retracted request: same room, a new sender and receiver, new pages): the decode's second lookup must
     # name replica 1 again, and the second transfer land as exactly as the first
     again = {"room": 6102, "tokens": 4 * 11, "chunk_pages": 4}
-    # the second attempt starts once both sides concluded the first (a retracted request decoded for a while)
-    attempts = [{**again, "attempt": 2, "after": ["prefill-6102-done", "decode-6102-done"]}]
+    # each side starts the second attempt once it concluded the first: the decode may publish it before the
+    # prefill cleared the first (test_a_room_bootstrapped_again_before_the_prefill_cleared_its_first_attempt_lands)
+    attempts = [{**again, "attempt": 2, "after": {"decode": "decode-6102-done", "prefill": "prefill-6102-done"}}]
     plan = {"pool": POOL, "requests": [again, *attempts], "deadline_s": 40,
             **PLAIN_DP, "load_balance_method": {"prefill": "round_robin"}, "prefill_dp_rank": {"6102": 1}}
     result = run_pair(plan, env=FAST_FAILURE_ENV)
@@ -155,4 +156,22 @@ def test_a_room_bootstrapped_again_is_looked_up_on_the_same_prefill_replica():
     assert p0["requests"] == {} and {r["status"] for r in p1["requests"].values()} == {"Success"}, p1["requests"]
     assert [landed(result["decode"], key)["prefill_dp_rank"] for key in ("6102", "6102#2")] == [1, 1]
     assert result["decode"]["untouched_violations"] == []
+    assert_ranks_clean(result)
+
+
+def test_a_room_bootstrapped_again_before_the_prefill_cleared_its_first_attempt_lands():
+    # the decode publishes the second attempt of room 6201 while the prefill's scheduler has its first attempt's
+    # Success but has not cleared that sender yet (3 s here): the new destinations are kept for the next sender,
+    # not merged into the concluded attempt's and wiped with them (which left the prefill in Bootstrapping)
+    first = {"room": 6201, "tokens": 4 * 11, "chunk_pages": 4}
+    again = {**first, "attempt": 2, "after": {"decode": "decode-6201-done", "prefill": "prefill-6201-done"}}
+    plan = {"pool": POOL, "requests": [first, again], "deadline_s": 40,
+            "faults": {"prefill": {"clear_delay_s": {"6201": 3.0}}}}
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    p, d = result["prefill"], result["decode"]
+    assert d["requests"]["6201#2"]["metadata_at_wall"] < p["requests"]["6201"]["cleared_at"], (d["requests"], p["requests"])
+    assert {r["status"] for r in p["requests"].values()} == {"Success"}, p["requests"]
+    for key in ("6201", "6201#2"):
+        landed(d, key)
+    assert d["untouched_violations"] == []
     assert_ranks_clean(result)
