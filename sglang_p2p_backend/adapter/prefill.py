@@ -221,8 +221,9 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         elif isinstance(msg, wire.RoomFailed):
             if msg.session in (self.transfer_infos.get(msg.room) or {}):  # only a room it is a destination of
                 self._fail_room(msg.room, f"decode rank {msg.session} failed the room: {msg.reason}", cause=msg.session)
-            else:
-                self._owns(msg.session, msg.room, "RoomFailed")
+            elif not self._owns(msg.session, msg.room, "RoomFailed"):
+                return
+            self._confirm_failed(msg)
         else:
             self.drop("unexpected", msg.session, f"{type(msg).__name__} is not for a prefill rank")
 
@@ -529,6 +530,19 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             self.release.after_drain(room, send)
         else:
             send()
+
+    def _confirm_failed(self, msg: wire.RoomFailed) -> None:
+        """Answer a decode rank that failed a room on its side once no write of the room is in flight: it may hold
+        the room's pages until then (adapter/failure_hold.py). Never after a write that could not prove it stopped:
+        the decode's bound ends its hold then."""
+        status = wire.Status(self.session, msg.room, self.prefill_rank, int(KVPoll.Failed),
+                             f"decode rank {msg.session} failed the room: {msg.reason}")
+
+        def send() -> None:
+            if not self.release.unsettled(msg.room):
+                self._control_send(msg.session, status, block=False)
+
+        self.release.after_drain(msg.room, send)
 
     def _fail_or_bury(self, room: int, reason: str, cause: str) -> bool:
         """Decode rank `cause` ends `room`: fail it here, or, if its sender does not exist yet, when it does

@@ -7,7 +7,10 @@ import os
 import time
 
 import pytest
-from test_pd_transfer import FAST_FAILURE_ENV, IPC_ENV, assert_clean, failed_reason
+import importlib.util
+
+from test_pd_transfer import (FAST_FAILURE_ENV, IPC_ENV, MOONCAKE_ENV, assert_clean, failed_reason,
+                              require_deferred_release)
 
 from sglang_p2p_backend.testing.faults import EXIT_CODE
 from sglang_p2p_backend.testing.launch import STARTUP_S, PairRun, run_pair
@@ -103,6 +106,41 @@ def test_pages_of_a_room_the_prefill_aborted_mid_write_are_reused_only_after_the
     assert d["requests"]["7001"]["ended_at"] >= p1["requests"]["7001"]["write_done_at"], (d["requests"], p1["requests"])
     assert p0["requests"]["7002"]["status"] == "Success"
     assert landed(d, "7002")["bad_pages_at_end"] == []
+    assert d["untouched_violations"] == []
+    assert_ranks_clean(result)
+
+
+@pytest.mark.parametrize("transport_env,deferred", [
+    pytest.param(IPC_ENV, "0", id="cudaipc-standin"),
+    pytest.param(IPC_ENV, "1", id="cudaipc-standin-sglang-deferred-release"),
+    pytest.param(MOONCAKE_ENV, "0", id="mooncake",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake not installed")),
+])
+def test_pages_of_a_room_the_decode_failed_mid_write_are_reused_only_after_the_write(transport_env, deferred):
+    # room 7101 (replica 1) fails on the decode's own check while the prefill's one-sided write into its pages is
+    # in flight (3 s long); its pages go to room 7102 (replica 0) once the decode gives them back. Given back
+    # before the write ended, 7101's bytes would land in 7102's pages after 7102 was checked: checked again at
+    # the end. Without SGLang's deferred release (0.5.17 has none, or it is off) the backend holds the failure
+    # until the prefill's word that the write ended; with it, SGLang holds the pages until the prefill's ACK.
+    if deferred == "1":
+        require_deferred_release()
+    rooms = [{"room": 7101, "tokens": 4 * 30, "chunk_pages": 30},
+             {"room": 7102, "tokens": 4 * 30, "after": "decode-7101-done"}]
+    plan = {"pool": POOL, "requests": rooms, "reuse": ["pages"], "deadline_s": 40, **PLAIN_DP,
+            "faults": {"prefill": {"write_delay_s": {"7101": 3.0}}, "decode": {"fail_after_s": {"7101": 0.5}}},
+            "linger_s": {"prefill": 5.0, "decode": 4.0}}
+    result = run_pair(plan, env={**transport_env, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": deferred})
+    d, (p0, p1) = result["decode"], result["ranks"]["prefill"]
+    failed, written = d["requests"]["7101"], p1["requests"]["7101"]
+    assert written["write_done_at"] - failed["failed_at"] > 2.0, (failed, written)  # failed mid-write
+    assert p0["requests"]["7102"]["status"] == "Success"
+    assert landed(d, "7102")["bad_pages_at_end"] == []
+    assert failed["pages_freed_at"] >= written["write_done_at"], (failed, written)
+    assert "injected: the decode's own check failed room 7101" in failed_reason(d, 7101)
+    if deferred == "1":  # SGLang aborted the failed room to arm the hold; released on the prefill's ACK
+        assert "Aborted by decode rank" in failed_reason(p1, 7101) and failed["release_safe"], (failed, written)
+    else:  # told by the decode's hold (RoomFailed), answered once the write ended
+        assert "failed the room: injected" in failed_reason(p1, 7101)
     assert d["untouched_violations"] == []
     assert_ranks_clean(result)
 
