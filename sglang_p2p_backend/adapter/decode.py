@@ -13,7 +13,9 @@ published (with a different attention TP, only the heads of this rank that prefi
 a chunk that fails fails its room and never lands elsewhere. A room's Success counts only from the prefill ranks
 it was published to, and on a rank that receives only two-sided, only once every published page has landed. A prefill silent for
 SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail with the reason, its receiver's channel is aborted and its
-thread, budget and socket are released; the next request registers again.
+thread, budget and socket are released; the next request registers again. Without SGLang's deferred release, a
+failure this rank starts of a room a prefill may write one-sided is held until those prefill ranks answered that
+no write is in flight (failure_hold.py), so SGLang does not hand the room's pages on under a running write.
 """
 
 from __future__ import annotations
@@ -461,7 +463,8 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         writers -= set(drained)
         if not writers:
             return False
-        self.holds.begin(room, writers)
+        if not self.holds.begin(room, writers):
+            return True  # held by another thread's failure of it, which tells the prefill ranks
         with self.failure_lock:
             reason = self.failure_records.get(room, "")
         frames = wire.encode(wire.RoomFailed(self.session, room, reason))

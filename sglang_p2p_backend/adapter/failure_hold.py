@@ -33,9 +33,13 @@ class FailureHolds:
         self._lock = threading.Lock()
         self._rooms: Dict[int, _Hold] = {}
 
-    def begin(self, room: int, waiting: Iterable[str]) -> None:
+    def begin(self, room: int, waiting: Iterable[str]) -> bool:
+        """Hold `room` for `waiting`; False when it is held already (another thread failed it first)."""
         with self._lock:
+            if room in self._rooms:
+                return False
             self._rooms[room] = _Hold(set(waiting), self._clock() + self.hold_s)
+            return True
 
     def held(self, room: int) -> bool:
         return room in self._rooms

@@ -22,8 +22,8 @@ class Clock:
 
 def test_a_hold_ends_with_the_last_answer_or_the_last_writer_gone():
     holds = FailureHolds(30.0)
-    holds.begin(ROOM, {"a", "b"})
-    holds.begin(ROOM + 1, {"b"})
+    assert holds.begin(ROOM, {"a", "b"}) and holds.begin(ROOM + 1, {"b"})
+    assert not holds.begin(ROOM, {"c"})  # held already: its waits stay
     assert not holds.answered(ROOM, ["a", "c"]) and holds.held(ROOM)
     assert holds.gone("b") == [ROOM, ROOM + 1]
     assert not holds.held(ROOM) and not holds.answered(ROOM, ["b"])  # ended once, not again
