@@ -16,7 +16,9 @@ abort it (a refused decode may tell of rooms nobody published). Anything else is
 socket or a table entry is spent on it. Whatever fails a room here, the decode ranks that own it are told.
 Chunks move on transfer workers sharded by decode peer (one peer's chunks stay ordered, transfer_workers.py): two-sided (NCCL, tcp) through `PairSender`, one-sided (Mooncake, and
 CUDA IPC to a same-host decode: same_host.py) through `OneSidedSender`, then Status. A decode's ABORT and the
-ACK SGLang's deferred decode KV release waits for are deferred_release.py's. A decode silent for
+ACK SGLang's deferred decode KV release waits for are deferred_release.py's; a decode's RoomFailed is answered
+once no write of the room is in flight. Destinations of a room's next attempt that come before its concluded
+attempt was cleared wait for the clear (next_attempts.py). A decode silent for
 SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail, its pair channel is aborted (not waited on) and its
 registration, budget and socket are released.
 """
