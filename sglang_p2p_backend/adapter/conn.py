@@ -224,6 +224,14 @@ class P2pNcclKVReceiver(CommonKVReceiver):
     def poll(self) -> KVPoll:
         return _latched_poll(self, KVPoll.WaitingForInput, self._check_waiting_timeout)
 
+    def _check_waiting_timeout(self) -> Optional[KVPoll]:
+        """Common's waiting timeout, except for a room whose failure is held (decode.py `_hold`): it turns Failed
+        once its prefill ranks answered or the hold's bound passed, not while a write into its pages may run."""
+        if self.kv_mgr.end_expired_hold(self.bootstrap_room):
+            return None
+        timed_out = super()._check_waiting_timeout()
+        return None if self.kv_mgr.holds.held(self.bootstrap_room) else timed_out
+
     def failure_exception(self):
         _raise_failure(self, self.kv_mgr)
 
@@ -232,8 +240,9 @@ class P2pNcclKVReceiver(CommonKVReceiver):
         self.kv_mgr.forget_room(self.bootstrap_room)
 
     def abort(self):
-        super().abort()
+        # forgotten first: SGLang's own abort is not held (with deferred release SGLang holds the pages itself)
         self.kv_mgr.forget_room(self.bootstrap_room)
+        super().abort()
 
 
 class _ControlSocket:

@@ -13,7 +13,9 @@ published (with a different attention TP, only the heads of this rank that prefi
 a chunk that fails fails its room and never lands elsewhere. A room's Success counts only from the prefill ranks
 it was published to, and on a rank that receives only two-sided, only once every published page has landed. A prefill silent for
 SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail with the reason, its receiver's channel is aborted and its
-thread, budget and socket are released; the next request registers again.
+thread, budget and socket are released; the next request registers again. Without SGLang's deferred release, a
+failure this rank starts of a room a prefill may write one-sided is held until those prefill ranks answered that
+no write is in flight (failure_hold.py), so SGLang does not hand the room's pages on under a running write.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 
@@ -42,6 +44,7 @@ from sglang_p2p_backend.engine.copy.heads import Heads, HeadsError, pair_heads
 from sglang_p2p_backend.engine.pair.channels import PairReceivers
 from sglang_p2p_backend.engine.wire.control import ControlError
 from sglang_p2p_backend.engine.transport.base import TransportError
+from sglang_p2p_backend.adapter.failure_hold import FailureHolds, process_gone
 from sglang_p2p_backend.adapter.kv_fault import KVCorruption
 from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
 from sglang_p2p_backend.adapter.server_ranks import rank_endpoints
@@ -85,6 +88,12 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         self._refused_ranks: Dict[str, List[str]] = {}
         #: a rank that receives only two-sided sees every page land, so a Success must cover every published page
         self.two_sided_only = self.two_sided is not None and self.one_sided is None and self.ipc is None
+        #: failures held while a prefill may still write one-sided (failure_hold.py); SGLang's deferred decode
+        #: KV release, where on, holds the pages itself (armed for every failed transfer, ACKed after the drain)
+        self.holds = FailureHolds(self.config.failure_hold_s)
+        self.hold_failures = not self.two_sided_only and not getattr(self, "enable_deferred_decode_kv_release", False)
+        #: prefill ranks declared dead whose process may still run (a frozen one), as long as a hold may wait
+        self._maybe_writing: Dict[str, float] = {}
         self.arrivals = ArrivalTracker(self._apply_prefill_final)
         self.kv_fault = KVCorruption(self.config.test_corrupt_kv_file, self.views[0], self.device)
         self.channels = PairReceivers(
@@ -141,7 +150,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         heartbeat would reach the prefill without the secret and be dropped as a stranger's."""
         return [p for p in self.watch.peers() if getattr(self.prefills.get(p), "state", "") != "pending"]
 
-    def send_to_prefill(self, endpoint: str, frames: List[bytes]) -> None:
+    def send_to_prefill(self, endpoint: str, frames: List[bytes], block: bool = True) -> None:
         """Send to prefill rank `endpoint`, or hold until it answered the registration. Raises ControlError."""
         peer = self.prefills.get(endpoint)
         if peer is not None and peer.state == "pending":
@@ -149,7 +158,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
                 raise ControlError(f"prefill rank {endpoint} has not answered the registration; {_HELD_MAX} messages wait")
             peer.held.append(frames)
             return
-        self.control.send_frames(endpoint, frames)
+        self.control.send_frames(endpoint, frames, block)
 
     def send_room(self, endpoint: str, room: int, frames: List[bytes]) -> None:
         """Publish `room`'s destinations to prefill rank `endpoint` (kept while the room lives). Raises
@@ -163,6 +172,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         was dropped there)."""
         logger.warning("p2pnccl: %s", reason)
         self.prefills.pop(endpoint, None)
+        self._writer_gone(endpoint)  # it released an idle registration: none of our rooms is written there
         self.watch.forget(endpoint)
         if self.channels is not None:
             self.channels.peer_dead(endpoint, reason)
@@ -217,6 +227,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             peer.state, peer.reason, peer.since = "refused", reason, time.monotonic()
             self.watch.forget(msg.session)
             self._fail_rooms_served_by(msg.session, f"prefill rank {msg.session} refused this decode rank: {reason}")
+            self._writer_gone(msg.session)
             self._release_held(msg.session, peer)  # the prefill fails its side of these rooms
             return
         peer.state, peer.prefill_rank, peer.incarnation = "accepted", msg.prefill_rank, msg.incarnation
@@ -248,6 +259,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         return room in self.live_rooms and self.request_status.get(room) not in (None, KVPoll.Failed)
 
     def forget_room(self, room: int) -> None:
+        self.holds.forget(room)  # SGLang has the room's pages now (cleared or aborted)
         self.live_rooms.pop(room, None)
         self._room_frames.pop(room, None)
         self.arrivals.forget(room)
@@ -325,7 +337,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             self.drop("bounds", msg.session, f"AuxData of room {msg.room}: {e}")
             reason = f"prefill {msg.session} sent an invalid aux row: {e}"
             self.room_failed(msg.room, reason)
-            if msg.session in published.prefills:  # it stops sending the room and fails its side
+            if msg.session in published.prefills and not self.holds.held(msg.room):  # it stops sending the room
                 self._control_send(msg.session, wire.RoomFailed(self.session, msg.room, reason), block=False)
             return
         if not self.room_wanted(msg.room):
@@ -371,6 +383,10 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             reason = (f"prefill rank {session} never answered the registration ({reason}); check that it runs "
                       f"and that both sides set the same SGLANG_P2P_AUTH_KEY")
         logger.error("p2pnccl: %s", reason)
+        if peer.state == "pending" or not self.hold_failures or process_gone(session):
+            self._writer_gone(session)  # never had our destinations, or its process (and mapping) is gone
+        else:  # silent, not gone (frozen?): its write may resume, so its rooms' holds run to their bound
+            self._maybe_writing[session] = time.monotonic()
         self._fail_rooms_served_by(session, reason)
         self._forget_routes_to(session)
         self.arrivals.peer_lost(session, reason)
@@ -399,8 +415,13 @@ class DecodeKVManager(P2pNcclKVManagerBase):
     def _apply_prefill_final(self, room: int, prefill_rank: int, success: bool, reason: str) -> None:
         if self.request_status.get(room) in (None, KVPoll.Failed):
             return  # concluded; a failed room never turns Success (SGLang 0.5.17's update_status would let it)
+        senders = self._sessions_of(room, prefill_rank)
+        if self.holds.held(room):  # a final status comes after that rank's last write of the room
+            if self.holds.answered(room, senders):
+                self._fail_now(room)
+            return
         if not success:
-            self.room_failed(room, reason or "Failed to get kvcache from prefill instance, it might be dead")
+            self.room_failed(room, reason or "Failed to get kvcache from prefill instance, it might be dead", senders)
             return
         done = self.prefill_response_tracker[room]
         done.add(prefill_rank)
@@ -413,6 +434,79 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             if published is not None:
                 self.kv_fault.apply(room, published.kv_ids)
             self.update_status(room, KVPoll.Success)
+
+    # ------------------------------------------------------------------ failures held (failure_hold.py)
+    def update_status(self, bootstrap_room: int, status: int) -> None:
+        """SGLang's and this role's status updates; a failure waits while a prefill may still write one-sided."""
+        if status == KVPoll.Failed and (self.holds.held(bootstrap_room) or self._hold(bootstrap_room)):
+            return
+        super().update_status(bootstrap_room, status)
+
+    def room_failed(self, room: int, reason: str, drained: Iterable[str] = ()) -> None:
+        """Fail an open room; `drained`: prefill ranks known to write it no more (they failed it after their
+        writes). The first reason of a held room stays."""
+        if self.request_status.get(room) in (None, KVPoll.Failed, KVPoll.Success) or self.holds.held(room):
+            return
+        self.record_failure(room, reason)
+        if not self._hold(room, drained):
+            super().update_status(room, KVPoll.Failed)
+
+    def _hold(self, room: int, drained: Iterable[str] = ()) -> bool:
+        """Hold the failure of `room` if a prefill rank other than `drained` may still write it one-sided: tell
+        each (RoomFailed); the room fails once they answered (`_apply_prefill_final`), are gone, or the bound."""
+        published = self.live_rooms.get(room)
+        if (not self.hold_failures or self.broken is not None or published is None
+                or self.request_status.get(room) in (None, KVPoll.Failed, KVPoll.Success)):
+            return False
+        writers = {s for s in published.prefills
+                   if getattr(self.prefills.get(s), "state", "") in ("pending", "accepted") or s in self._maybe_writing}
+        writers -= set(drained)
+        if not writers:
+            return False
+        if not self.holds.begin(room, writers):
+            return True  # held by another thread's failure of it, which tells the prefill ranks
+        with self.failure_lock:
+            reason = self.failure_records.get(room, "")
+        frames = wire.encode(wire.RoomFailed(self.session, room, reason))
+        for session in writers:
+            try:
+                self.send_to_prefill(session, frames, block=False)
+            except ControlError as e:
+                logger.warning("p2pnccl: %s", e)  # it fails the room by liveness; the bound ends the hold
+        return True
+
+    def _fail_now(self, room: int) -> None:
+        """A held room's wait ended: SGLang may take its pages back."""
+        super().update_status(room, KVPoll.Failed)
+
+    def _writer_gone(self, session: str) -> None:
+        self._maybe_writing.pop(session, None)
+        for room in self.holds.gone(session):
+            self._fail_now(room)
+
+    def end_expired_hold(self, room: int) -> bool:
+        """Whether `room` is still held (its bound not passed; a passed one fails it now)."""
+        for expired in self.holds.expired([room]):
+            self._end_at_bound(expired)
+        return self.holds.held(room)
+
+    def _end_at_bound(self, room: int) -> None:
+        logger.warning("p2pnccl: room %s failed after %.0fs without every prefill rank's word that no write into its "
+                       "pages is in flight (SGLANG_P2P_FAILURE_HOLD_S)", room, self.holds.hold_s)
+        self._fail_now(room)
+
+    def _sweep(self) -> None:
+        for room in self.holds.expired():
+            self._end_at_bound(room)
+        now = time.monotonic()
+        for session, since in list(self._maybe_writing.items()):
+            if now - since > self.holds.hold_s:
+                self._maybe_writing.pop(session, None)
+
+    def _sessions_of(self, room: int, prefill_rank: int) -> List[str]:
+        published = self.live_rooms.get(room)
+        return [s for s in (published.prefills if published else ())
+                if getattr(self.prefills.get(s), "prefill_rank", None) == prefill_rank]
 
     def _pages_missing(self, room: int) -> Optional[str]:
         """Why a room reported Success by every prefill rank is not complete here: on a rank that receives only

@@ -25,6 +25,8 @@ from typing import Callable, Container, Dict, List, Optional
 
 from sglang.srt.disaggregation.common.conn import CommonKVManager
 
+from sglang_p2p_backend.adapter.bounded import Bounded
+
 try:  # deferred decode KV release (SGLang 0.5.23+); 0.5.17 has none of it and keeps the plain abort path
     from sglang.srt.disaggregation.common.conn import AbortNotification
 except ImportError:
@@ -59,6 +61,8 @@ class DeferredRelease:
         # clears it when a room id is reused, so the counts must live there
         self._in_flight: Dict[int, int] = sglang._staging_outstanding if self.enabled else defaultdict(int)
         self._after: Dict[int, List[Callable[[], None]]] = {}
+        #: rooms with a write that could not prove it stopped (what `poison` records, with or without SGLang's set)
+        self._unsettled: Dict[int, bool] = Bounded(1 << 12)
 
     def begin(self, room: int) -> None:
         """A transfer task of `room` starts: counted before the task checks the room is alive."""
@@ -91,10 +95,15 @@ class DeferredRelease:
     def poison(self, room: int) -> None:
         """A write into the decode's pages failed in a way that cannot prove it stopped (a Mooncake batch
         may still run after its sync call returned an error): never ACK; the decode falls back to its
-        release timeout."""
-        if self.enabled:
-            with self._lock:
+        release timeout (and a decode holding a failure of its own, its bound: `unsettled`)."""
+        with self._lock:
+            self._unsettled[room] = True
+            if self.enabled:
                 self._sglang.poison_deferred_ack_room(room)
+
+    def unsettled(self, room: int) -> bool:
+        """Whether a write into `room`'s decode pages failed without proof that it stopped."""
+        return room in self._unsettled
 
     def on_abort(self, frames: List[bytes], sender: Optional[str]) -> None:
         """A decode rank aborted a room (SGLang's ABORT frames): fail it here (or remember it, if this rank has

@@ -16,7 +16,9 @@ abort it (a refused decode may tell of rooms nobody published). Anything else is
 socket or a table entry is spent on it. Whatever fails a room here, the decode ranks that own it are told.
 Chunks move on transfer workers sharded by decode peer (one peer's chunks stay ordered, transfer_workers.py): two-sided (NCCL, tcp) through `PairSender`, one-sided (Mooncake, and
 CUDA IPC to a same-host decode: same_host.py) through `OneSidedSender`, then Status. A decode's ABORT and the
-ACK SGLang's deferred decode KV release waits for are deferred_release.py's. A decode silent for
+ACK SGLang's deferred decode KV release waits for are deferred_release.py's; a decode's RoomFailed is answered
+once no write of the room is in flight. Destinations of a room's next attempt that come before its concluded
+attempt was cleared wait for the clear (next_attempts.py). A decode silent for
 SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail, its pair channel is aborted (not waited on) and its
 registration, budget and socket are released.
 """
@@ -44,6 +46,7 @@ from sglang_p2p_backend.adapter.bounded import Bounded
 from sglang_p2p_backend.adapter.deferred_release import DeferredRelease
 from sglang_p2p_backend.adapter.peer_slots import PeerSlots
 from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
+from sglang_p2p_backend.adapter.next_attempts import NextAttempts
 from sglang_p2p_backend.engine.pair.channels import PairChannels
 from sglang_p2p_backend.adapter.same_host import SameHostPath
 from sglang_p2p_backend.adapter.transfer_workers import TransferInfo, TransferTask, TransferWorkers
@@ -97,6 +100,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         #: rooms concluded here before their destinations arrived: late RoomMetadata is answered Failed
         self.concluded: Dict[int, tuple] = Bounded(1 << 16)
         self.owned_rooms: set = set()  # rooms with a live sender on this rank
+        self.next_attempts = NextAttempts(1 << 12)
         self._born: Dict[int, float] = {}  # room -> when its first destinations arrived
         self.same_host = SameHostPath(self.ipc, self.local_memory, self.device, self.decode_peers,
                                       self._common_transports, self.config.max_peers)
@@ -219,8 +223,9 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         elif isinstance(msg, wire.RoomFailed):
             if msg.session in (self.transfer_infos.get(msg.room) or {}):  # only a room it is a destination of
                 self._fail_room(msg.room, f"decode rank {msg.session} failed the room: {msg.reason}", cause=msg.session)
-            else:
-                self._owns(msg.session, msg.room, "RoomFailed")
+            elif not self._owns(msg.session, msg.room, "RoomFailed"):
+                return
+            self._confirm_failed(msg)
         else:
             self.drop("unexpected", msg.session, f"{type(msg).__name__} is not for a prefill rank")
 
@@ -347,6 +352,8 @@ class PrefillKVManager(P2pNcclKVManagerBase):
                                             f"registered is {peer.incarnation}")
             return
         self.watch.seen(msg.session)
+        if self.next_attempts.hold(msg, lambda: self._previous_attempt(room, msg.session)):
+            return
         if room in self.concluded:
             self._control_send(msg.session, wire.Status(self.session, room, self.prefill_rank, int(KVPoll.Failed), self.concluded[room][0]))
             return
@@ -456,9 +463,22 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         if reason:
             self._fail_room(room, reason)
 
+    def _previous_attempt(self, room: int, session: str) -> bool:
+        """Whether a RoomMetadata of `room` from `session` is for its next attempt: the sender of this one is not
+        cleared yet, and it concluded with that decode rank's destinations (or is being cleared)."""
+        if room not in self.owned_rooms:
+            return False
+        status = self.request_status.get(room)
+        return status is None or (status in (KVPoll.Success, KVPoll.Failed) and session in (self.transfer_infos.get(room) or {}))
+
     def room_cleared(self, room: int) -> None:
-        self.owned_rooms.discard(room)
-        self._born.pop(room, None)
+        """The room's sender was cleared: destinations of its next attempt that came meanwhile are published now."""
+        def cleared() -> None:
+            self.owned_rooms.discard(room)
+            self._born.pop(room, None)
+
+        for msg in self.next_attempts.release(room, cleared):
+            self._on_metadata(msg)
 
     def _close_role(self) -> None:
         self.workers.stop()
@@ -512,6 +532,19 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             self.release.after_drain(room, send)
         else:
             send()
+
+    def _confirm_failed(self, msg: wire.RoomFailed) -> None:
+        """Answer a decode rank that failed a room on its side once no write of the room is in flight: it may hold
+        the room's pages until then (adapter/failure_hold.py). Never after a write that could not prove it stopped:
+        the decode's bound ends its hold then."""
+        status = wire.Status(self.session, msg.room, self.prefill_rank, int(KVPoll.Failed),
+                             f"decode rank {msg.session} failed the room: {msg.reason}")
+
+        def send() -> None:
+            if not self.release.unsettled(msg.room):
+                self._control_send(msg.session, status, block=False)
+
+        self.release.after_drain(msg.room, send)
 
     def _fail_or_bury(self, room: int, reason: str, cause: str) -> bool:
         """Decode rank `cause` ends `room`: fail it here, or, if its sender does not exist yet, when it does

@@ -84,6 +84,9 @@ class EngineConfig:
     peer_timeout: float = 8.0  # SGLANG_P2P_PEER_TIMEOUT: a peer silent this long is dead, its rooms fail
     max_peers: int = 512  # SGLANG_P2P_MAX_PEERS: registered peers and control sockets a rank keeps at most
     tombstone_s: float = 60.0  # SGLANG_P2P_TOMBSTONE_S: how long a concluded room's late messages are answered
+    #: SGLANG_P2P_FAILURE_HOLD_S: how long a decode holds a room it failed while a prefill may still write its
+    #: pages one-sided, waiting for the prefill's word that no write is in flight (adapter/failure_hold.py)
+    failure_hold_s: float = 30.0
     #: SGLANG_P2P_GIL_SWITCH_MS: the scheduler process's GIL switch interval at most (0: Python's own, 5 ms).
     #: The backend's threads release the GIL on every CUDA sync and socket wait and need it back within
     #: the interval while the scheduler's main thread runs Python (docs/serving.md measures it)
@@ -121,6 +124,7 @@ class EngineConfig:
             peer_timeout=_number("SGLANG_P2P_PEER_TIMEOUT", cls.peer_timeout),
             max_peers=_number("SGLANG_P2P_MAX_PEERS", cls.max_peers, int),
             tombstone_s=_number("SGLANG_P2P_TOMBSTONE_S", cls.tombstone_s),
+            failure_hold_s=_number("SGLANG_P2P_FAILURE_HOLD_S", cls.failure_hold_s),
             gil_switch_ms=_non_negative("SGLANG_P2P_GIL_SWITCH_MS", cls.gil_switch_ms),
             nccl_budget_mb=_non_negative("SGLANG_P2P_NCCL_BUDGET_MB", cls.nccl_budget_mb),
             nccl_caps=parse_caps(env.get("SGLANG_P2P_NCCL_CAPS")),

@@ -4,8 +4,8 @@ landed, and SGLang 0.5.23's deferred release of an aborted room's pages.
 A request goes ensure prefill info -> init -> WaitingForInput -> send_metadata -> Success (after the aux
 metadata gate) | Failed, polled as SGLang's decode scheduler polls it. On Success the decode checks every
 destination page byte for byte and the aux row; after the run, that no other page changed. After an abort it
-sent, it holds the room's pages until the prefill ranks ACK (or the timeout) and reports `released_at`,
-`release_safe` and `changed_after_release`.
+sent, or a failure (armed then, as SGLang's `pop_transferred` does), it holds the room's pages until the prefill
+ranks ACK (or the timeout) and reports `released_at`, `release_safe` and `changed_after_release`.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class DecodeRole(Role):
                 if self.take_aux(req):
                     self.publish(req)
                     req.phase, req.result["metadata_at"] = "transfer", now
+                    req.result["metadata_at_wall"] = time.time()
             elif status != P.Bootstrapping:
                 raise ValueError(f"Unexpected poll case {status} (SGLang raises here too)")
             return
@@ -147,13 +148,15 @@ class DecodeRole(Role):
 
     # ------------------------------------------------------------------ deferred KV release
     def maybe_hold(self, req: Req) -> None:
-        """After an abort this decode sent (AbortReq, waiting timeout), keep the room's pages as SGLang 0.5.23's
-        decode does with deferred release (decode.py `_defer_release`): until every prefill rank that could
-        write them ACKed, or SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT."""
+        """After a failed transfer, keep the room's pages as SGLang 0.5.23's decode does with deferred release
+        (decode.py `pop_transferred`, `_defer_release`): the abort armed (an AbortReq, the waiting timeout), or armed
+        now for any other failure; held until every prefill rank that could write them ACKed, or
+        SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT."""
         if req.pages is None or not getattr(self.mgr, "enable_deferred_decode_kv_release", False):
             return
-        if not getattr(req.handle, "abort_notified", False):
-            return
+        if not req.handle.abort_notified:
+            # a failure this decode did not start by aborting holds the pages too (pop_transferred's force_arm)
+            req.handle.ensure_abort_notified(force_arm=True)
         from sglang.srt.environ import envs
 
         timeout = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()

@@ -5,8 +5,10 @@ Prefill: `chunk_delay_s` (a pause between a request's sends), `abort_after_chunk
 `stop_after_chunks` (abort the request, exit, or SIGSTOP after that many chunks), `broken_after_chunks` (the
 manager marked broken, as when one of its threads cannot go on), `aux_row` (aux rows sent to
 another row than the published one), `write_delay_s` (every write starts later: prefill_role.py's write watch),
-`stop_self` (SIGSTOP once registered). Decode: `abort_after_s`, `exit_after_s`, `stop_after_s` (counted from a
-request's metadata), `ipc_export_short` (a CUDA IPC export that does not cover the pool it registers),
+`clear_delay_s` ({room: seconds}: the scheduler clears the room's sender that long after its Success, as a busy
+one does), `stop_self` (SIGSTOP once registered). Decode: `abort_after_s`, `exit_after_s`, `stop_after_s` (counted
+from a request's metadata), `fail_after_s` ({room: seconds}: the decode fails the room on its own check, as a
+refused chunk, missing pages or a lost heartbeat do), `ipc_export_short` (a CUDA IPC export that does not cover the pool it registers),
 `corrupt_after_arrival` (rooms whose first page is altered after it landed, before the KV checksum is verified).
 """
 
@@ -49,9 +51,19 @@ def prefill_after_send(faults: dict, plan: dict, req: Req, last: bool) -> bool:
     return False
 
 
+def clear_later(faults: dict, req: Req, now: float) -> bool:
+    """Prefill fault `clear_delay_s`: True while the sender of `req`, concluded, is not to be cleared yet."""
+    delay = float(faults.get("clear_delay_s", {}).get(str(req.room), 0)) if req.attempt == 1 else 0.0
+    return now - req.result.setdefault("concluded_seen", now) < delay
+
+
 def decode_after_metadata(faults: dict, plan: dict, req: Req, now: float) -> bool:
     """The decode's faults while `req` waits for its KV; True when one aborted the request."""
     waited = now - req.result["metadata_at"]
+    fail_after = faults.get("fail_after_s", {}).get(str(req.room))
+    if fail_after is not None and waited >= fail_after and "failed_at" not in req.result:
+        req.result["failed_at"] = time.time()
+        req.handle.kv_mgr.room_failed(req.room, f"injected: the decode's own check failed room {req.room}")
     if "abort_after_s" in faults and waited >= faults["abort_after_s"]:
         req.result["abort_at"] = time.time()
         req.handle.abort()

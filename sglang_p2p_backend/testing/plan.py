@@ -35,7 +35,8 @@ class Req:
     #: {"side": "prefill"|"decode", "at": ...}: abort this request on that side at that point (prefill: "bootstrap",
     #: "chunk" after `n` chunks, "last" after the last chunk; decode: "init" before its metadata, "transfer" after it)
     abort: Optional[dict] = None
-    #: start no sooner than this many seconds into the run, and only once `<after>.ready` exists (a name or a list)
+    #: start no sooner than this many seconds into the run, and only once `<after>.ready` exists (a name or a list;
+    #: in the plan also {role: names}, each role waiting for its own)
     start_after_s: float = 0.0
     after: Any = ""
     #: the same room again (a retracted request bootstrapped anew): results go to "<room>#<attempt>"
@@ -61,10 +62,15 @@ def requests(plan: dict, role: str) -> list[Req]:
     return [
         Req(r["room"], r["tokens"], r.get("chunk_pages", 1 << 30), r.get("prefix", 0),
             r["abort"] if r.get("abort", {}).get("side") == role else None, r.get("start_after_s", 0.0),
-            r.get("after", ""), r.get("attempt", 1))
+            _role_part(r.get("after", ""), role), r.get("attempt", 1))
         for r in plan["requests"]
         if role in r.get("roles", ("prefill", "decode"))
     ]
+
+
+def _role_part(value: Any, role: str) -> Any:
+    """A plan value given per role ({role: value}) as this role reads it; any other value as it is."""
+    return value.get(role, "") if isinstance(value, dict) else value
 
 
 def rank_heads(spec: PoolSpec, attn_tp: int, attn_tp_rank: int) -> PoolSpec:

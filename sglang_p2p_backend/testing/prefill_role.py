@@ -157,6 +157,9 @@ class PrefillRole(Role):
             self.send(req)
             return
         if status == P.Success:
+            if faults.clear_later(self.faults, req, now):
+                return
+            req.result["cleared_at"] = time.time()
             req.handle.clear()
             req.result["bytes"] = req.handle.get_transfer_metric().transfer_total_bytes
             req.result["transfer_s"] = now - req.result["first_send_at"]

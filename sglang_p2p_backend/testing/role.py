@@ -196,6 +196,7 @@ class Role:
             self.free_aux.append(req.aux)
         if "pages" in reuse and not ok and req.pages is not None:
             self.free_pages.extend(int(p) for p in req.pages[::-1])
+            req.result["pages_freed_at"] = time.time()
 
     def finish(self, req: Req, ok: bool, reason: str = "") -> None:
         req.phase = "done"
@@ -246,9 +247,9 @@ class Role:
             now = time.monotonic()
             if now - start > deadline_s:
                 for r in reqs:
-                    if r.phase != "done":
+                    if r.phase not in ("done", "held"):  # a held request concluded; only its pages are kept
                         r.result.update(status="Hung", phase=r.phase)
-                        r.phase = "done"
+                    r.phase = "done"
                 break
             pending = [r for r in reqs if r.phase != "done"]
             for r in pending[:1] if self.plan.get("serial") else pending:  # serial: one request at a time

@@ -7,7 +7,10 @@ import os
 import time
 
 import pytest
-from test_pd_transfer import FAST_FAILURE_ENV, IPC_ENV, assert_clean, failed_reason
+import importlib.util
+
+from test_pd_transfer import (FAST_FAILURE_ENV, IPC_ENV, MOONCAKE_ENV, assert_clean, failed_reason,
+                              require_deferred_release)
 
 from sglang_p2p_backend.testing.faults import EXIT_CODE
 from sglang_p2p_backend.testing.launch import STARTUP_S, PairRun, run_pair
@@ -107,6 +110,41 @@ def test_pages_of_a_room_the_prefill_aborted_mid_write_are_reused_only_after_the
     assert_ranks_clean(result)
 
 
+@pytest.mark.parametrize("transport_env,deferred", [
+    pytest.param(IPC_ENV, "0", id="cudaipc-standin"),
+    pytest.param(IPC_ENV, "1", id="cudaipc-standin-sglang-deferred-release"),
+    pytest.param(MOONCAKE_ENV, "0", id="mooncake",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake not installed")),
+])
+def test_pages_of_a_room_the_decode_failed_mid_write_are_reused_only_after_the_write(transport_env, deferred):
+    # room 7101 (replica 1) fails on the decode's own check while the prefill's one-sided write into its pages is
+    # in flight (3 s long); its pages go to room 7102 (replica 0) once the decode gives them back. Given back
+    # before the write ended, 7101's bytes would land in 7102's pages after 7102 was checked: checked again at
+    # the end. Without SGLang's deferred release (0.5.17 has none, or it is off) the backend holds the failure
+    # until the prefill's word that the write ended; with it, SGLang holds the pages until the prefill's ACK.
+    if deferred == "1":
+        require_deferred_release()
+    rooms = [{"room": 7101, "tokens": 4 * 30, "chunk_pages": 30},
+             {"room": 7102, "tokens": 4 * 30, "after": "decode-7101-done"}]
+    plan = {"pool": POOL, "requests": rooms, "reuse": ["pages"], "deadline_s": 40, **PLAIN_DP,
+            "faults": {"prefill": {"write_delay_s": {"7101": 3.0}}, "decode": {"fail_after_s": {"7101": 0.5}}},
+            "linger_s": {"prefill": 5.0, "decode": 4.0}}
+    result = run_pair(plan, env={**transport_env, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": deferred})
+    d, (p0, p1) = result["decode"], result["ranks"]["prefill"]
+    failed, written = d["requests"]["7101"], p1["requests"]["7101"]
+    assert written["write_done_at"] - failed["failed_at"] > 2.0, (failed, written)  # failed mid-write
+    assert p0["requests"]["7102"]["status"] == "Success"
+    assert landed(d, "7102")["bad_pages_at_end"] == []
+    assert failed["pages_freed_at"] >= written["write_done_at"], (failed, written)
+    assert "injected: the decode's own check failed room 7101" in failed_reason(d, 7101)
+    if deferred == "1":  # SGLang aborted the failed room to arm the hold; released on the prefill's ACK
+        assert "Aborted by decode rank" in failed_reason(p1, 7101) and failed["release_safe"], (failed, written)
+    else:  # told by the decode's hold (RoomFailed), answered once the write ended
+        assert "failed the room: injected" in failed_reason(p1, 7101)
+    assert d["untouched_violations"] == []
+    assert_ranks_clean(result)
+
+
 def test_a_prefill_replaced_at_its_address_fails_the_old_rooms_and_serves_the_new_one():
     # the prefill process dies mid-transfer and a new one comes up at once behind the same bootstrap address (a
     # restarted pod behind a Service: SGLang's heartbeat of that address never fails, so it cannot help). The
@@ -146,8 +184,9 @@ def test_a_room_bootstrapped_again_is_looked_up_on_the_same_prefill_replica():
     # retracted request: same room, a new sender and receiver, new pages): the decode's second lookup must
     # name replica 1 again, and the second transfer land as exactly as the first
     again = {"room": 6102, "tokens": 4 * 11, "chunk_pages": 4}
-    # the second attempt starts once both sides concluded the first (a retracted request decoded for a while)
-    attempts = [{**again, "attempt": 2, "after": ["prefill-6102-done", "decode-6102-done"]}]
+    # each side starts the second attempt once it concluded the first: the decode may publish it before the
+    # prefill cleared the first (test_a_room_bootstrapped_again_before_the_prefill_cleared_its_first_attempt_lands)
+    attempts = [{**again, "attempt": 2, "after": {"decode": "decode-6102-done", "prefill": "prefill-6102-done"}}]
     plan = {"pool": POOL, "requests": [again, *attempts], "deadline_s": 40,
             **PLAIN_DP, "load_balance_method": {"prefill": "round_robin"}, "prefill_dp_rank": {"6102": 1}}
     result = run_pair(plan, env=FAST_FAILURE_ENV)
@@ -155,4 +194,22 @@ def test_a_room_bootstrapped_again_is_looked_up_on_the_same_prefill_replica():
     assert p0["requests"] == {} and {r["status"] for r in p1["requests"].values()} == {"Success"}, p1["requests"]
     assert [landed(result["decode"], key)["prefill_dp_rank"] for key in ("6102", "6102#2")] == [1, 1]
     assert result["decode"]["untouched_violations"] == []
+    assert_ranks_clean(result)
+
+
+def test_a_room_bootstrapped_again_before_the_prefill_cleared_its_first_attempt_lands():
+    # the decode publishes the second attempt of room 6201 while the prefill's scheduler has its first attempt's
+    # Success but has not cleared that sender yet (3 s here): the new destinations are kept for the next sender,
+    # not merged into the concluded attempt's and wiped with them (which left the prefill in Bootstrapping)
+    first = {"room": 6201, "tokens": 4 * 11, "chunk_pages": 4}
+    again = {**first, "attempt": 2, "after": {"decode": "decode-6201-done", "prefill": "prefill-6201-done"}}
+    plan = {"pool": POOL, "requests": [first, again], "deadline_s": 40,
+            "faults": {"prefill": {"clear_delay_s": {"6201": 3.0}}}}
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    p, d = result["prefill"], result["decode"]
+    assert d["requests"]["6201#2"]["metadata_at_wall"] < p["requests"]["6201"]["cleared_at"], (d["requests"], p["requests"])
+    assert {r["status"] for r in p["requests"].values()} == {"Success"}, p["requests"]
+    for key in ("6201", "6201#2"):
+        landed(d, key)
+    assert d["untouched_violations"] == []
     assert_ranks_clean(result)
