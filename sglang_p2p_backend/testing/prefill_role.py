@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import socket
 import threading
 import time
 import urllib.request
@@ -35,11 +36,29 @@ def _serve_bootstrap(host: str, port: int, parent: int) -> None:
         time.sleep(0.2)
 
 
+def _wait_port_free(host: str, port: int, timeout_s: float = 10.0) -> None:
+    """A prefill started again at once finds its predecessor's bootstrap server still listening for a moment
+    (it follows its parent within 0.2 s): its own would fail to bind, and the health check below would be
+    answered by the one about to go."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"bootstrap port {host}:{port} still taken after {timeout_s:g}s") from None
+        time.sleep(0.05)
+
+
 def start_bootstrap_process(host: str, port: int) -> Any:
     """SGLang runs the bootstrap server in the prefill's main process, apart from the scheduler process;
     so does the driver, so a stopped or killed scheduler leaves (or takes down) the bootstrap as in SGLang.
     Forked before this process set anything up (no threads, no process groups, no CUDA yet), so it starts with
     whatever SGLang modules the driver already imported instead of importing them again."""
+    _wait_port_free(host, port)
     proc = mp.get_context("fork").Process(target=_serve_bootstrap, args=(host, port, os.getpid()), daemon=True)
     proc.start()
     deadline = time.monotonic() + 60
