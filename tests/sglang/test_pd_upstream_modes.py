@@ -187,7 +187,9 @@ def test_a_room_bootstrapped_again_is_looked_up_on_the_same_prefill_replica():
     # each side starts the second attempt once it concluded the first: the decode may publish it before the
     # prefill cleared the first (test_a_room_bootstrapped_again_before_the_prefill_cleared_its_first_attempt_lands)
     attempts = [{**again, "attempt": 2, "after": {"decode": "decode-6102-done", "prefill": "prefill-6102-done"}}]
-    plan = {"pool": POOL, "requests": [again, *attempts], "deadline_s": 40,
+    # replica 0 serves no room but hosts the bootstrap server the decode's second lookup asks: it stays up
+    # (SGLang's bootstrap server lives as long as its server; on a loaded machine replica 0 had exited before)
+    plan = {"pool": POOL, "requests": [again, *attempts], "deadline_s": 40, "linger_s": {"prefill": 10.0},
             **PLAIN_DP, "load_balance_method": {"prefill": "round_robin"}, "prefill_dp_rank": {"6102": 1}}
     result = run_pair(plan, env=FAST_FAILURE_ENV)
     p0, p1 = result["ranks"]["prefill"]
