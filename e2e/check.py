@@ -34,10 +34,14 @@ def cases(seed: int = 7) -> list[tuple[str, Any]]:
     return out + [("text", TEXT_PROMPT)]
 
 
-def perturbed(prompt: list[int]) -> list[int]:
-    """The same prompt with its middle token changed."""
+def perturbed(prompt: list[int], every: int = 0) -> list[int]:
+    """The same prompt with its middle token changed; with `every`, one token per `every` (at least one), each
+    in the middle of one of that many equal parts."""
     q = list(prompt)
-    q[len(q) // 2] = 3 + (q[len(q) // 2] - 3 + 1) % (4096 - 3)
+    n = max(1, len(q) // every) if every else 1
+    for k in range(n):
+        i = (2 * k + 1) * len(q) // (2 * n)
+        q[i] = 3 + (q[i] - 3 + 1) % (4096 - 3)
     return q
 
 

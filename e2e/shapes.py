@@ -101,7 +101,7 @@ async def check_shape(shape: Shape, ref_urls: list[str], lb_url: str, flag_file:
                     refs[name] = answers
         long_prompts = [(n, p) for n, p in check.cases() if isinstance(p, list) and len(p) >= CONTROL_MIN_TOKENS]
         for name, prompt in long_prompts:
-            controls.append(_control("prompt", judge(name, "nonstream", refs[name], await ask(lb_url, perturbed(prompt)))))
+            controls.append(_control("prompt", judge(name, "nonstream", refs[name], await ask(lb_url, check.perturbed(prompt, PERTURB_EVERY)))))
         flag_file.touch()
         try:
             for name, prompt in long_prompts:
@@ -116,16 +116,6 @@ async def check_shape(shape: Shape, ref_urls: list[str], lb_url: str, flag_file:
     if layout_gaps:
         out["layout_gap"] = {"summary": compare.summarize(layout_gaps, tol), "cases": [d.to_dict() for d in layout_gaps]}
     return out
-
-
-def perturbed(prompt: list[int]) -> list[int]:
-    """The prompt with one token per PERTURB_EVERY changed (at least one), at evenly spread positions."""
-    q = list(prompt)
-    n = max(1, len(q) // PERTURB_EVERY)
-    for k in range(n):
-        i = (2 * k + 1) * len(q) // (2 * n)  # the middle of each of n equal parts
-        q[i] = 3 + (q[i] - 3 + 1) % (4096 - 3)
-    return q
 
 
 def _control(kind: str, d: compare.CaseDiff) -> dict[str, Any]:
