@@ -101,7 +101,8 @@ async def check_shape(shape: Shape, ref_urls: list[str], lb_url: str, flag_file:
                     refs[name] = answers
         long_prompts = [(n, p) for n, p in check.cases() if isinstance(p, list) and len(p) >= CONTROL_MIN_TOKENS]
         for name, prompt in long_prompts:
-            controls.append(_control("prompt", judge(name, "nonstream", refs[name], await ask(lb_url, check.perturbed(prompt, PERTURB_EVERY)))))
+            got = await ask(lb_url, check.perturbed(prompt, PERTURB_EVERY))
+            controls.append(_control("prompt", judge(name, "nonstream", refs[name], got)))
         flag_file.touch()
         try:
             for name, prompt in long_prompts:
