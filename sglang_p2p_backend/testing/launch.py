@@ -139,10 +139,21 @@ class PairRun:
         for key in self.procs:
             out = self.outs[key]
             result["ranks"][key[0]].append(json.load(open(out)) if os.path.exists(out) else None)
+            if not os.path.exists(out):  # shown by pytest when the test then fails: why this rank has no result
+                print(f"{key[0]} rank {key[1]} ended ({codes[key]}) without a result; its log ends:\n"
+                      f"{_tail(out.removesuffix('.json') + '.log')}", file=sys.stderr)
         # rank 0 of each role, the common case of one rank a server
         result["returncodes"] = {role: codes[(role, 0)] for role in ("prefill", "decode")}
         result["prefill"], result["decode"] = result["ranks"]["prefill"][0], result["ranks"]["decode"][0]
         return result
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError as e:
+        return f"(no log: {e})"
 
 
 def run_pair(plan: dict, timeout: float = 120.0, env: Optional[dict] = None, workdir: Optional[str] = None) -> dict:
