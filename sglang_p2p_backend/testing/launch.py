@@ -15,29 +15,47 @@ from typing import Any, Optional
 from sglang_p2p_backend.testing import forkserver
 
 
-_PORTS = random.Random()
 DRIVER = "sglang_p2p_backend.testing.driver"
+_SPAN = 12000
+_next_port: Optional[int] = None
+
+
+def _port_range() -> tuple[int, int]:
+    """This process's share of the ports below the kernel's ephemeral range: each pytest-xdist worker has a
+    slice of its own, so two workers never pick the same port between one's check and the other's bind."""
+    low = 20000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = max(low, min(int(f.read().split()[0]), 32768) - _SPAN)
+    except OSError:
+        pass
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index = int(worker) % count if worker.isdigit() else 0
+    width = _SPAN // count
+    return low + index * width, low + (index + 1) * width
 
 
 def free_port() -> int:
     """A free port below the kernel's ephemeral range: ports the OS hands out for binds to port 0 (ZMQ's
     random rank ports, client sockets) come from that range, so a port picked here cannot be taken by one of
-    them between this check and the process that binds it."""
-    low = 20000
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = max(low, min(int(f.read().split()[0]), 32768) - 12000)
-    except OSError:
-        pass
-    for _ in range(200):
-        port = _PORTS.randrange(low, low + 12000)
+    them between this check and the process that binds it. Ports are handed out in turn from a random start,
+    never twice until the slice wraps: several picked for one run (bootstrap, process-group stores) are
+    bound only later, so a free check alone would let two of them be the same port."""
+    global _next_port
+    low, high = _port_range()
+    if _next_port is None or not low <= _next_port < high:
+        _next_port = random.Random().randrange(low, high)
+    for _ in range(high - low):
+        port = _next_port
+        _next_port = low + (_next_port + 1 - low) % (high - low)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port found")
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 def one_gpu_env(name: str) -> dict:

@@ -1,7 +1,6 @@
 """The Python parts of e2e/lb_real.py (the real multi-instance LB run) on CPU: workloads, summary, the
 open-loop client against fake SGLang servers, and the LB command line it builds."""
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ pytest.importorskip("aiohttp")
 from e2e import lb_real  # noqa: E402
 from e2e.servers import Server  # noqa: E402
 from e2e.stats import RequestRecord  # noqa: E402
+from sglang_p2p_backend.testing.launch import free_port  # noqa: E402
 
 FAKE = Path(__file__).with_name("fake_sglang.py")
 
@@ -45,14 +45,8 @@ def test_summary_counts_hits_errors_and_p99():
     assert s["output_throughput"] == 50.0 and abs(s["e2e_ms_p99"] - 991.0) < 1e-6 and s["ttft_ms_p50"] == 55.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_open_loop_against_fake_sglang_reads_cached_tokens():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(FAKE), "--port", str(port)])
     try:
         url = f"http://127.0.0.1:{port}"
@@ -71,7 +65,7 @@ def test_open_loop_against_fake_sglang_reads_cached_tokens():
         assert 0 < s["cache_hit_rate"] < 1  # repeats of a prefix came back with cached tokens
         assert wall >= max(r.at for r in reqs)  # open loop: sent on schedule, not back to back
         # an unreachable LB is a counted error, not an exception
-        bad, _ = asyncio.run(lb_real.open_loop(f"http://127.0.0.1:{_free_port()}", reqs[:2]))
+        bad, _ = asyncio.run(lb_real.open_loop(f"http://127.0.0.1:{free_port()}", reqs[:2]))
         assert all(not a.record.ok and a.record.error for a in bad)
     finally:
         proc.terminate()

@@ -1,7 +1,6 @@
 """The e2e orchestration against fake SGLang servers on 127.0.0.1: launching, health, stopping, the
 token-for-token comparison over real HTTP (streaming and not) and a timed load run with /metrics deltas."""
 import asyncio
-import socket
 import sys
 import time
 from pathlib import Path
@@ -12,14 +11,9 @@ pytest.importorskip("aiohttp")
 
 from e2e import check, perf  # noqa: E402
 from e2e.servers import Server, Stack, failure_report  # noqa: E402
+from sglang_p2p_backend.testing.launch import free_port  # noqa: E402
 
 FAKE = Path(__file__).with_name("fake_sglang.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeServer(Server):

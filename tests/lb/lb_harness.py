@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
@@ -19,6 +18,7 @@ from sglang_p2p_lb.health import HealthConfig
 from sglang_p2p_lb.proxy import ProxyConfig
 from sglang_p2p_lb.server import LBConfig, LoadBalancer
 from simworker import SimConfig, SimWorker
+from sglang_p2p_backend.testing.launch import free_port
 
 # every test body runs under this bound, well inside pytest's own timeout
 TEST_TIMEOUT = 30.0
@@ -115,12 +115,6 @@ async def wait_until(pred: Callable[[], bool], timeout: float = 5.0, step: float
             return True
         await asyncio.sleep(step)
     return pred()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

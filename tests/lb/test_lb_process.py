@@ -8,12 +8,7 @@ import time
 
 import orjson
 import requests
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sglang_p2p_backend.testing.launch import free_port
 
 
 def _wait_http(url: str, timeout: float = 60.0) -> None:  # a start-up wait (polled): room for a loaded machine
@@ -28,7 +23,7 @@ def _wait_http(url: str, timeout: float = 60.0) -> None:  # a start-up wait (pol
 
 
 def test_cli_processes_serve_a_pd_request():
-    pp, bp, dp, lp = (_free_port() for _ in range(4))
+    pp, bp, dp, lp = (free_port() for _ in range(4))
     py = sys.executable
     procs = [
         subprocess.Popen([py, "-m", "simworker", "--role", "prefill", "--host", "127.0.0.1", "--port", str(pp), "--bootstrap-port", str(bp)]),
