@@ -511,14 +511,27 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             self._notify_decode(room, KVPoll.Failed, reason, block=False)
 
     def _succeed(self, room: int) -> None:
-        """The room's last chunk reached every decode rank: Status to them (after the data), then here."""
-        self._notify_decode(room, KVPoll.Success)
+        """The room's last chunk reached every decode rank: Success here, then Status to them. Marked first: a
+        decode may publish the room's next attempt as soon as it reads the Status, and only a room marked
+        concluded here keeps those destinations for the next sender (next_attempts.py)."""
+        send = self._status_sender(room, KVPoll.Success)
         self.update_status(room, KVPoll.Success)
+        send()
 
     def _notify_decode(self, room: int, status: int, reason: str = "", block: bool = True,
                        skip: Optional[str] = None) -> None:
         """Status to the room's real decode ranks but `skip`; a failure only once no write of the room is in
         flight (the decode frees a failed room's pages at once: a write still running would land in another's)."""
+        send = self._status_sender(room, status, reason, block, skip)
+        if status == KVPoll.Failed:
+            self.release.after_drain(room, send)
+        else:
+            send()
+
+    def _status_sender(self, room: int, status: int, reason: str = "", block: bool = True,
+                       skip: Optional[str] = None) -> Callable[[], None]:
+        """What sends the room's Status to its real decode ranks but `skip`, taken from the room's destinations
+        now (a clear may drop them before it runs)."""
         targets = [info.session for info in list((self.transfer_infos.get(room) or {}).values())
                    if not info.is_dummy and info.session != skip]
         msg = wire.Status(self.session, room, self.prefill_rank, int(status), reason)
@@ -528,10 +541,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
                 if session in self.decode_peers:
                     self._control_send(session, msg, block)
 
-        if status == KVPoll.Failed:
-            self.release.after_drain(room, send)
-        else:
-            send()
+        return send
 
     def _confirm_failed(self, msg: wire.RoomFailed) -> None:
         """Answer a decode rank that failed a room on its side once no write of the room is in flight: it may hold

@@ -6,7 +6,8 @@ Prefill: `chunk_delay_s` (a pause between a request's sends), `abort_after_chunk
 manager marked broken, as when one of its threads cannot go on), `aux_row` (aux rows sent to
 another row than the published one), `write_delay_s` (every write starts later: prefill_role.py's write watch),
 `clear_delay_s` ({room: seconds}: the scheduler clears the room's sender that long after its Success, as a busy
-one does), `stop_self` (SIGSTOP once registered). Decode: `abort_after_s`, `exit_after_s`, `stop_after_s` (counted
+one does), `mark_delay_s` ({room: seconds}: the manager's thread that concludes the room's first attempt is
+descheduled that long just before it marks the room Success here), `stop_self` (SIGSTOP once registered). Decode: `abort_after_s`, `exit_after_s`, `stop_after_s` (counted
 from a request's metadata), `fail_after_s` ({room: seconds}: the decode fails the room on its own check, as a
 refused chunk, missing pages or a lost heartbeat do), `ipc_export_short` (a CUDA IPC export that does not cover the pool it registers),
 `corrupt_after_arrival` (rooms whose first page is altered after it landed, before the KV checksum is verified).
@@ -73,6 +74,23 @@ def decode_after_metadata(faults: dict, plan: dict, req: Req, now: float) -> boo
     if "stop_after_s" in faults and waited >= faults["stop_after_s"]:
         stop_self(plan, "decode")
     return False
+
+
+def delay_success_mark(mgr: Any, delays: dict) -> None:
+    """Prefill fault `mark_delay_s` ({room: seconds}): the first Success of those rooms is marked on this rank
+    that much later, wherever the manager's own steps put the Status to the decode around the mark."""
+    if not delays:
+        return
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    update, pending = mgr.update_status, {int(room): float(s) for room, s in delays.items()}
+
+    def delayed(room: int, status: int) -> None:
+        if status == KVPoll.Success and room in pending:
+            time.sleep(pending.pop(room))
+        update(room, status)
+
+    mgr.update_status = delayed
 
 
 def misdirect_aux(mgr: Any, rows: dict) -> None:

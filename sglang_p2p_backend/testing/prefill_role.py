@@ -102,6 +102,7 @@ class PrefillRole(Role):
         self.ack_sent_at: dict[int, float] = {}
         self.watch_writes(self.faults.get("write_delay_s", 0))
         faults.misdirect_aux(self.mgr, self.faults.get("aux_row", {}))
+        faults.delay_success_mark(self.mgr, self.faults.get("mark_delay_s", {}))
 
     def watch_writes(self, delay) -> None:
         """Record when each room's last write returned (`write_done_at`) and when its deferred ABORT_ACKs went

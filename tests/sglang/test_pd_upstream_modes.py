@@ -215,3 +215,20 @@ def test_a_room_bootstrapped_again_before_the_prefill_cleared_its_first_attempt_
         landed(d, key)
     assert d["untouched_violations"] == []
     assert_ranks_clean(result)
+
+
+def test_a_room_bootstrapped_again_while_the_prefill_marks_its_first_success_lands():
+    # the decode reads the first attempt's Success and publishes the second attempt of room 6202 while the
+    # prefill's thread that sent that Status has not marked the room Success here yet (held 2 s): the new
+    # destinations must still be kept for the next sender, not merged into the attempt about to be cleared
+    first = {"room": 6202, "tokens": 4 * 11, "chunk_pages": 4}
+    again = {**first, "attempt": 2, "after": {"decode": "decode-6202-done", "prefill": "prefill-6202-done"}}
+    plan = {"pool": POOL, "requests": [first, again], "deadline_s": 40,
+            "faults": {"prefill": {"mark_delay_s": {"6202": 2.0}}}}
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    p, d = result["prefill"], result["decode"]
+    assert {r["status"] for r in p["requests"].values()} == {"Success"}, p["requests"]
+    for key in ("6202", "6202#2"):
+        landed(d, key)
+    assert d["untouched_violations"] == []
+    assert_ranks_clean(result)
