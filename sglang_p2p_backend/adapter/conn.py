@@ -240,7 +240,12 @@ class P2pNcclKVReceiver(CommonKVReceiver):
         self.kv_mgr.forget_room(self.bootstrap_room)
 
     def abort(self):
-        # forgotten first: SGLang's own abort is not held (with deferred release SGLang holds the pages itself)
+        # Without SGLang's deferred release (0.5.17, or turned off) SGLang frees an aborted room's pages once its
+        # receiver polls Failed: a room a prefill may still write one-sided is held like the decode's own
+        # failures (its prefill ranks told, Failed once they answered after their last write)
+        if self.conclude_state is None and self.kv_mgr.hold_abort(self.bootstrap_room, "Aborted by AbortReq."):
+            return
+        # forgotten first: nothing to hold (with deferred release SGLang holds the pages itself)
         self.kv_mgr.forget_room(self.bootstrap_room)
         super().abort()
 

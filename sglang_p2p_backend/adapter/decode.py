@@ -451,6 +451,20 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         if not self._hold(room, drained):
             super().update_status(room, KVPoll.Failed)
 
+    def hold_abort(self, room: int, reason: str) -> bool:
+        """SGLang aborts an open `room` (AbortReq): whether its failure is held as the decode's own failures are
+        (`_hold`), its status kept until no prefill rank may still write its pages."""
+        if not self.hold_failures or self.request_status.get(room) in (None, KVPoll.Failed, KVPoll.Success):
+            return False
+        if self.holds.held(room):
+            return True
+        self.record_failure(room, reason)
+        if self._hold(room):
+            return True
+        with self.failure_lock:
+            self.failure_records.pop(room, None)  # Common's abort records its own
+        return False
+
     def _hold(self, room: int, drained: Iterable[str] = ()) -> bool:
         """Hold the failure of `room` if a prefill rank other than `drained` may still write it one-sided: tell
         each (RoomFailed); the room fails once they answered (`_apply_prefill_final`), are gone, or the bound."""

@@ -159,7 +159,10 @@ def test_decode_abort_fails_both_sides_and_keeps_the_channel_in_step(transport_e
     result = run_pair(plan, env={**FAST_FAILURE_ENV, **transport_env})
     d, p = result["decode"], result["prefill"]
     assert "Aborted by AbortReq" in failed_reason(d, 51)
-    assert "Aborted by decode rank 127.0.0.1:" in failed_reason(p, 51)
+    # SGLang's ABORT, or (a one-sided write without SGLang's deferred release) the decode's hold telling it
+    reason = failed_reason(p, 51)
+    assert "Aborted by decode rank 127.0.0.1:" in reason or (
+        "decode rank 127.0.0.1:" in reason and "failed the room: Aborted by AbortReq" in reason), reason
     assert d["untouched_violations"] == []
     assert_clean(d)
     assert_clean(p)

@@ -145,6 +145,33 @@ def test_pages_of_a_room_the_decode_failed_mid_write_are_reused_only_after_the_w
     assert_ranks_clean(result)
 
 
+@pytest.mark.parametrize("transport_env,deferred", [
+    pytest.param(IPC_ENV, "0", id="cudaipc-standin"),
+    pytest.param(IPC_ENV, "1", id="cudaipc-standin-sglang-deferred-release"),
+])
+def test_pages_of_a_room_the_decode_aborted_mid_write_are_reused_only_after_the_write(transport_env, deferred):
+    # as above, but the decode's scheduler aborts room 7201 (an AbortReq: the client went away) while the
+    # prefill's one-sided write into its pages runs. SGLang 0.5.17 (and 0.5.23 with deferred release off) frees
+    # an aborted room's pages as soon as its receiver polls Failed: the backend keeps it from polling Failed
+    # until the prefill's word that the write ended
+    if deferred == "1":
+        require_deferred_release()
+    rooms = [{"room": 7201, "tokens": 4 * 30, "chunk_pages": 30, "abort": {"side": "decode", "at": "transfer", "after_s": 0.5}},
+             {"room": 7202, "tokens": 4 * 30, "after": "decode-7201-done"}]
+    plan = {"pool": POOL, "requests": rooms, "reuse": ["pages"], "deadline_s": 40, **PLAIN_DP,
+            "faults": {"prefill": {"write_delay_s": {"7201": 3.0}}}, "linger_s": {"prefill": 5.0, "decode": 4.0}}
+    result = run_pair(plan, env={**transport_env, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": deferred})
+    d, (p0, p1) = result["decode"], result["ranks"]["prefill"]
+    aborted, written = d["requests"]["7201"], p1["requests"]["7201"]
+    assert aborted["aborted_at"] == "transfer" and "Aborted by AbortReq" in failed_reason(d, 7201), aborted
+    assert written["write_done_at"] - aborted["metadata_at_wall"] > 2.0, (aborted, written)  # aborted mid-write
+    assert aborted["pages_freed_at"] >= written["write_done_at"], (aborted, written)
+    assert p0["requests"]["7202"]["status"] == "Success"
+    assert landed(d, "7202")["bad_pages_at_end"] == []
+    assert d["untouched_violations"] == []
+    assert_ranks_clean(result)
+
+
 def test_a_prefill_replaced_at_its_address_fails_the_old_rooms_and_serves_the_new_one():
     # the prefill process dies mid-transfer and a new one comes up at once behind the same bootstrap address (a
     # restarted pod behind a Service: SGLang's heartbeat of that address never fails, so it cannot help). The
