@@ -211,8 +211,9 @@ class P2pNcclKVReceiver(CommonKVReceiver):
                 mgr.ensure_registered(endpoint)  # again after a refusal or a peer's death
                 mgr.send_room(endpoint, room, wire.encode(msg))  # even to a refusing prefill: it fails its side
             except ControlError as e:
+                # not concluded here: ranks that already have the room may write it one-sided, and the
+                # manager holds the failure until they answered (without SGLang's deferred release)
                 mgr.record_failure(room, f"send_metadata to prefill rank {endpoint} failed: {e}")
-                self.conclude_state = KVPoll.Failed
                 mgr.update_status(room, KVPoll.Failed)
                 return
         for endpoint in endpoints:

@@ -221,9 +221,10 @@ class PrefillKVManager(P2pNcclKVManagerBase):
                 self.channels.abort(msg.session, msg.generation, f"decode rank refused a chunk: {msg.reason}")
                 self._fail_room(msg.room, f"decode rank {msg.session} refused a chunk: {msg.reason}", cause=msg.session)
         elif isinstance(msg, wire.RoomFailed):
+            reason = f"decode rank {msg.session} failed the room: {msg.reason}"
             if msg.session in (self.transfer_infos.get(msg.room) or {}):  # only a room it is a destination of
-                self._fail_room(msg.room, f"decode rank {msg.session} failed the room: {msg.reason}", cause=msg.session)
-            elif not self._owns(msg.session, msg.room, "RoomFailed"):
+                self._fail_room(msg.room, reason, cause=msg.session)
+            elif not self._fail_or_bury(msg.room, reason, msg.session):  # its destinations never came here
                 return
             self._confirm_failed(msg)
         else:

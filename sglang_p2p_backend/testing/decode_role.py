@@ -40,6 +40,7 @@ class DecodeRole(Role):
     def after_manager(self) -> None:
         if self.faults.get("ipc_export_short"):
             faults.shorten_ipc_export(self.mgr, self.spec.item_len)
+        faults.fail_metadata_part_way(self.mgr, self.faults.get("metadata_fails_after", {}))
 
     # ------------------------------------------------------------------ state machine
     def step(self, req: Req, now: float) -> None:

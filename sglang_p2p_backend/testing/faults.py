@@ -10,7 +10,9 @@ one does), `mark_delay_s` ({room: seconds}: the manager's thread that concludes 
 descheduled that long just before it marks the room Success here), `stop_self` (SIGSTOP once registered). Decode: `abort_after_s`, `exit_after_s`, `stop_after_s` (counted
 from a request's metadata), `fail_after_s` ({room: seconds}: the decode fails the room on its own check, as a
 refused chunk, missing pages or a lost heartbeat do), `ipc_export_short` (a CUDA IPC export that does not cover the pool it registers),
-`corrupt_after_arrival` (rooms whose first page is altered after it landed, before the KV checksum is verified).
+`corrupt_after_arrival` (rooms whose first page is altered after it landed, before the KV checksum is verified),
+`metadata_fails_after` ({room: n}: send_metadata of the room reaches its first n prefill ranks, then the next
+send fails a second later, as one to a rank that just died does).
 """
 
 from __future__ import annotations
@@ -91,6 +93,25 @@ def delay_success_mark(mgr: Any, delays: dict) -> None:
         update(room, status)
 
     mgr.update_status = delayed
+
+
+def fail_metadata_part_way(mgr: Any, rooms: dict) -> None:
+    """Decode fault `metadata_fails_after`: the room's RoomMetadata reaches its first n prefill ranks only."""
+    if not rooms:
+        return
+    from sglang_p2p_backend.engine.wire.control import ControlError
+
+    send, sent = mgr.send_room, {int(room): int(n) for room, n in rooms.items()}
+
+    def failing(endpoint: str, room: int, frames: list) -> None:
+        if room in sent:
+            if sent[room] <= 0:
+                time.sleep(1.0)  # the registration with it timing out, while the first ranks already write
+                raise ControlError(f"injected: prefill rank {endpoint} is gone")
+            sent[room] -= 1
+        send(endpoint, room, frames)
+
+    mgr.send_room = failing
 
 
 def misdirect_aux(mgr: Any, rows: dict) -> None:

@@ -172,6 +172,26 @@ def test_pages_of_a_room_the_decode_aborted_mid_write_are_reused_only_after_the_
     assert_ranks_clean(result)
 
 
+def test_pages_of_a_room_whose_metadata_failed_part_way_are_reused_only_after_the_write():
+    # room 7301's destinations reach prefill TP rank 0, then the send to rank 1 fails (a rank that just died):
+    # the room fails on the decode, but rank 0 already writes its heads one-sided into its pages (3 s long).
+    # Without SGLang's deferred release the pages go back only once rank 0 answered after that write
+    rooms = [{"room": 7301, "tokens": 4 * 30, "chunk_pages": 30},
+             {"room": 7302, "tokens": 4 * 30, "after": "decode-7301-done"}]
+    plan = {"pool": {**POOL, "head_dim": 64, "total_kv_heads": 4}, "tp": {"prefill": 2}, "requests": rooms, "reuse": ["pages"],
+            "deadline_s": 40, "linger_s": {"prefill": 5.0, "decode": 4.0},
+            "faults": {"prefill": {"write_delay_s": {"7301": 3.0}}, "decode": {"metadata_fails_after": {"7301": 1}}}}
+    result = run_pair(plan, env={**IPC_ENV, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "0"})
+    d, (p0, _) = result["decode"], result["ranks"]["prefill"]
+    failed, written = d["requests"]["7301"], p0["requests"]["7301"]
+    assert "send_metadata to prefill rank" in failed_reason(d, 7301) and "injected" in failed_reason(d, 7301)
+    assert written["write_done_at"] - failed["metadata_at_wall"] > 2.0, (failed, written)  # failed mid-write
+    assert failed["pages_freed_at"] >= written["write_done_at"], (failed, written)
+    assert landed(d, "7302")["bad_pages_at_end"] == []
+    assert d["untouched_violations"] == []
+    assert_ranks_clean(result)
+
+
 def test_a_prefill_replaced_at_its_address_fails_the_old_rooms_and_serves_the_new_one():
     # the prefill process dies mid-transfer and a new one comes up at once behind the same bootstrap address (a
     # restarted pod behind a Service: SGLang's heartbeat of that address never fails, so it cannot help). The
