@@ -6,7 +6,9 @@ length); the export travels in the registration (`messages.IpcExport`). Prefill 
 the decode's address space into this process, refusing any span that is not wholly inside a region the decode
 exported. `CudaIpcTransport.write` then copies a chunk's descriptors with one launch (span_copy.py) on its own
 stream and synchronises before it returns, so the Status the caller sends next can never overtake the data;
-the decode does nothing per chunk.
+the decode does nothing per chunk. With `SGLANG_P2P_COPY_ENGINE` on (or auto, where engine/copy/ce_plan.py's
+rule says so for the chunk) the same checked spans go to the GPU's copy engines instead of the SMs
+(`IpcBackend.write_copy_engines`: one cudaMemcpyBatchAsync, engine/copy/copy_engine.py), synchronised the same way.
 
 What the pool's memory must be: `cudaIpcGetMemHandle` works on memory from `cudaMalloc`, which is what PyTorch's
 caching allocator hands out by default (SGLang's KV pools are plain torch tensors). Memory from the CUDA VMM API
@@ -37,6 +39,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from sglang_p2p_backend.engine.copy.ce_plan import COPY_ENGINE, choose, coalesce, page_chunk_shape, page_spans
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 
@@ -115,6 +118,15 @@ class IpcBackend:
 
         self.write(device, *expand_pages(src_bases, dst_bases, item_bytes, src_ids, dst_ids))
 
+    def copy_engines_batched(self) -> bool:
+        """Whether one copy-engine call takes a whole chunk (`ce_plan.choose` then allows more spans a chunk)."""
+        return True
+
+    def write_copy_engines(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        """Copy every span with the GPU's copy engines instead of SMs and return once the bytes are in place.
+        Default: `write` (what a stand-in without copy engines does)."""
+        self.write(device, src, dst, lens)
+
 
 class CudaBackend(IpcBackend):
     """The few CUDA runtime/driver calls this transport needs, on the libraries torch already loaded, and the
@@ -125,6 +137,8 @@ class CudaBackend(IpcBackend):
         # decode peers copy at the same time without sharing a table
         self._local = threading.local()
         self._rt = self._drv = None
+        self._engines = None  # CopyEngines over the same libcudart, made by the first copy-engine write
+        self._engines_lock = threading.Lock()
 
     @property
     def rt(self) -> ctypes.CDLL:
@@ -211,6 +225,31 @@ class CudaBackend(IpcBackend):
         _, pages, stream = self._copiers(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         pages.copy(src_bases, dst_bases, item_bytes, src_ids, dst_ids, stream)
+        stream.synchronize()
+
+    def copy_engines(self):
+        """The copy-engine binding over this backend's libcudart (engine/copy/copy_engine.py), made once."""
+        with self._engines_lock:
+            if self._engines is None:
+                from sglang_p2p_backend.engine.copy.copy_engine import CopyEngines
+
+                self._engines = CopyEngines(self.rt)
+            return self._engines
+
+    def copy_engines_batched(self) -> bool:
+        return self.copy_engines().batched
+
+    def write_copy_engines(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        from sglang_p2p_backend.engine.copy.copy_engine import CopyEngineError
+
+        _, _, stream = self._copiers(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        try:
+            with torch.cuda.device(device):
+                self.copy_engines().copy(src, dst, lens, stream.cuda_stream)
+        except CopyEngineError as e:
+            stream.synchronize()  # what was queued before the refused call lands or fails now: nothing stays in flight
+            raise TransportError(str(e)) from e
         stream.synchronize()
 
 
@@ -349,8 +388,10 @@ class CudaIpcTransport(OneSidedTransport):
 
     name = NAME
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, copy_engine: str = "off"):
         self.device = device
+        #: SGLANG_P2P_COPY_ENGINE: off (the SM kernel), on (copy engines), auto (per chunk: ce_plan.choose)
+        self.copy_engine = copy_engine
         self.export: Optional[IpcExport] = None
         self.unavailable: Optional[str] = None
         self._peers: dict[str, IpcMapping] = {}
@@ -397,8 +438,19 @@ class CudaIpcTransport(OneSidedTransport):
             raise TransportError(f"decode rank {session} is not mapped through CUDA IPC")
         lens = np.asarray(lengths, dtype=np.int64)
         mapped = m.table.translate(np.asarray(dst, dtype=np.int64), lens)
-        backend().write(self.device, np.asarray(src, dtype=np.int64), mapped, lens)
+        src = np.asarray(src, dtype=np.int64)
+        if self.copy_engine != "off":
+            spans = coalesce(src, mapped, lens)
+            if self._copy_engines_take(spans[2].size, int(lens.sum())):
+                backend().write_copy_engines(self.device, *spans)
+                return int(lens.sum())
+        backend().write(self.device, src, mapped, lens)
         return int(lens.sum())
+
+    def _copy_engines_take(self, spans: int, nbytes: int) -> bool:
+        """The per-chunk rule (engine/copy/ce_plan.py) for a chunk of `spans` spans and `nbytes` bytes."""
+        lib = backend()
+        return choose(self.copy_engine, spans, nbytes, lib.copy_engines_batched()) == COPY_ENGINE
 
     def write_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
                     src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> int:
@@ -427,7 +479,12 @@ class CudaIpcTransport(OneSidedTransport):
                 raise TransportError(f"{name} page {bad} is outside the pool's {bound} pages; nothing was written")
         # one span per destination region, the whole pool: inside the export, or nothing moves
         mapped = m.table.translate(np.asarray(dst_bases, dtype=np.int64), items * int(dst_pages))
-        backend().write_pages(self.device, np.asarray(src_bases, dtype=np.int64), mapped, items, src_ids, dst_ids)
+        src_bases = np.asarray(src_bases, dtype=np.int64)
+        if self.copy_engine != "off" and self._copy_engines_take(*page_chunk_shape(src_ids, dst_ids, items)):
+            # the ids were checked against both pools above and every destination region against the export
+            backend().write_copy_engines(self.device, *page_spans(src_bases, mapped, items, src_ids, dst_ids))
+        else:
+            backend().write_pages(self.device, src_bases, mapped, items, src_ids, dst_ids)
         return int(src_ids.size) * int(items.sum())
 
     def close(self) -> None:
