@@ -101,3 +101,24 @@ def test_auto_on_the_benchmark_shapes(layout, tokens, page, scattered, want):
     spans, nbytes = page_chunk_shape(src, dst, [page * token_bytes] * regions)
     assert nbytes == tokens * regions * token_bytes
     assert choose("auto", spans, nbytes) == want
+
+
+@pytest.mark.parametrize("back_to_back", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_page_spans_equal_coalescing_every_descriptor(seed, back_to_back):
+    """page_spans looks only at region boundaries: it must give what coalescing every span gives."""
+    rng = np.random.default_rng(seed)
+    regions, pages, item = int(rng.integers(1, 6)), 12, 32
+    stride = pages * item if back_to_back else pages * item + 64
+    src_bases = [4096 + r * stride for r in range(regions)]
+    dst_bases = [1 << 20 | r * stride for r in range(regions)]
+    n = int(rng.integers(1, pages + 1))
+    if seed % 2:  # runs that touch the pools' ends, so boundaries can join when the pool is back to back
+        src_ids, dst_ids = np.arange(pages - n, pages), np.arange(pages - n, pages)
+        src_ids = np.concatenate([src_ids[-1:] * 0, src_ids[1:]]) if n > 1 else src_ids
+        dst_ids = np.concatenate([dst_ids[-1:] * 0, dst_ids[1:]]) if n > 1 else dst_ids
+    else:
+        src_ids, dst_ids = rng.permutation(pages)[:n], rng.permutation(pages)[:n]
+    items = [item] * regions
+    want = coalesce(*copy_descriptors(src_bases, dst_bases, items, src_ids, dst_ids))
+    assert _lists(page_spans(src_bases, dst_bases, items, src_ids, dst_ids)) == _lists(want)

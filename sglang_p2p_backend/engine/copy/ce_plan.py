@@ -58,8 +58,17 @@ def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Descriptors:
 def page_spans(src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
                src_ids: np.ndarray, dst_ids: np.ndarray) -> Descriptors:
     """The copy-engine spans of whole pages src_ids -> dst_ids of every region: merged page runs, region-major,
-    coalesced across regions where the pool lies back to back."""
-    return coalesce(*copy_descriptors(src_bases, dst_bases, item_bytes, np.asarray(src_ids), np.asarray(dst_ids)))
+    coalesced across regions where the pool lies back to back. Equal to `coalesce(copy_descriptors(...))`."""
+    src, dst, lens = copy_descriptors(src_bases, dst_bases, item_bytes, np.asarray(src_ids), np.asarray(dst_ids))
+    regions = len(item_bytes)
+    if regions < 2 or not lens.size:
+        return src, dst, lens
+    # inside a region the runs are already maximal (page_runs breaks only where a side is not consecutive), so
+    # only a region's last run and the next region's first can join: look at those R - 1 pairs, not every span
+    k = lens.size // regions
+    last = np.arange(1, regions) * k - 1
+    joins = (src[last] + lens[last] == src[last + 1]) & (dst[last] + lens[last] == dst[last + 1])
+    return coalesce(src, dst, lens) if joins.any() else (src, dst, lens)
 
 
 def choose(mode: str, spans: int, nbytes: int, batched: bool = True) -> str:

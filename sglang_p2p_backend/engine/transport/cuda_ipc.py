@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -381,6 +381,17 @@ class IpcMapping:
         self._bases = []
 
 
+class PageWrite(NamedTuple):
+    """A checked whole-page write: this rank's region bases, the decode's translated into this process, item
+    bytes of every region, and the paired page ids (int64)."""
+
+    src_bases: np.ndarray
+    dst_bases: np.ndarray
+    item_bytes: np.ndarray
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+
+
 class CudaIpcTransport(OneSidedTransport):
     """Decode: exports its regions (`register`, `export`). Prefill: maps peers (`open_peer`, `forget_peer`) and
     writes chunks (`write`). Each peer is used by the one transfer worker that owns it; the lock only guards
@@ -458,6 +469,13 @@ class CudaIpcTransport(OneSidedTransport):
         addresses, each region `dst_pages` items long) with one launch, and wait; returns the bytes copied.
         Checked before anything moves (TransportError, nothing written): the id arrays pair up, every id is
         inside its pool, and every destination region lies wholly inside a region the decode exported."""
+        plan = self.plan_pages(session, src_bases, dst_bases, item_bytes, src_ids, dst_ids, src_pages, dst_pages)
+        return self.copy_pages(plan) if plan is not None else 0
+
+    def plan_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
+                   src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> Optional["PageWrite"]:
+        """The host half of `write_pages`: every check, and the destination regions translated into this
+        process; None when there is nothing to copy. Nothing is copied (the benchmark times it alone)."""
         with self._lock:
             m = self._peers.get(session)
         if m is None:
@@ -471,7 +489,7 @@ class CudaIpcTransport(OneSidedTransport):
             raise TransportError(f"{len(src_bases)} source regions, {len(dst_bases)} destination regions and "
                                  f"{items.size} item sizes do not pair up; nothing was written")
         if not src_ids.size or not items.size:
-            return 0
+            return None
         for name, ids, bound in (("destination", dst_ids, dst_pages), ("source", src_ids, src_pages)):
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= bound:
@@ -479,13 +497,17 @@ class CudaIpcTransport(OneSidedTransport):
                 raise TransportError(f"{name} page {bad} is outside the pool's {bound} pages; nothing was written")
         # one span per destination region, the whole pool: inside the export, or nothing moves
         mapped = m.table.translate(np.asarray(dst_bases, dtype=np.int64), items * int(dst_pages))
-        src_bases = np.asarray(src_bases, dtype=np.int64)
-        if self.copy_engine != "off" and self._copy_engines_take(*page_chunk_shape(src_ids, dst_ids, items)):
-            # the ids were checked against both pools above and every destination region against the export
-            backend().write_copy_engines(self.device, *page_spans(src_bases, mapped, items, src_ids, dst_ids))
+        return PageWrite(np.asarray(src_bases, dtype=np.int64), mapped, items, src_ids, dst_ids)
+
+    def copy_pages(self, plan: "PageWrite") -> int:
+        """The device half of `write_pages`: copy a checked plan (the kernel, or the copy engines where
+        SGLANG_P2P_COPY_ENGINE says so for this chunk) and wait; returns the bytes copied."""
+        if self.copy_engine != "off" and self._copy_engines_take(*page_chunk_shape(plan.src_ids, plan.dst_ids,
+                                                                                      plan.item_bytes)):
+            backend().write_copy_engines(self.device, *page_spans(*plan))
         else:
-            backend().write_pages(self.device, src_bases, mapped, items, src_ids, dst_ids)
-        return int(src_ids.size) * int(items.sum())
+            backend().write_pages(self.device, *plan)
+        return int(plan.src_ids.size) * int(plan.item_bytes.sum())
 
     def close(self) -> None:
         with self._lock:
