@@ -134,3 +134,26 @@ def test_quick_run_of_every_section_verifies_every_page(tmp_path):
     assert set(result["fixed_cost"]) == {"mla_p64", "mha_p16"}
     assert all(f["end_to_end_us"] > 0 for f in result["fixed_cost"].values())
     assert result["skipped"] == [] and result["rule"]["winner"]
+
+
+def test_run_all_transfer_bench_phase_needs_no_sglang_bundle(tmp_path):
+    """run_all.sh --phase transfer-bench runs without the SGLang bundle, writes $OUT/xfer_$KIND.{json,log}, and
+    on a machine without CUDA says it measured nothing."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "E2E_ROOT": str(tmp_path / "root"), "E2E_BUNDLE": str(tmp_path / "none"),
+           "OUT": str(tmp_path / "out"), "E2E_KIND": "cpu-test"}
+    p = subprocess.run(["bash", str(repo / "e2e/run_all.sh"), "--phase", "transfer-bench"], capture_output=True,
+                       text=True, env=env, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "skipped: no CUDA device here" in (tmp_path / "out/xfer_cpu-test.log").read_text()
+    assert not (tmp_path / "out/xfer_cpu-test.json").exists()
+    env["E2E_XFER_ARGS"] = "--quick --sections plan"
+    p = subprocess.run(["bash", str(repo / "e2e/run_all.sh"), "--phase", "transfer-bench"], capture_output=True,
+                       text=True, env=env, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = json.loads((tmp_path / "out/xfer_cpu-test.json").read_text())
+    assert doc["machine"] == "cpu-test" and len(doc["plan"]) == 27 and doc["pass"] == {"verified": True}
