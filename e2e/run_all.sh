@@ -48,8 +48,8 @@
 #   transfer-bench: bench/transfer/xfer_bench.py on this machine's GPUs: the same-host write path (SM kernel and
 #          copy engines) against one cudaMemcpyPeer, the NCCL path against one contiguous NCCL send, a matmul's
 #          slowdown during transfers, a 128-token request's fixed cost by phase -> $OUT/xfer_$KIND.json and
-#          $OUT/xfer_$KIND.log (E2E_XFER_ARGS adds flags). Needs no SGLang: carry .bundle/bench.tar.xz (msgspec)
-#          or sglang.tar.xz
+#          $OUT/xfer_$KIND.log (E2E_XFER_ARGS adds flags), after tests/gpu/test_copy_engine.py -> $OUT/xfer_tests.log
+#          (E2E_XFER_TESTS=0 skips it). Needs no SGLang: carry .bundle/bench.tar.xz (msgspec) or sglang.tar.xz
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
 #   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
@@ -274,6 +274,11 @@ run_ipc() {  # pytest output goes to $OUT/ipc_tests.log; figures to $OUT/ipc_$KI
 }
 
 run_transfer_bench() {  # figures to $OUT/xfer_$KIND.json, the printed tables to $OUT/xfer_$KIND.log
+  if [ "${E2E_XFER_TESTS:-1}" = 1 ]; then  # the copy-engine path's bytes first (tests/gpu/test_copy_engine.py)
+    step copy_engine_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_copy_engine.py -rs \
+      > "$OUTDIR/xfer_tests.log" 2>&1
+    tail -n 30 "$OUTDIR/xfer_tests.log"
+  fi
   # the bench stops starting cases 60 s before the phase's deadline (its processes need ~20 s to start)
   local budget=$(( $(left) - 60 ))
   # shellcheck disable=SC2086 # E2E_XFER_ARGS: extra flags, word-split on purpose
