@@ -136,6 +136,7 @@ def test_quick_run_of_every_section_verifies_every_page(tmp_path):
     assert result["skipped"] == [] and result["rule"]["winner"]
 
 
+@pytest.mark.slow
 def test_run_all_transfer_bench_phase_needs_no_sglang_bundle(tmp_path):
     """run_all.sh --phase transfer-bench runs without the SGLang bundle, writes $OUT/xfer_$KIND.{json,log}, and
     on a machine without CUDA says it measured nothing."""
