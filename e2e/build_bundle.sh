@@ -2,7 +2,7 @@
 # Builds what the end-to-end check needs on the GPU host (torch 2.11.0+cu130, Python 3.12, no internet) as two
 # archives, each under the 60 MiB that one device call can carry beside the repository:
 #
-#   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras|serve|lb]]  (default: .bundle/, sglang and extras; ignored by git;
+#   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras|serve|lb|bench]]  (default: .bundle/, sglang and extras; ignored by git;
 #                                                         ~8 min on 2 cores, xz is most of it)
 #
 #   sglang.tar.xz  SGLang 0.5.17 and everything its server imports: the recipe below
@@ -26,6 +26,8 @@
 #                            our LB and mini_lb need beyond the host image, on the path only where no SGLang bundle
 #                            is unpacked, so run_all.sh --phase lb-overhead runs in a call that carries lb.tar.xz
 #                            alone (50 MiB in all)
+#   bench.tar.xz   msgspec alone (0.2 MiB): the one package the transfer engine imports that the host image lacks, so
+#                  run_all.sh --phase transfer-bench (bench/transfer/xfer_bench.py) runs without the SGLang bundle
 # Needs pip (any Python) and network here; PIP_INDEX_URL etc. are honoured. XZ_THREADS (default 2).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -170,6 +172,15 @@ build_lb() {
   pack lb "$W/lb"
 }
 
+build_bench() {  # msgspec at the version the project pins (requirements/cpu-common.txt)
+  local pin
+  pin=$(grep -E '^msgspec==' "$ROOT/requirements/cpu-common.txt")
+  dl "$W/w9" "$pin"
+  mkdir -p "$W/bench"
+  unpack_wheels "$W/w9" "$W/bench"
+  pack bench "$W/bench"
+}
+
 # sglang.tar.xz: SGLang and its import chain; extras.tar.xz: Mooncake and genai-bench; serve.tar.xz: NIXL,
 # Mooncake, py-spy; lb.tar.xz: smg and mini_lb
 for part in $WHICH; do
@@ -178,7 +189,8 @@ for part in $WHICH; do
     extras) build_extras ;;
     serve) build_serve ;;
     lb) build_lb ;;
-    *) echo "build_bundle.sh: unknown part $part (sglang, extras, serve or lb)" >&2; exit 2 ;;
+    bench) build_bench ;;
+    *) echo "build_bundle.sh: unknown part $part (sglang, extras, serve, lb or bench)" >&2; exit 2 ;;
   esac
 done
 ls -la "$OUT"

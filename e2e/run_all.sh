@@ -45,6 +45,11 @@
 #   shape-serve: serving figures of a 4-GPU miniature (E2E_SERVE_SHAPE: mini-a-serve or mini-b-serve), p2pnccl
 #          next to NIXL and Mooncake on the same rendered commands -> $OUT/shape_serve_<shape>_<kind>.json
 #          (e2e/shape_serve.py; E2E_SERVE_ARGS adds flags; needs serve.tar.xz, this call or an earlier one)
+#   transfer-bench: bench/transfer/xfer_bench.py on this machine's GPUs: the same-host write path (SM kernel and
+#          copy engines) against one cudaMemcpyPeer, the NCCL path against one contiguous NCCL send, a matmul's
+#          slowdown during transfers, a 128-token request's fixed cost by phase -> $OUT/xfer_$KIND.json and
+#          $OUT/xfer_$KIND.log (E2E_XFER_ARGS adds flags), after tests/gpu/test_copy_engine.py -> $OUT/xfer_tests.log
+#          (E2E_XFER_TESTS=0 skips it). Needs no SGLang: carry .bundle/bench.tar.xz (msgspec) or sglang.tar.xz
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
 #   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
@@ -73,8 +78,8 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|lb-overhead|ipc|serve|shapes|shape-faults|shape-serve|unpack) ;;
-  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, lb-overhead, ipc, serve, shapes, shape-faults, shape-serve or unpack" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|lb-overhead|ipc|serve|shapes|shape-faults|shape-serve|transfer-bench|unpack) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, lb-overhead, ipc, serve, shapes, shape-faults, shape-serve, transfer-bench or unpack" >&2; exit 2 ;; esac
 case "$GPUS" in 1|2|4) ;;
   *) echo "run_all.sh: --gpus must be 1, 2 or 4" >&2; exit 2 ;; esac
 case "$PHASE:$GPUS" in shapes:4|shape-faults:4|shape-serve:4) ;; shapes:*|shape-faults:*|shape-serve:*)
@@ -102,12 +107,13 @@ unpack sglang
 unpack extras
 unpack serve
 unpack lb
+unpack bench
 if [ "$PHASE" = unpack ]; then
-  for part in sglang extras serve lb; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
+  for part in sglang extras serve lb bench; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
   exit 0
 fi
 HAVE_SGLANG=0; [ -f "$E2E_ROOT/sglang/.unpacked" ] && HAVE_SGLANG=1
-if [ "$HAVE_SGLANG" = 0 ] && [ "$PHASE" != lb-overhead ]; then
+if [ "$HAVE_SGLANG" = 0 ] && [ "$PHASE" != lb-overhead ] && [ "$PHASE" != transfer-bench ]; then
   echo "run_all.sh: no SGLang bundle: carry .bundle/sglang.tar.xz in this call (e2e/build_bundle.sh builds it)" >&2
   exit 3
 fi
@@ -120,6 +126,8 @@ if [ -d "$E2E_ROOT/extras/mooncake" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/ext
 if [ -d "$E2E_ROOT/serve/nixl" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/serve/nixl; fi
 # lb-overhead without SGLang: what our LB and mini_lb need beyond the host image (orjson, fastapi, uvicorn)
 if [ "$HAVE_SGLANG" = 0 ] && [ -d "$E2E_ROOT/lb/common" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/lb/common; fi
+# transfer-bench without SGLang: msgspec, the transfer engine's one import beyond the host image
+if [ "$HAVE_SGLANG" = 0 ] && [ -d "$E2E_ROOT/bench" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/bench; fi
 if [ "$HAVE_MOONCAKE" = 0 ] && [ -d "$E2E_ROOT/serve/mooncake" ]; then
   PYTHONPATH=$PYTHONPATH:$E2E_ROOT/serve/mooncake; HAVE_MOONCAKE=1
 fi
@@ -142,7 +150,10 @@ if [ -z "$KIND" ]; then  # the machine's name in the results, from its GPUs: 2 x
 fi
 KIND=${KIND:-nvidia-h200-x2}
 python3 -m e2e.machine "$KIND" > "$STATE/machine.json" 2>/dev/null || true
-if [ "$HAVE_SGLANG" = 0 ]; then  # lb-overhead only: our LB and its client, no SGLang
+if [ "$PHASE" = transfer-bench ]; then  # the transfer engine alone: torch, Triton, msgspec
+  python3 -c "import torch, triton, msgspec, sglang_p2p_backend.engine.transport.cuda_ipc; print('preflight: transfer engine importable, torch', torch.__version__, 'CUDA', torch.version.cuda)" \
+    || { echo "run_all.sh: preflight failed: carry .bundle/bench.tar.xz (msgspec; e2e/build_bundle.sh .bundle bench)" >&2; exit 4; }
+elif [ "$HAVE_SGLANG" = 0 ]; then  # lb-overhead only: our LB and its client, no SGLang
   python3 -c "import sglang_p2p_lb, aiohttp, orjson; print('preflight: LB importable (no SGLang bundle)')" \
     || { echo "run_all.sh: preflight failed: carry .bundle/lb.tar.xz (its common/ has orjson)" >&2; exit 4; }
 elif ! python3 -c "
@@ -262,6 +273,20 @@ run_ipc() {  # pytest output goes to $OUT/ipc_tests.log; figures to $OUT/ipc_$KI
   cat "$OUTDIR/ipc_tests.log"
 }
 
+run_transfer_bench() {  # figures to $OUT/xfer_$KIND.json, the printed tables to $OUT/xfer_$KIND.log
+  if [ "${E2E_XFER_TESTS:-1}" = 1 ]; then  # the copy-engine path's bytes first (tests/gpu/test_copy_engine.py)
+    step copy_engine_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_copy_engine.py -rs \
+      > "$OUTDIR/xfer_tests.log" 2>&1
+    tail -n 30 "$OUTDIR/xfer_tests.log"
+  fi
+  # the bench stops starting cases 60 s before the phase's deadline (its processes need ~20 s to start)
+  local budget=$(( $(left) - 60 ))
+  # shellcheck disable=SC2086 # E2E_XFER_ARGS: extra flags, word-split on purpose
+  step transfer_bench python3 bench/transfer/xfer_bench.py --machine "$KIND" --out "$OUTDIR/xfer_$KIND.json" \
+    --budget-s "$budget" ${E2E_XFER_ARGS:-} > "$OUTDIR/xfer_$KIND.log" 2>&1
+  cat "$OUTDIR/xfer_$KIND.log"
+}
+
 run_serve() {  # E2E_SERVE_ARGS: e2e.serve's flags (--modes, --cells, --reps, --extra, --profile)
   if [ ! -d "$E2E_ROOT/serve/nixl" ]; then
     say "serve: no NIXL: carry .bundle/serve.tar.xz (e2e/build_bundle.sh .bundle serve) in this or an earlier call"
@@ -303,6 +328,7 @@ case "$PHASE" in
   shape-faults) run_shape_faults ;;
   serve) run_serve ;;
   ipc) run_ipc ;;
+  transfer-bench) run_transfer_bench ;;
   liveness) run_liveness ;;
   faults) run_faults ;;
   check) run_check ;;

@@ -240,8 +240,8 @@ def _prefill_one(tr: CudaIpcTransport, conn, layout: str, page_size: int, seed: 
     return {"spans": spans, "merged_spans": merged, "page_chunks": page_chunks, "refused": refused, "export": export}
 
 
-def _prefill_cases(conn, cases):
-    tr = CudaIpcTransport(_device())
+def _prefill_cases(conn, cases, copy_engine: str = "off"):
+    tr = CudaIpcTransport(_device(), copy_engine)
     out = {}
     for i, (layout, ps) in enumerate(cases):
         r = _prefill_one(tr, conn, layout, ps, seed=100 + i)
@@ -252,8 +252,9 @@ def _prefill_cases(conn, cases):
     return out
 
 
-def prefill_cases(rank, conn, cases):
-    return _guarded(_prefill_cases, conn, cases)
+def prefill_cases(rank, conn, cases, copy_engine: str = "off"):
+    """`copy_engine`: SGLANG_P2P_COPY_ENGINE's value for the transport (tests/gpu/test_copy_engine.py runs "on")."""
+    return _guarded(_prefill_cases, conn, cases, copy_engine)
 
 
 def _prefill_restart(conn, conn_next, case):

@@ -183,15 +183,14 @@ def copy_descriptors(
     if heads is not None:
         return _head_descriptors(src_ptrs, dst_ptrs, item_lens, dst_item_lens or item_lens, src_ids, dst_ids, heads)
     runs = page_runs(src_ids, dst_ids)
-    srcs, dsts, lens = [], [], []
-    for sp, dp, il in zip(src_ptrs, dst_ptrs, item_lens):
-        srcs.append(sp + runs[:, 0] * il)
-        dsts.append(dp + runs[:, 1] * il)
-        lens.append(runs[:, 2] * il)
-    if not srcs:
-        empty = np.zeros(0, dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    if not len(src_ptrs) or not len(runs):
         return empty, empty, empty
-    return np.concatenate(srcs), np.concatenate(dsts), np.concatenate(lens)
+    # one broadcast over (region, run), region-major: no Python loop per layer on the chunk's hot path
+    items = np.asarray(item_lens, dtype=np.int64).reshape(-1, 1)
+    src = np.asarray(src_ptrs, dtype=np.int64).reshape(-1, 1) + runs[:, 0] * items
+    dst = np.asarray(dst_ptrs, dtype=np.int64).reshape(-1, 1) + runs[:, 1] * items
+    return src.reshape(-1), dst.reshape(-1), (runs[:, 2] * items).reshape(-1)
 
 
 def _head_descriptors(
@@ -211,15 +210,20 @@ def _head_descriptors(
     empty = np.zeros(0, dtype=np.int64)
     if not src_ids.size or not heads.src.count:
         return empty, empty, empty
-    rows = np.arange(heads.src.rows, dtype=np.int64).reshape(1, -1)
-    srcs, dsts, lens = [], [], []
-    for sp, dp, sl, dl in zip(src_ptrs, dst_ptrs, src_lens, dst_lens):
-        hb = heads.src.head_bytes(sl)
-        if hb != heads.dst.head_bytes(dl):
-            raise PlanError(f"a head is {hb} bytes on the prefill but {heads.dst.head_bytes(dl)} on the decode")
-        s = sp + src_ids * sl + rows * (sl // heads.src.rows) + heads.src.lo * hb
-        d = dp + dst_ids * dl + rows * (dl // heads.dst.rows) + heads.dst.lo * hb
-        srcs.append(s.reshape(-1))
-        dsts.append(d.reshape(-1))
-        lens.append(np.full(s.size, heads.src.count * hb, dtype=np.int64))
-    return np.concatenate(srcs), np.concatenate(dsts), np.concatenate(lens)
+    if len(dst_lens) != len(src_lens):
+        raise PlanError(f"prefill has {len(src_lens)} regions, decode {len(dst_lens)}: layouts differ")
+    # (region, page, row) broadcast, region-major then page then row: one array op per term, none per layer
+    sl = np.asarray(src_lens, dtype=np.int64).reshape(-1, 1, 1)
+    dl = np.asarray(dst_lens, dtype=np.int64).reshape(-1, 1, 1)
+    hb = sl // (heads.src.rows * heads.src.local)
+    dst_hb = dl // (heads.dst.rows * heads.dst.local)
+    if (hb != dst_hb).any():
+        r = int(np.flatnonzero((hb != dst_hb).reshape(-1))[0])
+        raise PlanError(f"a head is {int(hb.reshape(-1)[r])} bytes on the prefill but {int(dst_hb.reshape(-1)[r])} "
+                        f"on the decode")
+    rows = np.arange(heads.src.rows, dtype=np.int64).reshape(1, 1, -1)
+    s_ids, d_ids = src_ids.reshape(1, -1, 1), dst_ids.reshape(1, -1, 1)
+    s = np.asarray(src_ptrs, dtype=np.int64).reshape(-1, 1, 1) + s_ids * sl + rows * (sl // heads.src.rows) + heads.src.lo * hb
+    d = np.asarray(dst_ptrs, dtype=np.int64).reshape(-1, 1, 1) + d_ids * dl + rows * (dl // heads.dst.rows) + heads.dst.lo * hb
+    n = np.broadcast_to(heads.src.count * hb, s.shape)
+    return s.reshape(-1), d.reshape(-1), np.ascontiguousarray(n).reshape(-1)

@@ -6,7 +6,9 @@ length); the export travels in the registration (`messages.IpcExport`). Prefill 
 the decode's address space into this process, refusing any span that is not wholly inside a region the decode
 exported. `CudaIpcTransport.write` then copies a chunk's descriptors with one launch (span_copy.py) on its own
 stream and synchronises before it returns, so the Status the caller sends next can never overtake the data;
-the decode does nothing per chunk.
+the decode does nothing per chunk. With `SGLANG_P2P_COPY_ENGINE` on (or auto, where engine/copy/ce_plan.py's
+rule says so for the chunk) the same checked spans go to the GPU's copy engines instead of the SMs
+(`IpcBackend.write_copy_engines`: one cudaMemcpyBatchAsync, engine/copy/copy_engine.py), synchronised the same way.
 
 What the pool's memory must be: `cudaIpcGetMemHandle` works on memory from `cudaMalloc`, which is what PyTorch's
 caching allocator hands out by default (SGLang's KV pools are plain torch tensors). Memory from the CUDA VMM API
@@ -32,11 +34,12 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
+from sglang_p2p_backend.engine.copy.ce_plan import COPY_ENGINE, choose, coalesce, page_chunk_shape, page_spans
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 
@@ -115,6 +118,15 @@ class IpcBackend:
 
         self.write(device, *expand_pages(src_bases, dst_bases, item_bytes, src_ids, dst_ids))
 
+    def copy_engines_batched(self) -> bool:
+        """Whether one copy-engine call takes a whole chunk (`ce_plan.choose` then allows more spans a chunk)."""
+        return True
+
+    def write_copy_engines(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        """Copy every span with the GPU's copy engines instead of SMs and return once the bytes are in place.
+        Default: `write` (what a stand-in without copy engines does)."""
+        self.write(device, src, dst, lens)
+
 
 class CudaBackend(IpcBackend):
     """The few CUDA runtime/driver calls this transport needs, on the libraries torch already loaded, and the
@@ -125,6 +137,8 @@ class CudaBackend(IpcBackend):
         # decode peers copy at the same time without sharing a table
         self._local = threading.local()
         self._rt = self._drv = None
+        self._engines = None  # CopyEngines over the same libcudart, made by the first copy-engine write
+        self._engines_lock = threading.Lock()
 
     @property
     def rt(self) -> ctypes.CDLL:
@@ -211,6 +225,31 @@ class CudaBackend(IpcBackend):
         _, pages, stream = self._copiers(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         pages.copy(src_bases, dst_bases, item_bytes, src_ids, dst_ids, stream)
+        stream.synchronize()
+
+    def copy_engines(self):
+        """The copy-engine binding over this backend's libcudart (engine/copy/copy_engine.py), made once."""
+        with self._engines_lock:
+            if self._engines is None:
+                from sglang_p2p_backend.engine.copy.copy_engine import CopyEngines
+
+                self._engines = CopyEngines(self.rt)
+            return self._engines
+
+    def copy_engines_batched(self) -> bool:
+        return self.copy_engines().batched
+
+    def write_copy_engines(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        from sglang_p2p_backend.engine.copy.copy_engine import CopyEngineError
+
+        _, _, stream = self._copiers(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        try:
+            with torch.cuda.device(device):
+                self.copy_engines().copy(src, dst, lens, stream.cuda_stream)
+        except CopyEngineError as e:
+            stream.synchronize()  # what was queued before the refused call lands or fails now: nothing stays in flight
+            raise TransportError(str(e)) from e
         stream.synchronize()
 
 
@@ -342,6 +381,17 @@ class IpcMapping:
         self._bases = []
 
 
+class PageWrite(NamedTuple):
+    """A checked whole-page write: this rank's region bases, the decode's translated into this process, item
+    bytes of every region, and the paired page ids (int64)."""
+
+    src_bases: np.ndarray
+    dst_bases: np.ndarray
+    item_bytes: np.ndarray
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+
+
 class CudaIpcTransport(OneSidedTransport):
     """Decode: exports its regions (`register`, `export`). Prefill: maps peers (`open_peer`, `forget_peer`) and
     writes chunks (`write`). Each peer is used by the one transfer worker that owns it; the lock only guards
@@ -349,8 +399,10 @@ class CudaIpcTransport(OneSidedTransport):
 
     name = NAME
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, copy_engine: str = "off"):
         self.device = device
+        #: SGLANG_P2P_COPY_ENGINE: off (the SM kernel), on (copy engines), auto (per chunk: ce_plan.choose)
+        self.copy_engine = copy_engine
         self.export: Optional[IpcExport] = None
         self.unavailable: Optional[str] = None
         self._peers: dict[str, IpcMapping] = {}
@@ -397,8 +449,19 @@ class CudaIpcTransport(OneSidedTransport):
             raise TransportError(f"decode rank {session} is not mapped through CUDA IPC")
         lens = np.asarray(lengths, dtype=np.int64)
         mapped = m.table.translate(np.asarray(dst, dtype=np.int64), lens)
-        backend().write(self.device, np.asarray(src, dtype=np.int64), mapped, lens)
+        src = np.asarray(src, dtype=np.int64)
+        if self.copy_engine != "off":
+            spans = coalesce(src, mapped, lens)
+            if self._copy_engines_take(spans[2].size, int(lens.sum())):
+                backend().write_copy_engines(self.device, *spans)
+                return int(lens.sum())
+        backend().write(self.device, src, mapped, lens)
         return int(lens.sum())
+
+    def _copy_engines_take(self, spans: int, nbytes: int) -> bool:
+        """The per-chunk rule (engine/copy/ce_plan.py) for a chunk of `spans` spans and `nbytes` bytes."""
+        lib = backend()
+        return choose(self.copy_engine, spans, nbytes, lib.copy_engines_batched()) == COPY_ENGINE
 
     def write_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
                     src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> int:
@@ -406,6 +469,13 @@ class CudaIpcTransport(OneSidedTransport):
         addresses, each region `dst_pages` items long) with one launch, and wait; returns the bytes copied.
         Checked before anything moves (TransportError, nothing written): the id arrays pair up, every id is
         inside its pool, and every destination region lies wholly inside a region the decode exported."""
+        plan = self.plan_pages(session, src_bases, dst_bases, item_bytes, src_ids, dst_ids, src_pages, dst_pages)
+        return self.copy_pages(plan) if plan is not None else 0
+
+    def plan_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
+                   src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> Optional["PageWrite"]:
+        """The host half of `write_pages`: every check, and the destination regions translated into this
+        process; None when there is nothing to copy. Nothing is copied (the benchmark times it alone)."""
         with self._lock:
             m = self._peers.get(session)
         if m is None:
@@ -419,7 +489,7 @@ class CudaIpcTransport(OneSidedTransport):
             raise TransportError(f"{len(src_bases)} source regions, {len(dst_bases)} destination regions and "
                                  f"{items.size} item sizes do not pair up; nothing was written")
         if not src_ids.size or not items.size:
-            return 0
+            return None
         for name, ids, bound in (("destination", dst_ids, dst_pages), ("source", src_ids, src_pages)):
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= bound:
@@ -427,8 +497,17 @@ class CudaIpcTransport(OneSidedTransport):
                 raise TransportError(f"{name} page {bad} is outside the pool's {bound} pages; nothing was written")
         # one span per destination region, the whole pool: inside the export, or nothing moves
         mapped = m.table.translate(np.asarray(dst_bases, dtype=np.int64), items * int(dst_pages))
-        backend().write_pages(self.device, np.asarray(src_bases, dtype=np.int64), mapped, items, src_ids, dst_ids)
-        return int(src_ids.size) * int(items.sum())
+        return PageWrite(np.asarray(src_bases, dtype=np.int64), mapped, items, src_ids, dst_ids)
+
+    def copy_pages(self, plan: "PageWrite") -> int:
+        """The device half of `write_pages`: copy a checked plan (the kernel, or the copy engines where
+        SGLANG_P2P_COPY_ENGINE says so for this chunk) and wait; returns the bytes copied."""
+        if self.copy_engine != "off" and self._copy_engines_take(*page_chunk_shape(plan.src_ids, plan.dst_ids,
+                                                                                      plan.item_bytes)):
+            backend().write_copy_engines(self.device, *page_spans(*plan))
+        else:
+            backend().write_pages(self.device, *plan)
+        return int(plan.src_ids.size) * int(plan.item_bytes.sum())
 
     def close(self) -> None:
         with self._lock:

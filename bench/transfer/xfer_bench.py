@@ -1,0 +1,938 @@
+"""The backend's own write paths across two GPUs against the one copy they should match (issue 35, item 1).
+
+    python bench/transfer/xfer_bench.py [--machine NAME] [--out PATH] [--sections plan,ipc,nccl,interference,fixed]
+                                        [--budget-s 400] [--case-s 0.25] [--quick]
+
+Two spawned processes: the prefill on cuda:0 drives, the decode on cuda:1 (cuda:0 on a one-GPU host) answers
+over a pipe (allocates and exports its pools, zeroes pages, hashes pages, receives NCCL chunks). Cases: MHA with
+128 KiB of KV a token (64 regions of 2 KiB a token) at page sizes 1 and 16, MLA (61 layers x 576 bf16) at page
+size 64; 128, 1k, 4k and 16k tokens; contiguous and scattered pages (bench/transfer/xfer_cases.py).
+
+- `ipc`: `CudaIpcTransport.write_pages` (the same-host path the prefill takes for whole pages: checks, one
+  launch, synchronise), with the SM kernel (`kernel`) and with the copy engines (`copy_engine`,
+  SGLANG_P2P_COPY_ENGINE=on), host time from call to return, against ONE cudaMemcpyPeerAsync of the same bytes
+  between contiguous buffers (CUDA-event time; `ratio` = peer / write). After each mode the decode hashes its
+  destination pages and compares them with the prefill's source pages (every byte counts). With two GPUs the
+  4k/16k MHA page-16 and MLA cases run again with the decode's pool on the prefill's GPU (`same_gpu`, against
+  one device-to-device copy). `rule` says which mode won each case and where the crossover lies (what
+  engine/copy/ce_plan.py's thresholds are set from).
+- `nccl`: `PairSender.send` -> `PairReceiver` over NCCL (fused gather, staging slots, fused scatter), timed
+  from send() to the decode's last scatter, against ONE contiguous NCCL send of the same bytes on the same
+  pair communicator.
+- `interference`: a bf16 matmul loop on the prefill GPU's default stream, alone and while a thread writes the
+  16k MHA page-16 request back to back (kernel, copy engines, NCCL).
+- `fixed`: where a 128-token request's time goes (MLA page 64 and MHA page 16, scattered): host planning
+  (checks and address translation), descriptor upload (CUDA events), launch (host time of the queueing call),
+  sync (host wait), the control message (msgspec encoding of the aux row and Status, and one way over a local
+  socket); also for the copy engines and the NCCL path.
+- `plan`: host planning alone, no device: how the per-chunk host work grows with pages and layers.
+
+Writes one JSON (default bench/results/xfer_<machine>.json) with the machine named, and prints a table per
+section. Without CUDA it says so and exits 0 having measured nothing; `--quick` runs the whole driver on CPU
+instead (the shared-memory stand-in of CUDA IPC from tests/support, the tcp transport for the NCCL path, small
+pools), which is what tests/bench/test_xfer_bench.py runs. Every section stops starting cases once
+`--budget-s` is spent (those are listed as skipped); the defaults end in about 2-3 minutes on two H100s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` and `sglang_p2p_backend`
+    sys.path.insert(0, _ROOT)
+
+from bench.transfer import xfer_cases as xc  # noqa: E402
+from bench.transfer.pair import SAFE_ENV, collect, expect, guarded  # noqa: E402
+
+SESSION = "127.0.0.1:17035"
+IO_TIMEOUT = 120.0
+INTERFERENCE_CASE = ("mha_p16", 16384)
+FIXED_SHAPES = ("mla_p64", "mha_p16")
+SAME_GPU = (("mha_p16", 4096), ("mha_p16", 16384), ("mla_p64", 4096), ("mla_p64", 16384))
+#: cases with more copy-engine spans than this get fewer repetitions (a batch of ~1M spans takes long)
+MANY_SPANS = 1 << 16
+
+
+# -- both processes ------------------------------------------------------------------------------------------
+
+class Dev:
+    """One process's device: CUDA (events) or CPU (--quick: perf_counter for every clock)."""
+
+    def __init__(self, torch, device):
+        self.torch, self.device = torch, device
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+
+    def gpu_seconds(self, fn: Callable[[], Any], stream=None) -> float:
+        """Device time of the work `fn` queues (CUDA events on `stream`, default the current one), or its
+        host time on CPU."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        torch = self.torch
+        stream = stream or torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        with torch.cuda.stream(stream):  # work `fn` queues on the current stream lands between the events
+            fn()
+        end.record(stream)
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+
+
+def host_seconds(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _shape(d: dict) -> xc.Shape:
+    return xc.Shape(**d)
+
+
+def _region_hash(torch, region, ids, r: int):
+    """int64 hashes of pages `ids` of one region ((pages, item) uint8), as xfer_cases.page_hash."""
+    sel = region.index_select(0, ids).view(torch.int64)
+    w = torch.from_numpy(xc.hash_weights(sel.shape[1], r)).to(region.device)
+    return (sel * w).sum(dim=1)
+
+
+def pool_hash(torch, regions, ids: np.ndarray) -> np.ndarray:
+    """Hashes of pages `ids` over every region (the same on either side and device)."""
+    if not len(ids):
+        return np.zeros(0, dtype=np.int64)
+    idx = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(regions[0].device)
+    total = torch.zeros(len(ids), dtype=torch.int64, device=regions[0].device)
+    for r, t in enumerate(regions):
+        total += _region_hash(torch, t, idx, r)
+    return total.cpu().numpy()
+
+
+def _setup(quick: bool, gpu: int):
+    """torch and the device of this process; --quick installs the shared-memory stand-in of CUDA IPC."""
+    os.environ.update(SAFE_ENV)
+    import torch
+
+    if quick:
+        tests = str(Path(_ROOT) / "tests")
+        if tests not in sys.path:
+            sys.path.append(tests)
+        from support.shm_ipc import ShmBackend
+
+        from sglang_p2p_backend.engine.transport import cuda_ipc
+
+        backend = ShmBackend()
+        cuda_ipc.use_backend(backend)
+        return torch, torch.device("cpu"), backend
+    torch.cuda.set_device(gpu)
+    return torch, torch.device("cuda", gpu), None
+
+
+def _child(fn, rank: int, conn, results, cfg: dict) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(cfg["budget_s"] + 150, exit=False)  # a hang shows where it waits
+    try:
+        results.put((rank, True, fn(conn, cfg)))
+    except BaseException:  # report everything, the parent decides
+        results.put((rank, False, traceback.format_exc()))
+
+
+# -- decode: a server over the pipe -----------------------------------------------------------------------------
+
+class Decode:
+    def __init__(self, conn, cfg: dict):
+        self.torch, self.dev, self.shm = _setup(cfg["quick"], cfg["decode_gpu"])
+        self.conn, self.cfg = conn, cfg
+        self.pool: list = []
+        self.nccl = None  # (transport, staging, receiver, errors)
+        self.transport = None
+        self.ref_buf = None
+
+    def _alloc(self, shape: xc.Shape, pages: int, gpu: int) -> list:
+        torch = self.torch
+        self.pool = []
+        torch.cuda.empty_cache() if self.dev.type == "cuda" else None
+        if self.shm is not None:
+            return [self.shm.allocate(pages * shape.item).view(pages, shape.item).zero_() for _ in range(shape.regions)]
+        dev = torch.device("cuda", gpu)
+        return [torch.zeros((pages, shape.item), dtype=torch.uint8, device=dev) for _ in range(shape.regions)]
+
+    def pool_cmd(self, shape: dict, pages: int, gpu: int):
+        import msgspec
+
+        from sglang_p2p_backend.engine.transport.cuda_ipc import export_regions
+
+        shape = _shape(shape)
+        self.pool = self._alloc(shape, pages, gpu)
+        device = self.pool[0].device
+        if device.type == "cuda":
+            self.torch.cuda.synchronize(device)
+        export = export_regions([(t.data_ptr(), t.numel()) for t in self.pool], device)
+        return ("pool", msgspec.msgpack.encode(export), [t.data_ptr() for t in self.pool])
+
+    def zero(self, ids):
+        idx = self.torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.pool[0].device)
+        for t in self.pool:
+            t.index_fill_(0, idx, 0)
+        return ("ok",)
+
+    def nccl_start(self, slot_bytes: int, slots: int):
+        from sglang_p2p_backend.engine.config import EngineConfig
+        from sglang_p2p_backend.engine.copy.copier import PageCopier
+        from sglang_p2p_backend.engine.pair.pipeline import PairReceiver
+        from sglang_p2p_backend.engine.pair.staging import StagingPool
+        from sglang_p2p_backend.engine.transport import two_sided_transport
+
+        if self.transport is None:
+            self.transport = two_sided_transport("auto", self.pool[0].device, "127.0.0.1", EngineConfig.from_env())
+        self.nccl_stop()
+        staging = StagingPool(self.transport.alloc_staging, slot_bytes, slots)
+        errors: list[str] = []
+        receiver = PairReceiver(transport=self.transport, staging=staging, copier=PageCopier([self.pool]),
+                                peer_session="prefill:0", wanted=lambda room: True,
+                                on_chunk=lambda room, rank, err: errors.append(err) if err else None,
+                                connect_timeout=IO_TIMEOUT, io_timeout=IO_TIMEOUT)
+        self.nccl = (staging, receiver, errors)
+        return ("ok",)
+
+    def nccl_stop(self):
+        if self.nccl is not None:
+            staging, receiver, _ = self.nccl
+            receiver.close()
+            staging.close()
+            self.nccl = None
+        return ("ok",)
+
+    def mark(self):
+        done: "queue.Queue[float]" = queue.Queue()
+        self.nccl[1].submit(lambda: done.put(time.monotonic()))
+        return ("landed", done.get(timeout=IO_TIMEOUT), list(self.nccl[2][:3]))
+
+    def ref_recv(self, nbytes: int):
+        """One contiguous receive of `nbytes` on the receiver's pair channel (it is idle between cases)."""
+        comm = self.nccl[1].comm
+        if self.ref_buf is None or self.ref_buf.numel() < nbytes:
+            self.ref_buf = None
+            self.ref_buf = self.transport.alloc_staging(nbytes)
+        comm.recv(self.ref_buf[:nbytes]).wait(IO_TIMEOUT)
+        if comm.stream is not None:
+            comm.stream.synchronize()
+        return ("landed", time.monotonic(), [])
+
+    def serve(self) -> dict:
+        from sglang_p2p_backend.engine.wire import messages
+
+        served = 0
+        while True:
+            msg = expect(self.conn, ("pool", "zero", "hash", "nccl_start", "nccl_stop", "ctrl", "mark", "ref",
+                                     "echo", "done"), IO_TIMEOUT * 3)
+            kind, args = msg[0], msg[1:]
+            served += 1
+            if kind == "done":
+                self.nccl_stop()
+                if self.shm is not None:  # --quick: the stand-in's shared segments go with this process
+                    self.pool = []
+                    self.shm.close()
+                return {"commands": served, "device": str(self.dev)}
+            if kind == "ctrl":  # the prefill's control message for the pair channel: no answer, in order
+                self.nccl[1].submit(messages.decode(args[0]))
+                continue
+            if kind == "echo":
+                self.conn.send(("echo", args[0]))
+                continue
+            reply = {"pool": self.pool_cmd, "zero": self.zero, "nccl_start": self.nccl_start,
+                     "nccl_stop": self.nccl_stop, "mark": self.mark, "ref": self.ref_recv,
+                     "hash": lambda ids: ("hash", pool_hash(self.torch, self.pool, ids))}[kind](*args)
+            self.conn.send(reply)
+
+
+def decode_main(conn, cfg):
+    return guarded(lambda c, f: Decode(c, f).serve(), conn, cfg)
+
+
+# -- prefill: the driver ---------------------------------------------------------------------------------------
+
+class Prefill:
+    def __init__(self, conn, cfg: dict):
+        self.torch, self.dev_t, _ = _setup(cfg["quick"], cfg["prefill_gpu"])
+        self.dev = Dev(self.torch, self.dev_t)
+        self.conn, self.cfg = conn, cfg
+        self.deadline = time.monotonic() + cfg["budget_s"]
+        self.skipped: list[str] = []
+        self.out: dict = {"ipc": [], "same_gpu": [], "nccl": [], "interference": [], "fixed_cost": {}}
+        self._refs: dict = {}
+        self.rt = None
+        if self.dev.cuda:
+            from sglang_p2p_backend.engine.transport.cuda_ipc import CudaBackend
+
+            self.rt = CudaBackend().rt
+
+    # -- helpers
+    def ask(self, *msg, want: str = "ok"):
+        self.conn.send(msg)
+        return expect(self.conn, (want,), IO_TIMEOUT)
+
+    def budget(self, spans: int = 0) -> xc.Budget:
+        if spans > MANY_SPANS:
+            return xc.Budget(self.cfg["case_s"], min_reps=3, max_reps=10, warmup=1)
+        return xc.Budget(self.cfg["case_s"], min_reps=5, max_reps=self.cfg["max_reps"])
+
+    def time_left(self, what: str) -> bool:
+        if time.monotonic() < self.deadline:
+            return True
+        self.skipped.append(what)
+        return False
+
+    def alloc_pool(self, shape: xc.Shape, pages: int) -> list:
+        torch = self.torch
+        g = torch.Generator(device=self.dev_t).manual_seed(35)
+        return [torch.randint(0, 256, (pages, shape.item), dtype=torch.uint8, device=self.dev_t, generator=g)
+                for _ in range(shape.regions)]
+
+    def reference(self, nbytes: int, gpu: int) -> dict:
+        """ONE copy of `nbytes` between contiguous buffers into the decode's GPU: cudaMemcpyPeerAsync (CUDA
+        events and host call-to-sync), or a torch copy on CPU."""
+        key = (nbytes, gpu)
+        if key in self._refs:
+            return self._refs[key]
+        torch = self.torch
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.dev_t).fill_(7)
+        if not self.dev.cuda:
+            dst = torch.empty_like(src)
+            t = self.budget().run(lambda: host_seconds(lambda: dst.copy_(src)))
+            self._refs[key] = {"what": "torch copy_ (CPU)", "gpu_us": xc.stats_us(t), "host_us": xc.stats_us(t)}
+            return self._refs[key]
+        import ctypes
+
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", gpu))
+        stream = torch.cuda.Stream(device=self.dev_t)
+        fn = self.rt.cudaMemcpyPeerAsync
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p]
+        src_gpu = self.dev_t.index
+        if gpu != src_gpu:  # direct peer copies over NVLink, as the mapped write has (704: already enabled)
+            with torch.cuda.device(self.dev_t):
+                code = self.rt.cudaDeviceEnablePeerAccess(ctypes.c_int(gpu), ctypes.c_uint(0))
+            if code not in (0, 704):
+                raise RuntimeError(f"cudaDeviceEnablePeerAccess({gpu}) failed: error {code}")
+
+        def copy() -> None:
+            code = fn(dst.data_ptr(), gpu, src.data_ptr(), src_gpu, nbytes, stream.cuda_stream)
+            if code:
+                raise RuntimeError(f"cudaMemcpyPeerAsync failed: error {code}")
+
+        self.dev.sync()
+        ev = self.budget().run(lambda: self.dev.gpu_seconds(copy, stream))
+        host = self.budget().run(lambda: host_seconds(lambda: (copy(), stream.synchronize())))
+        del src, dst
+        self._refs[key] = {"what": f"cudaMemcpyPeerAsync cuda:{src_gpu} -> cuda:{gpu}", "gpu_us": xc.stats_us(ev),
+                           "host_us": xc.stats_us(host)}
+        return self._refs[key]
+
+    # -- the same-host write path
+    def map_pool(self, shape: xc.Shape, dst_pages: int, gpu: int):
+        import msgspec
+
+        from sglang_p2p_backend.engine.wire import messages
+
+        _, blob, ptrs = self.ask("pool", shape.__dict__, dst_pages, gpu, want="pool")
+        export = msgspec.msgpack.decode(blob, type=messages.IpcExport)
+        self.tr.open_peer(SESSION, export)
+        return ptrs
+
+    def ipc_case(self, case: xc.Case, pool: list, dst_ptrs: list, dst_pages: int, gpu: int) -> list[dict]:
+        from sglang_p2p_backend.engine.copy.ce_plan import page_chunk_shape, page_spans
+
+        shape = case.shape
+        src_pages = pool[0].shape[0]
+        src_ids, dst_ids = xc.page_ids(case, src_pages, dst_pages)
+        want = pool_hash(self.torch, pool, src_ids)
+        bases, items = [t.data_ptr() for t in pool], [shape.item] * shape.regions
+        nbytes = shape.nbytes(case.tokens)
+        plan = self.tr.plan_pages(SESSION, bases, dst_ptrs, items, src_ids, dst_ids, src_pages, dst_pages)
+        ce_spans = page_spans(*plan)
+        kernel_spans, _ = page_chunk_shape(src_ids, dst_ids, items)
+        ref = self.reference(nbytes, gpu)
+        rows = []
+        for mode in ("kernel", "copy_engine"):
+            if not self.time_left(f"ipc {case.name} {mode} (gpu {gpu})"):
+                continue
+            self.ask("zero", dst_ids)
+            self.tr.copy_engine = "on" if mode == "copy_engine" else "off"
+            write = lambda: self.tr.write_pages(SESSION, bases, dst_ptrs, items, src_ids, dst_ids,  # noqa: E731
+                                                src_pages, dst_pages)
+            spans = int(ce_spans[2].size) if mode == "copy_engine" else kernel_spans
+            times = self.budget(spans if mode == "copy_engine" else 0).run(lambda: host_seconds(write))
+            _, got = self.ask("hash", dst_ids, want="hash")
+            bad = int(np.count_nonzero(got != want))
+            w = xc.stats_us(times)
+            rows.append({"case": case.name, "shape": shape.name, "tokens": case.tokens, "dest": case.dest,
+                         "mode": mode, "decode_gpu": gpu, "bytes": nbytes, "pages": int(src_ids.size),
+                         "spans": spans, "mean_span": nbytes / max(spans, 1), "write_us": w,
+                         "write_gbps": nbytes / w["p50"] / 1e3, "ref": ref,
+                         "ratio": xc.ratio(ref["gpu_us"]["p50"], w["p50"]), "bad_pages": bad})
+        self.tr.copy_engine = "off"
+        return rows
+
+    # -- the NCCL path
+    def nccl_open(self, pool: list):
+        from sglang_p2p_backend.engine.config import EngineConfig
+        from sglang_p2p_backend.engine.copy.copier import PageCopier
+        from sglang_p2p_backend.engine.pair.pipeline import PairSender
+        from sglang_p2p_backend.engine.pair.staging import StagingPool
+        from sglang_p2p_backend.engine.transport import two_sided_transport
+        from sglang_p2p_backend.engine.wire import messages
+
+        cfg = EngineConfig.from_env()
+        if getattr(self, "two_sided", None) is None:
+            self.two_sided = two_sided_transport("auto", self.dev_t, "127.0.0.1", cfg)
+        self.ask("nccl_start", cfg.slot_bytes, cfg.staging_slots)
+        self.staging = StagingPool(self.two_sided.alloc_staging, cfg.slot_bytes, cfg.staging_slots)
+        self.sender = PairSender(transport=self.two_sided, staging=self.staging, copier=PageCopier([pool]),
+                                 local_session="prefill:0",
+                                 control=lambda m: self.conn.send(("ctrl", messages.encode(m))),
+                                 connect_timeout=IO_TIMEOUT, io_timeout=IO_TIMEOUT)
+        self.room = 1000
+
+    def nccl_close(self):
+        self.sender.close()
+        self.staging.close()
+        self.ask("nccl_stop")
+
+    def nccl_send(self, src_ids, dst_ids, sync: bool = True) -> float:
+        """send() to the decode's last scatter (CLOCK_MONOTONIC is shared by the processes of a host); `sync`
+        first waits for everything queued on this GPU (not while the interference loop runs beside it)."""
+        self.room += 1
+        if sync:
+            self.dev.sync()
+        t0 = time.monotonic()
+        self.sender.send(self.room, 0, [src_ids], [dst_ids])
+        _, landed, errors = self.ask("mark", want="landed")
+        if errors:
+            raise RuntimeError(f"the decode's receiver failed chunks: {errors}")
+        return landed - t0
+
+    def nccl_ref(self, nbytes: int) -> float:
+        """ONE contiguous send of `nbytes` on the same pair channel, to the decode's receive completing."""
+        if getattr(self, "ref_send", None) is None or self.ref_send.numel() < nbytes:
+            self.ref_send = None
+            self.ref_send = self.two_sided.alloc_staging(nbytes)
+        comm = self.sender.comm
+        self.conn.send(("ref", nbytes))
+        t0 = time.monotonic()
+        comm.send(self.ref_send[:nbytes]).wait(IO_TIMEOUT)
+        _, landed, _ = expect(self.conn, ("landed",), IO_TIMEOUT)
+        return landed - t0
+
+    def nccl_case(self, case: xc.Case, pool: list, dst_pages: int) -> Optional[dict]:
+        if not self.time_left(f"nccl {case.name}"):
+            return None
+        src_ids, dst_ids = xc.page_ids(case, pool[0].shape[0], dst_pages)
+        want = pool_hash(self.torch, pool, src_ids)
+        self.ask("zero", dst_ids)
+        times = self.budget().run(lambda: self.nccl_send(src_ids, dst_ids))
+        _, got = self.ask("hash", dst_ids, want="hash")
+        nbytes = case.shape.nbytes(case.tokens)
+        ref = self.budget().run(lambda: self.nccl_ref(nbytes))
+        w, r = xc.stats_us(times), xc.stats_us(ref)
+        return {"case": case.name, "shape": case.shape.name, "tokens": case.tokens, "dest": case.dest,
+                "bytes": nbytes, "send_us": w, "send_gbps": nbytes / w["p50"] / 1e3, "contiguous_send_us": r,
+                "ratio": xc.ratio(r["p50"], w["p50"]), "bad_pages": int(np.count_nonzero(got != want))}
+
+    # -- interference
+    def matmul_loop(self) -> Callable[[], float]:
+        """A bf16 matmul loop on a stream of its own (the forward pass a prefill runs while it ships KV): the
+        transfer thread's copies wait for the work on ITS current stream only, so they overlap this loop."""
+        torch = self.torch
+        n, iters = (4096, 200) if self.dev.cuda else (256, 20)
+        dtype = torch.bfloat16 if self.dev.cuda else torch.float32
+        a = torch.randn(n, n, device=self.dev_t, dtype=dtype)
+        b = torch.randn_like(a)
+        stream = torch.cuda.Stream(device=self.dev_t) if self.dev.cuda else None
+
+        def work() -> None:
+            if stream is None:
+                for _ in range(iters):
+                    a.matmul(b)
+                return
+            with torch.cuda.stream(stream):
+                for _ in range(iters):
+                    a.matmul(b)
+
+        def loop() -> float:
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(self.dev_t))
+            return self.dev.gpu_seconds(work, stream)
+
+        return loop
+
+    def interference(self, label: str, write: Callable[[], Any], nbytes: int) -> dict:
+        loop = self.matmul_loop()
+        loop()
+        alone = [loop() for _ in range(5)]
+        stop, writes, failure = threading.Event(), [0], []
+
+        def writer() -> None:
+            try:
+                while not stop.is_set():
+                    write()
+                    writes[0] += 1
+            except BaseException:  # noqa: BLE001 - reported in the row
+                failure.append(traceback.format_exc())
+
+        t = threading.Thread(target=writer, daemon=True)
+        t.start()
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        busy = [loop() for _ in range(5)]
+        wall = time.perf_counter() - t0
+        stop.set()
+        t.join(IO_TIMEOUT)
+        a, b = float(np.median(alone)), float(np.median(busy))
+        return {"mode": label, "matmul_ms_alone": a * 1e3, "matmul_ms_during": b * 1e3, "slowdown": b / a - 1,
+                "writes_during": writes[0], "write_gbps_during": writes[0] * nbytes / wall / 1e9,
+                "error": failure[0] if failure else None}
+
+    # -- fixed cost of one small request
+    def fixed_ipc(self, shape: xc.Shape, pool: list, dst_ptrs: list, dst_pages: int) -> dict:
+        from sglang_p2p_backend.engine.copy.ce_plan import page_spans
+        from sglang_p2p_backend.engine.transport.cuda_ipc import backend
+        from sglang_p2p_backend.engine.wire import messages
+
+        torch = self.torch
+        case = xc.Case(shape, 128, "scattered")
+        src_pages = pool[0].shape[0]
+        src_ids, dst_ids = xc.page_ids(case, src_pages, dst_pages)
+        bases, items = [t.data_ptr() for t in pool], [shape.item] * shape.regions
+        args = (SESSION, bases, dst_ptrs, items, src_ids, dst_ids, src_pages, dst_pages)
+        b = self.budget()
+        b.max_reps, b.min_reps = max(b.max_reps, 200), 50
+        out: dict = {"case": case.name, "pages": int(src_ids.size), "regions": shape.regions}
+        self.tr.copy_engine = "off"
+        out["plan_us"] = xc.stats_us(b.run(lambda: host_seconds(lambda: self.tr.plan_pages(*args))))
+        out["write_us"] = xc.stats_us(b.run(lambda: host_seconds(lambda: self.tr.write_pages(*args))))
+        plan = self.tr.plan_pages(*args)
+        if self.dev.cuda:
+            _, pages, stream = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
+            launch, sync = [], []
+
+            def one() -> float:
+                stream.wait_stream(torch.cuda.current_stream(self.dev_t))
+                t0 = time.perf_counter()
+                pages.copy(*plan, stream)
+                t1 = time.perf_counter()
+                stream.synchronize()
+                t2 = time.perf_counter()
+                launch.append(t1 - t0)
+                sync.append(t2 - t1)
+                return t2 - t0
+
+            b.run(one)
+            out["stage_upload_launch_host_us"] = xc.stats_us(launch)
+            out["sync_host_us"] = xc.stats_us(sync)
+            n = 2 * int(src_ids.size) + 4 * shape.regions
+            host = torch.empty(n, dtype=torch.int64).pin_memory()
+            devbuf = torch.empty(n, dtype=torch.int64, device=self.dev_t)
+            out["upload_gpu_us"] = xc.stats_us(b.run(lambda: self.dev.gpu_seconds(
+                lambda: devbuf.copy_(host, non_blocking=True), stream)))
+
+            def kernel() -> float:  # upload + kernel on the GPU, queued behind a sleep so host time is hidden
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(2_000_000)
+                return self.dev.gpu_seconds(lambda: pages.copy(*plan, stream), stream)
+
+            out["upload_kernel_gpu_us"] = xc.stats_us(b.run(kernel))
+            engines = backend().copy_engines()
+            spans = page_spans(*plan)
+            out["ce_abi"] = engines.abi
+            out["ce_plan_us"] = xc.stats_us(b.run(lambda: host_seconds(
+                lambda: page_spans(*self.tr.plan_pages(*args)))))
+            ce_call, ce_sync = [], []
+
+            def ce_one() -> float:
+                t0 = time.perf_counter()
+                with torch.cuda.device(self.dev_t):
+                    engines.copy(*spans, stream.cuda_stream)
+                t1 = time.perf_counter()
+                stream.synchronize()
+                t2 = time.perf_counter()
+                ce_call.append(t1 - t0)
+                ce_sync.append(t2 - t1)
+                return t2 - t0
+
+            b.run(ce_one)
+            out["ce_call_host_us"], out["ce_sync_host_us"] = xc.stats_us(ce_call), xc.stats_us(ce_sync)
+            out["ce_spans"] = int(spans[2].size)
+            self.tr.copy_engine = "on"
+            out["ce_write_us"] = xc.stats_us(b.run(lambda: host_seconds(lambda: self.tr.write_pages(*args))))
+            self.tr.copy_engine = "off"
+        aux = messages.AuxData(SESSION, 7, 3, [bytes(64)])
+        status = messages.Status(SESSION, 7, 0, 2)
+        out["control_encode_us"] = xc.stats_us(b.run(lambda: host_seconds(
+            lambda: (messages.encode(aux), messages.encode(status)))))
+
+        def echo() -> float:
+            t0 = time.perf_counter()
+            self.conn.send(("echo", messages.encode(status)))
+            expect(self.conn, ("echo",), IO_TIMEOUT)
+            return (time.perf_counter() - t0) / 2
+
+        out["control_one_way_us"] = xc.stats_us(b.run(echo))
+        # what the prefill spends on a 128-token request before Status is on its way: the write, then the aux
+        # row and Status encoded and sent (two messages)
+        out["end_to_end_us"] = (out["write_us"]["p50"] + out["control_encode_us"]["p50"]
+                                + 2 * out["control_one_way_us"]["p50"])
+        return out
+
+    def fixed_nccl_plan(self, shape: xc.Shape) -> dict:
+        from sglang_p2p_backend.engine.config import EngineConfig
+        from sglang_p2p_backend.engine.copy.plan import plan_chunks
+        from sglang_p2p_backend.engine.pair.pipeline import _segment_msg
+        from sglang_p2p_backend.engine.wire import messages
+
+        case = xc.Case(shape, 128, "scattered")
+        src_ids, dst_ids = xc.page_ids(case, *xc.pool_pages(shape, self.cfg["tokens"]))
+        slot = EngineConfig.from_env().slot_bytes
+
+        def plan() -> None:
+            for c in plan_chunks([[shape.item] * shape.regions], [len(src_ids)], slot):
+                segs = [_segment_msg(s, [dst_ids]) for s in c.segments]
+                messages.encode(messages.ChunkHeader("prefill:0", 1, 7, 0, 0, c.nbytes, segs))
+
+        return {"case": case.name, "plan_and_header_us": xc.stats_us(self.budget().run(lambda: host_seconds(plan)))}
+
+    # -- the run
+    def run(self) -> dict:
+        from sglang_p2p_backend.engine.transport.cuda_ipc import CudaIpcTransport
+
+        sections = self.cfg["sections"]
+        self.tr = CudaIpcTransport(self.dev_t)
+        two_gpus = self.cfg["decode_gpu"] != self.cfg["prefill_gpu"]
+        for shape_d in self.cfg["shapes"]:
+            shape = _shape(shape_d)
+            src_pages, dst_pages = xc.pool_pages(shape, self.cfg["tokens"])
+            pool = self.alloc_pool(shape, src_pages)
+            shape_cases = [c for c in xc.cases([shape], self.cfg["tokens"])]
+            if {"ipc", "fixed", "interference"} & sections:
+                dst_ptrs = self.map_pool(shape, dst_pages, self.cfg["decode_gpu"])
+                if "ipc" in sections:
+                    for case in shape_cases:
+                        self.out["ipc"].extend(self.ipc_case(case, pool, dst_ptrs, dst_pages, self.cfg["decode_gpu"]))
+                if "fixed" in sections and shape.name in FIXED_SHAPES and self.time_left(f"fixed {shape.name}"):
+                    self.out["fixed_cost"][shape.name] = self.fixed_ipc(shape, pool, dst_ptrs, dst_pages)
+                    self.out["fixed_cost"][shape.name]["nccl"] = self.fixed_nccl_plan(shape)
+                if "interference" in sections and shape.name == INTERFERENCE_CASE[0]:
+                    tokens = max(t for t in self.cfg["tokens"] if t <= INTERFERENCE_CASE[1])
+                    for dest in xc.DESTS:
+                        case = xc.Case(shape, tokens, dest)
+                        s_ids, d_ids = xc.page_ids(case, src_pages, dst_pages)
+                        bases, items = [t.data_ptr() for t in pool], [shape.item] * shape.regions
+                        for mode in ("kernel", "copy_engine"):
+                            if not self.time_left(f"interference {case.name} {mode}"):
+                                continue
+                            self.tr.copy_engine = "on" if mode == "copy_engine" else "off"
+                            row = self.interference(mode, lambda: self.tr.write_pages(
+                                SESSION, bases, dst_ptrs, items, s_ids, d_ids, src_pages, dst_pages),
+                                shape.nbytes(tokens))
+                            row["case"] = case.name
+                            self.out["interference"].append(row)
+                        self.tr.copy_engine = "off"
+                self.tr.forget_peer(SESSION)
+                if "ipc" in sections and two_gpus:
+                    same = [c for c in shape_cases if (shape.name, c.tokens) in SAME_GPU]
+                    if same:
+                        dst_ptrs = self.map_pool(shape, dst_pages, self.cfg["prefill_gpu"])
+                        for case in same:
+                            self.out["same_gpu"].extend(
+                                self.ipc_case(case, pool, dst_ptrs, dst_pages, self.cfg["prefill_gpu"]))
+                        self.tr.forget_peer(SESSION)
+            if "nccl" in sections and (two_gpus or not self.dev.cuda):
+                # the decode's pool of this shape on its own GPU (the same-GPU pass above replaced it)
+                self.map_pool(shape, dst_pages, self.cfg["decode_gpu"])
+                self.tr.forget_peer(SESSION)
+                self.nccl_open(pool)
+                for case in shape_cases:
+                    row = self.nccl_case(case, pool, dst_pages)
+                    if row:
+                        self.out["nccl"].append(row)
+                if "interference" in sections and shape.name == INTERFERENCE_CASE[0] and self.time_left("interference nccl"):
+                    tokens = max(t for t in self.cfg["tokens"] if t <= INTERFERENCE_CASE[1])
+                    case = xc.Case(shape, tokens, "scattered")
+                    s_ids, d_ids = xc.page_ids(case, src_pages, dst_pages)
+                    row = self.interference("nccl", lambda: self.nccl_send(s_ids, d_ids, sync=False),
+                                           shape.nbytes(tokens))
+                    row["case"] = case.name
+                    self.out["interference"].append(row)
+                self.nccl_close()
+            elif "nccl" in sections and shape_d is self.cfg["shapes"][0]:
+                self.skipped.append("nccl: needs two GPUs (NCCL cannot join two ranks of one GPU on one host)")
+            del pool
+            if self.dev.cuda:
+                self.torch.cuda.empty_cache()
+        self.tr.close()  # unmapped before the decode frees its pools
+        if getattr(self, "two_sided", None) is not None:
+            self.two_sided.close()
+        self.conn.send(("done",))
+        self.out["skipped"] = self.skipped
+        return self.out
+
+
+def prefill_main(conn, cfg):
+    return guarded(lambda c, f: Prefill(c, f).run(), conn, cfg)
+
+
+# -- host planning alone ----------------------------------------------------------------------------------------
+
+def plan_section(shapes, tokens, reps_s: float) -> list[dict]:
+    """Per-request host planning of each path, no device and no memory behind the addresses: the IPC page
+    write's checks and translation, the copy-engine spans, the one-sided descriptors, the NCCL chunk plan and
+    headers. Also MLA at 4k scattered with 8 to 128 layers."""
+    import types
+
+    from sglang_p2p_backend.engine.config import EngineConfig
+    from sglang_p2p_backend.engine.copy.ce_plan import page_chunk_shape, page_spans
+    from sglang_p2p_backend.engine.copy.plan import copy_descriptors, plan_chunks
+    from sglang_p2p_backend.engine.copy.span_copy import plan_tiles
+    from sglang_p2p_backend.engine.pair.pipeline import _segment_msg
+    from sglang_p2p_backend.engine.transport.cuda_ipc import CudaIpcTransport, RegionTable
+    from sglang_p2p_backend.engine.wire import messages
+    from sglang_p2p_backend.engine.wire.messages import IpcRegion
+
+    slot = EngineConfig().slot_bytes
+    rows = []
+    extra = [xc.Case(xc.Shape(f"mla_p64_{n}layers", n, 1152, 64), 4096, "scattered") for n in (8, 32, 128)]
+    for case in xc.cases(shapes, tokens) + extra:
+        shape = case.shape
+        src_pages, dst_pages = xc.pool_pages(shape, tokens)
+        src_ids, dst_ids = xc.page_ids(case, src_pages, dst_pages)
+        stride = 1 << 34  # addresses only: regions far apart, nothing is read
+        src_bases = [(1 << 44) + r * stride for r in range(shape.regions)]
+        dst_bases = [(1 << 45) + r * stride for r in range(shape.regions)]
+        items = [shape.item] * shape.regions
+        tr = CudaIpcTransport(None)
+        regions = [IpcRegion(ptr=b, alloc=i, offset=0, length=dst_pages * shape.item) for i, b in enumerate(dst_bases)]
+        tr._peers[SESSION] = types.SimpleNamespace(  # noqa: SLF001 - a mapping without memory behind it
+            table=RegionTable.build(regions, [(1 << 46) + i * stride for i in range(shape.regions)]), close=lambda: None)
+        budget = xc.Budget(reps_s, min_reps=3, max_reps=200, warmup=1)
+
+        def t(fn) -> dict:
+            return xc.stats_us(budget.run(lambda: host_seconds(fn)))
+
+        plan = tr.plan_pages(SESSION, src_bases, dst_bases, items, src_ids, dst_ids, src_pages, dst_pages)
+        spans = page_spans(*plan)
+        desc = copy_descriptors(src_bases, dst_bases, items, src_ids, dst_ids)
+
+        def nccl() -> None:
+            for c in plan_chunks([items], [len(src_ids)], slot):
+                segs = [_segment_msg(s, [dst_ids]) for s in c.segments]
+                messages.encode(messages.ChunkHeader("prefill:0", 1, 7, 0, 0, c.nbytes, segs))
+
+        rows.append({
+            "case": case.name, "regions": shape.regions, "pages": int(src_ids.size), "bytes": shape.nbytes(case.tokens),
+            "ipc_plan_pages_us": t(lambda: tr.plan_pages(SESSION, src_bases, dst_bases, items, src_ids, dst_ids,
+                                                         src_pages, dst_pages)),
+            "ce_rule_us": t(lambda: page_chunk_shape(src_ids, dst_ids, items)),
+            "ce_spans_us": t(lambda: page_spans(*plan)), "ce_spans": int(spans[2].size),
+            "onesided_descriptors_us": t(lambda: copy_descriptors(src_bases, dst_bases, items, src_ids, dst_ids)),
+            "descriptors": int(desc[2].size),
+            "span_tiles_us": t(lambda: plan_tiles(*desc)),
+            "nccl_plan_and_headers_us": t(nccl),
+            "nccl_chunks": len(plan_chunks([items], [len(src_ids)], slot)),
+        })
+    return rows
+
+
+# -- driver ----------------------------------------------------------------------------------------------------
+
+def machine_name() -> str:
+    """'nvidia-h100-80gb-hbm3-x2' from nvidia-smi, or the CPU's description without GPUs."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    if not out:
+        return f"cpu-{os.cpu_count()}core"
+    slug = re.sub(r"[^a-z0-9]+", "-", out[0].lower()).strip("-")
+    return slug + (f"-x{len(out)}" if len(out) > 1 else "")
+
+
+def meta(torch, quick: bool) -> dict:
+    m = {"host": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
+         "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": quick,
+         "cpus": os.cpu_count(), "argv": sys.argv[1:],
+         "env": {k: os.environ.get(k) for k in (*SAFE_ENV, "SGLANG_P2P_STAGING_MB", "SGLANG_P2P_STAGING_SLOTS",
+                                                "NCCL_CUMEM_ENABLE")}}
+    if torch.cuda.is_available():
+        m["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            m["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                           timeout=20).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            m["topology"] = f"unavailable: {e}"
+    return m
+
+
+def verdicts(result: dict) -> dict:
+    """Each of issue 35's targets: True / False, or None where the run measured nothing for it."""
+    t = xc.TARGETS
+    ipc = [r for r in result.get("ipc", []) if r["tokens"] >= 4096]
+
+    def best(rows, key="write_us"):
+        by: dict = {}
+        for r in rows:
+            by[r["case"]] = min(by.get(r["case"], float("inf")), r[key]["p50"])
+        return by
+
+    out: dict = {"verified": all(r["bad_pages"] == 0 for k in ("ipc", "same_gpu", "nccl") for r in result.get(k, []))}
+    if ipc:
+        b = best(ipc)
+        out["ipc_ratio"] = all((r["ratio"] or 0) >= t["ipc_ratio_min"] for r in ipc if r["write_us"]["p50"] == b[r["case"]])
+        out["ipc_4k_ms"] = all(v / 1e3 <= t["ipc_4k_max_ms"] for k, v in b.items() if "_4096_" in k)
+        out["ipc_16k_ms"] = all(v / 1e3 <= t["ipc_16k_max_ms"] for k, v in b.items() if "_16384_" in k)
+    fixed = result.get("fixed_cost", {})
+    if fixed:
+        out["small_request_us"] = all(f["end_to_end_us"] <= t["small_request_max_us"] for f in fixed.values())
+    inter = result.get("interference", [])
+    if inter:
+        out["interference"] = {r["mode"] + ":" + r["case"]: r["slowdown"] <= t["interference_max"] for r in inter}
+    nccl = [r for r in result.get("nccl", []) if r["tokens"] == 4096]
+    if nccl:
+        out["nccl_ratio_4k"] = all((r["ratio"] or 0) >= t["nccl_ratio_min"] for r in nccl)
+    same = result.get("same_gpu", [])
+    if same:
+        b = best(same)
+        out["same_gpu_ratio"] = all((r["ratio"] or 0) >= t["same_gpu_ratio_min"] for r in same
+                                    if r["write_us"]["p50"] == b[r["case"]])
+    return out
+
+
+def tables(result: dict) -> str:
+    parts = []
+    for key, title in (("ipc", "cross-GPU write_pages vs one cudaMemcpyPeer"), ("same_gpu", "same GPU vs one D2D copy")):
+        rows = result.get(key, [])
+        if not rows:
+            continue
+        tb = xc.Table([("case", 30), ("mode", 13), ("MiB", 8), ("spans", 9), ("write us", 10), ("p99 us", 9),
+                       ("GB/s", 7), ("ref us", 9), ("ratio", 7), ("bad", 5)])
+        for r in rows:
+            tb.add(r["case"], r["mode"], r["bytes"] / 2**20, r["spans"], r["write_us"]["p50"], r["write_us"]["p99"],
+                   r["write_gbps"], r["ref"]["gpu_us"]["p50"], r["ratio"], r["bad_pages"])
+        parts.append(f"== {key}: {title}\n{tb.render()}")
+    if result.get("nccl"):
+        tb = xc.Table([("case", 30), ("MiB", 8), ("send us", 10), ("p99 us", 9), ("GB/s", 7), ("contig us", 10),
+                       ("ratio", 7), ("bad", 5)])
+        for r in result["nccl"]:
+            tb.add(r["case"], r["bytes"] / 2**20, r["send_us"]["p50"], r["send_us"]["p99"], r["send_gbps"],
+                   r["contiguous_send_us"]["p50"], r["ratio"], r["bad_pages"])
+        parts.append(f"== nccl: PairSender -> PairReceiver vs one contiguous NCCL send\n{tb.render()}")
+    if result.get("interference"):
+        tb = xc.Table([("case", 30), ("mode", 13), ("alone ms", 10), ("during ms", 10), ("slowdown", 10),
+                       ("writes", 8), ("GB/s", 7)])
+        for r in result["interference"]:
+            tb.add(r["case"], r["mode"], r["matmul_ms_alone"], r["matmul_ms_during"], 100 * r["slowdown"],
+                   r["writes_during"], r["write_gbps_during"])
+        parts.append(f"== interference: matmul loop on the prefill GPU (slowdown in %)\n{tb.render()}")
+    for name, f in result.get("fixed_cost", {}).items():
+        keys = [k for k in f if k.endswith("_us") and isinstance(f[k], dict)]
+        lines = [f"  {k:<30}{f[k]['p50']:>10.1f} us p50 {f[k]['p99']:>10.1f} us p99" for k in keys]
+        lines.append(f"  {'end_to_end_us (write + aux + Status)':<30}{f['end_to_end_us']:>10.1f} us")
+        lines.append(f"  nccl plan + headers {f['nccl']['plan_and_header_us']['p50']:.1f} us")
+        parts.append(f"== fixed cost of {f['case']} ({f['pages']} pages x {f['regions']} regions)\n" + "\n".join(lines))
+    if result.get("plan"):
+        tb = xc.Table([("case", 34), ("pages", 7), ("ipc plan", 10), ("ce rule", 9), ("ce spans", 10), ("#spans", 8),
+                       ("descr", 10), ("tiles", 10), ("nccl", 9)])
+        for r in result["plan"]:
+            tb.add(r["case"], r["pages"], r["ipc_plan_pages_us"]["p50"], r["ce_rule_us"]["p50"],
+                   r["ce_spans_us"]["p50"], r["ce_spans"], r["onesided_descriptors_us"]["p50"],
+                   r["span_tiles_us"]["p50"], r["nccl_plan_and_headers_us"]["p50"])
+        parts.append(f"== plan: host planning alone, us p50\n{tb.render()}")
+    if result.get("rule"):
+        parts.append(f"== rule (copy engines vs kernel): {json.dumps({k: v for k, v in result['rule'].items() if k != 'winner'})}")
+    if result.get("skipped"):
+        parts.append("== skipped: " + "; ".join(result["skipped"]))
+    return "\n\n".join(parts)
+
+
+SECTIONS = ("plan", "ipc", "nccl", "interference", "fixed")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--machine", help="name in the output (default: the GPUs' name and count from nvidia-smi)")
+    ap.add_argument("--out", help="JSON path (default bench/results/xfer_<machine>.json)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="no case starts after this many seconds")
+    ap.add_argument("--case-s", type=float, default=0.25, help="timed seconds per case and mode (at least 5 reps)")
+    ap.add_argument("--max-reps", type=int, default=100)
+    ap.add_argument("--quick", action="store_true", help="CPU: the same driver with stand-ins and small pools")
+    ns = ap.parse_args(argv)
+    sections = set(s for s in ns.sections.split(",") if s)
+    if sections - set(SECTIONS):
+        ap.error(f"unknown sections {sorted(sections - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
+    import torch
+
+    cuda = torch.cuda.is_available() and not ns.quick
+    if not cuda and not ns.quick:
+        print("xfer_bench: skipped: no CUDA device here (torch.cuda.is_available() is False); nothing measured. "
+              "--quick runs the same driver on CPU with stand-ins.")
+        return 0
+    machine = ns.machine or (machine_name() if cuda else f"cpu-{os.cpu_count()}core-quick")
+    out_path = Path(ns.out or Path(_ROOT) / "bench" / "results" / f"xfer_{machine}.json")
+    shapes, tokens = (xc.SHAPES, xc.TOKENS) if cuda else (xc.QUICK_SHAPES, xc.QUICK_TOKENS)
+    t0 = time.time()
+    result: dict = {"machine": machine, "meta": meta(torch, ns.quick), "targets": xc.TARGETS}
+    if "plan" in sections:  # host work alone: full-size shapes even with --quick (nothing is allocated)
+        result["plan"] = plan_section(xc.SHAPES, xc.TOKENS, 0.02 if ns.quick else 0.05)
+    device_sections = sections - {"plan"}
+    if device_sections:
+        gpus = torch.cuda.device_count() if cuda else 0
+        cfg = {"quick": not cuda, "prefill_gpu": 0, "decode_gpu": 1 if gpus >= 2 else 0, "budget_s": ns.budget_s,
+               "case_s": ns.case_s, "max_reps": ns.max_reps, "sections": device_sections,
+               "shapes": [s.__dict__ for s in shapes], "tokens": tokens}
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        a, b = ctx.Pipe()
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_child, args=(prefill_main, 0, a, results, cfg), daemon=True),
+                 ctx.Process(target=_child, args=(decode_main, 1, b, results, cfg), daemon=True)]
+        for p in procs:
+            p.start()
+        got = collect(procs, results, (0, 1), timeout=ns.budget_s + 180)
+        result.update(got[0])
+        result["decode"] = got[1]
+        result["rule"] = xc.crossover(result.get("ipc", []))
+    result["meta"]["wall_s"] = time.time() - t0
+    result["pass"] = verdicts(result)
+    print(tables(result))
+    print(f"\npass: {json.dumps(result['pass'])}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {out_path} ({result['meta']['wall_s']:.0f} s)")
+    return 0 if result["pass"]["verified"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

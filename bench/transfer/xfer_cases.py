@@ -1,0 +1,198 @@
+"""What bench/transfer/xfer_bench.py measures, as data: the KV shapes and request sizes of issue 35, the page
+ids of each case, the page hash both processes compare, the repetition budget, the targets, and the table.
+
+Pure (numpy only, no device), so the case list, the ids, the hash and the verdicts are tested on CPU
+(tests/bench/test_xfer_bench.py); the driver only runs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A KV pool: `regions` layer regions of `token_bytes` a token, pages of `page` tokens."""
+
+    name: str
+    regions: int
+    token_bytes: int
+    page: int
+
+    @property
+    def item(self) -> int:
+        """Bytes of one page of one region."""
+        return self.page * self.token_bytes
+
+    def pages(self, tokens: int) -> int:
+        return -(-tokens // self.page)
+
+    def nbytes(self, tokens: int) -> int:
+        return self.pages(tokens) * self.item * self.regions
+
+
+#: issue 35's shapes: MHA with 128 KiB of KV a token (32 layers x K, V x 8 heads x 128 bf16 = 64 regions of
+#: 2 KiB a token) at page sizes 1 and 16; MLA (DeepSeek-V3: 61 layers x 576 bf16) at page size 64
+SHAPES = (Shape("mha_p1", 64, 2048, 1), Shape("mha_p16", 64, 2048, 16), Shape("mla_p64", 61, 1152, 64))
+TOKENS = (128, 1024, 4096, 16384)
+DESTS = ("contiguous", "scattered")
+#: --quick on CPU: the same driver on small pools (three regions, short pages)
+QUICK_SHAPES = (Shape("mha_p1", 4, 256, 1), Shape("mha_p16", 4, 256, 16), Shape("mla_p64", 3, 144, 64))
+QUICK_TOKENS = (128, 1024)
+
+#: targets of issue 35
+TARGETS = {
+    "ipc_ratio_min": 0.85,  # cross-GPU write of >= 4k tokens against one cudaMemcpyPeer of the same bytes
+    "ipc_4k_max_ms": 1.7,
+    "ipc_16k_max_ms": 6.5,
+    "small_request_max_us": 300.0,  # 128 tokens end to end (write + aux row and Status on the control channel)
+    "interference_max": 0.02,  # matmul on the prefill GPU slowed at most 2% during transfers
+    "nccl_ratio_min": 0.85,  # NCCL path against one contiguous NCCL send at 4k
+    "same_gpu_ratio_min": 0.8,  # same GPU, the whole write against one device-to-device copy
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: Shape
+    tokens: int
+    dest: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.shape.name}_{self.tokens}_{self.dest}"
+
+
+def cases(shapes=SHAPES, tokens=TOKENS, dests=DESTS) -> list[Case]:
+    """Every (shape, tokens, destination) case, shape-major so one pool serves a shape's cases."""
+    return [Case(s, t, d) for s in shapes for t in tokens for d in dests]
+
+
+def pool_pages(shape: Shape, tokens=TOKENS) -> tuple[int, int]:
+    """(prefill pages, decode pages) of a shape's pools: the largest request, and twice it on the decode so
+    scattered destinations have room."""
+    n = shape.pages(max(tokens))
+    return n, 2 * n
+
+
+def page_ids(case: Case, src_pages: int, dst_pages: int, seed: int = 35) -> tuple[np.ndarray, np.ndarray]:
+    """(source ids, destination ids), int64. Contiguous: pages 0..n-1 into a run starting a quarter into the
+    decode's pool. Scattered: distinct random pages on both sides (what SGLang's allocator hands out after a
+    while), seeded per case."""
+    n = case.shape.pages(case.tokens)
+    if n > src_pages or n > dst_pages:
+        raise ValueError(f"{case.name}: {n} pages do not fit pools of {src_pages} / {dst_pages}")
+    if case.dest == "contiguous":
+        start = min(dst_pages // 4, dst_pages - n)
+        return np.arange(n, dtype=np.int64), np.arange(start, start + n, dtype=np.int64)
+    rng = np.random.default_rng(seed + 1000 * case.tokens + len(case.shape.name) + case.shape.page)
+    return (rng.choice(src_pages, size=n, replace=False).astype(np.int64),
+            rng.choice(dst_pages, size=n, replace=False).astype(np.int64))
+
+
+def hash_weights(words: int, region: int) -> np.ndarray:
+    """Odd int64 weights of a page's words in region `region`: the page hash is sum(word * weight) over the
+    page's words of every region, wrapping modulo 2**64, so it is exact and the same on any device."""
+    return np.arange(words, dtype=np.int64) * 2 + 1 + 2 * region * words
+
+
+def page_hash(pages_by_region: list[np.ndarray]) -> np.ndarray:
+    """Hashes (int64, one per page) of pages given per region as (pages, words) int64 arrays: the reference the
+    torch version in the driver is tested against."""
+    total = np.zeros(pages_by_region[0].shape[0] if pages_by_region else 0, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        for r, words in enumerate(pages_by_region):
+            total += (words * hash_weights(words.shape[1], r)).sum(axis=1)
+    return total
+
+
+@dataclass
+class Budget:
+    """Repetitions within a time budget: at least `min_reps`, at most `max_reps`, and no more once `seconds`
+    of timed calls have gone by (a 2 GiB case takes tens of reps, a 128-token one hundreds)."""
+
+    seconds: float
+    min_reps: int = 5
+    max_reps: int = 200
+    warmup: int = 2
+
+    def run(self, fn: Callable[[], float]) -> list[float]:
+        """Call `fn` (which returns its own duration in seconds) warmup + reps times; the timed durations."""
+        for _ in range(self.warmup):
+            fn()
+        times: list[float] = []
+        spent = 0.0
+        while len(times) < self.max_reps and (len(times) < self.min_reps or spent < self.seconds):
+            t = fn()
+            times.append(t)
+            spent += t
+        return times
+
+
+def stats_us(times_s: list[float]) -> dict:
+    a = np.asarray(times_s, dtype=np.float64) * 1e6
+    if not a.size:
+        return {"p50": float("nan"), "p99": float("nan"), "min": float("nan"), "n": 0}
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "min": float(a.min()),
+            "n": int(a.size)}
+
+
+def crossover(rows: list[dict]) -> dict:
+    """From the IPC rows (one per case and mode, with `mean_span` and `write_us`), where the copy engines beat
+    the kernel: the smallest mean span and the largest span count of a case they won, and every case's
+    winner. What `ce_plan.CE_MIN_MEAN_SPAN_BYTES` / `CE_MAX_SPANS_BATCHED` should be set from."""
+    by_case: dict[str, dict] = {}
+    for r in rows:
+        by_case.setdefault(r["case"], {})[r["mode"]] = r
+    winners, won_spans, won_mean, lost_mean = {}, [], [], []
+    for name, modes in by_case.items():
+        k, c = modes.get("kernel"), modes.get("copy_engine")
+        if not k or not c or not c.get("write_us") or not k.get("write_us"):
+            continue
+        ce_wins = c["write_us"]["p50"] < k["write_us"]["p50"]
+        winners[name] = "copy_engine" if ce_wins else "kernel"
+        (won_mean if ce_wins else lost_mean).append(c["mean_span"])
+        if ce_wins:
+            won_spans.append(c["spans"])
+    return {"winner": winners,
+            "min_mean_span_won": min(won_mean) if won_mean else None,
+            "max_mean_span_lost": max(lost_mean) if lost_mean else None,
+            "max_spans_won": max(won_spans) if won_spans else None}
+
+
+@dataclass
+class Table:
+    """Fixed-width text table."""
+
+    columns: list[tuple[str, int]]
+    rows: list[list[str]] = field(default_factory=list)
+
+    def add(self, *values) -> None:
+        self.rows.append([_fmt(v) for v in values])
+
+    def render(self) -> str:
+        head = "".join(f"{n:>{w}}" if i else f"{n:<{w}}" for i, (n, w) in enumerate(self.columns))
+        lines = [head, "-" * len(head)]
+        for row in self.rows:
+            lines.append("".join(f"{v:>{w}}" if i else f"{v:<{w}}" for i, (v, (_, w)) in enumerate(zip(row, self.columns))))
+        return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def ratio(reference_us: Optional[float], measured_us: Optional[float]) -> Optional[float]:
+    """reference / measured (1.0 = as fast as the reference); None when either is missing."""
+    if not reference_us or not measured_us:
+        return None
+    return reference_us / measured_us

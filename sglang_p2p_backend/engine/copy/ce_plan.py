@@ -1,0 +1,96 @@
+"""Copy engines or the SM kernel for a same-host chunk, and the spans the copy engines take (pure, tested on CPU).
+
+The same-host path (transport/cuda_ipc.py) copies a chunk either with one Triton launch (span_copy.py: one
+upload and one launch whatever the page count, but it runs on the prefill GPU's SMs) or with the GPU's copy
+engines (engine/copy/copy_engine.py: `cudaMemcpyBatchAsync`, or one `cudaMemcpyAsync` per span where the
+runtime lacks it), which take no SMs from the forward pass but pay a setup per span. So the spans are made
+as long as they can be first (`page_spans`: merged page runs of every region, then `coalesce`, which also
+joins the regions of a pool that lie back to back in one allocation), and `choose` sends a chunk to the copy
+engines only where its spans are long and few enough.
+
+`SGLANG_P2P_COPY_ENGINE` (engine/config.py) picks the mode: `off` (the default: the kernel, as before), `on`
+(the copy engines for every chunk) or `auto` (`choose`'s rule per chunk, with the thresholds below). The
+thresholds are first guesses until `bench/transfer/xfer_bench.py` on two H100s measures where the copy engines
+win (its `rule` section prints the crossover).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from sglang_p2p_backend.engine.config import COPY_ENGINE_MODES as MODES
+from sglang_p2p_backend.engine.copy.plan import copy_descriptors
+
+Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src addresses, dst addresses, lengths), int64
+
+KERNEL = "kernel"
+COPY_ENGINE = "copy_engine"
+#: auto: a chunk goes to the copy engines when its mean span is at least this many bytes (a DMA setup per span
+#: costs about what the kernel moves in a few microseconds; short spans, e.g. MHA pages of size 1 at 2 KiB a
+#: layer, stay on the kernel)
+CE_MIN_MEAN_SPAN_BYTES = 64 << 10
+#: auto, with cudaMemcpyBatchAsync: at most this many spans a chunk (the batch call's host time grows with them)
+CE_MAX_SPANS_BATCHED = 8192
+#: auto, without it (CUDA < 12.8): each span is one cudaMemcpyAsync call of a few microseconds of host time
+CE_MAX_SPANS_UNBATCHED = 128
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Descriptors:
+    """Merge each span into the one before it where both its source and its destination continue it exactly;
+    zero-length spans vanish. Order is kept; the bytes covered are the same."""
+    src = np.asarray(src, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst, dtype=np.int64).reshape(-1)
+    lens = np.asarray(lens, dtype=np.int64).reshape(-1)
+    if not (src.shape == dst.shape == lens.shape):
+        raise ValueError(f"{src.size} sources, {dst.size} destinations and {lens.size} lengths do not pair up")
+    keep = lens > 0
+    if not keep.all():
+        src, dst, lens = src[keep], dst[keep], lens[keep]
+    if src.size < 2:
+        return src, dst, lens
+    ends_s, ends_d = src[:-1] + lens[:-1], dst[:-1] + lens[:-1]
+    starts = np.concatenate(([0], np.flatnonzero((src[1:] != ends_s) | (dst[1:] != ends_d)) + 1))
+    return src[starts], dst[starts], np.add.reduceat(lens, starts)
+
+
+def page_spans(src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
+               src_ids: np.ndarray, dst_ids: np.ndarray) -> Descriptors:
+    """The copy-engine spans of whole pages src_ids -> dst_ids of every region: merged page runs, region-major,
+    coalesced across regions where the pool lies back to back. Equal to `coalesce(copy_descriptors(...))`."""
+    src, dst, lens = copy_descriptors(src_bases, dst_bases, item_bytes, np.asarray(src_ids), np.asarray(dst_ids))
+    regions = len(item_bytes)
+    if regions < 2 or not lens.size:
+        return src, dst, lens
+    # inside a region the runs are already maximal (page_runs breaks only where a side is not consecutive), so
+    # only a region's last run and the next region's first can join: look at those R - 1 pairs, not every span
+    k = lens.size // regions
+    last = np.arange(1, regions) * k - 1
+    joins = (src[last] + lens[last] == src[last + 1]) & (dst[last] + lens[last] == dst[last + 1])
+    return coalesce(src, dst, lens) if joins.any() else (src, dst, lens)
+
+
+def choose(mode: str, spans: int, nbytes: int, batched: bool = True) -> str:
+    """`KERNEL` or `COPY_ENGINE` for a chunk of `spans` spans and `nbytes` bytes. `batched`: the runtime has
+    cudaMemcpyBatchAsync (else every span is a call of its own)."""
+    if mode == "off" or spans <= 0:
+        return KERNEL
+    if mode == "on":
+        return COPY_ENGINE
+    if mode != "auto":
+        raise ValueError(f"copy engine mode {mode!r} is not one of {', '.join(MODES)}")
+    limit = CE_MAX_SPANS_BATCHED if batched else CE_MAX_SPANS_UNBATCHED
+    return COPY_ENGINE if spans <= limit and nbytes >= CE_MIN_MEAN_SPAN_BYTES * spans else KERNEL
+
+
+def page_chunk_shape(src_ids: np.ndarray, dst_ids: np.ndarray, item_bytes: Sequence[int]) -> tuple[int, int]:
+    """(spans, bytes) of a whole-page chunk before cross-region coalescing (an upper bound on the spans), from
+    the ids alone: what `choose` needs, without building a descriptor."""
+    s = np.asarray(src_ids, dtype=np.int64).reshape(-1)
+    d = np.asarray(dst_ids, dtype=np.int64).reshape(-1)
+    if not s.size:
+        return 0, 0
+    runs = 1 + int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1)))
+    items = np.asarray(item_bytes, dtype=np.int64)
+    return runs * int(items.size), int(s.size) * int(items.sum())

@@ -1,0 +1,160 @@
+"""bench/transfer/xfer_bench.py on CPU: its cases, ids, page hash, repetition budget, crossover and verdicts
+(bench/transfer/xfer_cases.py), the clean skip without CUDA, and the whole driver run with --quick (the
+shared-memory stand-in of CUDA IPC, the tcp transport for the NCCL path): every section runs and every
+destination page it wrote is verified."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from bench.transfer import xfer_bench
+from bench.transfer import xfer_cases as xc
+
+
+def test_the_issue_35_case_list():
+    cases = xc.cases()
+    assert len(cases) == 3 * 4 * 2
+    assert cases[0].name == "mha_p1_128_contiguous" and cases[-1].name == "mla_p64_16384_scattered"
+    by = {s.name: s for s in xc.SHAPES}
+    assert by["mha_p1"].regions * by["mha_p1"].token_bytes == 128 << 10  # 128 KiB of KV a token
+    assert by["mla_p64"].nbytes(4096) == 61 * 576 * 2 * 4096
+    assert by["mha_p16"].nbytes(16384) == 2 << 30  # 16k tokens of MHA: 2 GiB, the issue's figure
+    assert xc.pool_pages(by["mha_p16"]) == (1024, 2048)
+
+
+def test_page_ids_contiguous_and_scattered():
+    shape = xc.Shape("t", 2, 8, 16)
+    s, d = xc.page_ids(xc.Case(shape, 64, "contiguous"), 8, 16)
+    assert s.tolist() == [0, 1, 2, 3] and d.tolist() == [4, 5, 6, 7]
+    s, d = xc.page_ids(xc.Case(shape, 64, "scattered"), 8, 16)
+    assert s.dtype == d.dtype == np.int64 and len(set(s.tolist())) == len(set(d.tolist())) == 4
+    assert s.max() < 8 and d.max() < 16
+    again = xc.page_ids(xc.Case(shape, 64, "scattered"), 8, 16)
+    assert again[0].tolist() == s.tolist() and again[1].tolist() == d.tolist()  # seeded: the same every run
+    with pytest.raises(ValueError, match="do not fit"):
+        xc.page_ids(xc.Case(shape, 256, "contiguous"), 8, 16)
+
+
+def test_page_hash_exact_and_the_torch_version_matches_it():
+    assert xc.hash_weights(3, 0).tolist() == [1, 3, 5] and xc.hash_weights(3, 1).tolist() == [7, 9, 11]
+    a = np.array([[1, 2, 3], [0, 0, 1]], dtype=np.int64)
+    b = np.array([[1, 0, 0], [2, 0, 0]], dtype=np.int64)
+    assert xc.page_hash([a, b]).tolist() == [1 + 6 + 15 + 7, 5 + 14]
+    # wraps modulo 2**64 instead of failing: (2**63 - 1) * (1 + 3) = 2**65 - 4, which is -4 modulo 2**64
+    big = np.full((1, 2), np.iinfo(np.int64).max, dtype=np.int64)
+    assert xc.page_hash([big]).tolist() == [-4]
+    rng = np.random.default_rng(0)
+    regions = [torch.from_numpy(rng.integers(0, 256, size=(5, 32), dtype=np.uint8)) for _ in range(3)]
+    ids = np.array([4, 0, 2])
+    want = xc.page_hash([r.numpy()[ids].view(np.int64) for r in regions])
+    assert xfer_bench.pool_hash(torch, regions, ids).tolist() == want.tolist()
+    # one flipped byte changes its page's hash only
+    regions[1][2, 17] ^= 1
+    got = xfer_bench.pool_hash(torch, regions, ids)
+    assert (got != want).tolist() == [False, False, True]
+
+
+def test_budget_bounds_repetitions():
+    calls = []
+    times = xc.Budget(seconds=1.0, min_reps=3, max_reps=10, warmup=2).run(lambda: calls.append(1) or 0.6)
+    assert times == [0.6, 0.6, 0.6] and len(calls) == 5  # two untimed warm-ups; stops once 1 s is spent
+    assert len(xc.Budget(seconds=1.0, min_reps=3, max_reps=10, warmup=0).run(lambda: 0.01)) == 10
+    assert xc.stats_us([0.001, 0.002, 0.003]) == {"p50": 2000.0, "p99": pytest.approx(2980.0), "min": 1000.0, "n": 3}
+
+
+def _row(case, mode, p50, spans, nbytes):
+    return {"case": case, "mode": mode, "write_us": {"p50": p50}, "spans": spans, "mean_span": nbytes / spans}
+
+
+def test_crossover_names_the_winner_of_each_case_and_the_span_bounds():
+    rows = [_row("a", "kernel", 100.0, 64, 64 << 20), _row("a", "copy_engine", 80.0, 64, 64 << 20),
+            _row("b", "kernel", 50.0, 4096, 8 << 20), _row("b", "copy_engine", 90.0, 4096, 8 << 20),
+            _row("c", "kernel", 200.0, 976, 72 << 20), _row("c", "copy_engine", 150.0, 976, 72 << 20),
+            _row("d", "kernel", 10.0, 8, 1 << 20)]  # no copy-engine row: left out
+    r = xc.crossover(rows)
+    assert r["winner"] == {"a": "copy_engine", "b": "kernel", "c": "copy_engine"}
+    assert r["min_mean_span_won"] == (72 << 20) / 976
+    assert r["max_mean_span_lost"] == (8 << 20) / 4096
+    assert r["max_spans_won"] == 976
+
+
+def test_verdicts_against_the_targets():
+    ref = {"gpu_us": {"p50": 1000.0}}
+    ipc = [{"case": "x_4096_s", "tokens": 4096, "mode": "kernel", "write_us": {"p50": 1600.0}, "ratio": 0.62,
+            "bad_pages": 0, "ref": ref},
+           {"case": "x_4096_s", "tokens": 4096, "mode": "copy_engine", "write_us": {"p50": 1100.0}, "ratio": 0.91,
+            "bad_pages": 0, "ref": ref},
+           {"case": "x_128_s", "tokens": 128, "mode": "kernel", "write_us": {"p50": 30.0}, "ratio": 0.1,
+            "bad_pages": 0, "ref": ref}]
+    v = xfer_bench.verdicts({"ipc": ipc, "fixed_cost": {"m": {"end_to_end_us": 250.0}},
+                             "interference": [{"mode": "kernel", "case": "c", "slowdown": 0.05}],
+                             "nccl": [{"tokens": 4096, "ratio": 0.9, "bad_pages": 0}]})
+    assert v == {"verified": True, "ipc_ratio": True, "ipc_4k_ms": True, "ipc_16k_ms": True,
+                 "small_request_us": True, "interference": {"kernel:c": False}, "nccl_ratio_4k": True}
+    ipc[1]["bad_pages"] = 3
+    assert xfer_bench.verdicts({"ipc": ipc})["verified"] is False
+
+
+def test_without_cuda_it_skips_cleanly_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "x.json"
+    assert xfer_bench.main(["--out", str(out)]) == 0
+    assert "skipped: no CUDA device here" in capsys.readouterr().out
+    assert not out.exists()
+
+
+def test_plan_section_records_every_case_with_exact_span_counts(tmp_path):
+    out = tmp_path / "plan.json"
+    assert xfer_bench.main(["--quick", "--sections", "plan", "--out", str(out)]) == 0
+    rows = {r["case"]: r for r in json.loads(out.read_text())["plan"]}
+    assert len(rows) == 24 + 3
+    # contiguous pages: one span a region; scattered page-1 MHA: one span a page and region
+    assert rows["mha_p1_4096_contiguous"]["ce_spans"] == 64
+    assert rows["mla_p64_4096_contiguous"]["ce_spans"] == 61
+    assert rows["mha_p1_128_scattered"]["descriptors"] == 128 * 64
+    assert rows["mha_p16_16384_contiguous"]["nccl_chunks"] == 16  # 2 GiB in 128 MiB staging slots
+
+
+@pytest.mark.slow
+def test_quick_run_of_every_section_verifies_every_page(tmp_path):
+    out = tmp_path / "quick.json"
+    rc = xfer_bench.main(["--quick", "--out", str(out), "--case-s", "0.02", "--max-reps", "6"])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["pass"]["verified"] is True
+    assert result["machine"].startswith("cpu-") and result["meta"]["quick"] is True
+    n = len(xc.QUICK_SHAPES) * len(xc.QUICK_TOKENS) * 2
+    assert len(result["ipc"]) == 2 * n and {r["mode"] for r in result["ipc"]} == {"kernel", "copy_engine"}
+    assert len(result["nccl"]) == n
+    assert all(r["bad_pages"] == 0 for k in ("ipc", "nccl") for r in result[k])
+    assert [r["mode"] for r in result["interference"]] == ["kernel", "copy_engine", "kernel", "copy_engine", "nccl"]
+    assert all(r["error"] is None and r["writes_during"] > 0 for r in result["interference"])
+    assert set(result["fixed_cost"]) == {"mla_p64", "mha_p16"}
+    assert all(f["end_to_end_us"] > 0 for f in result["fixed_cost"].values())
+    assert result["skipped"] == [] and result["rule"]["winner"]
+
+
+@pytest.mark.slow
+def test_run_all_transfer_bench_phase_needs_no_sglang_bundle(tmp_path):
+    """run_all.sh --phase transfer-bench runs without the SGLang bundle, writes $OUT/xfer_$KIND.{json,log}, and
+    on a machine without CUDA says it measured nothing."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "E2E_ROOT": str(tmp_path / "root"), "E2E_BUNDLE": str(tmp_path / "none"),
+           "OUT": str(tmp_path / "out"), "E2E_KIND": "cpu-test"}
+    p = subprocess.run(["bash", str(repo / "e2e/run_all.sh"), "--phase", "transfer-bench"], capture_output=True,
+                       text=True, env=env, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "skipped: no CUDA device here" in (tmp_path / "out/xfer_cpu-test.log").read_text()
+    assert not (tmp_path / "out/xfer_cpu-test.json").exists()
+    env["E2E_XFER_ARGS"] = "--quick --sections plan"
+    p = subprocess.run(["bash", str(repo / "e2e/run_all.sh"), "--phase", "transfer-bench"], capture_output=True,
+                       text=True, env=env, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = json.loads((tmp_path / "out/xfer_cpu-test.json").read_text())
+    assert doc["machine"] == "cpu-test" and len(doc["plan"]) == 27 and doc["pass"] == {"verified": True}

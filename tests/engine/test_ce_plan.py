@@ -1,0 +1,124 @@
+"""The copy-engine planning: span coalescing, the spans of whole pages, a chunk's shape from its ids, and the
+per-chunk rule with its thresholds (engine/copy/ce_plan.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sglang_p2p_backend.engine.copy import ce_plan
+from sglang_p2p_backend.engine.copy.ce_plan import (COPY_ENGINE, KERNEL, choose, coalesce, page_chunk_shape,
+                                                   page_spans)
+from sglang_p2p_backend.engine.copy.plan import copy_descriptors
+
+
+def _lists(d):
+    return [a.tolist() for a in d]
+
+
+def test_coalesce_joins_spans_continued_on_both_sides_only():
+    src = [0, 100, 200, 1000, 1100]
+    dst = [5000, 5100, 9000, 9100, 9200]
+    lens = [100, 100, 100, 100, 100]
+    # 0->5000 and 100->5100 continue each other; 200->9000 breaks on the destination; 1000->9100 breaks on the
+    # source (200 + 100 != 1000); 1100->9200 continues 1000->9100
+    assert _lists(coalesce(src, dst, lens)) == [[0, 200, 1000], [5000, 9000, 9100], [200, 100, 200]]
+
+
+def test_coalesce_drops_empty_spans_and_keeps_singletons():
+    assert _lists(coalesce([8, 16, 24], [80, 96, 88], [8, 0, 8])) == [[8, 24], [80, 88], [8, 8]]
+    assert _lists(coalesce([8], [80], [8])) == [[8], [80], [8]]
+    assert _lists(coalesce([], [], [])) == [[], [], []]
+    with pytest.raises(ValueError, match="do not pair up"):
+        coalesce([1, 2], [3], [4, 5])
+
+
+def test_page_spans_of_a_pool_laid_back_to_back_become_one_span_for_contiguous_pages():
+    # 3 regions of 10 pages of 64 bytes, each region right after the previous one on both sides (one
+    # allocation), and the whole pool moved page for page: one span of everything
+    item, pages = 64, 10
+    src_bases = [1 << 20, (1 << 20) + item * pages, (1 << 20) + 2 * item * pages]
+    dst_bases = [1 << 24, (1 << 24) + item * pages, (1 << 24) + 2 * item * pages]
+    ids = np.arange(pages)
+    assert _lists(page_spans(src_bases, dst_bases, [item] * 3, ids, ids)) == [[1 << 20], [1 << 24], [3 * item * pages]]
+
+
+def test_page_spans_of_scattered_pages_keep_region_major_runs():
+    src_bases, dst_bases, items = [0, 10000], [50000, 90000], [16, 32]
+    src_ids, dst_ids = np.array([0, 1, 2, 7]), np.array([4, 5, 9, 1])
+    # runs: (0->4, 2 pages), (2->9, 1), (7->1, 1); regions are not back to back, so nothing joins across them
+    assert _lists(page_spans(src_bases, dst_bases, items, src_ids, dst_ids)) == [
+        [0, 32, 112, 10000, 10064, 10224],
+        [50064, 50144, 50016, 90128, 90288, 90032],
+        [32, 16, 16, 64, 32, 32],
+    ]
+    # the same bytes as the one-sided descriptors
+    s, d, n = copy_descriptors(src_bases, dst_bases, items, src_ids, dst_ids)
+    assert sorted(zip(s.tolist(), d.tolist(), n.tolist())) == sorted(zip(*_lists(page_spans(src_bases, dst_bases, items, src_ids, dst_ids))))
+
+
+def test_page_chunk_shape_counts_runs_times_regions_and_bytes():
+    assert page_chunk_shape(np.array([0, 1, 2, 7]), np.array([4, 5, 9, 1]), [16, 32]) == (6, 4 * 48)
+    assert page_chunk_shape(np.arange(64), np.arange(64) + 100, [73728] * 61) == (61, 64 * 61 * 73728)
+    assert page_chunk_shape(np.zeros(0), np.zeros(0), [8]) == (0, 0)
+
+
+def test_off_and_on_ignore_the_shape():
+    assert choose("off", 1, 1 << 30) == KERNEL
+    assert choose("on", 1_000_000, 2048 * 1_000_000) == COPY_ENGINE
+    assert choose("on", 0, 0) == KERNEL  # nothing to copy: nothing to choose
+    with pytest.raises(ValueError, match="not one of off, on, auto"):
+        choose("sometimes", 1, 1)
+
+
+def test_auto_rule_at_its_thresholds():
+    mean, most = ce_plan.CE_MIN_MEAN_SPAN_BYTES, ce_plan.CE_MAX_SPANS_BATCHED
+    assert choose("auto", 61, 61 * mean) == COPY_ENGINE  # exactly the mean threshold
+    assert choose("auto", 61, 61 * mean - 1) == KERNEL
+    assert choose("auto", most, most * mean) == COPY_ENGINE
+    assert choose("auto", most + 1, (most + 1) * mean * 4) == KERNEL  # too many spans however long
+    few = ce_plan.CE_MAX_SPANS_UNBATCHED
+    assert choose("auto", few, few * mean, batched=False) == COPY_ENGINE
+    assert choose("auto", few + 1, (few + 1) * mean, batched=False) == KERNEL
+
+
+@pytest.mark.parametrize("layout, tokens, page, scattered, want", [
+    # MLA, 61 layers, page 64 (72 KiB a page and layer): contiguous 4k tokens is 61 spans of 4.5 MiB
+    ("mla", 4096, 64, False, COPY_ENGINE),
+    # scattered 4k: 64 x 61 = 3,904 spans of 72 KiB, above the 64 KiB mean
+    ("mla", 4096, 64, True, COPY_ENGINE),
+    # MHA page 1 (2 KiB a token and region) scattered: 262,144 spans of 2 KiB -> the kernel
+    ("mha", 4096, 1, True, KERNEL),
+    # MHA page 16 scattered 16k: 1,024 x 64 = 65,536 spans of 32 KiB -> the kernel
+    ("mha", 16384, 16, True, KERNEL),
+    # MHA page 16 contiguous 16k: 64 spans of 32 MiB -> copy engines
+    ("mha", 16384, 16, False, COPY_ENGINE),
+])
+def test_auto_on_the_benchmark_shapes(layout, tokens, page, scattered, want):
+    regions, token_bytes = (61, 1152) if layout == "mla" else (64, 2048)
+    n = tokens // page
+    src = np.arange(n)
+    dst = np.random.default_rng(0).permutation(4 * n)[:n] if scattered else np.arange(n) + 7
+    spans, nbytes = page_chunk_shape(src, dst, [page * token_bytes] * regions)
+    assert nbytes == tokens * regions * token_bytes
+    assert choose("auto", spans, nbytes) == want
+
+
+@pytest.mark.parametrize("back_to_back", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_page_spans_equal_coalescing_every_descriptor(seed, back_to_back):
+    """page_spans looks only at region boundaries: it must give what coalescing every span gives."""
+    rng = np.random.default_rng(seed)
+    regions, pages, item = int(rng.integers(1, 6)), 12, 32
+    stride = pages * item if back_to_back else pages * item + 64
+    src_bases = [4096 + r * stride for r in range(regions)]
+    dst_bases = [1 << 20 | r * stride for r in range(regions)]
+    n = int(rng.integers(1, pages + 1))
+    if seed % 2:  # runs that touch the pools' ends, so boundaries can join when the pool is back to back
+        src_ids, dst_ids = np.arange(pages - n, pages), np.arange(pages - n, pages)
+        src_ids = np.concatenate([src_ids[-1:] * 0, src_ids[1:]]) if n > 1 else src_ids
+        dst_ids = np.concatenate([dst_ids[-1:] * 0, dst_ids[1:]]) if n > 1 else dst_ids
+    else:
+        src_ids, dst_ids = rng.permutation(pages)[:n], rng.permutation(pages)[:n]
+    items = [item] * regions
+    want = coalesce(*copy_descriptors(src_bases, dst_bases, items, src_ids, dst_ids))
+    assert _lists(page_spans(src_bases, dst_bases, items, src_ids, dst_ids)) == _lists(want)

@@ -1,0 +1,150 @@
+"""The same-host transport's copy-engine route (SGLANG_P2P_COPY_ENGINE) with the shared-memory stand-in of CUDA
+IPC: `off` keeps the page kernel's call (the default, unchanged), `on` hands the checked, coalesced spans to the
+copy engines, `auto` follows ce_plan's rule per chunk; the bytes land either way and nothing else changes. What
+the CUDA calls do runs in tests/gpu/test_copy_engine.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_p2p_backend.engine.config import ConfigError, EngineConfig
+from sglang_p2p_backend.engine.copy import ce_plan
+from sglang_p2p_backend.engine.transport import cuda_ipc
+from sglang_p2p_backend.engine.transport.base import TransportError
+from support.shm_ipc import ShmBackend
+
+ITEM, REGIONS, PAGES = 64, 3, 20
+
+
+class RecordingShm(ShmBackend):
+    """The stand-in, noting which copy each write took."""
+
+    def __init__(self, batched: bool = True):
+        super().__init__()
+        self.calls: list[tuple] = []
+        self.batched = batched
+
+    def write_pages(self, device, src_bases, dst_bases, item_bytes, src_ids, dst_ids):
+        self.calls.append(("pages", len(src_ids)))
+        super().write_pages(device, src_bases, dst_bases, item_bytes, src_ids, dst_ids)
+
+    def copy_engines_batched(self):
+        return self.batched
+
+    def write_copy_engines(self, device, src, dst, lens):
+        self.calls.append(("copy_engines", src.tolist(), dst.tolist(), lens.tolist()))
+        super().write_copy_engines(device, src, dst, lens)
+
+
+@pytest.fixture
+def shm():
+    backend = RecordingShm()
+    cuda_ipc.use_backend(backend)
+    yield backend
+    cuda_ipc.use_backend(None)
+    backend.close()
+
+
+def _pair(shm, mode, back_to_back=False):
+    """A decode pool of REGIONS regions in one segment (back to back when asked, else with a gap of one page
+    between regions), mapped by a prefill transport in `mode`."""
+    stride = PAGES * ITEM if back_to_back else (PAGES + 1) * ITEM
+    dst_pool = shm.allocate(REGIONS * stride)
+    dst_pool.zero_()
+    src_pool = torch.arange(REGIONS * stride, dtype=torch.int64).remainder(251).to(torch.uint8) + 1
+    dst_regions = [(dst_pool.data_ptr() + r * stride, PAGES * ITEM) for r in range(REGIONS)]
+    decode = cuda_ipc.CudaIpcTransport(torch.device("cpu"))
+    decode.register(dst_regions)
+    prefill = cuda_ipc.CudaIpcTransport(torch.device("cpu"), mode)
+    prefill.open_peer("d", decode.export)
+    src_bases = [src_pool.data_ptr() + r * stride for r in range(REGIONS)]
+    return prefill, src_pool, dst_pool, src_bases, [p for p, _ in dst_regions], stride
+
+
+def _mapped(tr, addr: int) -> int:
+    """Where the prefill's mapping of the decode's segment puts decode address `addr` (what a copy writes to)."""
+    return int(tr._peers["d"].table.translate(np.array([addr]), np.array([1]))[0])  # noqa: SLF001
+
+
+def _check(src_pool, dst_pool, stride, src_ids, dst_ids):
+    s, d = src_pool.numpy(), dst_pool.numpy()
+    written = np.zeros(d.size, dtype=bool)
+    for r in range(REGIONS):
+        for a, b in zip(src_ids, dst_ids):
+            lo_s, lo_d = r * stride + a * ITEM, r * stride + b * ITEM
+            assert d[lo_d:lo_d + ITEM].tolist() == s[lo_s:lo_s + ITEM].tolist()
+            written[lo_d:lo_d + ITEM] = True
+    assert not d[~written].any()
+
+
+def test_off_keeps_the_page_kernel_call(shm):
+    tr, sp, dp, sb, db, stride = _pair(shm, "off")
+    src_ids, dst_ids = np.array([0, 1, 2]), np.array([5, 6, 7])
+    assert tr.write_pages("d", sb, db, [ITEM] * REGIONS, src_ids, dst_ids, PAGES, PAGES) == 3 * REGIONS * ITEM
+    assert shm.calls == [("pages", 3)]
+    _check(sp, dp, stride, src_ids, dst_ids)
+    tr.close()
+
+
+def test_on_sends_coalesced_runs_of_every_region_to_the_copy_engines(shm):
+    tr, sp, dp, sb, db, stride = _pair(shm, "on")
+    src_ids, dst_ids = np.array([0, 1, 2, 9]), np.array([5, 6, 7, 0])
+    tr.write_pages("d", sb, db, [ITEM] * REGIONS, src_ids, dst_ids, PAGES, PAGES)
+    base_d = _mapped(tr, dp.data_ptr())
+    assert shm.calls == [("copy_engines",
+                          [sb[0], sb[0] + 9 * ITEM, sb[1], sb[1] + 9 * ITEM, sb[2], sb[2] + 9 * ITEM],
+                          [base_d + 5 * ITEM, base_d, base_d + stride + 5 * ITEM, base_d + stride,
+                           base_d + 2 * stride + 5 * ITEM, base_d + 2 * stride],
+                          [3 * ITEM, ITEM] * REGIONS)]
+    _check(sp, dp, stride, src_ids, dst_ids)
+    tr.close()
+
+
+def test_on_joins_regions_that_lie_back_to_back_into_one_span(shm):
+    tr, sp, dp, sb, db, stride = _pair(shm, "on", back_to_back=True)
+    ids = np.arange(PAGES)
+    tr.write_pages("d", sb, db, [ITEM] * REGIONS, ids, ids, PAGES, PAGES)
+    assert shm.calls == [("copy_engines", [sb[0]], [_mapped(tr, dp.data_ptr())], [REGIONS * PAGES * ITEM])]
+    _check(sp, dp, stride, ids, ids)
+    tr.close()
+
+
+def test_auto_takes_the_kernel_for_short_spans_and_the_copy_engines_for_long_ones(shm, monkeypatch):
+    tr, sp, dp, sb, db, stride = _pair(shm, "auto")
+    # with the shipped thresholds 64-byte pages are far below the mean span: the kernel
+    tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([0, 1]), np.array([3, 4]), PAGES, PAGES)
+    assert shm.calls == [("pages", 2)]
+    # a threshold this chunk meets (3 spans of 2 pages): the copy engines
+    monkeypatch.setattr(ce_plan, "CE_MIN_MEAN_SPAN_BYTES", 2 * ITEM)
+    tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([10, 11]), np.array([12, 13]), PAGES, PAGES)
+    assert [c[0] for c in shm.calls] == ["pages", "copy_engines"]
+    # not batched (CUDA < 12.8): the span limit is CE_MAX_SPANS_UNBATCHED
+    shm.batched = False
+    monkeypatch.setattr(ce_plan, "CE_MAX_SPANS_UNBATCHED", 2)
+    tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([14, 15]), np.array([16, 17]), PAGES, PAGES)
+    assert [c[0] for c in shm.calls] == ["pages", "copy_engines", "pages"]
+    _check(sp, dp, stride, [0, 1, 10, 11, 14, 15], [3, 4, 12, 13, 16, 17])
+    tr.close()
+
+
+def test_spans_go_to_the_copy_engines_after_the_export_check(shm):
+    tr, sp, dp, sb, db, stride = _pair(shm, "on")
+    a, b = dp.data_ptr(), sp.data_ptr()
+    # two spans that continue each other on both sides become one
+    assert tr.write("d", [b, b + 32], [a + 64, a + 96], [32, 32]) == 64
+    assert shm.calls == [("copy_engines", [b], [_mapped(tr, a) + 64], [64])]
+    with pytest.raises(TransportError, match="outside every region the decode exported"):
+        tr.write("d", [b], [a + PAGES * ITEM], [8])  # the gap after region 0 was not exported
+    assert len(shm.calls) == 1
+    tr.close()
+
+
+def test_the_knob_is_read_once_and_checked(monkeypatch):
+    monkeypatch.delenv("SGLANG_P2P_COPY_ENGINE", raising=False)
+    assert EngineConfig.from_env().copy_engine == "off"
+    monkeypatch.setenv("SGLANG_P2P_COPY_ENGINE", " Auto ")
+    assert EngineConfig.from_env().copy_engine == "auto"
+    monkeypatch.setenv("SGLANG_P2P_COPY_ENGINE", "yes")
+    with pytest.raises(ConfigError, match=r"SGLANG_P2P_COPY_ENGINE='yes' is not one of off, on, auto"):
+        EngineConfig.from_env()
