@@ -158,6 +158,39 @@ def test_swa_window_of_sglangs_swa_pool_lands_byte_exact(transport_env):
         assert sent["bytes"] == pages * 4 * 128 + 3 * 4 * 128, sent  # 4 KV regions, 4 SWA regions of 128 B pages
 
 
+# HybridLinearKVPool over a GDN-shaped MambaPool (Qwen3-Next's state shape): 2 linear-attention layers (conv and
+# temporal state: 4 state regions), 2 full-attention layers (4 KV regions of 2 heads x 8 x bf16 per token)
+MAMBA_POOL = {"layout": "mha", "sglang_pool": "mamba", "num_layers": 4, "kv_heads": 2, "head_dim": 8, "page_size": 4,
+              "num_pages": 64, "state_slots": 8}
+# bytes of one request's state at attention TP 1: 2 conv items of 64 channels x 3 x bf16, 2 temporal items of
+# 4 heads x 8 x 8 x fp32
+MAMBA_STATE_BYTES = 2 * 64 * 3 * 2 + 2 * 4 * 8 * 8 * 4
+
+
+def needs_mamba_pool():
+    from sglang.srt.mem_cache import memory_pool
+
+    if not hasattr(memory_pool, "HybridLinearKVPool") or not hasattr(memory_pool.MambaPool, "get_state_dim_per_tensor"):
+        pytest.skip("this SGLang release has no HybridLinearKVPool with per-tensor state dims")
+
+
+@pytest.mark.parametrize("transport_env", [p for p in TRANSPORTS if p.id != "cudaipc-standin"])  # SGLang allocates
+def test_mamba_state_of_sglangs_hybrid_linear_pool_lands_byte_exact(transport_env):
+    # SGLang's HybridLinearKVPool and MambaPool on CPU, described by SGLang's own setup_state_kv_args: every conv
+    # and temporal state byte of the request's slot lands at the decode's slot, nothing else changes
+    needs_mamba_pool()
+    plan = {"pool": MAMBA_POOL,
+            "requests": [{"room": 551, "tokens": 4 * 9 + 2, "chunk_pages": 4},
+                         {"room": 552, "tokens": 4 * 6, "prefix": 8}, {"room": 553, "tokens": 3}],
+            "kv_checksum": BOTH if has_kv_checksum() else {},
+            "deadline_s": 40}
+    result = run_pair(plan, env=transport_env)
+    assert_all_landed(result, [551, 552, 553])  # KV pages, the mamba slot (state_ok), aux rows; nothing else changed
+    for room, pages in (("551", 10), ("552", 4), ("553", 1)):
+        sent = result["prefill"]["requests"][room]
+        assert sent["bytes"] == pages * 4 * 128 + MAMBA_STATE_BYTES, sent  # 4 KV regions of 128-byte pages
+
+
 @pytest.mark.parametrize("state_type,items", [("request_row", 1), ("block_scale", 5), ("swa_ring", 7)])
 def test_state_components_of_each_type_land_at_their_own_indices(state_type, items):
     # one item per request row, or a list of pages or ring rows: p2pnccl copies each item to the decode's item at
