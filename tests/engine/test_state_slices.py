@@ -171,7 +171,8 @@ def test_replicated_items_are_written_by_one_elected_source():
 def test_what_cannot_be_sliced_is_named():
     good = shards(2)
     assert problem("mamba", good, 2, shards(1), 1) is None
-    assert "is not sliced over attention TP" in problem("swa_ring", good, 2, shards(1), 1)
+    assert "a swa_ring component is not sliced over attention TP" in problem("swa_ring", good, 2, shards(1), 1)
+    assert "does not slice the SWA sub-pool by KV heads" in problem("swa", good, 2, shards(1), 1)
     one = shards(1)
     bad_groups = Shards(one.item_lens, one.dims, one.outer, ((16, 32, 16),) + one.groups[1:])
     assert "region 0: conv sub-blocks [16, 16, 32] (prefill) and [16, 32, 16] (decode)" in problem("mamba", good, 2, bad_groups, 1)

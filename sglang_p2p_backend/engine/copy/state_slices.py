@@ -12,7 +12,8 @@ its offset. A replicated item (dim 0) moves whole, from every source when scatte
 of each decode rank when aggregating (SGLang's `should_send_replicated_state`), so it is written once.
 
 State types whose items are replicated over TP (QSA pending / compressed) move whole by the same election. What
-SGLang's own backends do not pair across TP (other types on an MHA model, MiniMax) is refused (`problem`).
+SGLang's own backends do not pair across TP (other types on an MHA model, MiniMax) is refused (`problem`), and so
+is the SWA sub-pool, which SGLang's Mooncake backend slices by KV heads and p2pnccl does not (yet).
 Pure functions, no I/O: each side computes the same spans from both agreements.
 """
 
@@ -122,6 +123,9 @@ def problem(kind: str, src: Shards, src_tp: int, dst: Shards, dst_tp: int) -> Op
         if src.item_lens != dst.item_lens:
             return f"replicated {kind} items of {list(src.item_lens)} (prefill) and {list(dst.item_lens)} (decode) bytes"
         return None
+    if kind == "swa":
+        return ("p2pnccl does not slice the SWA sub-pool by KV heads (SGLang's Mooncake backend does); keep the "
+                "same attention TP")
     if kind not in SLICED_TYPES:
         return (f"a {kind} component is not sliced over attention TP (SGLang's own backends refuse it on an MHA/GQA "
                 f"model too)")
