@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 from test_pd_hetero_tp import ENV as HETERO_ENV
-from test_pd_hetero_tp import assert_heads_landed, rooms
+from test_pd_hetero_tp import assert_heads_landed, kv_bytes_sent, rooms
 from test_pd_hetero_tp import plan as hetero_plan
 from test_pd_transfer import FAST_FAILURE_ENV, MOONCAKE_ENV, TRANSPORTS, assert_all_landed, failed_reason
 
@@ -152,6 +152,36 @@ def test_state_that_cannot_be_sliced_across_attention_tp_is_refused_on_both_side
     for side in (*result["ranks"]["prefill"], *result["ranks"]["decode"]):  # the decode ranks hear the prefill's words
         r = side["requests"]["4001"]
         assert r["status"] == "Failed" and why in r["reason"], r
+
+
+# state replicated over attention TP: QSA's items (the same on every rank) move whole from one elected prefill rank
+# (every source when scattering, the first of each decode rank's sources when aggregating); on an MLA pool every
+# component moves whole from the one prefill rank SGLang's mapping names (the others are dummies)
+REPLICATED_STATE = [
+    pytest.param("qsa_pending", "mha", 2, 1, id="qsa_pending-mha-p2d1"),
+    pytest.param("qsa_compressed", "mha", 1, 2, id="qsa_compressed-mha-p1d2"),
+    pytest.param("dsa", "mla", 1, 2, id="dsa-mla-p1d2"),
+]
+
+
+@pytest.mark.parametrize("state_type,layout,p_tp,d_tp", REPLICATED_STATE)
+def test_replicated_state_moves_whole_once_across_attention_tp(state_type, layout, p_tp, d_tp):
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    if state_type not in {t.value for t in StateType}:
+        pytest.skip(f"this SGLang release has no {state_type} state")
+    p = hetero_plan({"prefill": p_tp, "decode": d_tp}, 4, 16, tokens=(10, 6, 12))
+    p["pool"].update(layout=layout, state_slots=12, state_item_len=96, state_type=state_type)
+    if layout == "mla":
+        p["pool"].update(head_dim=64, total_kv_heads=0)
+    result = run_pair(p, env=HETERO_ENV)
+    assert_heads_landed(result, [rooms(p)] * d_tp)
+    for d in result["ranks"]["decode"]:
+        assert {d["requests"][str(r)]["state_ok"] for r in rooms(p)} == {True}, d["requests"]
+    pages = sum(-(-r["tokens"] // 16) - r.get("prefix", 0) // 16 for r in p["requests"])
+    # MHA: every decode head once (4 heads x 16 tokens x 64 x bf16 per region); MLA: whole pages to every decode rank
+    kv = pages * 6 * 16 * 64 * 2 * 4 if layout == "mha" else pages * 3 * 16 * 64 * 2 * d_tp
+    assert kv_bytes_sent(result, rooms(p)) == kv + 96 * len(rooms(p)) * d_tp  # each decode rank's item once
 
 
 def mamba_tp_plan(p_tp: int, d_tp: int, **pool) -> dict:
