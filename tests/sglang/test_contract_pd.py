@@ -295,7 +295,9 @@ def test_mamba_state_of_sglangs_hybrid_linear_pool_lands_byte_exact(transport_en
         assert sent["bytes"] == pages * 4 * 128 + MAMBA_STATE_BYTES, sent  # 4 KV regions of 128-byte pages
 
 
-@pytest.mark.parametrize("state_type,items", [("request_row", 1), ("block_scale", 5), ("swa_ring", 7)])
+@pytest.mark.parametrize("state_type,items", [("request_row", 1), ("block_scale", 5), ("swa_ring", 7), ("c128_state", 1),
+                                              ("block_scale_swa", 5), ("minimax_index_k", 4), ("minimax_dense_kv", 4),
+                                              ("dsa", 4)])
 def test_state_components_of_each_type_land_at_their_own_indices(state_type, items):
     # one item per request row, or a list of pages or ring rows: p2pnccl copies each item to the decode's item at
     # the same position of its list, whatever the type
