@@ -38,9 +38,10 @@ except ImportError:
 
 from sglang_p2p_backend.engine.wire import checks
 from sglang_p2p_backend.engine.wire import messages as wire
-from sglang_p2p_backend.engine.wire.agreement import differences
+from sglang_p2p_backend.engine.wire.agreement import differences, pair_state_spans
 from sglang_p2p_backend.engine.pair.arrivals import ArrivalTracker
 from sglang_p2p_backend.engine.copy.heads import Heads, HeadsError, pair_heads
+from sglang_p2p_backend.engine.copy.state_slices import StateSliceError
 from sglang_p2p_backend.engine.pair.channels import PairReceivers
 from sglang_p2p_backend.engine.wire.control import ControlError
 from sglang_p2p_backend.engine.transport.base import TransportError
@@ -68,6 +69,8 @@ class PrefillPeer:
     incarnation: int = -1
     #: the heads of this rank's rows the prefill writes (different attention TP, MHA/GQA); None: whole pages
     kv_heads: Optional[Heads] = None
+    #: the spans of this rank's state items the prefill writes, per component (different attention TP); (): whole
+    state_spans: tuple = ()
     #: frame lists for the prefill held until its answer (then sent, carrying its secret)
     held: list = field(default_factory=list)
 
@@ -215,12 +218,18 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             self.drop("unexpected", msg.session, "PeerAnswer to no pending registration")
             return
         reason = msg.problem or "; ".join(differences(self.agreement, msg.agreement, "decode", "prefill"))
-        kv_heads = None
+        kv_heads, state_spans = None, ()
         if not reason:
             try:
                 kv_heads = self._heads_from(msg)
             except HeadsError as e:
                 reason = f"KV heads cannot be paired: {e}"
+            try:
+                # the same spans the prefill computed, from both agreements (nothing about them travels per chunk)
+                state_spans = tuple(p.dst if p is not None else None for p in
+                                    pair_state_spans(msg.agreement, msg.attn_tp_rank, self.agreement, self.attn_tp_rank))
+            except StateSliceError as e:
+                reason = "; ".join(filter(None, (reason, f"state cannot be paired: {e}")))
         self.control.set_secret(msg.session, msg.secret)
         if reason:
             logger.error("p2pnccl: prefill rank %s cannot serve this decode rank: %s", msg.session, reason)
@@ -232,6 +241,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             return
         peer.state, peer.prefill_rank, peer.incarnation = "accepted", msg.prefill_rank, msg.incarnation
         peer.kv_heads = kv_heads
+        peer.state_spans = state_spans
         # confirms the registration from our address: the prefill makes us a live peer on reading it
         self._control_send(msg.session, wire.Heartbeat(self.session, self.incarnation))
         self._release_held(msg.session, peer)
@@ -320,7 +330,8 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         rank_ok = peer is not None and header.prefill_rank == peer.prefill_rank
         published = self.live_rooms.get(header.room) if rank_ok else None
         verdict = checks.chunk_header(header, self.copier.item_lens, self.staging.slot_bytes, published,
-                                      peer.kv_heads if peer is not None else None)
+                                      peer.kv_heads if peer is not None else None,
+                                      peer.state_spans if peer is not None else ())
         if verdict.chunk is not None and published is not None and verdict.ids:
             published.received.append(verdict.ids[0])  # scattered before its arrival counts (ArrivalTracker)
         if verdict.problem and (published is not None or not rank_ok):

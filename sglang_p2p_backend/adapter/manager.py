@@ -77,6 +77,17 @@ def _shorten_gil_switch(ms: float) -> None:
         sys.setswitchinterval(ms / 1e3)
 
 
+def _state_shards(args: Any, components: int) -> dict:
+    """KVArgs' per-tensor state sharding as the agreement carries it: per component, the sliced axis's size, the
+    rows before it (SGLang reads a missing count as 1) and the conv sub-blocks ([] for None)."""
+    dims = [list(d or []) for d in (getattr(args, "state_dim_per_tensor", None) or [])][:components]
+    outer = [list(o or []) for o in (getattr(args, "state_slice_outer_counts", None) or [])][:components]
+    groups = [[list(g or []) for g in (comp or [])] for comp in (getattr(args, "state_conv_shard_groups", None) or [])]
+    outer = [o if o else [1] * len(d) for d, o in zip(dims, outer + [[]] * (len(dims) - len(outer)))]
+    groups = [g if g else [[]] * len(d) for d, g in zip(dims, groups + [[]] * (len(dims) - len(groups)))]
+    return {"state_dims": dims, "state_outer_counts": outer, "state_conv_groups": groups}
+
+
 class P2pNcclKVManagerBase(CommonKVManager):
     """What the prefill and decode managers share; each role subclasses it (prefill.py, decode.py)."""
 
@@ -176,6 +187,10 @@ class P2pNcclKVManagerBase(CommonKVManager):
             swa_kv_cache_layout=getattr(args, "swa_kv_cache_layout", None),
             state_types=contract.state_type_names(args) or [],
             mha_layout="" if is_mla_backend else contract.mha_page_layout(),
+            # how SGLang shards each state tensor over TP (what slicing across attention TP pairs by)
+            **_state_shards(args, len(self.state_regions)),
+            state_tp_size=int(getattr(self, "state_tp_size", 0) or 0),  # Common, 0.5.23
+            hybrid_mla=bool(getattr(args, "is_hybrid_mla_backend", False)),
         )
         #: the pair secrets this rank issued to its peers (one per registration)
         self.issued = IssuedSecrets(2 * self.config.max_peers)

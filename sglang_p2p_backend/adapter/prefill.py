@@ -36,10 +36,11 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_p2p_backend.engine.wire import checks
 from sglang_p2p_backend.engine.wire import messages as wire
-from sglang_p2p_backend.engine.wire.agreement import differences, redacted
+from sglang_p2p_backend.engine.wire.agreement import differences, pair_state_spans, redacted
 from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.wire.pair_secret import IssuedSecrets
 from sglang_p2p_backend.engine.copy.heads import HeadsError, PairHeads, pair_heads
+from sglang_p2p_backend.engine.copy.state_slices import StateSliceError
 from sglang_p2p_backend.engine.transport.onesided import OneSidedSender
 from sglang_p2p_backend.engine.transport.select import PeerFacts, TransportSelector
 from sglang_p2p_backend.adapter.bounded import Bounded
@@ -75,6 +76,8 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         self.decode_peers: Dict[str, wire.PeerRegister] = {}
         #: per decode rank with a different attention TP (MHA/GQA): the heads it takes from this rank
         self.peer_heads: Dict[str, Optional[PairHeads]] = {}
+        #: per decode rank with a different attention TP: its spans of every state component's items
+        self.peer_state: Dict[str, tuple] = {}
         self.rejected_peers: Dict[str, str] = Bounded(self.config.max_peers)
         self.slots = PeerSlots(self.config.max_peers)
         #: registrations answered but not yet confirmed by their decode, and the secrets issued to them
@@ -113,6 +116,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             peers=self.decode_peers,
             rejected=self.rejected_peers,
             heads=self.peer_heads,
+            state=self.peer_state,
             route=self._route,
             channels=self.channels,
             same_host=self.same_host,
@@ -269,6 +273,11 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         return pair_heads(total=self.kv_total_heads, page_size=self.agreement.page_size, src_tp=self.attn_tp_size,
                           src_rank=self.attn_tp_rank, dst_tp=reg.agreement.attn_tp_size, dst_rank=reg.engine_rank)
 
+    def _state_for(self, reg: wire.PeerRegister) -> tuple:
+        """This rank's spans of every state component's items for decode rank `reg` (() : whole items). Raises
+        StateSliceError."""
+        return pair_state_spans(self.agreement, self.attn_tp_rank, reg.agreement, reg.engine_rank)
+
     def _check_peer(self, reg: wire.PeerRegister) -> Optional[str]:
         problems = differences(self.agreement, reg.agreement, "prefill", "decode")
         if not problems:
@@ -276,6 +285,10 @@ class PrefillKVManager(P2pNcclKVManagerBase):
                 self._heads_for(reg)
             except HeadsError as e:
                 problems.append(f"KV heads cannot be paired: {e}")
+            try:
+                self._state_for(reg)
+            except StateSliceError as e:
+                problems.append(f"state cannot be paired: {e}")
         common = self._common_transports(reg)
         only_ipc = self.config.transport == "cudaipc" or common == ["cudaipc"]
         if only_ipc and not problems:  # nothing to fall back to: refuse now, naming why
@@ -327,6 +340,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         self.control.set_secret(session, reg.secret)
         self.rejected_peers.pop(session, None)
         self.peer_heads[session] = self._heads_for(reg)
+        self.peer_state[session] = self._state_for(reg)
         self.decode_peers[session] = reg
         self.watch.watch(session)
         if old is None or old.incarnation != reg.incarnation:
@@ -407,6 +421,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
     def _forget_peer(self, session: str, reason: str) -> None:
         self.decode_peers.pop(session, None)
         self.peer_heads.pop(session, None)
+        self.peer_state.pop(session, None)
         self.same_host.forget(session)
         self.slots.forget(session)
         if self.channels is not None:

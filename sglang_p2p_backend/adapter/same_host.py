@@ -12,13 +12,14 @@ goes through the one-sided sender (engine/transport/onesided.py) that Mooncake u
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Mapping, Optional
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import torch
 
 from sglang_p2p_backend.adapter.bounded import Bounded
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.copy.state_slices import PairSpans
 from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.transport.onesided import OneSidedSender, session_address
 from sglang_p2p_backend.engine.copy.plan import PlanError
@@ -107,7 +108,7 @@ class SameHostPath:
             self.ipc.forget_peer(session)
 
     def send(self, peer: wire.PeerRegister, src: list, dst: list, heads: Optional[PairHeads],
-             unsettled: Callable[[], None]) -> bool:
+             unsettled: Callable[[], None], state: Sequence[Optional[PairSpans]] = ()) -> bool:
         """Copy one chunk into the decode's pages and wait for it (the aux row is the caller's: it goes on the
         control channel). False: the peer cannot be mapped (now remembered) and the caller routes again;
         TransportError when `cudaipc` is forced or the copy failed; `unsettled` is called when a failed copy
@@ -123,5 +124,5 @@ class SameHostPath:
                     raise TransportError(f"decode rank {session} is reachable only through CUDA IPC "
                                          f"(SGLANG_P2P_TRANSPORT=cudaipc), which failed here: {e}; use auto or nccl") from e
                 return False
-        self._sender.send(peer, src, dst, None, heads, unsettled)
+        self._sender.send(peer, src, dst, None, heads, unsettled, state)
         return True

@@ -5,7 +5,8 @@ decode peer (peers are sharded over SGLANG_P2P_WORKERS queues, so one peer's chu
 moves the chunk to every real decode rank of the room: one copy kernel into a same-host decode's mapped pages
 (same_host.py), two-sided over the pair channel (engine/pair/channels.py), or one-sided with Mooncake
 (engine/transport/onesided.py), only the heads that rank owns when its attention TP differs
-(engine/copy/heads.py; a rank holding a replica another rank sends moves no KV); after the last chunk, Status. Every
+(engine/copy/heads.py; a rank holding a replica another rank sends moves no KV) and only its slice of each state
+item (engine/copy/state_slices.py); after the last chunk, Status. Every
 task is counted in flight while it runs (deferred_release.py), so an aborted room's ACK waits for it.
 """
 
@@ -17,7 +18,7 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from sglang_p2p_backend.engine.pair.channels import PairChannels
 from sglang_p2p_backend.engine.pair.comm_budget import NoRoom
 from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.copy.state_slices import PairSpans
 from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.transport.onesided import OneSidedSender, aux_descriptors
 from sglang_p2p_backend.engine.copy.plan import PlanError
@@ -88,7 +90,8 @@ class TransferWorkers:
     """The prefill's transfer queues (one per worker thread, peers sharded over them) and what a worker does
     with a task. What it reads of the prefill role comes in through the constructor: SGLang's room states
     (`request_status`) and each room's destinations (`destinations`); the live decode registrations (`peers`),
-    why a decode rank was refused (`rejected`) and the heads each takes (`heads`); which transport serves a
+    why a decode rank was refused (`rejected`), the heads each takes (`heads`) and its spans of every state
+    component's items (`state`, empty: whole items); which transport serves a
     peer now (`route`) and the transports themselves; `fail_room(room, reason)` and `succeed(room)` (Status to
     the decode ranks, then this rank's state). `spawn(step, name)` runs `step` on a thread until the manager
     closes."""
@@ -103,6 +106,7 @@ class TransferWorkers:
         peers: Mapping[str, wire.PeerRegister],
         rejected: Mapping[str, str],
         heads: Mapping[str, Optional[PairHeads]],
+        state: Mapping[str, Sequence[Optional[PairSpans]]],
         route: Callable[[str], str],
         channels: Optional[PairChannels],
         same_host: SameHostPath,
@@ -120,6 +124,7 @@ class TransferWorkers:
         self.peers = peers
         self.rejected = rejected
         self.heads = heads
+        self.state = state
         self.route = route
         self.channels = channels
         self.same_host = same_host
@@ -207,7 +212,7 @@ class TransferWorkers:
                     dst.append(info.dst_state_indices[c] if usable else _NO_IDS)
             aux = (task.aux_index, info.dst_aux_index) if task.is_last and task.aux_index is not None and info.dst_aux_index >= 0 else None
             try:
-                self._deliver(info, src, dst, aux, alive, heads)
+                self._deliver(info, src, dst, aux, alive, heads, self.state.get(session, ()))
             except (TransportError, ControlError, PlanError) as e:
                 self.fail_room(room, f"KV transfer to decode rank {session} failed: {e}")
                 return
@@ -215,10 +220,10 @@ class TransferWorkers:
             self.succeed(room)
 
     def _deliver(self, info: TransferInfo, src: list, dst: list, aux: Optional[tuple], alive: Callable[[], bool],
-                 heads: Optional[PairHeads] = None) -> None:
+                 heads: Optional[PairHeads] = None, state: Sequence[Optional[PairSpans]] = ()) -> None:
         """One chunk to one decode rank over the transport `auto` picks now (`heads`: only that head range of
-        the KV pages). Lack of communicator memory never fails it: the peer goes to Mooncake when it can, else
-        the chunk waits for room (until the room ends)."""
+        the KV pages; `state[c]`: only those spans of state component c's items). Lack of communicator memory
+        never fails it: the peer goes to Mooncake when it can, else the chunk waits for room (until the room ends)."""
         session, room = info.session, info.room
         unsettled = lambda: self.release.poison(room)  # noqa: E731
         waiting_since = None
@@ -228,16 +233,16 @@ class TransferWorkers:
                 raise TransportError(f"decode rank {session} was declared dead")
             route = self.route(session)
             if route == "cudaipc":
-                if not self.same_host.send(peer, src, dst, heads, unsettled):
+                if not self.same_host.send(peer, src, dst, heads, unsettled, state):
                     continue  # not mappable after all: routed again (NCCL)
                 if aux is not None:
                     self._send_aux(session, room, *aux)
                 return
             if route == "mooncake":
-                self.one_sided.send(peer, src, dst, aux, heads, unsettled)
+                self.one_sided.send(peer, src, dst, aux, heads, unsettled, state)
                 return
             try:
-                self.channels.send(session, room, self.prefill_rank, src, dst, info.next_seq, alive, heads)
+                self.channels.send(session, room, self.prefill_rank, src, dst, info.next_seq, alive, heads, state)
             except NoRoom as e:
                 self.channels.no_room_until[session] = time.monotonic() + _NO_ROOM_BACKOFF_S
                 if waiting_since is None:

@@ -38,9 +38,15 @@ class PoolSpec:
     state_item_len: int = 64
     state_type: str = "mamba"  # the component's KVArgs.state_types value
     state_per_request: int = 1  # items one request holds (a slot or request row: 1; pages of a window: more)
-    #: "" (the pools above), or SGLang's own pool class: "swa" (SWAKVPool; even layers sliding-window)
+    #: "" (the pools above), or SGLang's own pool class: "swa" (SWAKVPool; even layers sliding-window), "mamba"
+    #: (HybridLinearKVPool over a GDN-style MambaPool; even layers linear attention)
     sglang_pool: str = ""
     swa_pages: int = 3  # "swa": the window pages of one request
+    #: "mamba": the model's linear-attention heads (value heads; key heads are half), and the TP this rank's state
+    #: is sharded over and its rank there (set per rank by the driver)
+    mamba_heads: int = 4
+    state_tp: int = 1
+    state_tp_rank: int = 0
     device: str = "cpu"  # "cuda:N" puts the pools on a GPU (the NCCL transport then moves them)
 
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import replace
 import threading
 import time
 from typing import Any
@@ -64,6 +65,8 @@ class Role:
         self.num_dp = self.replicas * self.attn_dp
         self.spec = rank_heads(PoolSpec(**{**plan["pool"], **plan.get("pool_overrides", {}).get(role, {})}),
                                self.attn_tp, self.tp_rank % self.attn_tp)
+        if self.spec.sglang_pool == "mamba":  # SGLang shards the state over attention TP
+            self.spec = replace(self.spec, state_tp=self.attn_tp, state_tp_rank=self.tp_rank % self.attn_tp)
         self.seed = int(plan.get("seed", 0))
         self.faults = plan.get("faults", {}).get(role, {})
         self.host = plan.get("host", "127.0.0.1")

@@ -1,18 +1,20 @@
 """SGLang 0.5.23's wider contract between a prefill and a decode process (driver processes on 127.0.0.1, CPU
 transports): layout labels both roles must share, and what travels in the aux buffers."""
 
+import importlib.util
 import inspect
 
 import pytest
 from test_pd_hetero_tp import ENV as HETERO_ENV
-from test_pd_hetero_tp import assert_heads_landed, rooms
+from test_pd_hetero_tp import assert_heads_landed, kv_bytes_sent, rooms
 from test_pd_hetero_tp import plan as hetero_plan
-from test_pd_transfer import FAST_FAILURE_ENV, TRANSPORTS, assert_all_landed, failed_reason
+from test_pd_transfer import FAST_FAILURE_ENV, MOONCAKE_ENV, TRANSPORTS, assert_all_landed, failed_reason
 
 from sglang_p2p_backend.testing.launch import run_pair
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
+NEEDS_MOONCAKE = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="Mooncake not installed")
 POOL = {"layout": "mla", "num_layers": 4, "page_size": 1, "num_pages": 300}
 BOTH = {"prefill": True, "decode": True}
 
@@ -124,18 +126,114 @@ def test_kv_checksum_is_not_verified_across_attention_tp():
         assert {r["checksum_comparable"] for r in d["requests"].values()} == {False}, d["requests"]
 
 
-def test_state_components_across_attention_tp_are_refused_on_both_sides():
-    # SGLang slices state per tensor over TP (KVArgs.state_dim_per_tensor, state_slice_outer_counts,
-    # state_conv_shard_groups); p2pnccl does not, so the pair is refused before a byte moves
+# what SGLang's own backends do not pair across attention TP either: refused at registration on both sides, naming
+# the component, both TP sizes and why, before a byte moves
+STATE_TP_REFUSALS = [
+    pytest.param({"state_slots": 8, "state_type": "swa_ring", "state_per_request": 3},
+                 "state component 0 (swa_ring) cannot be sliced between prefill attention TP 1, decode 2: a swa_ring "
+                 "component is not sliced over attention TP", id="swa_ring"),
+    pytest.param({"state_slots": 8, "state_type": "mamba"},
+                 "state component 0 (mamba) cannot be sliced between prefill attention TP 1, decode 2: the prefill "
+                 "describes 1 regions with 0 state_dim_per_tensor", id="mamba-without-per-tensor-dims"),
+]
+
+
+@pytest.mark.parametrize("state,why", STATE_TP_REFUSALS)
+def test_state_that_cannot_be_sliced_across_attention_tp_is_refused_on_both_sides(state, why):
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    if state["state_type"] not in {t.value for t in StateType}:
+        pytest.skip(f"this SGLang release has no {state['state_type']} state")
     p = hetero_plan({"prefill": 1, "decode": 2}, 4, 16, tokens=(10, 6, 12))
-    p["pool"]["state_slots"] = 8
+    p["pool"].update(state)
     p["requests"] = p["requests"][:1]
     p["linger_s"] = {"prefill": 3.0}  # both refusals reach the decode ranks before the prefill closes its sockets
     result = run_pair(p, env=HETERO_ENV)
-    why = ("state components with different attention TP (prefill 1, decode 2) are not sliced by p2pnccl; launch both "
-           "with the same attention TP")
-    for side in (*result["ranks"]["prefill"], *result["ranks"]["decode"]):
+    for side in (*result["ranks"]["prefill"], *result["ranks"]["decode"]):  # the decode ranks hear the prefill's words
         r = side["requests"]["4001"]
+        assert r["status"] == "Failed" and why in r["reason"], r
+
+
+# state replicated over attention TP: QSA's items (the same on every rank) move whole from one elected prefill rank
+# (every source when scattering, the first of each decode rank's sources when aggregating); on an MLA pool every
+# component moves whole from the one prefill rank SGLang's mapping names (the others are dummies)
+REPLICATED_STATE = [
+    pytest.param("qsa_pending", "mha", 2, 1, id="qsa_pending-mha-p2d1"),
+    pytest.param("qsa_compressed", "mha", 1, 2, id="qsa_compressed-mha-p1d2"),
+    pytest.param("dsa", "mla", 1, 2, id="dsa-mla-p1d2"),
+]
+
+
+@pytest.mark.parametrize("state_type,layout,p_tp,d_tp", REPLICATED_STATE)
+def test_replicated_state_moves_whole_once_across_attention_tp(state_type, layout, p_tp, d_tp):
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    if state_type not in {t.value for t in StateType}:
+        pytest.skip(f"this SGLang release has no {state_type} state")
+    p = hetero_plan({"prefill": p_tp, "decode": d_tp}, 4, 16, tokens=(10, 6, 12))
+    p["pool"].update(layout=layout, state_slots=12, state_item_len=96, state_type=state_type)
+    if layout == "mla":
+        p["pool"].update(head_dim=64, total_kv_heads=0)
+    result = run_pair(p, env=HETERO_ENV)
+    assert_heads_landed(result, [rooms(p)] * d_tp)
+    for d in result["ranks"]["decode"]:
+        assert {d["requests"][str(r)]["state_ok"] for r in rooms(p)} == {True}, d["requests"]
+    pages = sum(-(-r["tokens"] // 16) - r.get("prefix", 0) // 16 for r in p["requests"])
+    # MHA: every decode head once (4 heads x 16 tokens x 64 x bf16 per region); MLA: whole pages to every decode rank
+    kv = pages * 6 * 16 * 64 * 2 * 4 if layout == "mha" else pages * 3 * 16 * 64 * 2 * d_tp
+    assert kv_bytes_sent(result, rooms(p)) == kv + 96 * len(rooms(p)) * d_tp  # each decode rank's item once
+
+
+def mamba_tp_plan(p_tp: int, d_tp: int, **pool) -> dict:
+    """SGLang's hybrid linear pool on every rank, the KV's 4 heads and the state sharded over each side's TP."""
+    return {"pool": {**MAMBA_POOL, "total_kv_heads": 4, **pool}, "tp": {"prefill": p_tp, "decode": d_tp},
+            "requests": [{"room": 561, "tokens": 4 * 9 + 2, "chunk_pages": 4}, {"room": 562, "tokens": 4 * 6, "prefix": 8},
+                         {"room": 563, "tokens": 3}],
+            "deadline_s": 60}
+
+
+# (prefill TP, decode TP, linear-attention heads, transport): 4 decode ranks need 4 key heads (SGLang pads key
+# groups that do not divide over TP, which are then no shards of one tensor: refused, the next test's kind)
+MAMBA_TP = [
+    pytest.param(1, 2, 4, {}, id="p1d2-tcp"),
+    pytest.param(2, 1, 4, {}, id="p2d1-tcp"),
+    pytest.param(2, 4, 8, {}, id="p2d4-tcp"),
+    pytest.param(1, 2, 4, MOONCAKE_ENV, id="p1d2-mooncake", marks=NEEDS_MOONCAKE),
+    pytest.param(2, 1, 4, MOONCAKE_ENV, id="p2d1-mooncake", marks=NEEDS_MOONCAKE),
+]
+
+
+@pytest.mark.parametrize("p_tp,d_tp,heads,transport_env", MAMBA_TP)
+def test_mamba_state_is_sliced_per_tensor_across_attention_tp(p_tp, d_tp, heads, transport_env):
+    # every decode rank's conv (q | k | v sub-blocks sharded one by one) and temporal state is exactly its shard of
+    # the model's state, whichever prefill rank(s) held it; every byte crossed once (each decode head and each
+    # state byte from one prefill rank); no other slot or page changed
+    needs_mamba_pool()
+    p = mamba_tp_plan(p_tp, d_tp, mamba_heads=heads)
+    result = run_pair(p, env={**HETERO_ENV, **transport_env})
+    done = [r["room"] for r in p["requests"]]
+    assert_heads_landed(result, [done] * d_tp)
+    for d in result["ranks"]["decode"]:
+        assert {d["requests"][str(r)]["state_ok"] for r in done} == {True}, d["requests"]
+    pages = {561: 10, 562: 4, 563: 1}
+    for room in done if not transport_env else ():  # one-sided writes count the aux rows too
+        sent = sum(pr["requests"][str(room)].get("sent_bytes", 0) for pr in result["ranks"]["prefill"])
+        assert sent == pages[room] * 4 * 4 * 64 + mamba_state_bytes(heads), (room, sent)  # 4 regions x 4 heads x 64 B
+
+
+def test_mamba_state_of_another_model_is_refused_across_attention_tp_naming_both_layouts():
+    # the decode runs a model with twice the linear-attention heads: its shards are not slices of the prefill's
+    # tensors, refused on both sides with both sizes named
+    needs_mamba_pool()
+    p = mamba_tp_plan(2, 1)
+    p["requests"] = p["requests"][:1]
+    p["pool_overrides"] = {"decode": {"mamba_heads": 8}}
+    p["linger_s"] = {"prefill": 3.0}
+    result = run_pair(p, env=HETERO_ENV)
+    why = ("state component 0 (mamba) cannot be sliced between prefill attention TP 2, decode 1: region 0: sliced axis "
+           "of 32 x TP 2 on the prefill, 128 x TP 1 on the decode (state_dim_per_tensor): not the same tensor")
+    for side in (*result["ranks"]["prefill"], *result["ranks"]["decode"]):
+        r = side["requests"]["561"]
         assert r["status"] == "Failed" and why in r["reason"], r
 
 
@@ -158,7 +256,48 @@ def test_swa_window_of_sglangs_swa_pool_lands_byte_exact(transport_env):
         assert sent["bytes"] == pages * 4 * 128 + 3 * 4 * 128, sent  # 4 KV regions, 4 SWA regions of 128 B pages
 
 
-@pytest.mark.parametrize("state_type,items", [("request_row", 1), ("block_scale", 5), ("swa_ring", 7)])
+# HybridLinearKVPool over a GDN-shaped MambaPool (Qwen3-Next's state shape): 2 linear-attention layers (conv and
+# temporal state: 4 state regions), 2 full-attention layers (4 KV regions of 2 heads x 8 x bf16 per token)
+MAMBA_POOL = {"layout": "mha", "sglang_pool": "mamba", "num_layers": 4, "kv_heads": 2, "head_dim": 8, "page_size": 4,
+              "num_pages": 64, "state_slots": 8}
+
+
+def mamba_state_bytes(heads: int = 4) -> int:
+    """Bytes of one request's state at attention TP 1: 2 conv items of (heads + 2 x heads / 2 key heads) x 8
+    channels x 3 x bf16, 2 temporal items of heads x 8 x 8 x fp32."""
+    return 2 * (heads * 8 + 2 * (heads // 2) * 8) * 3 * 2 + 2 * heads * 8 * 8 * 4
+
+
+MAMBA_STATE_BYTES = mamba_state_bytes()
+
+
+def needs_mamba_pool():
+    from sglang.srt.mem_cache import memory_pool
+
+    if not hasattr(memory_pool, "HybridLinearKVPool") or not hasattr(memory_pool.MambaPool, "get_state_dim_per_tensor"):
+        pytest.skip("this SGLang release has no HybridLinearKVPool with per-tensor state dims")
+
+
+@pytest.mark.parametrize("transport_env", [p for p in TRANSPORTS if p.id != "cudaipc-standin"])  # SGLang allocates
+def test_mamba_state_of_sglangs_hybrid_linear_pool_lands_byte_exact(transport_env):
+    # SGLang's HybridLinearKVPool and MambaPool on CPU, described by SGLang's own setup_state_kv_args: every conv
+    # and temporal state byte of the request's slot lands at the decode's slot, nothing else changes
+    needs_mamba_pool()
+    plan = {"pool": MAMBA_POOL,
+            "requests": [{"room": 551, "tokens": 4 * 9 + 2, "chunk_pages": 4},
+                         {"room": 552, "tokens": 4 * 6, "prefix": 8}, {"room": 553, "tokens": 3}],
+            "kv_checksum": BOTH if has_kv_checksum() else {},
+            "deadline_s": 40}
+    result = run_pair(plan, env=transport_env)
+    assert_all_landed(result, [551, 552, 553])  # KV pages, the mamba slot (state_ok), aux rows; nothing else changed
+    for room, pages in (("551", 10), ("552", 4), ("553", 1)):
+        sent = result["prefill"]["requests"][room]
+        assert sent["bytes"] == pages * 4 * 128 + MAMBA_STATE_BYTES, sent  # 4 KV regions of 128-byte pages
+
+
+@pytest.mark.parametrize("state_type,items", [("request_row", 1), ("block_scale", 5), ("swa_ring", 7), ("c128_state", 1),
+                                              ("block_scale_swa", 5), ("minimax_index_k", 4), ("minimax_dense_kv", 4),
+                                              ("dsa", 4)])
 def test_state_components_of_each_type_land_at_their_own_indices(state_type, items):
     # one item per request row, or a list of pages or ring rows: p2pnccl copies each item to the decode's item at
     # the same position of its list, whatever the type

@@ -10,8 +10,10 @@ flight, i.e. on the peer (docs/nccl.md, hazards).
 In `copy_chunk` a segment whose ids are consecutive is one slice copy per region; otherwise one `index_select`
 / `index_copy_` per region. A segment with a head range (different attention TP on the two sides) copies the
 same way through a strided view of the pages, (pages, rows, heads, head bytes) narrowed to the range: still one
-copy per region, never one per page or per head. On CUDA these run on the caller's current stream (the pair
-channel's), so they order with the channel's send/recv.
+copy per region, never one per page or per head. A state segment with byte spans (a mamba state sliced over
+TP: state_slices.py) copies each span of the items as its own column range of the staging block: one copy per
+span and region (a few per request). On CUDA these run on the caller's current stream (the pair channel's), so
+they order with the channel's send/recv.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from sglang_p2p_backend.engine.copy.heads import Heads
 from sglang_p2p_backend.engine.copy.plan import Chunk, is_contiguous, staging_blocks
+from sglang_p2p_backend.engine.copy.state_slices import Spans
 
 GroupViews = Sequence[Sequence[torch.Tensor]]  # [group][region] -> (num_items, item_len) uint8 view
 
@@ -65,6 +68,11 @@ def copy_chunk(chunk: Chunk, views: GroupViews, ids: Sequence[np.ndarray], stagi
     sel = [_Ids(i, staging.device) for i in ids]
     for seg, r, off, nbytes in staging_blocks(chunk, item_lens(views)):
         pages = views[seg.group][r]
+        if isinstance(seg.heads, Spans):
+            if nbytes:  # a region nothing of which moves between these two ranks has no block
+                    _copy_spans(pages, seg.heads.spans[r], staging[off : off + nbytes].view(seg.hi - seg.lo, -1),
+                            sel[seg.group].select(seg.lo, seg.hi), scatter)
+            continue
         if seg.heads is not None:
             pages = _head_view(pages, seg.heads)
         block = staging[off : off + nbytes].view(seg.hi - seg.lo, *pages.shape[1:])
@@ -77,6 +85,22 @@ def copy_chunk(chunk: Chunk, views: GroupViews, ids: Sequence[np.ndarray], stagi
             pages.index_copy_(0, s, block)
         else:
             torch.index_select(pages, 0, s, out=block)
+
+
+def _copy_spans(items: torch.Tensor, spans, block: torch.Tensor, s, scatter: bool) -> None:
+    """Each span (offset, bytes) of the selected items <-> its column range of `block` (items, sum of spans)."""
+    col = 0
+    for o, n in spans:
+        part, cols = items[:, o : o + n], block[:, col : col + n]
+        if isinstance(s, slice) and scatter:
+            part[s].copy_(cols, non_blocking=True)
+        elif isinstance(s, slice):
+            cols.copy_(part[s], non_blocking=True)
+        elif scatter:
+            part.index_copy_(0, s, cols)
+        else:
+            cols.copy_(part.index_select(0, s), non_blocking=True)
+        col += n
 
 
 class PageCopier:

@@ -42,6 +42,10 @@ class Heads:
         """Bytes of this head range of one page of a region whose whole page is `item_len` bytes."""
         return item_len // self.local * self.count
 
+    def moved(self, item_len: int, region: int) -> int:
+        """`item_len` of any region (a head range is the same in every region of a group; plan.moved_len)."""
+        return self.item_len(item_len)
+
     def head_bytes(self, item_len: int) -> int:
         return item_len // (self.rows * self.local)
 

@@ -13,16 +13,22 @@ With different attention TP on the two sides (MHA/GQA), a KV segment names a hea
 then contributes only those heads of each of its token rows, rows in order, so the staging holds exactly the
 bytes the decode rank owns and chunks stay as large as with whole pages. Each side describes the range in its
 own pool (the prefill's `src`, the decode's `dst`); the byte counts agree because a head is the same size on both.
+A state segment may instead name byte spans of every region's item (`state_slices.Spans`: a mamba state sliced
+over TP): an item then contributes those spans, in order, region by region.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from sglang_p2p_backend.engine.copy.heads import Heads, PairHeads
+from sglang_p2p_backend.engine.copy.state_slices import PairSpans, Spans
+
+#: what a segment moves of each item: whole items (None), a head range (KV) or byte spans per region (state)
+Slice = Optional[Union[Heads, Spans]]
 
 
 class PlanError(ValueError):
@@ -36,7 +42,7 @@ class Segment:
     region_hi: int
     lo: int  # range into the group's id list of this transfer
     hi: int
-    heads: Optional[Heads] = None  # None: whole pages; else only these heads of every token row
+    heads: Slice = None  # None: whole pages; else only these heads of every token row, or these spans of every item
 
 
 @dataclass(frozen=True)
@@ -68,30 +74,31 @@ def is_contiguous(ids: np.ndarray) -> bool:
     return ids.size > 0 and int(ids[-1]) - int(ids[0]) == ids.size - 1 and bool(np.all(np.diff(ids) == 1))
 
 
-def moved_len(item_len: int, heads: Optional[Heads]) -> int:
-    """Bytes one page of a region contributes: the whole page, or only the head range."""
-    return item_len if heads is None else heads.item_len(item_len)
+def moved_len(item_len: int, heads: Slice, region: int = 0) -> int:
+    """Bytes one page of region `region` contributes: the whole page, only the head range, or the spans."""
+    return item_len if heads is None else heads.moved(item_len, region)
 
 
 def segment_nbytes(seg: Segment, item_lens: Sequence[int]) -> int:
-    return (seg.hi - seg.lo) * sum(moved_len(x, seg.heads) for x in item_lens[seg.region_lo : seg.region_hi])
+    return (seg.hi - seg.lo) * sum(moved_len(item_lens[r], seg.heads, r) for r in range(seg.region_lo, seg.region_hi))
 
 
 def plan_chunks(
     group_item_lens: Sequence[Sequence[int]],
     group_counts: Sequence[int],
     budget: int,
-    heads: Sequence[Optional[Heads]] = (),
+    heads: Sequence[Slice] = (),
 ) -> list[Chunk]:
     """Split a transfer of `group_counts[g]` ids of every group into chunks of at most `budget` bytes.
 
     Greedy: pages of all regions of a group go together while whole pages fit; a page wider than the whole
     budget is split by regions; a single region page wider than the budget is an error (never dropped).
-    `heads[g]` (when given and not None) moves only that head range of group g's pages (every segment of the
-    group carries it).
+    `heads[g]` (when given and not None) moves only that head range (or those spans) of group g's pages (every
+    segment of the group carries it).
     """
     planned = plan_chunks_whole(
-        [[moved_len(x, heads[g] if g < len(heads) else None) for x in lens] for g, lens in enumerate(group_item_lens)],
+        [[moved_len(x, heads[g] if g < len(heads) else None, r) for r, x in enumerate(lens)]
+         for g, lens in enumerate(group_item_lens)],
         group_counts,
         budget,
     )
@@ -161,7 +168,7 @@ def staging_blocks(chunk: Chunk, group_item_lens: Sequence[Sequence[int]]) -> It
     for seg in chunk.segments:
         n = seg.hi - seg.lo
         for r in range(seg.region_lo, seg.region_hi):
-            nbytes = n * moved_len(group_item_lens[seg.group][r], seg.heads)
+            nbytes = n * moved_len(group_item_lens[seg.group][r], seg.heads, r)
             yield seg, r, off, nbytes
             off += nbytes
 
@@ -172,14 +179,16 @@ def copy_descriptors(
     item_lens: Sequence[int],
     src_ids: np.ndarray,
     dst_ids: np.ndarray,
-    heads: Optional[PairHeads] = None,
+    heads: Optional[Union[PairHeads, PairSpans]] = None,
     dst_item_lens: Optional[Sequence[int]] = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One-sided writes for a group: (src_addr, dst_addr, length) per merged run per region, region-major.
-    With `heads`, one write per token row of every page instead (the head range is strided), `dst_item_lens`
-    being the decode's page sizes."""
+    With `heads`, one write per token row of every page instead (the head range is strided), or one per span of
+    every item (`PairSpans`), `dst_item_lens` being the decode's page (item) sizes."""
     if len(src_ptrs) != len(dst_ptrs) or len(src_ptrs) != len(item_lens):
         raise PlanError(f"prefill has {len(src_ptrs)} regions, decode {len(dst_ptrs)}: layouts differ")
+    if isinstance(heads, PairSpans):
+        return _span_descriptors(src_ptrs, dst_ptrs, item_lens, dst_item_lens or item_lens, src_ids, dst_ids, heads)
     if heads is not None:
         return _head_descriptors(src_ptrs, dst_ptrs, item_lens, dst_item_lens or item_lens, src_ids, dst_ids, heads)
     runs = page_runs(src_ids, dst_ids)
@@ -215,8 +224,7 @@ def _head_descriptors(
     # (region, page, row) broadcast, region-major then page then row: one array op per term, none per layer
     sl = np.asarray(src_lens, dtype=np.int64).reshape(-1, 1, 1)
     dl = np.asarray(dst_lens, dtype=np.int64).reshape(-1, 1, 1)
-    hb = sl // (heads.src.rows * heads.src.local)
-    dst_hb = dl // (heads.dst.rows * heads.dst.local)
+    hb, dst_hb = heads.src.head_bytes(sl), heads.dst.head_bytes(dl)
     if (hb != dst_hb).any():
         r = int(np.flatnonzero((hb != dst_hb).reshape(-1))[0])
         raise PlanError(f"a head is {int(hb.reshape(-1)[r])} bytes on the prefill but {int(dst_hb.reshape(-1)[r])} "
@@ -227,3 +235,33 @@ def _head_descriptors(
     d = np.asarray(dst_ptrs, dtype=np.int64).reshape(-1, 1, 1) + d_ids * dl + rows * (dl // heads.dst.rows) + heads.dst.lo * hb
     n = np.broadcast_to(heads.src.count * hb, s.shape)
     return s.reshape(-1), d.reshape(-1), np.ascontiguousarray(n).reshape(-1)
+
+
+def _span_descriptors(
+    src_ptrs: Sequence[int],
+    dst_ptrs: Sequence[int],
+    src_lens: Sequence[int],
+    dst_lens: Sequence[int],
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+    spans: PairSpans,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per region, per item, per span: the span's bytes (as Mooncake's `_send_mamba_state_slice`)."""
+    src_ids = np.asarray(src_ids, dtype=np.int64).reshape(-1)
+    dst_ids = np.asarray(dst_ids, dtype=np.int64).reshape(-1)
+    if src_ids.shape != dst_ids.shape:
+        raise PlanError(f"prefill sends {src_ids.size} items but decode published {dst_ids.size} destinations")
+    if len(spans.src.spans) != len(src_ptrs) or len(spans.dst.spans) != len(dst_ptrs) or len(dst_lens) != len(dst_ptrs):
+        raise PlanError(f"state spans name {len(spans.src.spans)} regions, the component has {len(src_ptrs)}")
+    srcs, dsts, lens = [], [], []
+    for r, (sp, dp, sl, dl) in enumerate(zip(src_ptrs, dst_ptrs, src_lens, dst_lens)):
+        for (so, n), (do, m) in zip(spans.src.spans[r], spans.dst.spans[r]):
+            if n != m or so < 0 or do < 0 or so + n > sl or do + n > dl:
+                raise PlanError(f"state region {r}: span {so}+{n} -> {do}+{m} outside items of {sl} and {dl} bytes")
+            srcs.append(sp + src_ids * sl + so)
+            dsts.append(dp + dst_ids * dl + do)
+            lens.append(np.full(src_ids.size, n, dtype=np.int64))
+    if not srcs:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    return np.concatenate(srcs), np.concatenate(dsts), np.concatenate(lens)

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, Optional, Sequence
 
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.pair.comm_budget import CommBudget, NoRoom, cap_from_wire, cap_to_wire
@@ -24,6 +24,7 @@ from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.copy.state_slices import PairSpans
 from sglang_p2p_backend.engine.pair.pipeline import ChunkDone, PairReceiver, PairSender
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.transport.base import TransportError, TwoSidedTransport
@@ -143,14 +144,16 @@ class PairChannels:
             raise
 
     def send(self, session: str, room: int, prefill_rank: int, src: list, dst: list,
-             next_seq: Callable[[], int], alive: Callable[[], bool], heads: Optional[PairHeads] = None) -> None:
+             next_seq: Callable[[], int], alive: Callable[[], bool], heads: Optional[PairHeads] = None,
+             state: Sequence[Optional[PairSpans]] = ()) -> None:
         """Send over the peer's pair channel, opening one within the budget when it has none (or lost it)."""
         sender = self._sender(session)
         try:
             while alive():
                 with self.budget.using(session) as live:
                     if live and sender.comm is not None:
-                        sender.send(room, prefill_rank, src, dst, keep_going=alive, next_seq=next_seq, heads=heads)
+                        sender.send(room, prefill_rank, src, dst, keep_going=alive, next_seq=next_seq, heads=heads,
+                                    state=state)
                         return
                 if live:  # the pool counts a channel the sender lost: forget it before opening a new one
                     self.budget.closed(session)

@@ -29,6 +29,7 @@ from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.wire.messages import ChunkHeader, ChunkSegment, CommInit, Message
 from sglang_p2p_backend.engine.wire.checks import ChunkVerdict, chunk_layout
 from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.copy.state_slices import PairSpans
 from sglang_p2p_backend.engine.copy.plan import Segment, plan_chunks
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.threads import set_os_name
@@ -111,19 +112,21 @@ class PairSender(_PairEnd):
         keep_going: Callable[[], bool] = lambda: True,
         next_seq: Optional[Callable[[], int]] = None,
         heads: Optional[PairHeads] = None,
+        state: Sequence[Optional[PairSpans]] = (),
     ) -> int:
         """Move `src_ids[g]` of every group to the peer's `dst_ids[g]`; returns bytes sent. Stops between
         chunks once `keep_going()` is False (aborted room). `next_seq()` numbers the room's chunks across
         calls (the decode checks the sequence). `heads`: only that head range of the KV pages (group 0),
-        packed into the same chunks. Raises TransportError; the channel is then dropped."""
+        packed into the same chunks; `state[c]`: only those spans of state component c's items. Raises
+        TransportError; the channel is then dropped."""
         next_seq = next_seq or itertools.count().__next__
         for g, (s, d) in enumerate(zip(src_ids, dst_ids)):
             if len(s) != len(d):
                 raise TransportError(
                     f"room {room}: group {g} has {len(s)} source ids but the decode published {len(d)} destinations"
                 )
-        chunks = plan_chunks(self.item_lens, [len(s) for s in src_ids], self.staging.slot_bytes,
-                             (heads.src,) if heads is not None else ())
+        slices = [heads.src if heads is not None else None, *(p.src if p is not None else None for p in state)]
+        chunks = plan_chunks(self.item_lens, [len(s) for s in src_ids], self.staging.slot_bytes, slices)
         if not chunks or not keep_going():
             return 0
         sent = 0
@@ -183,7 +186,7 @@ class PairSender(_PairEnd):
 def _segment_msg(seg: Segment, dst_ids: Sequence[np.ndarray], heads: Optional[PairHeads] = None) -> ChunkSegment:
     """The wire form of a segment: the decode's ids, and the decode's head range when the segment has one."""
     ids = np.ascontiguousarray(dst_ids[seg.group][seg.lo : seg.hi], dtype=np.int32)
-    lo, hi = (heads.dst.lo, heads.dst.hi) if seg.heads is not None and heads is not None else (0, 0)
+    lo, hi = (heads.dst.lo, heads.dst.hi) if seg.group == 0 and seg.heads is not None and heads is not None else (0, 0)
     return ChunkSegment(seg.group, seg.region_lo, seg.region_hi, ids.tobytes(), lo, hi)
 
 

@@ -30,6 +30,7 @@ from sglang_p2p_backend.engine.copy.memory import Region
 from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.wire.messages import PeerRegister
 from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.copy.state_slices import PairSpans
 from sglang_p2p_backend.engine.copy.plan import PlanError, copy_descriptors
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 
@@ -64,15 +65,22 @@ def chunk_descriptors(
     dst_ids: Sequence[np.ndarray],
     aux: Optional[tuple[int, int]] = None,
     heads: Optional[PairHeads] = None,
+    state: Sequence[Optional[PairSpans]] = (),
 ) -> Descriptors:
     """Every descriptor of one chunk: per group, merged page runs region-major (with `heads`, the KV group's
-    head range of every token row instead); then the aux row (`aux` = (prefill row, decode row)) when given."""
+    head range of every token row instead; with `state[c]`, those spans of state component c's items); then the
+    aux row (`aux` = (prefill row, decode row)) when given."""
     parts: list[Descriptors] = []
     for g, (s, d) in enumerate(zip(src_ids, dst_ids)):
         src_ptrs, dst_ptrs, item_lens = _group(local, peer, g)
-        sliced = heads if g == 0 else None
+        if g == 0:
+            sliced, dst_lens = heads, peer.kv_item_lens
+        else:
+            sliced = state[g - 1] if g - 1 < len(state) else None
+            # the decode's own item sizes: they differ from ours when the component is sliced over TP
+            dst_lens = peer.agreement.state_item_lens[g - 1] if sliced is not None else None
         parts.append(copy_descriptors(src_ptrs, dst_ptrs, item_lens, np.asarray(s), np.asarray(d), sliced,
-                                      peer.kv_item_lens if sliced is not None else None))
+                                      dst_lens if sliced is not None else None))
     if aux is not None:
         parts.append(aux_descriptors(local.aux, peer, *aux))
     if not parts:
@@ -138,6 +146,7 @@ class OneSidedSender:
         aux: Optional[tuple[int, int]] = None,
         heads: Optional[PairHeads] = None,
         unsettled: Callable[[], None] = _nothing,
+        state: Sequence[Optional[PairSpans]] = (),
     ) -> int:
         """One batch write of the chunk (and aux row); returns bytes written. Raises PlanError when the ids
         do not pair up, TransportError when the write fails (Mooncake then skips the peer until it registers
@@ -148,7 +157,7 @@ class OneSidedSender:
             if self.whole_pages and heads is None:
                 moved = self._write_kv_pages(session, peer, src_ids[0], dst_ids[0])
                 src_ids, dst_ids = [_NO_IDS, *src_ids[1:]], [_NO_IDS, *dst_ids[1:]]
-            src, dst, lens = chunk_descriptors(self.local, peer, src_ids, dst_ids, aux, heads)
+            src, dst, lens = chunk_descriptors(self.local, peer, src_ids, dst_ids, aux, heads, state)
             if len(src):
                 self.transport.write(session, src, dst, lens)
             return moved + int(lens.sum())

@@ -8,8 +8,11 @@ here: they need not match (each side checks the other's ids against the other's 
 The KV layout is compared per head, not per page, when the attention TP sizes differ on an MHA/GQA pool: a
 decode rank then receives only its heads (heads.py), so what must match is the bytes of one head of one token
 in every region; the prefill's KV head count (SGLang's `total_kv_head_num`) says how many heads each side holds.
-What cannot be paired (state components, which are split over TP in their own ways; head counts that do not
-spread over a TP size) is refused with both layouts named.
+State components are then compared per tensor instead of per slot: a mamba state sliced over TP must describe
+the same tensors on both sides (state_slices.py), a state replicated over TP must have the same items, and on an
+MLA pool (replicated latent KV) every component moves whole from the one prefill rank SGLang's mapping names.
+What cannot be paired (other state types on an MHA/GQA model, hybrid-MLA state, head counts that do not spread
+over a TP size) is refused with both values named.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, Optional, Sequence
 import msgspec
 
 from sglang_p2p_backend.engine.copy.heads import heads_per_rank, layout_problem
+from sglang_p2p_backend.engine.copy.state_slices import PairSpans, Shards, pair_spans, problem as state_problem
 from sglang_p2p_backend.engine.wire.messages import PROTOCOL_VERSION, Agreement
 
 # field -> (what it is, how to make both sides agree)
@@ -51,8 +55,10 @@ _FIXES: dict[str, tuple[str, str]] = {
     "mha_layout": ("MHA KV page layout (head-major: SGLANG_USE_HND_KVCACHE)", "set the same SGLANG_USE_HND_KVCACHE on "
                                                                             "prefill and decode"),
 }
-#: what else a refusal may reveal when it differs (a decode needs it to name the head layout it cannot pair)
-_SHAPE = ("attn_tp_size", "kv_total_heads")
+#: what else a refusal may reveal when it differs (a decode needs it to name the head or state layout it cannot
+#: pair)
+_SHAPE = ("attn_tp_size", "kv_total_heads", "state_dims", "state_outer_counts", "state_conv_groups", "state_tp_size",
+          "hybrid_mla")
 
 
 def _describe(name: str, value: Any) -> str:
@@ -67,17 +73,64 @@ def _describe(name: str, value: Any) -> str:
 def differences(mine: Agreement, theirs: Agreement, my_role: str, their_role: str) -> list[str]:
     """One line per differing parameter: what it is, both values, and the fix. Empty when they agree."""
     sliced = not mine.mla and not theirs.mla and mine.attn_tp_size != theirs.attn_tp_size
+    # state sliced over TP is compared per tensor (below) instead of per slot
+    state_sliced = sliced and bool(mine.state_item_lens or theirs.state_item_lens)
     out = []
     for name, (what, fix) in _FIXES.items():
         if sliced and name == "kv_item_lens":
             out += _head_layout_differences(mine, theirs, my_role, their_role)
             continue
+        if state_sliced and name == "state_item_lens":
+            continue
         a, b = getattr(mine, name), getattr(theirs, name)
         if a != b:
             out.append(f"{what} differs: {my_role} {_describe(name, a)}, {their_role} {_describe(name, b)}; {fix}")
-    if sliced and (mine.state_item_lens or theirs.state_item_lens):
-        out.append(f"state components with different attention TP ({my_role} {mine.attn_tp_size}, {their_role} "
-                   f"{theirs.attn_tp_size}) are not sliced by p2pnccl; launch both with the same attention TP")
+    if mine.attn_tp_size != theirs.attn_tp_size and (mine.state_item_lens or theirs.state_item_lens):
+        out += _state_tp_differences(mine, theirs, my_role, their_role, state_sliced)
+    return out
+
+
+def shards(a: Agreement, c: int) -> Shards:
+    """One side's description of state component `c` (KVArgs' per-tensor lists; absent lists read empty)."""
+    pick = lambda lists: lists[c] if c < len(lists) else []  # noqa: E731
+    return Shards(tuple(pick(a.state_item_lens)), tuple(pick(a.state_dims)), tuple(pick(a.state_outer_counts)),
+                  tuple(tuple(g) for g in pick(a.state_conv_groups)))
+
+
+def pair_state_spans(prefill: Agreement, prefill_rank: int, decode: Agreement,
+                     decode_rank: int) -> tuple[Optional[PairSpans], ...]:
+    """What prefill rank `prefill_rank` sends decode rank `decode_rank` of each state component's items (both
+    sides compute it from the two agreements); () when whole items move (same attention TP, or an MLA pool, whose
+    state SGLang's mapping takes whole from one prefill rank). Raises StateSliceError."""
+    if prefill.attn_tp_size == decode.attn_tp_size or (prefill.mla and decode.mla):
+        return ()
+    return tuple(pair_spans(kind, shards(prefill, c), prefill.attn_tp_size, prefill_rank, shards(decode, c),
+                            decode.attn_tp_size, decode_rank) for c, kind in enumerate(prefill.state_types))
+
+
+def _state_tp_differences(mine: Agreement, theirs: Agreement, my_role: str, their_role: str,
+                          state_sliced: bool) -> list[str]:
+    """State components between different attention TP sizes: can each be paired as SGLang pairs it?"""
+    tps = f"{my_role} attention TP {mine.attn_tp_size}, {their_role} {theirs.attn_tp_size}"
+    fix = "launch both with the same attention TP"
+    out = []
+    if mine.hybrid_mla or theirs.hybrid_mla:
+        side = my_role if mine.hybrid_mla else their_role
+        out.append(f"state components of a hybrid-MLA model ({side}: KVArgs.is_hybrid_mla_backend) with different "
+                   f"attention TP ({tps}) are not paired by p2pnccl (replicated MLA KV beside TP-sharded state); {fix}")
+    for role, a in ((my_role, mine), (their_role, theirs)):
+        if a.state_tp_size and a.state_tp_size != a.attn_tp_size:
+            out.append(f"the {role} lays state out over TP {a.state_tp_size} but attention over TP {a.attn_tp_size} "
+                       f"(CP/TP group sharing): p2pnccl slices state only over attention TP; {fix}")
+    if out or not state_sliced or mine.state_types != theirs.state_types:
+        return out  # whole items on an MLA pool (compared per slot above); differing types are named above
+    prefill, decode = (mine, theirs) if my_role == "prefill" else (theirs, mine)
+    for c, kind in enumerate(mine.state_types):
+        why = state_problem(kind, shards(prefill, c), prefill.attn_tp_size, shards(decode, c), decode.attn_tp_size)
+        if why:
+            out.append(f"state component {c} ({kind}) cannot be sliced between {tps}: {why}; {fix}")
+    if len(mine.state_types) != max(len(mine.state_item_lens), len(theirs.state_item_lens)):
+        out.append(f"state components without a type (KVArgs.state_types) cannot be sliced between {tps}; {fix}")
     return out
 
 
@@ -136,6 +189,11 @@ def local_agreement(
     swa_kv_cache_layout: Optional[str] = None,
     state_types: Sequence[str] = (),
     mha_layout: str = "",
+    state_dims: Sequence[Sequence[int]] = (),
+    state_outer_counts: Sequence[Sequence[int]] = (),
+    state_conv_groups: Sequence[Sequence[Optional[Sequence[int]]]] = (),
+    state_tp_size: int = 0,
+    hybrid_mla: bool = False,
 ) -> Agreement:
     return Agreement(
         protocol=PROTOCOL_VERSION,
@@ -153,5 +211,10 @@ def local_agreement(
         swa_kv_cache_layout=swa_kv_cache_layout or "",
         state_types=[str(t) for t in state_types],
         mha_layout=mha_layout,
+        state_dims=[[int(x) for x in comp] for comp in state_dims],
+        state_outer_counts=[[int(x) for x in comp] for comp in state_outer_counts],
+        state_conv_groups=[[[int(x) for x in (g or ())] for g in comp] for comp in state_conv_groups],
+        state_tp_size=int(state_tp_size),
+        hybrid_mla=bool(hybrid_mla),
     )
 

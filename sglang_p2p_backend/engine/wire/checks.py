@@ -16,7 +16,8 @@ import numpy as np
 
 from sglang_p2p_backend.engine.copy.heads import Heads
 from sglang_p2p_backend.engine.wire.messages import AuxData, ChunkHeader, ChunkSegment, PeerRegister, RoomMetadata, WireError
-from sglang_p2p_backend.engine.copy.plan import Chunk, Segment, moved_len
+from sglang_p2p_backend.engine.copy.plan import Chunk, Segment, Slice, moved_len
+from sglang_p2p_backend.engine.copy.state_slices import Spans
 
 _KV_POLL_SUCCESS, _KV_POLL_FAILED = 4, 0  # SGLang's KVPoll values a Status may carry
 
@@ -93,13 +94,16 @@ def _subset(d: np.ndarray, allowed: np.ndarray) -> bool:
     return bool(np.all(pos < allowed.size) and np.all(allowed[np.minimum(pos, allowed.size - 1)] == d))
 
 
-def _segment_heads(s: ChunkSegment, kv_heads: Optional[Heads]) -> Optional[Heads]:
-    """The head range a segment writes: exactly `kv_heads` (the heads this decode rank takes from that prefill
-    rank) for the KV group when the TP sizes differ, whole pages otherwise."""
+def _segment_heads(s: ChunkSegment, kv_heads: Optional[Heads],
+                   state_spans: Sequence[Optional[Spans]] = ()) -> Slice:
+    """What a segment writes of each item: exactly `kv_heads` (the heads this decode rank takes from that prefill
+    rank) for the KV group when the TP sizes differ, exactly `state_spans[c]` of state component c when it is
+    sliced between these two ranks (its spans follow from both agreements: nothing about them travels), whole
+    items otherwise."""
     if s.group != 0 or kv_heads is None:
         if s.head_lo or s.head_hi:
             raise WireError(f"group {s.group} names heads {s.head_lo}..{s.head_hi}, but moves whole pages between these ranks")
-        return None
+        return state_spans[s.group - 1] if 0 < s.group <= len(state_spans) else None
     if not kv_heads.count:
         raise WireError("KV from a prefill rank that holds a replica of heads another prefill rank sends")
     if (s.head_lo, s.head_hi) != (kv_heads.lo, kv_heads.hi):
@@ -114,10 +118,12 @@ def chunk_layout(
     slot_bytes: int,
     allowed: Optional[Callable[[int], np.ndarray]] = None,
     kv_heads: Optional[Heads] = None,
+    state_spans: Sequence[Optional[Spans]] = (),
 ) -> ChunkVerdict:
     """Check a chunk against the receiver's layout and staging: exact byte count, at most one slot, groups and
     regions it has; with `allowed` (group -> sorted ids), every destination id among those; KV segments write
-    exactly the head range `kv_heads` (None: whole pages)."""
+    exactly the head range `kv_heads` (None: whole pages), state segments exactly `state_spans` of their
+    component (None: whole items)."""
     if header.nbytes > slot_bytes:
         return ChunkVerdict(None, [], f"room {header.room}: chunk of {header.nbytes} bytes exceeds this decode rank's "
                             f"staging slot of {slot_bytes} bytes", in_step=False)
@@ -134,10 +140,10 @@ def chunk_layout(
             d = np.frombuffer(s.dst_ids, dtype=np.int32)
             if allowed is not None and not _subset(d, allowed(s.group)):
                 raise WireError(f"group {s.group} destinations are not pages this room published")
-            heads = _segment_heads(s, kv_heads)
+            heads = _segment_heads(s, kv_heads, state_spans)
             segs.append(Segment(s.group, s.region_lo, s.region_hi, 0, d.size, heads))
             out[s.group] = d
-            nbytes += d.size * sum(moved_len(x, heads) for x in item_lens[s.group][s.region_lo : s.region_hi])
+            nbytes += d.size * sum(moved_len(item_lens[s.group][r], heads, r) for r in range(s.region_lo, s.region_hi))
         if nbytes != header.nbytes:
             raise WireError(f"chunk of {header.nbytes} bytes does not match this decode rank's layout ({nbytes} "
                             f"bytes): prefill and decode KV layouts differ")
@@ -152,6 +158,7 @@ def chunk_header(
     slot_bytes: int,
     published: Optional[Published],
     kv_heads: Optional[Heads] = None,
+    state_spans: Sequence[Optional[Spans]] = (),
 ) -> ChunkVerdict:
     """`chunk_layout`, and the room's own rules: the room waits for KV from this prefill, the chunk is next in
     its sequence, and it writes only pages the room published (only the heads `kv_heads`, when given)."""
@@ -169,7 +176,7 @@ def chunk_header(
     if problem is not None:
         verdict = chunk_layout(header, item_lens, slot_bytes)  # can its bytes still be received in step?
         return ChunkVerdict(None, [], f"room {header.room}: {problem}", verdict.in_step)
-    return chunk_layout(header, item_lens, slot_bytes, published.allowed, kv_heads)
+    return chunk_layout(header, item_lens, slot_bytes, published.allowed, kv_heads, state_spans)
 
 
 def aux_data(msg: AuxData, item_lens: Sequence[int], published: Optional[Published]) -> None:

@@ -24,8 +24,9 @@ MAGIC = b"P2P1"
 #: what both sides must speak; compared at registration (agreement.py)
 # 3: head ranges (different attention TP on MHA pools); 4: CUDA IPC export (same host); 5: pair secrets (every
 # message after registration carries the secret its receiver issued: pair_secret.py), aux rows in the agreement,
-# RoomFailed; 6: refusals carry no pair secret, PeerReleased
-PROTOCOL_VERSION = 6
+# RoomFailed; 6: refusals carry no pair secret, PeerReleased; 7: per-tensor state sharding in the agreement
+# (state components sliced over attention TP: engine/copy/state_slices.py)
+PROTOCOL_VERSION = 7
 
 # static bounds of wire fields: generous for any deployment, small enough that nothing sized by them is costly
 Session = Annotated[str, Meta(min_length=3, max_length=200)]
@@ -70,6 +71,17 @@ class Agreement(msgspec.Struct, kw_only=True):
     mha_layout: Short = ""
     #: what each state component is (KVArgs.state_types, lower-case names, in KVArgs order)
     state_types: Annotated[list[Short], Meta(max_length=64)] = msgspec.field(default_factory=list)
+    #: per state component and region, as SGLang's KVArgs gives them (empty where it gives none): the sliced
+    #: axis's size on this rank (state_dim_per_tensor; 0: replicated over TP), the rows before it
+    #: (state_slice_outer_counts), GDN's full conv sub-block dims (state_conv_shard_groups; [] for one block)
+    state_dims: Annotated[list[ItemLens], Meta(max_length=64)] = msgspec.field(default_factory=list)
+    state_outer_counts: Annotated[list[ItemLens], Meta(max_length=64)] = msgspec.field(default_factory=list)
+    state_conv_groups: Annotated[list[Annotated[list[Annotated[list[Count], Meta(max_length=64)]], Meta(max_length=4096)]],
+                                 Meta(max_length=64)] = msgspec.field(default_factory=list)
+    #: the TP width SGLang lays state out over (Common's `state_tp_size`; 0: not reported, the attention TP)
+    state_tp_size: Annotated[int, Meta(ge=0, le=1 << 12)] = 0
+    #: SGLang's KVArgs.is_hybrid_mla_backend: MLA attention layers beside state layers (replicated KV, sharded state)
+    hybrid_mla: bool = False
 
 
 class IpcRegion(msgspec.Struct, array_like=True):
