@@ -106,6 +106,21 @@ def host_seconds(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def _call_then_sync(call: Callable[[], Any], stream, calls: list, syncs: list) -> Callable[[], float]:
+    """One timed round: host time of `call` (its launches) into `calls`, then of the stream's sync into `syncs`."""
+    def one() -> float:
+        t0 = time.perf_counter()
+        call()
+        t1 = time.perf_counter()
+        stream.synchronize()
+        t2 = time.perf_counter()
+        calls.append(t1 - t0)
+        syncs.append(t2 - t1)
+        return t2 - t0
+
+    return one
+
+
 def _shape(d: dict) -> xc.Shape:
     return xc.Shape(**d)
 
@@ -536,18 +551,11 @@ class Prefill:
             _, pages, stream = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
             launch, sync = [], []
 
-            def one() -> float:
+            def one() -> None:
                 stream.wait_stream(torch.cuda.current_stream(self.dev_t))
-                t0 = time.perf_counter()
                 pages.copy(*plan, stream)
-                t1 = time.perf_counter()
-                stream.synchronize()
-                t2 = time.perf_counter()
-                launch.append(t1 - t0)
-                sync.append(t2 - t1)
-                return t2 - t0
 
-            b.run(one)
+            b.run(_call_then_sync(one, stream, launch, sync))
             out["stage_upload_launch_host_us"] = xc.stats_us(launch)
             out["sync_host_us"] = xc.stats_us(sync)
             n = 2 * int(src_ids.size) + 4 * shape.regions
@@ -569,18 +577,11 @@ class Prefill:
                 lambda: page_spans(*self.tr.plan_pages(*args)))))
             ce_call, ce_sync = [], []
 
-            def ce_one() -> float:
-                t0 = time.perf_counter()
+            def ce_one() -> None:
                 with torch.cuda.device(self.dev_t):
                     engines.copy(*spans, stream.cuda_stream)
-                t1 = time.perf_counter()
-                stream.synchronize()
-                t2 = time.perf_counter()
-                ce_call.append(t1 - t0)
-                ce_sync.append(t2 - t1)
-                return t2 - t0
 
-            b.run(ce_one)
+            b.run(_call_then_sync(ce_one, stream, ce_call, ce_sync))
             out["ce_call_host_us"], out["ce_sync_host_us"] = xc.stats_us(ce_call), xc.stats_us(ce_sync)
             out["ce_spans"] = int(spans[2].size)
             self.tr.copy_engine = "on"

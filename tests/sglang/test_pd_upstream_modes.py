@@ -232,7 +232,7 @@ def test_a_room_bootstrapped_again_is_looked_up_on_the_same_prefill_replica():
     # name replica 1 again, and the second transfer land as exactly as the first
     again = {"room": 6102, "tokens": 4 * 11, "chunk_pages": 4}
     # each side starts the second attempt once it concluded the first: the decode may publish it before the
-    # prefill cleared the first (test_a_room_bootstrapped_again_before_the_prefill_cleared_its_first_attempt_lands)
+    # prefill cleared the first (test_a_room_bootstrapped_again_before_the_prefill_ended_its_first_attempt_lands)
     attempts = [{**again, "attempt": 2, "after": {"decode": "decode-6102-done", "prefill": "prefill-6102-done"}}]
     # replica 0 serves no room but hosts the bootstrap server the decode's second lookup asks: it stays up
     # (SGLang's bootstrap server lives as long as its server; on a loaded machine replica 0 had exited before)
@@ -246,36 +246,25 @@ def test_a_room_bootstrapped_again_is_looked_up_on_the_same_prefill_replica():
     assert_ranks_clean(result)
 
 
-def test_a_room_bootstrapped_again_before_the_prefill_cleared_its_first_attempt_lands():
-    # the decode publishes the second attempt of room 6201 while the prefill's scheduler has its first attempt's
-    # Success but has not cleared that sender yet (3 s here): the new destinations are kept for the next sender,
-    # not merged into the concluded attempt's and wiped with them (which left the prefill in Bootstrapping)
-    first = {"room": 6201, "tokens": 4 * 11, "chunk_pages": 4}
-    again = {**first, "attempt": 2, "after": {"decode": "decode-6201-done", "prefill": "prefill-6201-done"}}
-    plan = {"pool": POOL, "requests": [first, again], "deadline_s": 40,
-            "faults": {"prefill": {"clear_delay_s": {"6201": 3.0}}}}
+@pytest.mark.parametrize("room,fault", [
+    # the prefill's scheduler has the first attempt's Success but clears that sender only 3 s later
+    pytest.param(6201, {"clear_delay_s": {"6201": 3.0}}, id="before-the-clear"),
+    # the prefill's thread that concludes the first attempt is held 2 s around marking it Success here
+    pytest.param(6202, {"mark_delay_s": {"6202": 2.0}}, id="while-marking-success"),
+])
+def test_a_room_bootstrapped_again_before_the_prefill_ended_its_first_attempt_lands(room, fault):
+    # the decode publishes the second attempt of the room as soon as it read the first attempt's Success: the
+    # new destinations are kept for the next sender, not merged into the concluded attempt's and wiped with them
+    # (which left the prefill in Bootstrapping until SGLang's timeout)
+    first = {"room": room, "tokens": 4 * 11, "chunk_pages": 4}
+    again = {**first, "attempt": 2, "after": {"decode": f"decode-{room}-done", "prefill": f"prefill-{room}-done"}}
+    plan = {"pool": POOL, "requests": [first, again], "deadline_s": 40, "faults": {"prefill": fault}}
     result = run_pair(plan, env=FAST_FAILURE_ENV)
     p, d = result["prefill"], result["decode"]
-    assert d["requests"]["6201#2"]["metadata_at_wall"] < p["requests"]["6201"]["cleared_at"], (d["requests"], p["requests"])
+    if "clear_delay_s" in fault:
+        assert d["requests"][f"{room}#2"]["metadata_at_wall"] < p["requests"][str(room)]["cleared_at"], (d, p)
     assert {r["status"] for r in p["requests"].values()} == {"Success"}, p["requests"]
-    for key in ("6201", "6201#2"):
-        landed(d, key)
-    assert d["untouched_violations"] == []
-    assert_ranks_clean(result)
-
-
-def test_a_room_bootstrapped_again_while_the_prefill_marks_its_first_success_lands():
-    # the decode reads the first attempt's Success and publishes the second attempt of room 6202 while the
-    # prefill's thread that sent that Status has not marked the room Success here yet (held 2 s): the new
-    # destinations must still be kept for the next sender, not merged into the attempt about to be cleared
-    first = {"room": 6202, "tokens": 4 * 11, "chunk_pages": 4}
-    again = {**first, "attempt": 2, "after": {"decode": "decode-6202-done", "prefill": "prefill-6202-done"}}
-    plan = {"pool": POOL, "requests": [first, again], "deadline_s": 40,
-            "faults": {"prefill": {"mark_delay_s": {"6202": 2.0}}}}
-    result = run_pair(plan, env=FAST_FAILURE_ENV)
-    p, d = result["prefill"], result["decode"]
-    assert {r["status"] for r in p["requests"].values()} == {"Success"}, p["requests"]
-    for key in ("6202", "6202#2"):
+    for key in (str(room), f"{room}#2"):
         landed(d, key)
     assert d["untouched_violations"] == []
     assert_ranks_clean(result)

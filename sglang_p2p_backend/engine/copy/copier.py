@@ -76,31 +76,29 @@ def copy_chunk(chunk: Chunk, views: GroupViews, ids: Sequence[np.ndarray], stagi
         if seg.heads is not None:
             pages = _head_view(pages, seg.heads)
         block = staging[off : off + nbytes].view(seg.hi - seg.lo, *pages.shape[1:])
-        s = sel[seg.group].select(seg.lo, seg.hi)
-        if isinstance(s, slice) and scatter:
-            pages[s].copy_(block, non_blocking=True)
-        elif isinstance(s, slice):
-            block.copy_(pages[s], non_blocking=True)
-        elif scatter:
-            pages.index_copy_(0, s, block)
-        else:
-            torch.index_select(pages, 0, s, out=block)
+        _move(pages, sel[seg.group].select(seg.lo, seg.hi), block, scatter)
 
 
 def _copy_spans(items: torch.Tensor, spans, block: torch.Tensor, s, scatter: bool) -> None:
     """Each span (offset, bytes) of the selected items <-> its column range of `block` (items, sum of spans)."""
     col = 0
     for o, n in spans:
-        part, cols = items[:, o : o + n], block[:, col : col + n]
-        if isinstance(s, slice) and scatter:
-            part[s].copy_(cols, non_blocking=True)
-        elif isinstance(s, slice):
-            cols.copy_(part[s], non_blocking=True)
-        elif scatter:
-            part.index_copy_(0, s, cols)
-        else:
-            cols.copy_(part.index_select(0, s), non_blocking=True)
+        _move(items[:, o : o + n], s, block[:, col : col + n], scatter)
         col += n
+
+
+def _move(rows: torch.Tensor, s, block: torch.Tensor, scatter: bool) -> None:
+    """`block` -> `rows[s]` (scatter) or `rows[s]` -> `block`; `s` a slice or an index tensor."""
+    if isinstance(s, slice) and scatter:
+        rows[s].copy_(block, non_blocking=True)
+    elif isinstance(s, slice):
+        block.copy_(rows[s], non_blocking=True)
+    elif scatter:
+        rows.index_copy_(0, s, block)
+    elif block.is_contiguous():
+        torch.index_select(rows, 0, s, out=block)
+    else:  # a column range of the block: index_select cannot write into it
+        block.copy_(rows.index_select(0, s), non_blocking=True)
 
 
 class PageCopier:

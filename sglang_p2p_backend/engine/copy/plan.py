@@ -202,6 +202,15 @@ def copy_descriptors(
     return src.reshape(-1), dst.reshape(-1), (runs[:, 2] * items).reshape(-1)
 
 
+def _id_pair(src_ids: np.ndarray, dst_ids: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Both id lists as flat int64, refused unless they pair one to one."""
+    src = np.asarray(src_ids, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_ids, dtype=np.int64).reshape(-1)
+    if src.shape != dst.shape:
+        raise PlanError(f"prefill sends {src.size} {what} but decode published {dst.size} destinations")
+    return src, dst
+
+
 def _head_descriptors(
     src_ptrs: Sequence[int],
     dst_ptrs: Sequence[int],
@@ -212,10 +221,7 @@ def _head_descriptors(
     heads: PairHeads,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per region, per page, per token row: the head range's bytes (as Mooncake's `send_kvcache_slice`)."""
-    src_ids = np.asarray(src_ids, dtype=np.int64).reshape(-1, 1)
-    dst_ids = np.asarray(dst_ids, dtype=np.int64).reshape(-1, 1)
-    if src_ids.shape != dst_ids.shape:
-        raise PlanError(f"prefill sends {src_ids.size} pages but decode published {dst_ids.size} destinations")
+    src_ids, dst_ids = _id_pair(src_ids, dst_ids, "pages")
     empty = np.zeros(0, dtype=np.int64)
     if not src_ids.size or not heads.src.count:
         return empty, empty, empty
@@ -247,10 +253,7 @@ def _span_descriptors(
     spans: PairSpans,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per region, per item, per span: the span's bytes (as Mooncake's `_send_mamba_state_slice`)."""
-    src_ids = np.asarray(src_ids, dtype=np.int64).reshape(-1)
-    dst_ids = np.asarray(dst_ids, dtype=np.int64).reshape(-1)
-    if src_ids.shape != dst_ids.shape:
-        raise PlanError(f"prefill sends {src_ids.size} items but decode published {dst_ids.size} destinations")
+    src_ids, dst_ids = _id_pair(src_ids, dst_ids, "items")
     if len(spans.src.spans) != len(src_ptrs) or len(spans.dst.spans) != len(dst_ptrs) or len(dst_lens) != len(dst_ptrs):
         raise PlanError(f"state spans name {len(spans.src.spans)} regions, the component has {len(src_ptrs)}")
     srcs, dsts, lens = [], [], []
