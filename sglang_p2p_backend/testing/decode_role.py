@@ -183,6 +183,8 @@ class DecodeRole(Role):
     # ------------------------------------------------------------------ report
     def after_requests(self, out: dict) -> None:
         out["untouched_violations"] = self.pools.untouched(self.used_pages, self.used_state)[:20]
+        # the state components as KVArgs described them to the manager (SGLang's own pools: its setup_state_kv_args)
+        out["state_types"] = [getattr(t, "value", t) for t in getattr(self.mgr.kv_args, "state_types", [])]
 
     def report(self, req: Req) -> None:
         if "pages" in self.plan.get("reuse", ()) and req.result.get("status") == "Success":

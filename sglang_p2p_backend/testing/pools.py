@@ -90,6 +90,10 @@ class StateComponent:
     regions: list
     per_request: int = 1
     first_item: int = 0
+    #: where a request's items come from instead of a pick of their own: "kv" (its KV pages: SGLang sends the
+    #: component with the KV page indices, as block scales or DSA index pages), or the index of an earlier component
+    #: whose items it shares (an SWA sub-pool's block scales go with its window pages)
+    follows: object = None
 
     @property
     def num_items(self) -> int:
@@ -143,8 +147,15 @@ class HostPools:
         """Write the request's reproducible contents into `pages` (positions first_pos.. of `total`)."""
         idx = torch.from_numpy(pages.astype(np.int64)).to(self.spec.device)
         for r, t in enumerate(self.kv):
-            t[idx] = self.spec.expected(seed, room, r, total)[first_pos : first_pos + len(pages)].to(t.device)
+            t[idx] = self._kv_expected(seed, room, r, t, total)[first_pos : first_pos + len(pages)].to(t.device)
         self._written()
+
+    def _kv_expected(self, seed: int, room: int, region: int, t: torch.Tensor, total: int) -> torch.Tensor:
+        """Every page of a request's KV region `region` (view `t`): the spec's layout, or, for a region of another
+        page width (an SGLang pool's own regions: MLA/DSA, FP8 pages, MiniMax sparse layers), its own width."""
+        if t.shape[1] == self.spec.item_len:
+            return self.spec.expected(seed, room, region, total)
+        return expected_pages(seed, room, region, total, t.shape[1])
 
     def fill_state(self, seed: int, room: int, ids: list[np.ndarray]) -> None:
         """Write the request's reproducible contents into its items `ids[c]` of every state component c."""
@@ -171,7 +182,7 @@ class HostPools:
         bad = []
         idx = torch.from_numpy(pages.astype(np.int64)).to(self.spec.device)
         for r, t in enumerate(self.kv):
-            want = self.spec.expected(seed, room, r, total)[first_pos : first_pos + len(pages)]
+            want = self._kv_expected(seed, room, r, t, total)[first_pos : first_pos + len(pages)]
             got = t[idx].cpu()
             rows = (got != want).any(dim=1).nonzero().flatten().tolist()
             bad += [f"region {r} page {int(pages[i])} (position {first_pos + i})" for i in rows]

@@ -171,6 +171,11 @@ class Role:
         """The request's items of every state component (a slot; an SWA window's pages)."""
         req.state_ids = []
         for comp, free, used in zip(self.pools.states, self.free_state, self.used_state):
+            if comp.follows is not None:  # SGLang sends it with the KV pages' (or another component's) indices
+                ids = req.pages if comp.follows == "kv" else req.state_ids[comp.follows]
+                used.update(int(i) for i in ids)
+                req.state_ids.append(np.array(ids, dtype=np.int32))
+                continue
             if comp.per_request > len(free):
                 raise RuntimeError(f"state component of {comp.num_items} items too small for the plan")
             ids = np.array([free.pop() for _ in range(comp.per_request)], dtype=np.int32)

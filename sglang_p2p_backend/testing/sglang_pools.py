@@ -12,6 +12,22 @@ head_dim x state in fp32), sharded over `state_tp` as SGLang shards it on that T
 attention, odd layers full attention (the KV regions). One mamba component of one region per layer and tensor,
 one slot per request (slot 0 is SGLang's padding slot). Its contents are defined for the model's whole state
 tensors, each rank holding its shard of them, so a decode rank of another TP checks exactly its slice.
+
+The other pools (SGLang 0.5.23), each the class that produces a state type, its components taken in the order
+SGLang's `setup_state_kv_args` lists them, a request's items picked as SGLang's schedulers pick them (its KV
+pages for what SGLang sends with the KV page indices, its window pages for the SWA sub-pool's scales, a row of
+its own otherwise):
+
+- `"mxfp8"`: `MHATokenToKVPoolMXFP8` (FP8 K/V, UE8M0 block scales): `block_scale`, one item per KV page.
+- `"swa_mxfp8"`: `SWAKVPool` over two MXFP8 pools: `swa` window pages, `block_scale` (full layers' scales, with
+  the KV pages), `block_scale_swa` (the window's scales, with the window pages).
+- `"dsa"`: `DSATokenToKVPool` (MLA, DeepSeek V3.2's indexer): `dsa`, the index-K page of each KV page.
+- `"qsa"`: `QSATokenToKVPool` over a GDN `MambaPool`: `mamba` (a slot), `qsa_pending` (the request row's
+  pending ring), `qsa_compressed` (the compressed index keys of each KV page).
+- `"minimax"`: `MiniMaxSparseKVPool` with K-only sparse layers: its sparse layers are the KV regions,
+  `minimax_index_k` and `minimax_dense_kv` go with the KV pages.
+- `"dsv4"`: `DeepSeekV4TokenToKVPool` (V4 layout, compression ratios 4 and 128, offline C128): `swa` window
+  pages and `c128_state`, a request's raw C128 ring.
 """
 
 from __future__ import annotations
@@ -35,14 +51,59 @@ def _views(ptrs: Sequence[int], lens: Sequence[int], item_lens: Sequence[int], d
 class SGLangPools(HostPools):
     """Views of an SGLang pool's memory; KVArgs filled by SGLang's own functions."""
 
+    #: the speculative-decoding draft's pool, where the target's state includes the draft's (DSpark)
+    draft: object = None
+
     def kv_lists(self) -> tuple[list[int], list[int], list[int]]:
-        return tuple(list(x) for x in self.owner.get_contiguous_buf_infos())
+        return tuple(list(x) for x in _kv_buf_infos(self.owner))
 
     def describe(self, args: Any) -> None:
         from sglang.srt.disaggregation.utils import setup_state_kv_args
 
         args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = self.kv_lists()
-        setup_state_kv_args(args, self.owner, None, self.spec.num_layers)
+        setup_state_kv_args(args, self.owner, self.draft, self.spec.num_layers)
+
+
+def _kv_buf_infos(pool):
+    """The KV regions SGLang's scheduler registers for `pool` (MiniMax: its sparse layers; 0.5.17 has no
+    `get_kv_transfer_buf_infos`)."""
+    try:
+        from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
+    except ImportError:
+        return pool.get_contiguous_buf_infos()
+    return get_kv_transfer_buf_infos(pool)
+
+
+#: state types whose indices SGLang's schedulers take from the request's KV pages (prefill.py/decode.py payloads:
+#: `_full_kv_pages_payload`, `_dsa_pages_payload`, `_minimax_payload`); the driver sends the pages past the
+#: decode's prefix on both sides, as SGLang does for the DSA and MiniMax index pages
+FOLLOWS_KV = {"block_scale", "dsa", "minimax_index_k", "minimax_dense_kv", "qsa_compressed"}
+
+
+def _own(spec: PoolSpec, pool: Any, draft: Any = None) -> "SGLangPools":
+    """Host pools over `pool`'s memory, its state components as SGLang's `setup_state_kv_args` lists them."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.utils import setup_state_kv_args
+
+    listed = SimpleNamespace()
+    setup_state_kv_args(listed, pool, draft, spec.num_layers)
+    kv = _views(*_kv_buf_infos(pool), spec.device)
+    states: list[StateComponent] = []
+    types = [getattr(t, "value", t) for t in listed.state_types]
+    for c, kind in enumerate(types):
+        regions = _views(listed.state_data_ptrs[c], listed.state_data_lens[c], listed.state_item_lens[c], spec.device)
+        if kind in FOLLOWS_KV:
+            states.append(StateComponent(regions, follows="kv"))
+        elif kind == "block_scale_swa":  # the window pages of the SWA sub-pool it describes
+            states.append(StateComponent(regions, follows=types.index("swa")))
+        elif kind == "swa":
+            states.append(StateComponent(regions, spec.swa_pages, first_item=1))
+        else:  # mamba slot, QSA request row, C128 ring, request row: one item of the request's own
+            states.append(StateComponent(regions, 1, first_item=1))
+    out = SGLangPools(spec, kv, states, owner=pool)
+    out.draft = draft
+    return out
 
 
 class MambaPools(SGLangPools):
@@ -98,13 +159,95 @@ def _mamba(spec: PoolSpec) -> HostPools:
     return MambaPools(spec, kv, [state], owner=pool)
 
 
+def _gdn(spec: PoolSpec, linear: list[int]):
+    """A GDN-shaped MambaPool at TP 1 (the QSA pool's linear-attention state)."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+
+    heads, head_dim = spec.mamba_heads, 8
+    key_dim = heads // 2 * head_dim
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=heads * head_dim, n_groups=heads // 2,
+                                    num_heads=heads, head_dim=head_dim, state_size=head_dim, conv_kernel=4,
+                                    conv_shard_groups=[key_dim, key_dim, heads * head_dim])
+    params = Mamba2CacheParams(shape=shape, layers=linear,
+                               dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
+    slots = spec.state_slots or 16
+    return MambaPool(size=slots, spec_state_size=slots, cache_params=params, mamba_layer_ids=linear, device=spec.device)
+
+
+def _other(spec: PoolSpec) -> HostPools:
+    """The 0.5.23 pools of the module docstring, with `spec.num_pages` pages of `spec.page_size` tokens."""
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    tokens = (spec.num_pages - 1) * spec.page_size  # SGLang adds one padding page
+    dtype, layers = getattr(torch, spec.dtype), spec.num_layers
+    even, odd = list(range(0, layers, 2)), list(range(1, layers, 2))
+    kind = spec.sglang_pool
+    if kind == "mxfp8":
+        return _own(spec, mp.MHATokenToKVPoolMXFP8(size=tokens, page_size=spec.page_size, dtype=dtype,
+                                                   head_num=spec.kv_heads, head_dim=spec.head_dim, layer_num=layers,
+                                                   device=spec.device, enable_memory_saver=False))
+    if kind == "swa_mxfp8":
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        return _own(spec, SWAKVPool(size=tokens, size_swa=tokens, page_size=spec.page_size, dtype=dtype,
+                                    head_num=spec.kv_heads, head_dim=spec.head_dim, swa_attention_layer_ids=even,
+                                    full_attention_layer_ids=odd, device=spec.device, enable_memory_saver=False,
+                                    token_to_kv_pool_class=mp.MHATokenToKVPoolMXFP8))
+    if kind == "dsa":  # kv_lora_rank + rope = head_dim; SGLang's indexer keys of 128 dims (fp8 with a scale)
+        rope = 16
+        return _own(spec, mp.DSATokenToKVPool(size=tokens, page_size=spec.page_size, kv_lora_rank=spec.head_dim - rope,
+                                              dtype=dtype, qk_rope_head_dim=rope, layer_num=layers, device=spec.device,
+                                              index_head_dim=128, enable_memory_saver=False,
+                                              kv_cache_dim=spec.head_dim))
+    if kind == "qsa":
+        from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
+
+        return _own(spec, QSATokenToKVPool(size=tokens, dtype=dtype, page_size=spec.page_size, head_num=spec.kv_heads,
+                                           head_dim=spec.head_dim, full_attention_layer_ids=odd, device=spec.device,
+                                           mamba_pool=_gdn(spec, even), qsa_index_kv_heads=1, qsa_index_head_dim=16,
+                                           qsa_compress_ratio=spec.page_size, qsa_token_topk=8,
+                                           num_request_slots=spec.state_slots or 16))
+    if kind == "minimax":  # layer 0 dense, the others K-only sparse (SGLang refuses index-value layers for PD)
+        return _own(spec, mp.MiniMaxSparseKVPool(size=tokens, page_size=spec.page_size, dtype=dtype,
+                                                 head_num=spec.kv_heads, head_dim=spec.head_dim,
+                                                 idx_head_dim=spec.head_dim, dense_layer_ids=[0],
+                                                 sparse_layer_ids=list(range(1, layers)),
+                                                 disable_value_sparse_layer_ids=list(range(1, layers)),
+                                                 device=spec.device, start_layer=0, end_layer=layers))
+    if kind == "dsv4":
+        return _dsv4(spec, tokens)
+    raise ValueError(f"unknown sglang_pool {kind!r}")
+
+
+def _dsv4(spec: PoolSpec, tokens: int) -> HostPools:
+    """DeepSeek V4's pool (FP8 pages of V4's layout; page size a multiple of 128, as SGLang requires)."""
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    slots = spec.state_slots or 8
+    pool = DeepSeekV4TokenToKVPool(max_num_reqs=slots - 1, swa_size=tokens, c4_size=tokens,
+                                   c128_size=tokens // 128, c4_state_pool_size=64, c128_state_pool_size=64,
+                                   page_size=spec.page_size, swa_page_size=spec.page_size, dtype=torch.float8_e4m3fn,
+                                   c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448,
+                                   qk_rope_head_dim=64, indexer_head_dim=128, layer_num=spec.num_layers,
+                                   device=spec.device, enable_memory_saver=False, compression_ratios=[4, 128],
+                                   sliding_window=128)
+    return _own(spec, pool)
+
+
+#: SGLang's own pool kinds over an MLA page layout (the manager is built with is_mla_backend)
+MLA_POOLS = {"dsa", "dsv4"}
+
+
 def allocate(spec: PoolSpec) -> HostPools:
     """The pool `spec.sglang_pool` names, with `spec.num_pages` pages in each of its page-addressed pools."""
-    if spec.sglang_pool not in ("swa", "mamba") or spec.layout != "mha":
-        raise ValueError(f"sglang_pool must be 'swa' or 'mamba' over an mha layout, got {spec.sglang_pool!r} over "
-                         f"{spec.layout!r}")
+    want = "mla" if spec.sglang_pool in MLA_POOLS else "mha"
+    if spec.layout != want:
+        raise ValueError(f"sglang_pool {spec.sglang_pool!r} is laid out {want}, got {spec.layout!r}")
     if spec.sglang_pool == "mamba":
         return _mamba(spec)
+    if spec.sglang_pool != "swa":
+        return _other(spec)
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     tokens = (spec.num_pages - 1) * spec.page_size  # SGLang adds one padding page

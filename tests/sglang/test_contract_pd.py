@@ -309,3 +309,55 @@ def test_state_components_of_each_type_land_at_their_own_indices(state_type, ite
     plan = {"pool": pool, "requests": [{"room": 541, "tokens": 30, "chunk_pages": 8}, {"room": 542, "tokens": 5}],
             "deadline_s": 40}
     assert_all_landed(run_pair(plan), [541, 542])  # state_ok: every item byte-exact; untouched: no other item
+
+
+# ------------------------------------------------------------------ every other state type through its own SGLang pool
+# (pool kind, the class that produces the type in SGLang 0.5.23, its pool settings, the state types SGLang's
+# setup_state_kv_args lists for it, in order); testing/sglang_pools.py builds each on CPU
+OWN_POOLS = [
+    ("mxfp8", "memory_pool:MHATokenToKVPoolMXFP8", {"layout": "mha", "kv_heads": 2, "head_dim": 32, "page_size": 4,
+                                                   "num_pages": 64}, ["block_scale"]),
+    ("swa_mxfp8", "swa_memory_pool:SWAKVPool", {"layout": "mha", "kv_heads": 2, "head_dim": 32, "page_size": 4,
+                                               "num_pages": 64}, ["swa", "block_scale", "block_scale_swa"]),
+    ("dsa", "memory_pool:DSATokenToKVPool", {"layout": "mla", "head_dim": 48, "page_size": 64, "num_pages": 24},
+     ["dsa"]),
+    ("qsa", "qsa_kv_pool:QSATokenToKVPool", {"layout": "mha", "kv_heads": 2, "head_dim": 8, "page_size": 4,
+                                            "num_pages": 64, "state_slots": 8},
+     ["mamba", "qsa_pending", "qsa_compressed"]),
+    ("minimax", "memory_pool:MiniMaxSparseKVPool", {"layout": "mha", "kv_heads": 2, "head_dim": 8, "page_size": 4,
+                                                   "num_pages": 64}, ["minimax_index_k", "minimax_dense_kv"]),
+    ("dsv4", "deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool", {"layout": "mla", "page_size": 128, "num_pages": 12,
+                                                                "state_slots": 8}, ["swa", "c128_state"]),
+]
+
+
+def needs_own_pool(cls: str, types: list):
+    """Skip where this SGLang release lacks the pool class or one of the state types it produces."""
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    module, _, name = cls.partition(":")
+    try:
+        found = hasattr(importlib.import_module(f"sglang.srt.mem_cache.{module}"), name)
+    except ImportError:
+        found = False
+    missing = [t for t in types if t not in {s.value for s in StateType}]
+    if not found or missing:
+        pytest.skip(f"this SGLang release has no {name}" + (f" and no {', '.join(missing)} state" if missing else ""))
+
+
+@pytest.mark.parametrize("transport_env", [p for p in TRANSPORTS if p.id != "cudaipc-standin"])  # SGLang allocates
+@pytest.mark.parametrize("kind,cls,pool,types", [pytest.param(*p, id=p[0]) for p in OWN_POOLS])
+def test_state_of_each_type_from_its_own_sglang_pool_lands_byte_exact(kind, cls, pool, types, transport_env):
+    # the pool class SGLang builds for the type, on CPU, described by SGLang's own setup_state_kv_args: every byte of
+    # every component lands at the decode's own items (its KV pages for index pages and block scales, its window
+    # pages for the SWA sub-pool and its scales, a row of its own for request state), nothing else changes
+    needs_own_pool(cls, types)
+    page = pool["page_size"]
+    plan = {"pool": {**pool, "sglang_pool": kind, "num_layers": 4, "swa_pages": 3},
+            "requests": [{"room": 571, "tokens": page * 3 + 2, "chunk_pages": 2},
+                         {"room": 572, "tokens": page * 3, "prefix": page}],
+            "kv_checksum": BOTH if has_kv_checksum() else {},
+            "deadline_s": 60}
+    result = run_pair(plan, env=transport_env)
+    assert_all_landed(result, [571, 572])  # KV pages, every state item (state_ok), aux rows; nothing else changed
+    assert result["decode"]["state_types"] == types, result["decode"]["state_types"]
