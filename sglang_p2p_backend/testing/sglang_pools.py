@@ -28,6 +28,8 @@ its own otherwise):
   `minimax_index_k` and `minimax_dense_kv` go with the KV pages.
 - `"dsv4"`: `DeepSeekV4TokenToKVPool` (V4 layout, compression ratios 4 and 128, offline C128): `swa` window
   pages and `c128_state`, a request's raw C128 ring.
+- `"dsv4_dspark"`: the same with a DSpark draft's pool (SWA-only): also the draft's `swa` window (the target's
+  window indices: one allocator) and `request_row`, the draft's SWA valid-from of the request's row.
 """
 
 from __future__ import annotations
@@ -88,7 +90,9 @@ def _own(spec: PoolSpec, pool: Any, draft: Any = None) -> "SGLangPools":
 
     listed = SimpleNamespace()
     setup_state_kv_args(listed, pool, draft, spec.num_layers)
-    kv = _views(*_kv_buf_infos(pool), spec.device)
+    # a draft's KV regions follow the target's, as the scheduler registers them (same page ids)
+    kv = _views(*[a + b for a, b in zip(_kv_buf_infos(pool), _kv_buf_infos(draft) if draft else ([], [], []))],
+                spec.device)
     states: list[StateComponent] = []
     types = [getattr(t, "value", t) for t in listed.state_types]
     for c, kind in enumerate(types):
@@ -96,6 +100,8 @@ def _own(spec: PoolSpec, pool: Any, draft: Any = None) -> "SGLangPools":
         if kind in FOLLOWS_KV:
             states.append(StateComponent(regions, follows="kv"))
         elif kind == "block_scale_swa":  # the window pages of the SWA sub-pool it describes
+            states.append(StateComponent(regions, follows=types.index("swa")))
+        elif kind == "swa" and "swa" in types[:c]:  # a DSV4 draft's window: the target's SWA indices (one allocator)
             states.append(StateComponent(regions, follows=types.index("swa")))
         elif kind == "swa":
             states.append(StateComponent(regions, spec.swa_pages, first_item=1))
@@ -215,28 +221,40 @@ def _other(spec: PoolSpec) -> HostPools:
                                                  sparse_layer_ids=list(range(1, layers)),
                                                  disable_value_sparse_layer_ids=list(range(1, layers)),
                                                  device=spec.device, start_layer=0, end_layer=layers))
-    if kind == "dsv4":
-        return _dsv4(spec, tokens)
+    if kind in ("dsv4", "dsv4_dspark"):
+        return _dsv4(spec, tokens, dspark=kind == "dsv4_dspark")
     raise ValueError(f"unknown sglang_pool {kind!r}")
 
 
-def _dsv4(spec: PoolSpec, tokens: int) -> HostPools:
-    """DeepSeek V4's pool (FP8 pages of V4's layout; page size a multiple of 128, as SGLang requires)."""
+def _dsv4(spec: PoolSpec, tokens: int, dspark: bool = False) -> HostPools:
+    """DeepSeek V4's pool (FP8 pages of V4's layout; page size a multiple of 128, as SGLang requires). `dspark`:
+    with a DSpark draft's pool (one SWA-only layer), built under SGLang's own speculative setting
+    (`--speculative-algorithm DSPARK`), whose SWA valid-from is the `request_row` component."""
+    from contextlib import nullcontext
+
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.runtime_context import get_spec
 
     slots = spec.state_slots or 8
-    pool = DeepSeekV4TokenToKVPool(max_num_reqs=slots - 1, swa_size=tokens, c4_size=tokens,
-                                   c128_size=tokens // 128, c4_state_pool_size=64, c128_state_pool_size=64,
-                                   page_size=spec.page_size, swa_page_size=spec.page_size, dtype=torch.float8_e4m3fn,
-                                   c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448,
-                                   qk_rope_head_dim=64, indexer_head_dim=128, layer_num=spec.num_layers,
-                                   device=spec.device, enable_memory_saver=False, compression_ratios=[4, 128],
-                                   sliding_window=128)
-    return _own(spec, pool)
+
+    def pool(ratios: list[int], draft: bool) -> Any:
+        return DeepSeekV4TokenToKVPool(max_num_reqs=slots - 1, swa_size=tokens, c4_size=tokens,
+                                       c128_size=tokens // 128, c4_state_pool_size=64, c128_state_pool_size=64,
+                                       page_size=spec.page_size, swa_page_size=spec.page_size,
+                                       dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
+                                       c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64,
+                                       indexer_head_dim=128, layer_num=len(ratios), device=spec.device,
+                                       enable_memory_saver=False, compression_ratios=ratios, sliding_window=128,
+                                       is_draft_worker=draft)
+
+    with get_spec().override(speculative_algorithm="DSPARK") if dspark else nullcontext():
+        target = pool([4, 128] * (spec.num_layers // 2), False)
+        draft = pool([0], True) if dspark else None
+    return _own(spec, target, draft)
 
 
 #: SGLang's own pool kinds over an MLA page layout (the manager is built with is_mla_backend)
-MLA_POOLS = {"dsa", "dsv4"}
+MLA_POOLS = {"dsa", "dsv4", "dsv4_dspark"}
 
 
 def allocate(spec: PoolSpec) -> HostPools:

@@ -328,6 +328,9 @@ OWN_POOLS = [
                                                    "num_pages": 64}, ["minimax_index_k", "minimax_dense_kv"]),
     ("dsv4", "deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool", {"layout": "mla", "page_size": 128, "num_pages": 12,
                                                                 "state_slots": 8}, ["swa", "c128_state"]),
+    ("dsv4_dspark", "deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool", {"layout": "mla", "page_size": 128,
+                                                                       "num_pages": 12, "state_slots": 8},
+     ["swa", "c128_state", "swa", "request_row"]),
 ]
 
 
