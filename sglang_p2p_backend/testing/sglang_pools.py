@@ -30,10 +30,14 @@ its own otherwise):
   pages and `c128_state`, a request's raw C128 ring.
 - `"dsv4_dspark"`: the same with a DSpark draft's pool (SWA-only): also the draft's `swa` window (the target's
   window indices: one allocator) and `request_row`, the draft's SWA valid-from of the request's row.
+- `"dsv4_unified"`: the same pool in the unified-KV layout, which SGLang builds only on ROCm with
+  `SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton`: built on CPU with that platform gate answering True
+  (`_unified_kv_gate`); `swa` (its window), `swa_ring` (ring rows of the window's positions), `c128_state`.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -103,7 +107,7 @@ def _own(spec: PoolSpec, pool: Any, draft: Any = None) -> "SGLangPools":
             states.append(StateComponent(regions, follows=types.index("swa")))
         elif kind == "swa" and "swa" in types[:c]:  # a DSV4 draft's window: the target's SWA indices (one allocator)
             states.append(StateComponent(regions, follows=types.index("swa")))
-        elif kind == "swa":
+        elif kind in ("swa", "swa_ring"):  # window pages; ring rows of the window's positions
             states.append(StateComponent(regions, spec.swa_pages, first_item=1))
         else:  # mamba slot, QSA request row, C128 ring, request row: one item of the request's own
             states.append(StateComponent(regions, 1, first_item=1))
@@ -221,15 +225,16 @@ def _other(spec: PoolSpec) -> HostPools:
                                                  sparse_layer_ids=list(range(1, layers)),
                                                  disable_value_sparse_layer_ids=list(range(1, layers)),
                                                  device=spec.device, start_layer=0, end_layer=layers))
-    if kind in ("dsv4", "dsv4_dspark"):
-        return _dsv4(spec, tokens, dspark=kind == "dsv4_dspark")
+    if kind in ("dsv4", "dsv4_dspark", "dsv4_unified"):
+        return _dsv4(spec, tokens, dspark=kind == "dsv4_dspark", unified=kind == "dsv4_unified")
     raise ValueError(f"unknown sglang_pool {kind!r}")
 
 
-def _dsv4(spec: PoolSpec, tokens: int, dspark: bool = False) -> HostPools:
+def _dsv4(spec: PoolSpec, tokens: int, dspark: bool = False, unified: bool = False) -> HostPools:
     """DeepSeek V4's pool (FP8 pages of V4's layout; page size a multiple of 128, as SGLang requires). `dspark`:
     with a DSpark draft's pool (one SWA-only layer), built under SGLang's own speculative setting
-    (`--speculative-algorithm DSPARK`), whose SWA valid-from is the `request_row` component."""
+    (`--speculative-algorithm DSPARK`), whose SWA valid-from is the `request_row` component. `unified`: the
+    unified-KV layout of ROCm's unified_kv_triton backend (`_unified_kv_gate`), whose SWA ring is `swa_ring`."""
     from contextlib import nullcontext
 
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
@@ -247,14 +252,34 @@ def _dsv4(spec: PoolSpec, tokens: int, dspark: bool = False) -> HostPools:
                                        enable_memory_saver=False, compression_ratios=ratios, sliding_window=128,
                                        is_draft_worker=draft)
 
-    with get_spec().override(speculative_algorithm="DSPARK") if dspark else nullcontext():
+    with get_spec().override(speculative_algorithm="DSPARK") if dspark else nullcontext(), \
+            _unified_kv_gate(unified):
         target = pool([4, 128] * (spec.num_layers // 2), False)
         draft = pool([0], True) if dspark else None
     return _own(spec, target, draft)
 
 
+@contextmanager
+def _unified_kv_gate(on: bool):
+    """SGLang's unified-KV gate (`layers/attention/dsv4/unified_kv_gate.py` `is_unified_kv_triton`: ROCm and
+    `SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton`) answering True while the pool is built: what a ROCm server
+    with that backend builds, on CPU. Only the gate is replaced; the pool, its buffers and `setup_state_kv_args`
+    are SGLang's."""
+    if not on:
+        yield
+        return
+    from sglang.srt.layers.attention.dsv4 import unified_kv_gate
+
+    saved = unified_kv_gate.is_unified_kv_triton
+    unified_kv_gate.is_unified_kv_triton = lambda: True
+    try:
+        yield
+    finally:
+        unified_kv_gate.is_unified_kv_triton = saved
+
+
 #: SGLang's own pool kinds over an MLA page layout (the manager is built with is_mla_backend)
-MLA_POOLS = {"dsa", "dsv4", "dsv4_dspark"}
+MLA_POOLS = {"dsa", "dsv4", "dsv4_dspark", "dsv4_unified"}
 
 
 def allocate(spec: PoolSpec) -> HostPools:

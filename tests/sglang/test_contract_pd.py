@@ -331,6 +331,11 @@ OWN_POOLS = [
     ("dsv4_dspark", "deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool", {"layout": "mla", "page_size": 128,
                                                                        "num_pages": 12, "state_slots": 8},
      ["swa", "c128_state", "swa", "request_row"]),
+    # SGLang builds the unified-KV layout only on ROCm (unified_kv_triton): its platform gate is forced while the
+    # pool is built (testing/sglang_pools.py `_unified_kv_gate`)
+    ("dsv4_unified", "deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool", {"layout": "mla", "page_size": 128,
+                                                                        "num_pages": 12, "state_slots": 8},
+     ["swa", "swa_ring", "c128_state"]),
 ]
 
 
