@@ -250,7 +250,7 @@ def _dsv4(spec: PoolSpec, tokens: int, dspark: bool = False, unified: bool = Fal
                                        c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64,
                                        indexer_head_dim=128, layer_num=len(ratios), device=spec.device,
                                        enable_memory_saver=False, compression_ratios=ratios, sliding_window=128,
-                                       is_draft_worker=draft)
+                                       **({"is_draft_worker": True} if draft else {}))
 
     with get_spec().override(speculative_algorithm="DSPARK") if dspark else nullcontext(), \
             _unified_kv_gate(unified):
@@ -268,14 +268,23 @@ def _unified_kv_gate(on: bool):
     if not on:
         yield
         return
-    from sglang.srt.layers.attention.dsv4 import unified_kv_gate
+    import importlib
 
-    saved = unified_kv_gate.is_unified_kv_triton
-    unified_kv_gate.is_unified_kv_triton = lambda: True
+    for name in ("sglang.srt.layers.attention.dsv4.unified_kv_gate",  # 0.5.23
+                 "sglang.kernels.ops.attention.dsv4.unified_kv_kernels.env_gate"):  # 0.5.17
+        try:
+            gate = importlib.import_module(name)
+            break
+        except ImportError:
+            continue
+    else:
+        raise ImportError("this SGLang release has no unified-KV gate (is_unified_kv_triton)")
+    saved = gate.is_unified_kv_triton
+    gate.is_unified_kv_triton = lambda: True
     try:
         yield
     finally:
-        unified_kv_gate.is_unified_kv_triton = saved
+        gate.is_unified_kv_triton = saved
 
 
 #: SGLang's own pool kinds over an MLA page layout (the manager is built with is_mla_backend)

@@ -348,9 +348,10 @@ def needs_own_pool(cls: str, types: list):
         found = hasattr(importlib.import_module(f"sglang.srt.mem_cache.{module}"), name)
     except ImportError:
         found = False
-    missing = [t for t in types if t not in {s.value for s in StateType}]
-    if not found or missing:
-        pytest.skip(f"this SGLang release has no {name}" + (f" and no {', '.join(missing)} state" if missing else ""))
+    absent = [t for t in types if t not in {s.value for s in StateType}]
+    missing = ([] if found else [name]) + ([f"{', '.join(absent)} state"] if absent else [])
+    if missing:
+        pytest.skip(f"this SGLang release has no {' and no '.join(missing)}")
 
 
 @pytest.mark.parametrize("transport_env", [p for p in TRANSPORTS if p.id != "cudaipc-standin"])  # SGLang allocates
