@@ -5,6 +5,9 @@ exactly what a scheduler of that pool hands the backend.
 `sglang_pool="swa"`: `SWAKVPool` over `MHATokenToKVPool`, even layers sliding-window, odd layers full attention.
 The full layers' K and V are the KV regions (page ids of the full pool); the sliding-window layers' K and V are
 one state component of type SWA, addressed by page ids of the SWA sub-pool, `swa_pages` of them per request.
+With `total_kv_heads` set, the pool holds this rank's `kv_heads` heads (from `heads_lo` on) in both sub-pools, and
+the window pages' contents, like the KV's, are defined for the model's every head, so a decode rank of another
+attention TP checks exactly its heads of each token row.
 
 `sglang_pool="mamba"`: `HybridLinearKVPool` over `MambaPool` with a GDN-shaped state (Qwen3-Next's
 `Mamba2StateShape`: conv state cat([q | k | v]) x (K-1) in bf16 with its conv sub-blocks, temporal state heads x
@@ -132,6 +135,24 @@ class MambaPools(SGLangPools):
                 model = expected_pages(seed, room, -1 - 64 * c - r, len(idx), outer[r] * full * unit)
                 model = model.view(len(idx), outer[r], full, unit)
                 yield t, idx, model[:, :, _shard(full, groups[r], tp, rank)].reshape(len(idx), -1)
+
+
+class SWAPools(SGLangPools):
+    """SGLang's SWAKVPool: a request's window pages hold this rank's heads of the model's window pages."""
+
+    def _state_items(self, seed: int, room: int, ids: list[np.ndarray]):
+        spec = self.spec
+        if not spec.total_kv_heads:
+            yield from super()._state_items(seed, room, ids)
+            return
+        for c, (comp, item_ids) in enumerate(zip(self.states, ids)):
+            idx = torch.from_numpy(np.asarray(item_ids, dtype=np.int64)).to(spec.device)
+            for r, t in enumerate(comp.regions):
+                head = t.shape[1] // (spec.page_size * spec.kv_heads)
+                # the model's whole page (the same on every rank of either role), then this rank's heads of each row
+                model = expected_pages(seed, room, -1 - 64 * c - r, len(idx), spec.page_size * spec.total_kv_heads * head)
+                model = model.view(len(idx), spec.page_size, spec.total_kv_heads, head)
+                yield t, idx, model[:, :, spec.heads_lo : spec.heads_lo + spec.kv_heads].reshape(len(idx), -1)
 
 
 def _shard(full: int, groups: Optional[Sequence[int]], tp: int, rank: int) -> list[int]:
@@ -310,4 +331,4 @@ def allocate(spec: PoolSpec) -> HostPools:
                      device=spec.device, enable_memory_saver=False)
     kv = _views(*pool.get_contiguous_buf_infos(), spec.device)
     window = StateComponent(_views(*pool.get_state_buf_infos(), spec.device), spec.swa_pages, first_item=1)
-    return SGLangPools(spec, kv, [window], owner=pool)
+    return SWAPools(spec, kv, [window], owner=pool)

@@ -16,10 +16,12 @@ import torch
 
 from sglang_p2p_backend.engine.copy.copier import copy_chunk
 from sglang_p2p_backend.engine.copy.plan import copy_descriptors, plan_chunks
+from sglang_p2p_backend.engine.copy.heads import PairHeads, heads_per_rank
 from sglang_p2p_backend.engine.copy.state_slices import (
     PairSpans,
     Shards,
     StateSliceError,
+    Window,
     elected,
     pair_spans,
     problem,
@@ -174,7 +176,7 @@ def test_what_cannot_be_sliced_is_named():
     good = shards(2)
     assert problem("mamba", good, 2, shards(1), 1) is None
     assert "a swa_ring component is not sliced over attention TP" in problem("swa_ring", good, 2, shards(1), 1)
-    assert "does not slice the SWA sub-pool by KV heads" in problem("swa", good, 2, shards(1), 1)
+    assert "not sliced by KV heads" in problem("block_scale_swa", good, 2, shards(1), 1)
     for kind in ("minimax_index_k", "minimax_dense_kv", "dsa", "c128_state", "request_row", "block_scale"):
         assert f"a {kind} component is not sliced over attention TP" in problem(kind, good, 2, shards(1), 1)
     one = shards(1)
@@ -218,3 +220,117 @@ def test_agreement_pairs_sliced_state_and_names_what_differs_with_both_values():
     assert any("lays state out over TP 4 but attention over TP 2" in x for x in lines), lines
     # the same attention TP: compared per slot as before, the per-tensor lists are not
     assert differences(_agreement(2), _agreement(2), "prefill", "decode") == []
+
+
+# ------------------------------------------------------------------ SWA window pages sliced by KV heads
+# SGLang's SWAKVPool window sub-pool on a TP rank: per region (K then V of each sliding-window layer), pages of
+# PS token rows of the rank's heads of WHB bytes; the model's window is one tensor per region, each rank holds its
+# heads of every row (contiguous blocks, or head rank // replicas)
+PS, WHB, WREGIONS = 4, 6, 4
+WINDOW_PAIRS = [(1, 2, 4), (2, 1, 4), (2, 4, 8), (4, 2, 8), (1, 4, 2), (4, 1, 2), (4, 2, 2), (2, 4, 2), (1, 4, 1)]
+
+
+def window(total: int, layouts=("nhd", "nhd"), kv_head_bytes=(WHB,)) -> Window:
+    return Window(total, PS, layouts, kv_head_bytes)
+
+
+def window_shards(total: int, tp: int) -> Shards:
+    n = heads_per_rank(total, tp)
+    return Shards((PS * n * WHB,) * WREGIONS, (), (), ())
+
+
+def window_rank_pages(model: list[torch.Tensor], total: int, tp: int, rank: int) -> list[torch.Tensor]:
+    n = heads_per_rank(total, tp)
+    first = rank * n if total >= tp else rank // (tp // total)
+    return [m[:, :, first : first + n].reshape(SLOTS, -1).clone() for m in model]
+
+
+@pytest.mark.parametrize("src_tp,dst_tp,total", WINDOW_PAIRS)
+@pytest.mark.parametrize("path", ["staging", "one-sided"])
+def test_each_decode_rank_gets_exactly_its_window_heads_once(src_tp, dst_tp, total, path):
+    g = torch.Generator().manual_seed(11)
+    model = [torch.randint(0, 255, (SLOTS, PS, total, WHB), dtype=torch.uint8, generator=g) for _ in range(WREGIONS)]
+    src_ids, dst_ids = np.array([4, 1, 2]), np.array([2, 5, 3])
+    src_sh, dst_sh = window_shards(total, src_tp), window_shards(total, dst_tp)
+    for d in range(dst_tp):
+        dst = [torch.full((SLOTS, n), 0xA5, dtype=torch.uint8) for n in dst_sh.item_lens]
+        covered = np.zeros(heads_per_rank(total, dst_tp), dtype=int)
+        for p in senders(src_tp, dst_tp, d):
+            heads = pair_spans("swa", src_sh, src_tp, p, dst_sh, dst_tp, d, window(total))
+            assert isinstance(heads, PairHeads)
+            covered[heads.dst.lo : heads.dst.hi] += 1
+            src = window_rank_pages(model, total, src_tp, p)
+            if path == "staging":
+                _through_staging(src, dst, src_ids, dst_ids, heads)
+            else:
+                _one_sided(src, dst, src_ids, dst_ids, heads, dst_sh.item_lens)
+        assert covered.tolist() == [1] * covered.size, f"decode rank {d}: heads written {covered.tolist()} times"
+        want = window_rank_pages(model, total, dst_tp, d)
+        for r, (got, exp) in enumerate(zip(dst, want)):
+            assert torch.equal(got[dst_ids], exp[src_ids]), f"decode rank {d} region {r}"
+            others = [i for i in range(SLOTS) if i not in dst_ids]
+            assert bool((got[others] == 0xA5).all()), f"decode rank {d} region {r}: another page changed"
+
+
+def test_window_pairing_is_the_kv_heads_pairing():
+    from sglang_p2p_backend.engine.copy.heads import pair_heads
+
+    for src_tp, dst_tp, total in WINDOW_PAIRS:
+        for d in range(dst_tp):
+            for p in senders(src_tp, dst_tp, d):
+                ours = pair_spans("swa", window_shards(total, src_tp), src_tp, p, window_shards(total, dst_tp),
+                                  dst_tp, d, window(total))
+                assert ours == pair_heads(total=total, page_size=PS, src_tp=src_tp, src_rank=p, dst_tp=dst_tp,
+                                          dst_rank=d)
+    assert pair_spans("swa", window_shards(4, 2), 2, 1, window_shards(4, 2), 2, 1, window(4)) is None  # whole pages
+
+
+def test_what_cannot_be_sliced_by_heads_is_named():
+    p, d = window_shards(4, 2), window_shards(4, 1)
+    assert problem("swa", p, 2, d, 1, window(4)) is None
+    assert "the KV head layout it is sliced by is unknown" in problem("swa", p, 2, d, 1, None)
+    assert "the decode's window pages are 'hnd'" in problem("swa", p, 2, d, 1, window(4, ("nhd", "hnd")))
+    assert "6 KV heads do not divide over attention TP 4" in problem("swa", window_shards(6, 4), 4, d, 1, window(6))
+    fewer = Shards(d.item_lens[:3], (), (), ())
+    assert "4 window regions on the prefill, 3 on the decode" in problem("swa", p, 2, fewer, 1, window(4))
+    wider = Shards((d.item_lens[0] * 2,) + d.item_lens[1:], (), (), ())
+    assert ("region 0: a head of one token is 6 bytes on the prefill (2 of 4 heads, pages of 48 bytes) and 12 on the "
+            "decode (4 heads, pages of 192 bytes)") in problem("swa", p, 2, wider, 1, window(4))
+    ragged = Shards((d.item_lens[0] + 1,) + d.item_lens[1:], (), (), ())
+    assert "region 0: pages of 48 (prefill, 2 heads) and 97 (decode, 4 heads) bytes" in problem("swa", p, 2, ragged, 1, window(4))
+    assert "a window head of 6 bytes is no KV head ([12] bytes)" in problem("swa", p, 2, d, 1, window(4, kv_head_bytes=(12,)))
+    with pytest.raises(StateSliceError, match="prefill rank 0 of 4 does not serve decode rank 1 of 2"):
+        pair_spans("swa", window_shards(4, 4), 4, 0, p, 2, 1, window(4))
+
+
+def _swa_agreement(tp: int, total: int = 4, layout: str = "nhd", kinds=("swa",), swa_head: int = WHB,
+                   knows_total: bool = True, **kw):
+    n = heads_per_rank(total, tp)
+    lens = {"swa": [PS * n * swa_head] * WREGIONS, "block_scale_swa": [PS * n] * 2}
+    return local_agreement(page_size=PS, kv_dtype="bfloat16", kv_item_lens=[PS * n * WHB] * 2,
+                           state_item_lens=[lens[k] for k in kinds], slot_bytes=1 << 20, auth=False, attn_tp_size=tp,
+                           kv_total_heads=total if knows_total else 0, swa_kv_cache_layout=layout, state_types=list(kinds), **kw)
+
+
+def test_agreement_pairs_the_window_by_kv_heads_and_names_what_differs_with_both_values():
+    p, d = _swa_agreement(2), _swa_agreement(1, knows_total=False)  # a decode may not know the model's head count
+    assert differences(p, d, "prefill", "decode") == [] and differences(d, p, "decode", "prefill") == []
+    ours = pair_state_spans(p, 1, d, 0)
+    assert len(ours) == 1 and isinstance(ours[0], PairHeads)
+    assert (ours[0].src.lo, ours[0].src.hi, ours[0].dst.lo, ours[0].dst.hi) == (0, 2, 2, 4)
+    assert pair_state_spans(p, 1, _swa_agreement(2), 1) == ()  # the same TP: whole pages
+    # a window whose head is not a KV head (another head count in the window layers): refused on both sides
+    for mine, theirs, me, them in ((p, _swa_agreement(1, swa_head=2 * WHB), "prefill", "decode"),
+                                   (_swa_agreement(1, swa_head=2 * WHB), p, "decode", "prefill")):
+        lines = differences(mine, theirs, me, them)
+        assert any("state component 0 (swa) cannot be sliced between" in x and "region 0: a head of one token is 6 "
+                   "bytes on the prefill" in x and "12 on the decode" in x for x in lines), lines
+    # head-major window pages are not cut by heads (the layout label differs too: both named)
+    lines = differences(_swa_agreement(2, layout="hnd"), _swa_agreement(1, layout="hnd"), "prefill", "decode")
+    assert any("the prefill's window pages are 'hnd'" in x for x in lines), lines
+    # the window's MXFP8 scales stay refused across TP, with the reason
+    kinds = ("swa", "block_scale_swa")
+    lines = differences(_swa_agreement(2, kinds=kinds), _swa_agreement(1, kinds=kinds), "prefill", "decode")
+    assert not any("component 0" in x for x in lines), lines
+    assert any("state component 1 (block_scale_swa) cannot be sliced between prefill attention TP 2, decode 1: the "
+               "SWA window's MXFP8 scales are not sliced by KV heads" in x for x in lines), lines

@@ -11,21 +11,33 @@ prefill TP (aggregation): decode rank d reads from prefill ranks [d * r, (d + 1)
 its offset. A replicated item (dim 0) moves whole, from every source when scattering and from the first source
 of each decode rank when aggregating (SGLang's `should_send_replicated_state`), so it is written once.
 
-State types whose items are replicated over TP (QSA pending / compressed) move whole by the same election. What
-SGLang's own backends do not pair across TP (other types on an MHA model, MiniMax) is refused (`problem`), and so
-is the SWA sub-pool, which SGLang's Mooncake backend slices by KV heads and p2pnccl does not (yet).
+State types whose items are replicated over TP (QSA pending / compressed) move whole by the same election. The
+SWA sub-pool's window (SGLang's `SWAKVPool.swa_kv_pool`, an MHA pool of the sliding-window layers) is laid out
+like a KV page: per page, `page_size` token rows of this rank's KV heads, K regions then V regions. It is sliced
+like the KV, by head ranges of every token row with the KV heads' pairing (heads.py), as SGLang 0.5.23's
+Mooncake backend slices it (`_send_swa_state_slice` / Common `_get_mha_head_slice_blocks`): `pair_spans` then
+answers a `heads.PairHeads` (`Window` carries what that needs beyond the item lengths). What SGLang's own
+backends do not pair across TP (other types on an MHA model, the window's MXFP8 scales `block_scale_swa`,
+MiniMax) is refused (`problem`).
 Pure functions, no I/O: each side computes the same spans from both agreements.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
+
+from sglang_p2p_backend.engine.copy.heads import HeadsError, PairHeads, heads_per_rank, layout_problem, pair_heads
 
 #: state types sliced per tensor by state_dim_per_tensor (SGLang: StateType.MAMBA)
 SLICED_TYPES = ("mamba",)
 #: state types replicated over attention TP: whole items from one elected source (SGLang's QSA states)
 REPLICATED_TYPES = ("qsa_pending", "qsa_compressed")
+#: state types laid out like KV pages (token rows of KV heads), sliced by the KV heads' ranges (SGLang: StateType.SWA)
+HEAD_SLICED_TYPES = ("swa",)
+#: the window page layouts a head range can be cut out of (token-major rows: SGLang's "nhd"; "" where the release
+#: has no label, 0.5.17, whose MHA pools are token-major unless SGLANG_USE_HND_KVCACHE, compared as mha_layout)
+TOKEN_MAJOR_LAYOUTS = ("", "nhd")
 
 Span = tuple[int, int]  # (byte offset in the item, bytes)
 
@@ -68,6 +80,54 @@ class Shards:
     dims: tuple[int, ...]
     outer: tuple[int, ...]
     groups: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Window:
+    """What pairing a window by KV heads needs beyond its item lengths, from both agreements: the model's KV head
+    count (SGLang's total_kv_head_num, the prefill's), the page size, each side's window layout label
+    (KVArgs.swa_kv_cache_layout) and the bytes of one KV head of one token of the KV regions (the prefill's; -1
+    where a KV page does not split into whole heads). SGLang's SWAKVPool builds its window sub-pool with the KV's
+    heads, head dim and dtype, so a window head is a KV head: a window whose head is not is not this layout."""
+
+    total: int
+    page_size: int
+    layouts: tuple[str, str]
+    kv_head_bytes: tuple[int, ...]
+
+
+def _window_problem(src_lens: Sequence[int], src_tp: int, dst_lens: Sequence[int], dst_tp: int,
+                    window: Optional[Window]) -> Optional[str]:
+    if window is None:
+        return "the KV head layout it is sliced by is unknown (an MLA pool)"
+    for side, layout in zip(("prefill", "decode"), window.layouts):
+        if layout not in TOKEN_MAJOR_LAYOUTS:
+            return (f"the {side}'s window pages are {layout!r} (KVArgs.swa_kv_cache_layout): p2pnccl slices only "
+                    f"token-major (nhd) pages by heads")
+    big, small = max(src_tp, dst_tp), min(src_tp, dst_tp)
+    if small < 1 or big % small:
+        return f"prefill attention TP {src_tp} and decode attention TP {dst_tp}: neither divides the other"
+    for tp in (src_tp, dst_tp):
+        why = layout_problem(window.total, tp)
+        if why:
+            return why
+    if window.page_size < 1:
+        return f"page size {window.page_size}"
+    if len(src_lens) != len(dst_lens) or not src_lens:
+        return f"{len(src_lens)} window regions on the prefill, {len(dst_lens)} on the decode"
+    s_n, d_n, rows = heads_per_rank(window.total, src_tp), heads_per_rank(window.total, dst_tp), window.page_size
+    for i, (s_len, d_len) in enumerate(zip(src_lens, dst_lens)):
+        if s_len <= 0 or d_len <= 0 or s_len % (rows * s_n) or d_len % (rows * d_n):
+            return (f"region {i}: pages of {s_len} (prefill, {s_n} heads) and {d_len} (decode, {d_n} heads) bytes "
+                    f"do not split into {rows} token rows of whole heads")
+        s_hb, d_hb = s_len // (rows * s_n), d_len // (rows * d_n)
+        if s_hb != d_hb:
+            return (f"region {i}: a head of one token is {s_hb} bytes on the prefill ({s_n} of {window.total} heads, "
+                    f"pages of {s_len} bytes) and {d_hb} on the decode ({d_n} heads, pages of {d_len} bytes)")
+        if s_hb not in window.kv_head_bytes:
+            return (f"region {i}: a window head of {s_hb} bytes is no KV head ({sorted(set(window.kv_head_bytes))} "
+                    f"bytes): the window does not hold the KV's {window.total} heads")
+    return None
 
 
 def _check_ranks(src_tp: int, src_rank: int, dst_tp: int, dst_rank: int) -> int:
@@ -115,17 +175,20 @@ def _region_problem(i: int, src: Shards, src_tp: int, dst: Shards, dst_tp: int) 
     return None
 
 
-def problem(kind: str, src: Shards, src_tp: int, dst: Shards, dst_tp: int) -> Optional[str]:
+def problem(kind: str, src: Shards, src_tp: int, dst: Shards, dst_tp: int,
+            window: Optional[Window] = None) -> Optional[str]:
     """Why a component of type `kind` cannot be paired between these two TP sizes, or None. `src` is the
     prefill's description, `dst` the decode's; every list is checked against the region count first (they
-    arrive over the network)."""
+    arrive over the network). `window`: the KV head layout an SWA window is sliced by."""
     if kind in REPLICATED_TYPES:
         if src.item_lens != dst.item_lens:
             return f"replicated {kind} items of {list(src.item_lens)} (prefill) and {list(dst.item_lens)} (decode) bytes"
         return None
-    if kind == "swa":
-        return ("p2pnccl does not slice the SWA sub-pool by KV heads (SGLang's Mooncake backend does); keep the "
-                "same attention TP")
+    if kind in HEAD_SLICED_TYPES:
+        return _window_problem(src.item_lens, src_tp, dst.item_lens, dst_tp, window)
+    if kind == "block_scale_swa":
+        return ("the SWA window's MXFP8 scales are not sliced by KV heads (SGLang may lay them out interleaved per "
+                "page, mxfp8_sf_interleaved; its Mooncake backend refuses them across TP too)")
     if kind not in SLICED_TYPES:
         return (f"a {kind} component is not sliced over attention TP (SGLang's own backends refuse it on an MHA/GQA "
                 f"model too)")
@@ -170,17 +233,25 @@ def _dim_blocks(s_dim: int, d_dim: int, src_tp: int, dst_tp: int, src_rank: int,
 
 
 def pair_spans(kind: str, src: Shards, src_tp: int, src_rank: int, dst: Shards, dst_tp: int,
-               dst_rank: int) -> Optional[PairSpans]:
+               dst_rank: int, window: Optional[Window] = None) -> Optional[Union[PairSpans, PairHeads]]:
     """The spans prefill rank `src_rank` (of `src_tp`) sends decode rank `dst_rank` (of `dst_tp`) of every item
-    of a component; None when both TP sizes are equal (whole items move). Raises StateSliceError when the
-    component cannot be paired or the two ranks are not paired by SGLang's mapping."""
+    of a component; for an SWA window, the head range of every token row of its pages (the KV heads' pairing:
+    an empty range from a prefill rank holding a replica another rank sends); None when both TP sizes are equal
+    (whole items move). Raises StateSliceError when the component cannot be paired or the two ranks are not
+    paired by SGLang's mapping."""
     if src_tp == dst_tp:
         return None
     src_rank, dst_rank = src_rank % src_tp, dst_rank % dst_tp
     _check_ranks(src_tp, src_rank, dst_tp, dst_rank)
-    why = problem(kind, src, src_tp, dst, dst_tp)
+    why = problem(kind, src, src_tp, dst, dst_tp, window)
     if why:
         raise StateSliceError(why)
+    if kind in HEAD_SLICED_TYPES:
+        try:
+            return pair_heads(total=window.total, page_size=window.page_size, src_tp=src_tp, src_rank=src_rank,
+                              dst_tp=dst_tp, dst_rank=dst_rank)
+        except HeadsError as e:
+            raise StateSliceError(str(e)) from e
     send_replicated = elected(src_tp, src_rank, dst_tp)
     src_spans, dst_spans = [], []
     for i, s_len in enumerate(src.item_lens):

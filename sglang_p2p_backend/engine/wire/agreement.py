@@ -9,20 +9,23 @@ The KV layout is compared per head, not per page, when the attention TP sizes di
 decode rank then receives only its heads (heads.py), so what must match is the bytes of one head of one token
 in every region; the prefill's KV head count (SGLang's `total_kv_head_num`) says how many heads each side holds.
 State components are then compared per tensor instead of per slot: a mamba state sliced over TP must describe
-the same tensors on both sides (state_slices.py), a state replicated over TP must have the same items, and on an
-MLA pool (replicated latent KV) every component moves whole from the one prefill rank SGLang's mapping names.
+the same tensors on both sides (state_slices.py), a state replicated over TP must have the same items, an SWA
+window (sliced by the KV heads' ranges) must hold heads of one KV head's bytes in token-major pages on both sides,
+and on an MLA pool (replicated latent KV) every component moves whole from the one prefill rank SGLang's mapping
+names.
 What cannot be paired (other state types on an MHA/GQA model, hybrid-MLA state, head counts that do not spread
 over a TP size) is refused with both values named.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import msgspec
 
 from sglang_p2p_backend.engine.copy.heads import heads_per_rank, layout_problem
-from sglang_p2p_backend.engine.copy.state_slices import PairSpans, Shards, pair_spans, problem as state_problem
+from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.copy.state_slices import PairSpans, Shards, Window, pair_spans, problem as state_problem
 from sglang_p2p_backend.engine.wire.messages import PROTOCOL_VERSION, Agreement
 
 # field -> (what it is, how to make both sides agree)
@@ -97,15 +100,26 @@ def shards(a: Agreement, c: int) -> Shards:
                   tuple(tuple(g) for g in pick(a.state_conv_groups)))
 
 
+def window(prefill: Agreement, decode: Agreement) -> Optional[Window]:
+    """The KV head layout an SWA window is sliced by (None on an MLA pool: no heads to slice by)."""
+    if prefill.mla or decode.mla:
+        return None
+    total = max(prefill.kv_total_heads, decode.kv_total_heads)  # a decode may not know it (0)
+    _, per_head = _head_layout(prefill, total) if total > 0 else (0, [])
+    return Window(total, prefill.page_size, (prefill.swa_kv_cache_layout, decode.swa_kv_cache_layout), tuple(per_head))
+
+
 def pair_state_spans(prefill: Agreement, prefill_rank: int, decode: Agreement,
-                     decode_rank: int) -> tuple[Optional[PairSpans], ...]:
+                     decode_rank: int) -> tuple[Optional[Union[PairSpans, PairHeads]], ...]:
     """What prefill rank `prefill_rank` sends decode rank `decode_rank` of each state component's items (both
-    sides compute it from the two agreements); () when whole items move (same attention TP, or an MLA pool, whose
-    state SGLang's mapping takes whole from one prefill rank). Raises StateSliceError."""
+    sides compute it from the two agreements): spans of each item, or an SWA window's head range of each token
+    row; () when whole items move (same attention TP, or an MLA pool, whose state SGLang's mapping takes whole
+    from one prefill rank). Raises StateSliceError."""
     if prefill.attn_tp_size == decode.attn_tp_size or (prefill.mla and decode.mla):
         return ()
+    heads = window(prefill, decode)
     return tuple(pair_spans(kind, shards(prefill, c), prefill.attn_tp_size, prefill_rank, shards(decode, c),
-                            decode.attn_tp_size, decode_rank) for c, kind in enumerate(prefill.state_types))
+                            decode.attn_tp_size, decode_rank, heads) for c, kind in enumerate(prefill.state_types))
 
 
 def _state_tp_differences(mine: Agreement, theirs: Agreement, my_role: str, their_role: str,
@@ -126,7 +140,8 @@ def _state_tp_differences(mine: Agreement, theirs: Agreement, my_role: str, thei
         return out  # whole items on an MLA pool (compared per slot above); differing types are named above
     prefill, decode = (mine, theirs) if my_role == "prefill" else (theirs, mine)
     for c, kind in enumerate(mine.state_types):
-        why = state_problem(kind, shards(prefill, c), prefill.attn_tp_size, shards(decode, c), decode.attn_tp_size)
+        why = state_problem(kind, shards(prefill, c), prefill.attn_tp_size, shards(decode, c), decode.attn_tp_size,
+                            window(prefill, decode))
         if why:
             out.append(f"state component {c} ({kind}) cannot be sliced between {tps}: {why}; {fix}")
     if len(mine.state_types) != max(len(mine.state_item_lens), len(theirs.state_item_lens)):
