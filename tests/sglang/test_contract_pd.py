@@ -126,12 +126,17 @@ def test_kv_checksum_is_not_verified_across_attention_tp():
         assert {r["checksum_comparable"] for r in d["requests"].values()} == {False}, d["requests"]
 
 
+#: what SGLang's own bootstrap check of the prefill says on the decode before p2pnccl's agreement is compared
+SGLANG_REFUSES = {"block_scale_swa": "PD Disaggregation does NOT support different attention TP sizes with MXFP8 KV cache"}
 # what SGLang's own backends do not pair across attention TP either: refused at registration on both sides, naming
 # the component, both TP sizes and why, before a byte moves
 STATE_TP_REFUSALS = [
     pytest.param({"state_slots": 8, "state_type": "swa_ring", "state_per_request": 3},
                  "state component 0 (swa_ring) cannot be sliced between prefill attention TP 1, decode 2: a swa_ring "
                  "component is not sliced over attention TP", id="swa_ring"),
+    pytest.param({"state_slots": 8, "state_type": "block_scale_swa", "state_per_request": 3},
+                 "state component 0 (block_scale_swa) cannot be sliced between prefill attention TP 1, decode 2: the "
+                 "SWA window's MXFP8 scales are not sliced by KV heads", id="block_scale_swa"),
     pytest.param({"state_slots": 8, "state_type": "mamba"},
                  "state component 0 (mamba) cannot be sliced between prefill attention TP 1, decode 2: the prefill "
                  "describes 1 regions with 0 state_dim_per_tensor", id="mamba-without-per-tensor-dims"),
@@ -151,7 +156,9 @@ def test_state_that_cannot_be_sliced_across_attention_tp_is_refused_on_both_side
     result = run_pair(p, env=HETERO_ENV)
     for side in (*result["ranks"]["prefill"], *result["ranks"]["decode"]):  # the decode ranks hear the prefill's words
         r = side["requests"]["4001"]
-        assert r["status"] == "Failed" and why in r["reason"], r
+        # SGLang 0.5.23's own bootstrap check refuses MXFP8 block scales across attention TP on the decode first
+        sglangs = side in result["ranks"]["decode"] and SGLANG_REFUSES.get(state["state_type"], "\0") in r["reason"]
+        assert r["status"] == "Failed" and (why in r["reason"] or sglangs), r
 
 
 # state replicated over attention TP: QSA's items (the same on every rank) move whole from one elected prefill rank
@@ -254,6 +261,37 @@ def test_swa_window_of_sglangs_swa_pool_lands_byte_exact(transport_env):
     for room, pages in (("531", 10), ("532", 4)):
         sent = result["prefill"]["requests"][room]
         assert sent["bytes"] == pages * 4 * 128 + 3 * 4 * 128, sent  # 4 KV regions, 4 SWA regions of 128 B pages
+
+
+# (prefill TP, decode TP, model KV heads, transport): the window pages of SGLang's SWAKVPool sliced by the KV
+# heads' ranges, as the KV pages: scatter, aggregation, replicated heads on the decode (2 heads over 4 ranks)
+SWA_TP = [
+    pytest.param(1, 2, 4, {}, id="p1d2-tcp"),
+    pytest.param(2, 1, 4, {}, id="p2d1-tcp"),
+    pytest.param(1, 4, 2, {}, id="p1d4-h2-tcp"),
+    pytest.param(1, 2, 4, MOONCAKE_ENV, id="p1d2-mooncake", marks=NEEDS_MOONCAKE),
+    pytest.param(2, 1, 4, MOONCAKE_ENV, id="p2d1-mooncake", marks=NEEDS_MOONCAKE),
+]
+
+
+@pytest.mark.parametrize("p_tp,d_tp,heads,transport_env", SWA_TP)
+def test_swa_window_is_sliced_by_kv_heads_across_attention_tp(p_tp, d_tp, heads, transport_env):
+    # SWAKVPool on every rank holding its heads of the model's KV and window (testing/sglang_pools.py SWAPools):
+    # every decode rank's window pages hold exactly its heads of each token row (state_ok), its KV pages its heads;
+    # each decode head crossed once (two-sided: the bytes the prefill ranks sent); nothing else changed
+    pool = {"layout": "mha", "sglang_pool": "swa", "num_layers": 4, "kv_heads": 2, "head_dim": 8, "page_size": 4,
+            "num_pages": 64, "swa_pages": 3, "total_kv_heads": heads}
+    p = {"pool": pool, "tp": {"prefill": p_tp, "decode": d_tp},
+         "requests": [{"room": 571, "tokens": 4 * 9 + 2, "chunk_pages": 4}, {"room": 572, "tokens": 4 * 6, "prefix": 8}],
+         "deadline_s": 60}
+    result = run_pair(p, env={**HETERO_ENV, **transport_env})
+    done = rooms(p)
+    assert_heads_landed(result, [done] * d_tp)
+    for d in result["ranks"]["decode"]:
+        assert {d["requests"][str(r)]["state_ok"] for r in done} == {True}, d["requests"]
+    per_page = d_tp * max(1, heads // d_tp) * 4 * 16  # every decode rank's heads of 4 token rows of 16 B heads
+    for room, pages in ((571, 10), (572, 4)) if not transport_env else ():  # one-sided writes count the aux rows too
+        assert kv_bytes_sent(result, [room]) == (pages + 3) * 4 * per_page, room  # 4 KV + 4 window regions
 
 
 # HybridLinearKVPool over a GDN-shaped MambaPool (Qwen3-Next's state shape): 2 linear-attention layers (conv and
