@@ -19,7 +19,7 @@ import torch
 from sglang_p2p_backend.adapter.bounded import Bounded
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.copy.heads import PairHeads
-from sglang_p2p_backend.engine.copy.state_slices import PairSpans
+from sglang_p2p_backend.engine.copy.state_slices import StatePlan
 from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.transport.onesided import OneSidedSender, session_address
 from sglang_p2p_backend.engine.copy.plan import PlanError
@@ -108,7 +108,7 @@ class SameHostPath:
             self.ipc.forget_peer(session)
 
     def send(self, peer: wire.PeerRegister, src: list, dst: list, heads: Optional[PairHeads],
-             unsettled: Callable[[], None], state: Sequence[Optional[PairSpans]] = ()) -> bool:
+             unsettled: Callable[[], None], state: Sequence[Optional[StatePlan]] = ()) -> bool:
         """Copy one chunk into the decode's pages and wait for it (the aux row is the caller's: it goes on the
         control channel). False: the peer cannot be mapped (now remembered) and the caller routes again;
         TransportError when `cudaipc` is forced or the copy failed; `unsettled` is called when a failed copy

@@ -31,7 +31,7 @@ from sglang_p2p_backend.engine.pair.channels import PairChannels
 from sglang_p2p_backend.engine.pair.comm_budget import NoRoom
 from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.copy.heads import PairHeads
-from sglang_p2p_backend.engine.copy.state_slices import PairSpans
+from sglang_p2p_backend.engine.copy.state_slices import StatePlan
 from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.transport.onesided import OneSidedSender, aux_descriptors
 from sglang_p2p_backend.engine.copy.plan import PlanError
@@ -106,7 +106,7 @@ class TransferWorkers:
         peers: Mapping[str, wire.PeerRegister],
         rejected: Mapping[str, str],
         heads: Mapping[str, Optional[PairHeads]],
-        state: Mapping[str, Sequence[Optional[PairSpans]]],
+        state: Mapping[str, Sequence[Optional[StatePlan]]],
         route: Callable[[str], str],
         channels: Optional[PairChannels],
         same_host: SameHostPath,
@@ -220,7 +220,7 @@ class TransferWorkers:
             self.succeed(room)
 
     def _deliver(self, info: TransferInfo, src: list, dst: list, aux: Optional[tuple], alive: Callable[[], bool],
-                 heads: Optional[PairHeads] = None, state: Sequence[Optional[PairSpans]] = ()) -> None:
+                 heads: Optional[PairHeads] = None, state: Sequence[Optional[StatePlan]] = ()) -> None:
         """One chunk to one decode rank over the transport `auto` picks now (`heads`: only that head range of
         the KV pages; `state[c]`: only those spans of state component c's items). Lack of communicator memory
         never fails it: the peer goes to Mooncake when it can, else the chunk waits for room (until the room ends)."""

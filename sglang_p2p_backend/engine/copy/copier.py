@@ -10,7 +10,7 @@ flight, i.e. on the peer (docs/nccl.md, hazards).
 In `copy_chunk` a segment whose ids are consecutive is one slice copy per region; otherwise one `index_select`
 / `index_copy_` per region. A segment with a head range (different attention TP on the two sides) copies the
 same way through a strided view of the pages, (pages, rows, heads, head bytes) narrowed to the range: still one
-copy per region, never one per page or per head. A state segment with byte spans (a mamba state sliced over
+copy per region, never one per page or per head; an SWA window's state segment (state_slices.py) is one too. A state segment with byte spans (a mamba state sliced over
 TP: state_slices.py) copies each span of the items as its own column range of the staging block: one copy per
 span and region (a few per request). On CUDA these run on the caller's current stream (the pair channel's), so
 they order with the channel's send/recv.

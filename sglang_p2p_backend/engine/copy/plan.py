@@ -14,7 +14,8 @@ then contributes only those heads of each of its token rows, rows in order, so t
 bytes the decode rank owns and chunks stay as large as with whole pages. Each side describes the range in its
 own pool (the prefill's `src`, the decode's `dst`); the byte counts agree because a head is the same size on both.
 A state segment may instead name byte spans of every region's item (`state_slices.Spans`: a mamba state sliced
-over TP): an item then contributes those spans, in order, region by region.
+over TP): an item then contributes those spans, in order, region by region. An SWA window's state segment names a head
+range as a KV segment does (its pages are KV pages of the sliding-window layers).
 """
 
 from __future__ import annotations

@@ -71,6 +71,11 @@ class PairSpans:
         return not any(self.src.spans)
 
 
+#: what one prefill rank sends one decode rank of a component sliced over TP: byte spans of each item, or (an SWA
+#: window) the KV heads' range of each token row of its pages
+StatePlan = Union[PairSpans, PairHeads]
+
+
 @dataclass(frozen=True)
 class Shards:
     """One side's description of a component's regions (KVArgs, per region): item bytes, the sliced axis's size
@@ -233,7 +238,7 @@ def _dim_blocks(s_dim: int, d_dim: int, src_tp: int, dst_tp: int, src_rank: int,
 
 
 def pair_spans(kind: str, src: Shards, src_tp: int, src_rank: int, dst: Shards, dst_tp: int,
-               dst_rank: int, window: Optional[Window] = None) -> Optional[Union[PairSpans, PairHeads]]:
+               dst_rank: int, window: Optional[Window] = None) -> Optional[StatePlan]:
     """The spans prefill rank `src_rank` (of `src_tp`) sends decode rank `dst_rank` (of `dst_tp`) of every item
     of a component; for an SWA window, the head range of every token row of its pages (the KV heads' pairing:
     an empty range from a prefill rank holding a replica another rank sends); None when both TP sizes are equal

@@ -24,7 +24,7 @@ from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.copy.heads import PairHeads
-from sglang_p2p_backend.engine.copy.state_slices import PairSpans
+from sglang_p2p_backend.engine.copy.state_slices import StatePlan
 from sglang_p2p_backend.engine.pair.pipeline import ChunkDone, PairReceiver, PairSender
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.transport.base import TransportError, TwoSidedTransport
@@ -145,7 +145,7 @@ class PairChannels:
 
     def send(self, session: str, room: int, prefill_rank: int, src: list, dst: list,
              next_seq: Callable[[], int], alive: Callable[[], bool], heads: Optional[PairHeads] = None,
-             state: Sequence[Optional[PairSpans]] = ()) -> None:
+             state: Sequence[Optional[StatePlan]] = ()) -> None:
         """Send over the peer's pair channel, opening one within the budget when it has none (or lost it)."""
         sender = self._sender(session)
         try:

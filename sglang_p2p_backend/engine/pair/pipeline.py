@@ -29,7 +29,7 @@ from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.wire.messages import ChunkHeader, ChunkSegment, CommInit, Message
 from sglang_p2p_backend.engine.wire.checks import ChunkVerdict, chunk_layout
 from sglang_p2p_backend.engine.copy.heads import PairHeads
-from sglang_p2p_backend.engine.copy.state_slices import PairSpans
+from sglang_p2p_backend.engine.copy.state_slices import StatePlan
 from sglang_p2p_backend.engine.copy.plan import Segment, plan_chunks
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.threads import set_os_name
@@ -112,7 +112,7 @@ class PairSender(_PairEnd):
         keep_going: Callable[[], bool] = lambda: True,
         next_seq: Optional[Callable[[], int]] = None,
         heads: Optional[PairHeads] = None,
-        state: Sequence[Optional[PairSpans]] = (),
+        state: Sequence[Optional[StatePlan]] = (),
     ) -> int:
         """Move `src_ids[g]` of every group to the peer's `dst_ids[g]`; returns bytes sent. Stops between
         chunks once `keep_going()` is False (aborted room). `next_seq()` numbers the room's chunks across

@@ -30,7 +30,7 @@ from sglang_p2p_backend.engine.copy.memory import Region
 from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.wire.messages import PeerRegister
 from sglang_p2p_backend.engine.copy.heads import PairHeads
-from sglang_p2p_backend.engine.copy.state_slices import PairSpans
+from sglang_p2p_backend.engine.copy.state_slices import StatePlan
 from sglang_p2p_backend.engine.copy.plan import PlanError, copy_descriptors
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 
@@ -65,7 +65,7 @@ def chunk_descriptors(
     dst_ids: Sequence[np.ndarray],
     aux: Optional[tuple[int, int]] = None,
     heads: Optional[PairHeads] = None,
-    state: Sequence[Optional[PairSpans]] = (),
+    state: Sequence[Optional[StatePlan]] = (),
 ) -> Descriptors:
     """Every descriptor of one chunk: per group, merged page runs region-major (with `heads`, the KV group's
     head range of every token row instead; with `state[c]`, those spans of state component c's items); then the
@@ -146,7 +146,7 @@ class OneSidedSender:
         aux: Optional[tuple[int, int]] = None,
         heads: Optional[PairHeads] = None,
         unsettled: Callable[[], None] = _nothing,
-        state: Sequence[Optional[PairSpans]] = (),
+        state: Sequence[Optional[StatePlan]] = (),
     ) -> int:
         """One batch write of the chunk (and aux row); returns bytes written. Raises PlanError when the ids
         do not pair up, TransportError when the write fails (Mooncake then skips the peer until it registers

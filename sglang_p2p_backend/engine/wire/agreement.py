@@ -19,13 +19,12 @@ over a TP size) is refused with both values named.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import msgspec
 
 from sglang_p2p_backend.engine.copy.heads import heads_per_rank, layout_problem
-from sglang_p2p_backend.engine.copy.heads import PairHeads
-from sglang_p2p_backend.engine.copy.state_slices import PairSpans, Shards, Window, pair_spans, problem as state_problem
+from sglang_p2p_backend.engine.copy.state_slices import Shards, StatePlan, Window, pair_spans, problem as state_problem
 from sglang_p2p_backend.engine.wire.messages import PROTOCOL_VERSION, Agreement
 
 # field -> (what it is, how to make both sides agree)
@@ -110,7 +109,7 @@ def window(prefill: Agreement, decode: Agreement) -> Optional[Window]:
 
 
 def pair_state_spans(prefill: Agreement, prefill_rank: int, decode: Agreement,
-                     decode_rank: int) -> tuple[Optional[Union[PairSpans, PairHeads]], ...]:
+                     decode_rank: int) -> tuple[Optional[StatePlan], ...]:
     """What prefill rank `prefill_rank` sends decode rank `decode_rank` of each state component's items (both
     sides compute it from the two agreements): spans of each item, or an SWA window's head range of each token
     row; () when whole items move (same attention TP, or an MLA pool, whose state SGLang's mapping takes whole

@@ -17,7 +17,6 @@ import numpy as np
 from sglang_p2p_backend.engine.copy.heads import Heads
 from sglang_p2p_backend.engine.wire.messages import AuxData, ChunkHeader, ChunkSegment, PeerRegister, RoomMetadata, WireError
 from sglang_p2p_backend.engine.copy.plan import Chunk, Segment, Slice, moved_len
-from sglang_p2p_backend.engine.copy.state_slices import Spans
 
 _KV_POLL_SUCCESS, _KV_POLL_FAILED = 4, 0  # SGLang's KVPoll values a Status may carry
 
@@ -95,10 +94,10 @@ def _subset(d: np.ndarray, allowed: np.ndarray) -> bool:
 
 
 def _segment_heads(s: ChunkSegment, kv_heads: Optional[Heads],
-                   state_spans: Sequence[Optional[Spans]] = ()) -> Slice:
+                   state_spans: Sequence[Slice] = ()) -> Slice:
     """What a segment writes of each item: exactly `kv_heads` (the heads this decode rank takes from that prefill
     rank) for the KV group when the TP sizes differ, exactly `state_spans[c]` of state component c when it is
-    sliced between these two ranks (its spans follow from both agreements: nothing about them travels), whole
+    sliced between these two ranks (byte spans, or an SWA window's head range) (its spans follow from both agreements: nothing about them travels), whole
     items otherwise."""
     if s.group != 0 or kv_heads is None:
         if s.head_lo or s.head_hi:
@@ -118,7 +117,7 @@ def chunk_layout(
     slot_bytes: int,
     allowed: Optional[Callable[[int], np.ndarray]] = None,
     kv_heads: Optional[Heads] = None,
-    state_spans: Sequence[Optional[Spans]] = (),
+    state_spans: Sequence[Slice] = (),
 ) -> ChunkVerdict:
     """Check a chunk against the receiver's layout and staging: exact byte count, at most one slot, groups and
     regions it has; with `allowed` (group -> sorted ids), every destination id among those; KV segments write
@@ -158,7 +157,7 @@ def chunk_header(
     slot_bytes: int,
     published: Optional[Published],
     kv_heads: Optional[Heads] = None,
-    state_spans: Sequence[Optional[Spans]] = (),
+    state_spans: Sequence[Slice] = (),
 ) -> ChunkVerdict:
     """`chunk_layout`, and the room's own rules: the room waits for KV from this prefill, the chunk is next in
     its sequence, and it writes only pages the room published (only the heads `kv_heads`, when given)."""
