@@ -579,13 +579,21 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             return False
         if room in self.request_status:
             self._fail_room(room, reason, cause=cause)
-        else:
-            self.concluded[room] = (reason, time.monotonic())
-            self._notify_decode(room, KVPoll.Failed, reason, block=False, skip=cause)
+            return True
+        self.concluded[room] = (reason, time.monotonic())
+        self._notify_decode(room, KVPoll.Failed, reason, block=False, skip=cause)
+        # the scheduler's thread may have started the sender between the check above and the tombstone, and
+        # found none (room_started): whichever of the two pops the tombstone fails the room, once
+        if room in self.request_status and self.concluded.pop(room, None) is not None:
+            self._fail_room(room, reason, cause=cause)
         return True
 
     def notify_aborted(self, room: int) -> None:
+        reason = "Aborted on prefill by AbortReq"
         if self.transfer_infos.get(room):
-            self._notify_decode(room, KVPoll.Failed, "Aborted on prefill by AbortReq")
-        else:  # the decode's destinations have not come yet: answer them Failed when they do
-            self.concluded[room] = ("Aborted on prefill by AbortReq", time.monotonic())
+            self._notify_decode(room, KVPoll.Failed, reason)
+            return
+        self.concluded[room] = (reason, time.monotonic())  # the decode's destinations, when they come, answered Failed
+        # unless they came between the check above and the tombstone (_on_metadata saw none): tell them now
+        if self.transfer_infos.get(room) and self.concluded.pop(room, None) is not None:
+            self._notify_decode(room, KVPoll.Failed, reason)
