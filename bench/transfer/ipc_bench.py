@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +39,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` and `sglang_p2p_backend`
     sys.path.insert(0, _ROOT)
 
+from bench.transfer.gpu_names import gpu_slugs  # noqa: E402
 from bench.transfer.pair import collect, expect, guarded, page_bytes, spawn  # noqa: E402
 
 #: regions and bytes per token in a region (bf16)
@@ -358,12 +357,7 @@ def prefill(rank, conn, cfg):
 
 def gpu_name() -> str:
     """The first GPU's name from nvidia-smi, as a file-name slug ('nvidia-h100-80gb-hbm3')."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20).stdout.strip().splitlines()
-    except (OSError, subprocess.SubprocessError):
-        out = []
-    return re.sub(r"[^a-z0-9]+", "-", out[0].lower()).strip("-") if out else "unknown-gpu"
+    return (gpu_slugs() or ["unknown-gpu"])[0]
 
 
 def _table(result: dict) -> str:

@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import queue
-import re
 import socket
 import subprocess
 import sys
@@ -58,6 +57,7 @@ if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` 
     sys.path.insert(0, _ROOT)
 
 from bench.transfer import xfer_cases as xc  # noqa: E402
+from bench.transfer.gpu_names import gpu_slugs  # noqa: E402
 from bench.transfer.pair import SAFE_ENV, collect, expect, guarded  # noqa: E402
 
 SESSION = "127.0.0.1:17035"
@@ -767,15 +767,10 @@ def plan_section(shapes, tokens, reps_s: float) -> list[dict]:
 
 def machine_name() -> str:
     """'nvidia-h100-80gb-hbm3-x2' from nvidia-smi, or the CPU's description without GPUs."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20).stdout.strip().splitlines()
-    except (OSError, subprocess.SubprocessError):
-        out = []
-    if not out:
+    gpus = gpu_slugs()
+    if not gpus:
         return f"cpu-{os.cpu_count()}core"
-    slug = re.sub(r"[^a-z0-9]+", "-", out[0].lower()).strip("-")
-    return slug + (f"-x{len(out)}" if len(out) > 1 else "")
+    return gpus[0] + (f"-x{len(gpus)}" if len(gpus) > 1 else "")
 
 
 def meta(torch, quick: bool) -> dict:
