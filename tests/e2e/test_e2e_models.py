@@ -121,8 +121,13 @@ def test_swa_tiny_is_hybrid_swa_for_sglang(swa):
         swa_ids = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
         full_ids = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
     else:
+        from sglang.srt.configs.model_config import ModelConfig
+
         assert is_hybrid_swa_model(cfg.architectures, cfg)
         swa_ids, full_ids = get_hybrid_layer_ids(cfg.architectures, cfg)
+        mc = ModelConfig(str(swa / "swa-tiny"))  # what the server builds from --model-path
+        assert mc.is_hybrid_swa and (mc.swa_attention_layer_ids, mc.full_attention_layer_ids) == ([0, 2], [1, 3])
+        assert (mc.num_key_value_heads, mc.head_dim, mc.context_len) == (2, 64, 131072)
     assert (list(swa_ids), list(full_ids)) == ([0, 2], [1, 3])
 
 
