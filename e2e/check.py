@@ -1,6 +1,6 @@
 """Correctness step: PD with p2pnccl through our LB against a non-disaggregated server, token for token.
 
-    python3 -m e2e.check --models DIR --out results.json --logs DIR [--only llama-tiny,mla-tiny]
+    python3 -m e2e.check --models DIR --out results.json --logs DIR [--only llama-tiny,mla-tiny,swa-tiny]
 
 For each model: a reference server, a prefill (GPU 0) + decode (GPU 1) pair with
 ``--disaggregation-transfer-backend p2pnccl`` and our LB, all with the same flags (``--gpus 1``: every server on
@@ -23,7 +23,9 @@ from . import client, compare, config, results as results_io
 from .servers import Server, Stack, exit_on_sigterm, failure_report
 
 MODELS = {"llama-tiny": 0, "mla-tiny": 1}  # model -> GPU of its reference server (spreads the launches)
-BASE_PORT = {"llama-tiny": 31000, "mla-tiny": 31100}
+# checked only when named (--only / E2E_CHECK_ONLY): swa-tiny, issue 36's hybrid sliding-window model (GPT-OSS)
+ON_REQUEST = {"swa-tiny": 0}
+BASE_PORT = {"llama-tiny": 31000, "mla-tiny": 31100, "swa-tiny": 31200}
 PROMPT_LENGTHS = (1, 7, 63, 64, 65, 200, 777, 2500)  # around the 64-token chunk edge, and many chunks
 MAX_NEW_TOKENS = 24
 TEXT_PROMPT = "The quick brown fox jumps over the lazy dog, and then it"
@@ -84,7 +86,8 @@ def run(models_dir: Path, logs: Path, only: list[str], tolerance: float,
         plan: dict[str, tuple[Server, Server, Server, Server]] = {}
         for m in only:
             flags = config.check_flags(m)
-            ref = config.reference(m, models_dir / m, BASE_PORT[m] + 10, MODELS[m] if gpus > 1 else 0, flags)
+            gpu = {**MODELS, **ON_REQUEST}[m] if gpus > 1 else 0
+            ref = config.reference(m, models_dir / m, BASE_PORT[m] + 10, gpu, flags)
             p, d, lb = config.pd_pair(m, models_dir / m, "p2pnccl", BASE_PORT[m], flags, gpus)
             plan[m] = (ref, p, d, lb)
         # decode and prefill first on each GPU: if GPU memory runs short, the references are the ones to fail
@@ -114,7 +117,7 @@ def run(models_dir: Path, logs: Path, only: list[str], tolerance: float,
 
 def main(argv: list[str] | None = None) -> int:
     ap = config.step_parser(__doc__)
-    ap.add_argument("--only", default=",".join(MODELS))
+    ap.add_argument("--only", default=",".join(MODELS), help=f"also: {', '.join(ON_REQUEST)}")
     ap.add_argument("--tolerance", type=float, default=compare.DEFAULT_TOLERANCE)
     ap.add_argument("--gpus", type=int, choices=(1, 2), default=None, help="default: E2E_GPUS, else 2")
     a = ap.parse_args(argv)

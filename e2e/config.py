@@ -90,11 +90,21 @@ def step_parser(doc: Optional[str]) -> argparse.ArgumentParser:
     return ap
 
 
+# Flags one model needs on every server of its check (the reference and P/D alike, so they stay comparable).
+# swa-tiny (GPT-OSS, bf16): SGLang 0.5.17 would pick the triton_kernels MoE runner where that package is installed
+# and the fused Triton MoE where not; naming the fused one (bias and clamped SwiGLU supported, as for bf16
+# GPT-OSS on ROCm) makes the run the same on every host. Its attention needs sinks and a sliding window: the
+# triton backend of CHECK_FLAGS has both (0.5.17's GPT-OSS accepts triton, trtllm_mha, fa3, fa4).
+MODEL_CHECK_FLAGS: dict[str, list[str]] = {"swa-tiny": ["--moe-runner-backend", "triton"]}
+
+
 def check_flags(model: str) -> list[str]:
-    """CHECK_FLAGS for one model, with its page size from E2E_CHECK_PAGE_SIZE ("mla-tiny=64,llama-tiny=1"; the
-    reference and the PD pair of a model get the same, so they stay comparable)."""
+    """CHECK_FLAGS for one model, with its own flags (MODEL_CHECK_FLAGS) and its page size from
+    E2E_CHECK_PAGE_SIZE ("mla-tiny=64,llama-tiny=1"; the reference and the PD pair of a model get the same, so
+    they stay comparable)."""
     sizes = dict(item.split("=", 1) for item in filter(None, os.environ.get("E2E_CHECK_PAGE_SIZE", "").split(",")))
-    return [*CHECK_FLAGS, "--page-size", str(int(sizes[model]))] if model in sizes else list(CHECK_FLAGS)
+    flags = [*CHECK_FLAGS, *MODEL_CHECK_FLAGS.get(model, [])]
+    return [*flags, "--page-size", str(int(sizes[model]))] if model in sizes else flags
 
 
 def gpus_from_env() -> int:

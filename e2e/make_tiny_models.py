@@ -14,6 +14,13 @@ Every model shares one byte-level BPE tokenizer (4096 tokens) trained locally on
 * ``deepseek-anchor``: for serving figures of the 4-GPU topologies: DeepSeek-V3's KV shape (61 MLA layers of
   kv_lora_rank 512 + rope 64, 70 KiB of KV a token like V3), its first 3 layers dense and the others MoE (16
   routed experts, top 4, one shared), hidden 1024; default init, for timing.
+* ``swa-tiny``: a hybrid sliding-window model (issue 36): GPT-OSS in bf16 (no MXFP4), 4 layers alternating
+  sliding (window 48) and full attention, hidden 256, 4 heads x 64 with 2 KV heads, attention sinks and biases,
+  a small MoE (4 experts of 128, top 2, as GPT-OSS has no dense MLP), YaRN RoPE as gpt-oss-20b. SGLang 0.5.17
+  lists ``GptOssForCausalLM`` as hybrid SWA (``is_hybrid_swa_model``), so it serves it from an ``SWAKVPool`` and
+  p2pnccl moves the window's pages as an ``swa`` state component next to the full layers' KV. The check's
+  prompts of up to 2,500 tokens cross the window many times. Sharpened like the others (q/k, v/o with their
+  biases, routers, lm_head).
 * ``llama-anchor``: 32 layers, hidden 1024, 8 KV heads x head_dim 128, i.e. 128 KiB of KV per token like
   Llama-3-8B: the shape of the usual Mooncake PD baseline, default init, for timing.
 
@@ -39,12 +46,15 @@ QK_SCALE, VO_SCALE, LM_HEAD_SCALE = 2.5, 0.7, 5.0
 ROUTER_SCALE = 5.0
 VOCAB = 4096
 MAX_POSITIONS = 65536  # SGLang's own PD tests send prompts of ~28k tokens
+# swa-tiny's window: under the check's 64-token prefill chunk and not a multiple of it or of a page, so chunks and
+# pages straddle its edge; every check prompt of 65 tokens or more reaches past it
+SWA_WINDOW = 48
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    family: str  # "llama" or "deepseek_v3"
+    family: str  # "llama", "deepseek_v3" or "gpt_oss"
     config: dict[str, Any]
     sharpen: bool
 
@@ -74,6 +84,17 @@ def specs(tok_ids: dict[str, int]) -> dict[str, ModelSpec]:
     deepseek_anchor = dict(deepseek_tiny, hidden_size=1024, intermediate_size=2048, num_hidden_layers=61,
                            num_attention_heads=16, num_key_value_heads=16, first_k_dense_replace=3,
                            n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)
+    # GPT-OSS as SGLang 0.5.17's gpt_oss.py reads it: layer_types (which layers slide: get_hybrid_layer_ids),
+    # sliding_window (SGLang attends to sliding_window - 1 earlier tokens, as HF), swiglu_limit (read from the
+    # config; transformers hard-codes 7.0 and does not save it), rope_parameters (gpt-oss-20b's YaRN; 131072
+    # positions = 32 x 4096, as that model). 4 experts keep the router off FlashInfer's tinygemm (rows % 16).
+    swa_tiny = dict(c, max_position_embeddings=131072, hidden_size=256, intermediate_size=128,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=SWA_WINDOW,
+                    num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0, attention_bias=True,
+                    hidden_act="silu",
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=4096))
     anchor = dict(c, hidden_size=1024, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=8,
                   num_key_value_heads=8, head_dim=128)
     return {
@@ -81,6 +102,7 @@ def specs(tok_ids: dict[str, int]) -> dict[str, ModelSpec]:
         "mla-tiny": ModelSpec("mla-tiny", "deepseek_v3", mla_tiny, sharpen=True),
         "deepseek-tiny": ModelSpec("deepseek-tiny", "deepseek_v3", deepseek_tiny, sharpen=True),
         "deepseek-anchor": ModelSpec("deepseek-anchor", "deepseek_v3", deepseek_anchor, sharpen=False),
+        "swa-tiny": ModelSpec("swa-tiny", "gpt_oss", swa_tiny, sharpen=True),
         "llama-anchor": ModelSpec("llama-anchor", "llama", anchor, sharpen=False),
     }
 
@@ -124,7 +146,29 @@ def sharpen_mla(model: Any) -> None:
     model.lm_head.weight.data *= LM_HEAD_SCALE
 
 
-SHARPEN: dict[str, Callable[[Any], None]] = {"llama": sharpen_llama, "deepseek_v3": sharpen_mla}
+def sharpen_gpt_oss(model: Any) -> None:
+    """Llama's scales on GPT-OSS, biases included (q = Wx + b: scaling both scales q); routers x5 like
+    deepseek-tiny's, so the two experts a token takes are a clear choice. The sinks stay as initialised."""
+    for layer in model.model.layers:
+        a = layer.self_attn
+        for proj, factor in ((a.q_proj, QK_SCALE), (a.k_proj, QK_SCALE), (a.v_proj, VO_SCALE), (a.o_proj, VO_SCALE),
+                             (layer.mlp.router, ROUTER_SCALE)):
+            proj.weight.data *= factor
+            proj.bias.data *= factor
+    model.lm_head.weight.data *= LM_HEAD_SCALE
+
+
+SHARPEN: dict[str, Callable[[Any], None]] = {"llama": sharpen_llama, "deepseek_v3": sharpen_mla,
+                                             "gpt_oss": sharpen_gpt_oss}
+
+
+def classes(family: str) -> tuple[Any, Any]:
+    """(config class, model class) of a family."""
+    import transformers
+
+    return {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+            "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}[family]
 
 
 def build_tokenizer(out: Path) -> dict[str, int]:
@@ -140,11 +184,8 @@ def build_tokenizer(out: Path) -> dict[str, int]:
 
 def build_model(spec: ModelSpec, tok_dir: Path, out: Path, seed: int) -> Path:
     import torch
-    import transformers
 
-    config_cls = {"llama": transformers.LlamaConfig, "deepseek_v3": transformers.DeepseekV3Config}[spec.family]
-    model_cls = {"llama": transformers.LlamaForCausalLM,
-                 "deepseek_v3": transformers.DeepseekV3ForCausalLM}[spec.family]
+    config_cls, model_cls = classes(spec.family)
     torch.manual_seed(seed)
     config = config_cls(**spec.config)
     model = model_cls(config).to(torch.bfloat16)

@@ -8,7 +8,8 @@
 # It unpacks whichever bundle archives (.bundle/sglang.tar.xz, .bundle/extras.tar.xz, built by
 # e2e/build_bundle.sh) this working tree carries into $E2E_ROOT (default /tmp/e2e, which survives between calls
 # to a warm device machine), builds the random models, and runs:
-#   check: p2pnccl PD + our LB vs a non-PD server, token for token and logprobs (llama-tiny, mla-tiny), then
+#   check: p2pnccl PD + our LB vs a non-PD server, token for token and logprobs (llama-tiny, mla-tiny; or the
+#          models E2E_CHECK_ONLY names, e.g. swa-tiny: issue 36's hybrid sliding-window GPT-OSS), then
 #          SGLang's own PD tests with SGLANG_TEST_PD_DISAGG_BACKEND=p2pnccl       (needs sglang.tar.xz)
 #   sglang-tests: only those tests; a file runs only when its expected time is left, and files an earlier call
 #          ran keep their result, so check + perf + sglang-tests calls together cover them all
@@ -200,7 +201,7 @@ run_sglang_tests() {
 
 run_check() {  # one GPU: p2pnccl runs over NCCL (loopback sockets) unless E2E_P2P_1GPU=mooncake|cudaipc
   if [ "${E2E_P2P_1GPU:-nccl}" = mooncake ]; then need_mooncake check || return 0; fi
-  step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-tiny,mla-tiny
+  step models python3 -m e2e.make_tiny_models "$MODELS" --only "${E2E_CHECK_ONLY:-llama-tiny,mla-tiny}"
   step check python3 -m e2e.check --models "$MODELS" --out "$STATE/check.json" --logs "$E2E_ROOT/logs/check" \
     --only "${E2E_CHECK_ONLY:-llama-tiny,mla-tiny}"
   if [ "$SGLANG_TESTS" = 1 ]; then run_sglang_tests; fi

@@ -152,6 +152,23 @@ def test_check_on_one_gpu_starts_everything_on_gpu0_in_three_lanes_and_says_so(t
     assert {m["status"] for m in res["models"].values()} == {"servers_failed"}
 
 
+def test_check_of_the_hybrid_swa_model_alone_gives_its_servers_its_flags_on_one_gpu(tmp_path, fake_stack):
+    """E2E_CHECK_ONLY=swa-tiny (issue 36): its three servers only, each with CHECK_FLAGS plus the MoE runner it
+    needs (identical on the reference and P/D); the default check still runs without it."""
+    res = check.run(tmp_path / "models", tmp_path / "logs", ["swa-tiny"], 0.02, gpus=1)
+    [(servers, _)] = fake_stack.launches
+    assert sorted(s.mode for s in servers) == ["decode", "null", "prefill"] and {s.gpu for s in servers} == {0}
+    assert all(s.args == [*config.CHECK_FLAGS, "--moe-runner-backend", "triton"] for s in servers)
+    assert _flag(servers[0].args, "--attention-backend") == "triton"  # has sinks and the sliding window
+    assert res["flags_by_model"] == {"swa-tiny": config.check_flags("swa-tiny")}
+    assert "swa-tiny" not in check.MODELS and check.BASE_PORT["swa-tiny"] not in {check.BASE_PORT[m] for m in check.MODELS}
+
+
+def test_run_all_check_builds_the_models_it_checks():
+    text = (REPO / "e2e/run_all.sh").read_text()
+    assert 'make_tiny_models "$MODELS" --only "${E2E_CHECK_ONLY:-llama-tiny,mla-tiny}"' in text
+
+
 def test_check_on_two_gpus_keeps_references_spread_and_one_lane(tmp_path, fake_stack):
     check.run(tmp_path / "models", tmp_path / "logs", ["llama-tiny", "mla-tiny"], 0.02)
     [(servers, lanes)] = fake_stack.launches
