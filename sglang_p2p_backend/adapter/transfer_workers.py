@@ -92,8 +92,8 @@ class TransferWorkers:
     (`request_status`) and each room's destinations (`destinations`); the live decode registrations (`peers`),
     why a decode rank was refused (`rejected`), the heads each takes (`heads`) and its spans of every state
     component's items (`state`, empty: whole items); which transport serves a
-    peer now (`route`) and the transports themselves; `fail_room(room, reason)` and `succeed(room)` (Status to
-    the decode ranks, then this rank's state). `spawn(step, name)` runs `step` on a thread until the manager
+    peer now (`route`) and the transports themselves; `fail_room(room, reason)` and `succeed(room)` (this rank's
+    state, then Status to the decode ranks). `spawn(step, name)` runs `step` on a thread until the manager
     closes."""
 
     def __init__(
