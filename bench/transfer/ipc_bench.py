@@ -40,6 +40,7 @@ if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` 
     sys.path.insert(0, _ROOT)
 
 from bench.transfer.gpu_names import gpu_slugs  # noqa: E402
+from bench.transfer.interference import during_writes  # noqa: E402
 from bench.transfer.pair import collect, expect, guarded, page_bytes, spawn  # noqa: E402
 
 #: regions and bytes per token in a region (bf16)
@@ -197,8 +198,6 @@ class Prefill:
     def interference(self, case: tuple, iters: int = 200) -> dict:
         """A bf16 matmul loop on this process's default stream (a stand-in for the forward passes a prefill runs
         while it ships KV), alone and while a thread writes `case` back to back with the page kernel."""
-        import threading
-
         torch = self.torch
         _, lay, tokens, dest = case
         write = self._page_write(lay, *self._ids(lay, tokens, dest))
@@ -214,27 +213,12 @@ class Prefill:
             end.synchronize()
             return start.elapsed_time(end)
 
-        loop()
-        alone = [loop() for _ in range(3)]
-        stop, writes = threading.Event(), [0]
-
-        def writer() -> None:
-            while not stop.is_set():
-                write()
-                writes[0] += 1
-
-        t = threading.Thread(target=writer)
-        t.start()
-        time.sleep(0.05)
-        t0 = time.perf_counter()
-        busy = [loop() for _ in range(3)]
-        wall = time.perf_counter() - t0
-        stop.set()
-        t.join()
-        alone_ms, busy_ms = float(np.median(alone)), float(np.median(busy))
+        r = during_writes(loop, write, reps=3)
+        alone_ms, busy_ms = float(np.median(r.alone)), float(np.median(r.busy))
         return {"case": case[0], "matmul_iters": iters, "matmul_ms_alone": alone_ms, "matmul_ms_with_writes": busy_ms,
-                "slowdown": busy_ms / alone_ms - 1, "writes_during": writes[0],
-                "write_gbps_during": writes[0] * tokens * LAYOUTS[lay][0] * LAYOUTS[lay][1] / wall / 1e9,
+                "slowdown": busy_ms / alone_ms - 1, "writes_during": r.writes,
+                "write_gbps_during": r.writes * tokens * LAYOUTS[lay][0] * LAYOUTS[lay][1] / r.wall_s / 1e9,
+                "error": r.error,
                 "programs": "8 per SM (PageCopier default)"}
 
     def _plan_and_kernel(self, s, d, n, reps: int) -> dict:

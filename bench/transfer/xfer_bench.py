@@ -44,7 +44,6 @@ import queue
 import socket
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -58,6 +57,7 @@ if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` 
 
 from bench.transfer import xfer_cases as xc  # noqa: E402
 from bench.transfer.gpu_names import gpu_slugs  # noqa: E402
+from bench.transfer.interference import during_writes  # noqa: E402
 from bench.transfer.pair import SAFE_ENV, collect, expect, guarded  # noqa: E402
 
 SESSION = "127.0.0.1:17035"
@@ -502,31 +502,11 @@ class Prefill:
         return loop
 
     def interference(self, label: str, write: Callable[[], Any], nbytes: int) -> dict:
-        loop = self.matmul_loop()
-        loop()
-        alone = [loop() for _ in range(5)]
-        stop, writes, failure = threading.Event(), [0], []
-
-        def writer() -> None:
-            try:
-                while not stop.is_set():
-                    write()
-                    writes[0] += 1
-            except BaseException:  # noqa: BLE001 - reported in the row
-                failure.append(traceback.format_exc())
-
-        t = threading.Thread(target=writer, daemon=True)
-        t.start()
-        time.sleep(0.05)
-        t0 = time.perf_counter()
-        busy = [loop() for _ in range(5)]
-        wall = time.perf_counter() - t0
-        stop.set()
-        t.join(IO_TIMEOUT)
-        a, b = float(np.median(alone)), float(np.median(busy))
+        r = during_writes(self.matmul_loop(), write, reps=5, join_timeout=IO_TIMEOUT)
+        a, b = float(np.median(r.alone)), float(np.median(r.busy))
         return {"mode": label, "matmul_ms_alone": a * 1e3, "matmul_ms_during": b * 1e3, "slowdown": b / a - 1,
-                "writes_during": writes[0], "write_gbps_during": writes[0] * nbytes / wall / 1e9,
-                "error": failure[0] if failure else None}
+                "writes_during": r.writes, "write_gbps_during": r.writes * nbytes / r.wall_s / 1e9,
+                "error": r.error}
 
     # -- fixed cost of one small request
     def fixed_ipc(self, shape: xc.Shape, pool: list, dst_ptrs: list, dst_pages: int) -> dict:
