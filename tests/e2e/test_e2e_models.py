@@ -10,11 +10,15 @@ pytest.importorskip("tokenizers")
 from e2e import make_tiny_models as mtm  # noqa: E402
 
 
+def _build(tmp_path_factory, folder: str, only: str):
+    out = tmp_path_factory.mktemp(folder)
+    assert mtm.main([str(out), "--only", only]) == 0
+    return out
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    out = tmp_path_factory.mktemp("models")
-    assert mtm.main([str(out), "--only", "llama-tiny,mla-tiny,deepseek-tiny"]) == 0
-    return out
+    return _build(tmp_path_factory, "models", "llama-tiny,mla-tiny,deepseek-tiny")
 
 
 def _weights(path):
@@ -95,9 +99,7 @@ def test_sharpened_model_output_depends_on_one_prompt_token(built):
 
 @pytest.fixture(scope="module")
 def swa(tmp_path_factory):
-    out = tmp_path_factory.mktemp("swa")
-    assert mtm.main([str(out), "--only", "swa-tiny"]) == 0
-    return out
+    return _build(tmp_path_factory, "swa", "swa-tiny")
 
 
 def test_swa_tiny_is_hybrid_swa_for_sglang(swa):
