@@ -23,7 +23,7 @@ from . import client, compare, config, results as results_io
 from .servers import Server, Stack, exit_on_sigterm, failure_report
 
 MODELS = {"llama-tiny": 0, "mla-tiny": 1}  # model -> GPU of its reference server (spreads the launches)
-# checked only when named (--only / E2E_CHECK_ONLY): swa-tiny, issue 36's hybrid sliding-window model (GPT-OSS)
+# checked only when named (--only / E2E_CHECK_ONLY): swa-tiny, the hybrid sliding-window model (GPT-OSS)
 ON_REQUEST = {"swa-tiny": 0}
 BASE_PORT = {"llama-tiny": 31000, "mla-tiny": 31100, "swa-tiny": 31200}
 PROMPT_LENGTHS = (1, 7, 63, 64, 65, 200, 777, 2500)  # around the 64-token chunk edge, and many chunks

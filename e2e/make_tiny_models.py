@@ -14,7 +14,7 @@ Every model shares one byte-level BPE tokenizer (4096 tokens) trained locally on
 * ``deepseek-anchor``: for serving figures of the 4-GPU topologies: DeepSeek-V3's KV shape (61 MLA layers of
   kv_lora_rank 512 + rope 64, 70 KiB of KV a token like V3), its first 3 layers dense and the others MoE (16
   routed experts, top 4, one shared), hidden 1024; default init, for timing.
-* ``swa-tiny``: a hybrid sliding-window model (issue 36): GPT-OSS in bf16 (no MXFP4), 4 layers alternating
+* ``swa-tiny``: a hybrid sliding-window model: GPT-OSS in bf16 (no MXFP4), 4 layers alternating
   sliding (window 48) and full attention, hidden 256, 4 heads x 64 with 2 KV heads, attention sinks and biases,
   a small MoE (4 experts of 128, top 2, as GPT-OSS has no dense MLP), YaRN RoPE as gpt-oss-20b. SGLang 0.5.17
   lists ``GptOssForCausalLM`` as hybrid SWA (``is_hybrid_swa_model``), so it serves it from an ``SWAKVPool`` and

@@ -9,7 +9,7 @@
 # e2e/build_bundle.sh) this working tree carries into $E2E_ROOT (default /tmp/e2e, which survives between calls
 # to a warm device machine), builds the random models, and runs:
 #   check: p2pnccl PD + our LB vs a non-PD server, token for token and logprobs (llama-tiny, mla-tiny; or the
-#          models E2E_CHECK_ONLY names, e.g. swa-tiny: issue 36's hybrid sliding-window GPT-OSS), then
+#          models E2E_CHECK_ONLY names, e.g. swa-tiny: the hybrid sliding-window GPT-OSS), then
 #          SGLang's own PD tests with SGLANG_TEST_PD_DISAGG_BACKEND=p2pnccl       (needs sglang.tar.xz)
 #   sglang-tests: only those tests; a file runs only when its expected time is left, and files an earlier call
 #          ran keep their result, so check + perf + sglang-tests calls together cover them all

@@ -1,4 +1,4 @@
-"""The backend's own write paths across two GPUs against the one copy they should match (issue 35, item 1).
+"""The backend's own write paths across two GPUs against the one copy they should match.
 
     python bench/transfer/xfer_bench.py [--machine NAME] [--out PATH] [--sections plan,ipc,nccl,interference,fixed]
                                         [--budget-s 400] [--case-s 0.25] [--quick]
@@ -770,7 +770,7 @@ def meta(torch, quick: bool) -> dict:
 
 
 def verdicts(result: dict) -> dict:
-    """Each of issue 35's targets: True / False, or None where the run measured nothing for it."""
+    """Each of the transfer targets (xfer_cases.py): True / False, or None where the run measured nothing for it."""
     t = xc.TARGETS
     ipc = [r for r in result.get("ipc", []) if r["tokens"] >= 4096]
 

@@ -1,4 +1,4 @@
-"""What bench/transfer/xfer_bench.py measures, as data: the KV shapes and request sizes of issue 35, the page
+"""What bench/transfer/xfer_bench.py measures, as data: the KV shapes and request sizes to measure, the page
 ids of each case, the page hash both processes compare, the repetition budget, the targets, and the table.
 
 Pure (numpy only, no device), so the case list, the ids, the hash and the verdicts are tested on CPU
@@ -34,7 +34,7 @@ class Shape:
         return self.pages(tokens) * self.item * self.regions
 
 
-#: issue 35's shapes: MHA with 128 KiB of KV a token (32 layers x K, V x 8 heads x 128 bf16 = 64 regions of
+#: the shapes: MHA with 128 KiB of KV a token (32 layers x K, V x 8 heads x 128 bf16 = 64 regions of
 #: 2 KiB a token) at page sizes 1 and 16; MLA (DeepSeek-V3: 61 layers x 576 bf16) at page size 64
 SHAPES = (Shape("mha_p1", 64, 2048, 1), Shape("mha_p16", 64, 2048, 16), Shape("mla_p64", 61, 1152, 64))
 TOKENS = (128, 1024, 4096, 16384)
@@ -43,7 +43,7 @@ DESTS = ("contiguous", "scattered")
 QUICK_SHAPES = (Shape("mha_p1", 4, 256, 1), Shape("mha_p16", 4, 256, 16), Shape("mla_p64", 3, 144, 64))
 QUICK_TOKENS = (128, 1024)
 
-#: targets of issue 35
+#: the figures each verdict of the benchmark compares against
 TARGETS = {
     "ipc_ratio_min": 0.85,  # cross-GPU write of >= 4k tokens against one cudaMemcpyPeer of the same bytes
     "ipc_4k_max_ms": 1.7,

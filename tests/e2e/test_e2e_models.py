@@ -95,7 +95,7 @@ def test_sharpened_model_output_depends_on_one_prompt_token(built):
     assert (a - b).abs().max().item() > 0.05
 
 
-# --- swa-tiny: issue 36's hybrid sliding-window model (GPT-OSS, bf16) ---------------------------------------------
+# --- swa-tiny: the hybrid sliding-window model (GPT-OSS, bf16) ---------------------------------------------
 
 @pytest.fixture(scope="module")
 def swa(tmp_path_factory):

@@ -21,7 +21,7 @@ def _servers():
     for mib in (143771, 81559):
         for backend in ("p2pnccl", "mooncake"):
             yield from config.pd_pair("m", model, backend, 40000, config.perf_flags(1, mib), gpus=1)[:2]
-    # issue 36's hybrid SWA model (E2E_CHECK_ONLY=swa-tiny): its own flags on the reference and the pair
+    # the hybrid SWA model (E2E_CHECK_ONLY=swa-tiny): its own flags on the reference and the pair
     swa = Path("/models/swa-tiny")
     yield config.reference("swa-tiny", swa, 40110, 0, config.check_flags("swa-tiny"))
     yield from config.pd_pair("swa-tiny", swa, "p2pnccl", 40100, config.check_flags("swa-tiny"), gpus=1)[:2]

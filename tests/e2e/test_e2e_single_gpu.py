@@ -153,7 +153,7 @@ def test_check_on_one_gpu_starts_everything_on_gpu0_in_three_lanes_and_says_so(t
 
 
 def test_check_of_the_hybrid_swa_model_alone_gives_its_servers_its_flags_on_one_gpu(tmp_path, fake_stack):
-    """E2E_CHECK_ONLY=swa-tiny (issue 36): its three servers only, each with CHECK_FLAGS plus the MoE runner it
+    """E2E_CHECK_ONLY=swa-tiny: its three servers only, each with CHECK_FLAGS plus the MoE runner it
     needs (identical on the reference and P/D); the default check still runs without it."""
     res = check.run(tmp_path / "models", tmp_path / "logs", ["swa-tiny"], 0.02, gpus=1)
     [(servers, _)] = fake_stack.launches
