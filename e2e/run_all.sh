@@ -276,7 +276,7 @@ run_ipc() {  # pytest output goes to $OUT/ipc_tests.log; figures to $OUT/ipc_$KI
 
 run_transfer_bench() {  # figures to $OUT/xfer_$KIND.json, the printed tables to $OUT/xfer_$KIND.log
   if [ "${E2E_XFER_TESTS:-1}" = 1 ]; then  # the copy-engine path's bytes first (tests/gpu/test_copy_engine.py)
-    step copy_engine_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_copy_engine.py -rs \
+    step copy_engine_tests python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_copy_engine.py -rs \
       > "$OUTDIR/xfer_tests.log" 2>&1
     tail -n 30 "$OUTDIR/xfer_tests.log"
   fi
@@ -345,7 +345,7 @@ esac
 python3 -m e2e.results --state "$STATE" --machine-json "$STATE/machine.json" --out "$OUTDIR/e2e_results.json" \
   --gpus "$GPUS" >/dev/null
 python3 -m e2e.report "$OUTDIR/e2e_results.json" > "$OUTDIR/e2e_report.md" || STATUS=1
-(cd "$E2E_ROOT" && python3 -m tarfile -c "$OUTDIR/e2e_logs_$PHASE.tgz" logs) || true
+[ -d "$E2E_ROOT/logs" ] && { (cd "$E2E_ROOT" && python3 -m tarfile -c "$OUTDIR/e2e_logs_$PHASE.tgz" logs) || true; }
 cat "$OUTDIR/e2e_report.md"
 say "done (status $STATUS); results in $OUTDIR"
 exit $STATUS

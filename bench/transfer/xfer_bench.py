@@ -44,6 +44,7 @@ import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -100,6 +101,13 @@ class Dev:
         return start.elapsed_time(end) * 1e-3
 
 
+def _catch(errors: list, fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001 - handed to the thread that waits
+        errors.append(e)
+
+
 def host_seconds(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -132,11 +140,14 @@ def _region_hash(torch, region, ids, r: int):
     return (sel * w).sum(dim=1)
 
 
-def pool_hash(torch, regions, ids: np.ndarray) -> np.ndarray:
-    """Hashes of pages `ids` over every region (the same on either side and device)."""
+def pool_hash(torch, regions, ids: np.ndarray, trace: Callable[[str], None] = lambda what: None) -> np.ndarray:
+    """Hashes of pages `ids` over every region (the same on either side and device); `trace(step)` is called
+    after each CUDA step the first kernel depends on (the driver records the runtime's last error there)."""
     if not len(ids):
         return np.zeros(0, dtype=np.int64)
+    trace("pool_hash: start")
     idx = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(regions[0].device)
+    trace("pool_hash: page ids copied to the GPU")
     total = torch.zeros(len(ids), dtype=torch.int64, device=regions[0].device)
     for r, t in enumerate(regions):
         total += _region_hash(torch, t, idx, r)
@@ -372,8 +383,40 @@ class Prefill:
 
         _, blob, ptrs = self.ask("pool", shape.__dict__, dst_pages, gpu, want="pool")
         export = msgspec.msgpack.decode(blob, type=messages.IpcExport)
-        self.tr.open_peer(SESSION, export)
+        # mapped from a thread of its own, as the prefill's control thread maps a decode in SGLang: what the
+        # runtime leaves as that thread's last CUDA error stays out of this (measuring) thread
+        failed: list = []
+        seen = [("before the mapping", self.last_error())]
+        t = threading.Thread(target=lambda: _catch(failed, self.tr.open_peer, SESSION, export))
+        t.start()
+        t.join()
+        if failed:
+            raise failed[0]
+        seen.append(("mapped (in another thread)", self.last_error()))
+        if self.dev.cuda:
+            self.torch.cuda.synchronize(self.dev_t)
+            seen.append(("after a synchronize", self.last_error()))
+            try:  # a first kernel here: a runtime error left behind by the mapping shows now, named
+                self.torch.zeros(1, device=self.dev_t).add_(1)
+                seen.append(("first kernel", "ran"))
+            except Exception as e:  # noqa: BLE001 - recorded, and the run goes on (torch's check reset it)
+                seen.append(("first kernel", str(e).splitlines()[0]))
+        print(f"[xfer] mapping the decode's pool on cuda:{gpu}: {seen}", flush=True)
+        self.out.setdefault("mapping_errors", []).append(seen)
         return ptrs
+
+    def trace(self, step: str) -> None:
+        """Record (and print) a CUDA runtime error left pending at `step`, without resetting it: on 2 x H100 a
+        "peer access is already enabled" appeared after the decode's pool was mapped, and where it came from is
+        still open."""
+        code = self.last_error()
+        if code:
+            self.out.setdefault("cuda_errors", []).append((step, code))
+            print(f"[xfer] CUDA error {code} pending at {step}", flush=True)
+
+    def last_error(self) -> int:
+        """The CUDA runtime's last error of this thread, not reset (0 on CPU)."""
+        return int(self.rt.cudaPeekAtLastError()) if self.rt is not None else 0
 
     def ipc_case(self, case: xc.Case, pool: list, dst_ptrs: list, dst_pages: int, gpu: int) -> list[dict]:
         from sglang_p2p_backend.engine.copy.ce_plan import page_chunk_shape, page_spans
@@ -381,7 +424,7 @@ class Prefill:
         shape = case.shape
         src_pages = pool[0].shape[0]
         src_ids, dst_ids = xc.page_ids(case, src_pages, dst_pages)
-        want = pool_hash(self.torch, pool, src_ids)
+        want = pool_hash(self.torch, pool, src_ids, self.trace)
         bases, items = [t.data_ptr() for t in pool], [shape.item] * shape.regions
         nbytes = shape.nbytes(case.tokens)
         plan = self.tr.plan_pages(SESSION, bases, dst_ptrs, items, src_ids, dst_ids, src_pages, dst_pages)
@@ -805,10 +848,12 @@ def verdicts(result: dict) -> dict:
 
 def tables(result: dict) -> str:
     parts = []
-    for key, title in (("ipc", "cross-GPU write_pages vs one cudaMemcpyPeer"), ("same_gpu", "same GPU vs one D2D copy")):
+    for key, title in (("ipc", "write_pages vs one cudaMemcpyPeer"), ("same_gpu", "same GPU vs one D2D copy")):
         rows = result.get(key, [])
         if not rows:
             continue
+        if key == "ipc":  # cross-GPU on a two-GPU host; a one-GPU host runs it into the same GPU
+            title += f", decode on cuda:{','.join(sorted({str(r.get('decode_gpu')) for r in rows}))}"
         tb = xc.Table([("case", 30), ("mode", 13), ("MiB", 8), ("spans", 9), ("write us", 10), ("p99 us", 9),
                        ("GB/s", 7), ("ref us", 9), ("ratio", 7), ("bad", 5)])
         for r in rows:

@@ -10,8 +10,12 @@ engines only where its spans are long and few enough.
 
 `SGLANG_P2P_COPY_ENGINE` (engine/config.py) picks the mode: `off` (the default: the kernel, as before), `on`
 (the copy engines for every chunk) or `auto` (`choose`'s rule per chunk, with the thresholds below). The
-thresholds are first guesses until `bench/transfer/xfer_bench.py` on two H100s measures where the copy engines
-win (its `rule` section prints the crossover).
+thresholds come from `bench/transfer/xfer_bench.py` on one H100 (prefill and decode on the same GPU,
+bench/results/xfer_nvidia-h100-x1_2026-11-27.json): the copy engines matched the kernel only for 64 spans of 32
+MiB (2 GiB, 2.11 vs 2.12 ms) and lost everywhere else, by 1.3-2.6x for 64 spans of 0.25-8 MiB and by 14-2,000x
+for scattered pages (each span costs them ~4 us of host time). Their case is interference: a matmul on the same
+GPU ran 1.4% slower during copy-engine writes and 181% slower during kernel writes. The cross-GPU figures are
+still to measure.
 """
 
 from __future__ import annotations
@@ -27,14 +31,14 @@ Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src addresses, dst a
 
 KERNEL = "kernel"
 COPY_ENGINE = "copy_engine"
-#: auto: a chunk goes to the copy engines when its mean span is at least this many bytes (a DMA setup per span
-#: costs about what the kernel moves in a few microseconds; short spans, e.g. MHA pages of size 1 at 2 KiB a
-#: layer, stay on the kernel)
-CE_MIN_MEAN_SPAN_BYTES = 64 << 10
-#: auto, with cudaMemcpyBatchAsync: at most this many spans a chunk (the batch call's host time grows with them)
-CE_MAX_SPANS_BATCHED = 8192
+#: auto: a chunk goes to the copy engines when its mean span is at least this many bytes (the crossover
+#: measured on one H100; shorter spans, down to MHA pages of size 1 at 2 KiB a layer, stay on the kernel)
+CE_MIN_MEAN_SPAN_BYTES = 32 << 20
+#: auto, with cudaMemcpyBatchAsync: at most this many spans a chunk (the batch call's host time grew by ~4 us a
+#: span; 64 is the most spans of a chunk where the copy engines kept up)
+CE_MAX_SPANS_BATCHED = 64
 #: auto, without it (CUDA < 12.8): each span is one cudaMemcpyAsync call of a few microseconds of host time
-CE_MAX_SPANS_UNBATCHED = 128
+CE_MAX_SPANS_UNBATCHED = 64
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Descriptors:
