@@ -4,6 +4,7 @@ transports): layout labels both roles must share, and what travels in the aux bu
 import importlib.util
 import inspect
 
+import numpy as np
 import pytest
 from test_pd_hetero_tp import ENV as HETERO_ENV
 from test_pd_hetero_tp import assert_heads_landed, kv_bytes_sent, rooms
@@ -98,6 +99,26 @@ def test_pages_altered_after_arrival_fail_the_room_by_checksum():
     assert bad["status"] == "Failed" and bad["reason"].startswith(
         f"KV checksum mismatch bootstrap_room=511 expected={digest:#x} got=0x"), bad
     assert good["status"] == "Success" and good["num_bad_pages"] == 0, good
+
+
+def test_kv_checksum_flags_every_corrupted_room_and_no_clean_one_in_500():
+    """The checksum target: 500 rooms with the checksum on, 50 of them altered after they landed (the first byte of
+    their first page): exactly those 50 fail, each naming the mismatch; the 450 clean ones verify and succeed."""
+    needs_kv_checksum()
+    rng = np.random.default_rng(36)
+    rooms = list(range(600, 1100))
+    bad = set(rooms[::10])
+    plan = {"pool": {"layout": "mla", "num_layers": 2, "page_size": 4, "num_pages": 2600},
+            "requests": [{"room": r, "tokens": int(t)} for r, t in zip(rooms, rng.integers(1, 25, size=len(rooms)))],
+            "kv_checksum": BOTH, "faults": {"decode": {"corrupt_after_arrival": sorted(bad)}}, "deadline_s": 240}
+    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    got = result["decode"]["requests"]
+    flagged = {r for r in rooms if got[str(r)]["status"] == "Failed"
+               and got[str(r)]["reason"].startswith(f"KV checksum mismatch bootstrap_room={r} ")}
+    assert flagged == bad, (sorted(bad - flagged)[:5], sorted(flagged - bad)[:5])
+    clean = [got[str(r)] for r in rooms if r not in bad]
+    assert all(g["status"] == "Success" and g["num_bad_pages"] == 0 and g["checksum_comparable"] is True
+               for g in clean), [g for g in clean if g["status"] != "Success"][:3]
 
 
 def test_kv_checksum_on_one_side_only_is_refused_naming_the_flag():
