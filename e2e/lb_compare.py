@@ -70,19 +70,25 @@ PEER_HEALTH_INTERVAL = "2"  # smg checks every 60 s by default; ours every 2 s
 class LBSpec:
     kind: str  # ours | mini_lb | smg
     policy: str = ""
+    workers: int = 1  # ours only: --workers (server processes on one port)
 
     @property
     def name(self) -> str:
-        return f"{self.kind}:{self.policy}" if self.policy else self.kind
+        base = f"{self.kind}:{self.policy}" if self.policy else self.kind
+        return f"{base}:w{self.workers}" if self.workers > 1 else base
 
 
 def parse_lbs(text: str) -> list[LBSpec]:
+    """`ours:<policy>[:w<N>]` (N: our --workers), `smg:<policy>`, `mini_lb`, comma-separated."""
     out = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         kind, _, policy = item.partition(":")
+        policy, _, procs = policy.partition(":")
         if kind not in ("ours", "mini_lb", "smg") or (kind != "mini_lb" and not policy) or (kind == "mini_lb" and policy):
-            raise ValueError(f"LB {item!r}: use ours:<policy>, smg:<policy> or mini_lb")
-        out.append(LBSpec(kind, policy))
+            raise ValueError(f"LB {item!r}: use ours:<policy>[:w<N>], smg:<policy> or mini_lb")
+        if procs and (kind != "ours" or not procs.startswith("w") or not procs[1:].isdigit() or int(procs[1:]) < 1):
+            raise ValueError(f"LB {item!r}: only ours takes a process count, as ours:<policy>:w<N> (N >= 1)")
+        out.append(LBSpec(kind, policy, int(procs[1:]) if procs else 1))
     return out
 
 
@@ -135,7 +141,8 @@ def lb_command(spec: LBSpec, prefills: Sequence[tuple[str, int]], decodes: Seque
     common = [*workers, "--host", "127.0.0.1", "--port", str(port)]
     if spec.kind == "ours":
         sized = ["--max-tree-size", str(tree), "--eviction-interval-secs", "1"] if tree and spec.policy in TREE_POLICIES else []
-        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", spec.policy, *sized, "--admin-api-key", admin_key, "--log-level", "warning"], {}
+        procs = ["--workers", str(spec.workers)] if spec.workers > 1 else []
+        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", spec.policy, *sized, *procs, "--admin-api-key", admin_key, "--log-level", "warning"], {}
     peer = peers.get(spec.kind)
     if peer is None:
         return None

@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 from typing import Sequence
 
-from . import auth, discovery
+from . import auth, discovery, processes
 from .circuit import BreakerConfig
 from .health import HealthConfig
 from .policy_registry import POLICIES
 from .prefix_policy import PrefixParams
 from .proxy import ProxyConfig
-from .server import LBConfig, LoadBalancer
+from .server import LBConfig
 from .workers import normalize_url
-
-log = logging.getLogger("sglang_p2p_lb")
 
 
 def _is_port_token(tok: str) -> bool:
@@ -71,6 +67,8 @@ _DURATIONS = (
 
 def check_limits(args: argparse.Namespace) -> None:
     """A clear error for a count or a duration out of range (each flag's dest is argparse's default)."""
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
     for flag, least in _COUNTS.items():
         if (v := getattr(args, flag[2:].replace("-", "_"))) < least:
             raise ValueError(f"{flag} must be >= {least}, got {v}")
@@ -89,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-bootstrap-ports", nargs="+", default=None, help="old mini_lb form: one port for all prefills or one per prefill")
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0, as mini_lb and smg)")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--workers", type=int, default=1, help="server processes sharing --port (SO_REUSEPORT), each with its own routing state; "
+                   "more than 1 is for request rates one process (one core) cannot carry. See docs/lb.md, 'Several worker processes'")
     p.add_argument("--policy", choices=POLICIES, default="load_aware", help="pair selection policy (default load_aware)")
     p.add_argument("--prefill-policy", choices=POLICIES, default=None, help="policy that picks the prefill (and its DP rank); default --policy")
     p.add_argument("--decode-policy", choices=POLICIES, default=None, help="policy that picks the decode, given the chosen prefill; default --policy")
@@ -251,21 +251,6 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
     )
 
 
-async def serve(cfg: LBConfig) -> None:
-    lb = LoadBalancer(cfg)
-    url = await lb.start()
-    log.info("sglang-p2p-lb (%s) on %s: %d prefill, %d decode", cfg.policy, url, len(cfg.prefills), len(cfg.decodes))
-    print(f"sglang-p2p-lb listening on {url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await lb.stop()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -273,12 +258,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve(cfg))
-    return 0
+    # several processes share the log stream: each line then names its writer's pid
+    logging.basicConfig(level=args.log_level.upper(), format=processes.LOG_FORMAT if args.workers == 1 else processes.PROCESS_LOG_FORMAT)
+    return processes.run(cfg, args.workers, args.log_level)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import multiprocess as prom_multiprocess
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -37,7 +38,8 @@ class _PoolCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, multiprocess: bool = False) -> None:
+        self.multiprocess = multiprocess
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "Client requests by route and final status", ["route", "status"], registry=r)
@@ -48,10 +50,17 @@ class Metrics:
         self.disconnects = Counter(f"{PREFIX}_client_disconnects", "Clients that went away before the answer ended", registry=r)
         self.rejected = Counter(f"{PREFIX}_rejected", "Requests refused by the LB itself", ["reason"], registry=r)
         self.health_checks = Counter(f"{PREFIX}_health_checks", "Active health checks", ["role", "result"], registry=r)
-        self.inflight = Gauge(f"{PREFIX}_inflight_requests", "Client requests being served", registry=r)
+        self.inflight = Gauge(f"{PREFIX}_inflight_requests", "Client requests being served", registry=r, multiprocess_mode="livesum")
         self.last_resort = Counter(f"{PREFIX}_last_resort", "Dispatches to ejected workers because no worker of the role was routable", ["role"], registry=r)
         self.ejections = Counter(f"{PREFIX}_worker_ejections", "Workers ejected after repeated failures", ["role"], registry=r)
-        r.register(_PoolCollector(pool))
+        self._pool_collector = _PoolCollector(pool)
+        r.register(self._pool_collector)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        # every process's files (this one's included) plus this process's view of the pool
+        merged = CollectorRegistry()
+        prom_multiprocess.MultiProcessCollector(merged)
+        merged.register(self._pool_collector)
+        return generate_latest(merged)

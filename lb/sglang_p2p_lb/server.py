@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,10 @@ class LBConfig:
     header_timeout: float = 15.0
     # Kubernetes pod discovery (--service-discovery): workers come and go with the cluster's pods
     discovery: DiscoveryConfig | None = None
+    # --workers: this is server process `process_index` of `processes`, each with a pool of its own on one
+    # SO_REUSEPORT port (processes.py); 1 is the single-process LB
+    processes: int = 1
+    process_index: int = 0
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -73,7 +78,7 @@ class LoadBalancer:
         for url in cfg.decodes:
             self.pool.add(Worker(url, "decode", node=cfg.nodes.get(url.rstrip("/"), "")))
         self.policy = policy or make_pd_policy(cfg.policy, cfg.prefill_policy, cfg.decode_policy, prefix=cfg.prefix)
-        self.metrics = Metrics(self.pool)
+        self.metrics = Metrics(self.pool, multiprocess=cfg.processes > 1)
         self.session: aiohttp.ClientSession | None = None
         self.dispatcher: Dispatcher | None = None
         self.health: HealthChecker | None = None
@@ -143,7 +148,8 @@ class LoadBalancer:
             lingering_time=1.0,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=4096)
+        # several processes accept on one port: the kernel spreads new connections over their sockets
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=4096, reuse_port=True if self.cfg.processes > 1 else None)
         await site.start()
         self.cfg.port = self._runner.addresses[0][1]
         return f"http://{self.cfg.host}:{self.cfg.port}"
@@ -249,10 +255,26 @@ class LoadBalancer:
 
     # ------------------------------------------------------------ admin
     async def list_workers(self, request: web.Request) -> web.Response:
-        return _json({"policy": self.policy.name, "workers": [w.snapshot() for w in self.pool]})
+        out: dict[str, Any] = {"policy": self.policy.name, "workers": [w.snapshot() for w in self.pool]}
+        if self.cfg.processes > 1:
+            # the answer is one process's view (its in-flight counts, its health checks): say whose
+            out["process"] = {"pid": os.getpid(), "index": self.cfg.process_index, "of": self.cfg.processes}
+        return _json(out)
+
+    def _single_process_only(self, what: str) -> web.Response | None:
+        """With --workers > 1 each process has a pool of its own and a request reaches one of them: a change
+        made there would leave the others' pools different, so it is refused instead."""
+        if self.cfg.processes <= 1:
+            return None
+        return error_response(409, f"{what} is not available with --workers {self.cfg.processes}: each server process keeps its own "
+                                   "worker list and this request reaches only one of them. Run the LB with --workers 1 to add or remove "
+                                   "workers at run time, or restart it with the new --prefill/--decode list (or use --service-discovery)",
+                              "ConflictError")
 
     async def add_worker(self, request: web.Request) -> web.Response:
         """POST /workers {"url": ..., "role": "prefill"|"decode", "bootstrap_port": int|null, "node": str}."""
+        if (refused := self._single_process_only("POST /workers")) is not None:
+            return refused
         try:
             body = payload.parse_json_object(await request.read())
             role = body.get("role")
@@ -283,6 +305,8 @@ class LoadBalancer:
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         """DELETE /workers?url=...[&role=...] (or the same as a JSON body)."""
+        if (refused := self._single_process_only("DELETE /workers")) is not None:
+            return refused
         params: dict[str, Any] = dict(request.query)
         if not params.get("url") and request.can_read_body:
             try:

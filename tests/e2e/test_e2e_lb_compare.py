@@ -24,6 +24,12 @@ def test_parse_lbs_and_rotation():
     for bad in ("ours", "mini_lb:random", "nginx:x"):
         with pytest.raises(ValueError, match="use ours:<policy>"):
             lc.parse_lbs(bad)
+    # our LB with --workers N
+    assert [(s.name, s.policy, s.workers) for s in lc.parse_lbs("ours:load_aware:w8,ours:load_aware:w1")] == [
+        ("ours:load_aware:w8", "load_aware", 8), ("ours:load_aware", "load_aware", 1)]
+    for bad in ("smg:cache_aware:w2", "ours:load_aware:8", "ours:load_aware:w0"):
+        with pytest.raises(ValueError, match="process count"):
+            lc.parse_lbs(bad)
     orders = [[s.name for s in lc.rotated(specs, r)] for r in range(3)]
     assert orders[1] == ["mini_lb", "smg:cache_aware", "ours:load_aware"]
     assert all(sorted(o) == sorted(orders[0]) for o in orders) and len({o[0] for o in orders}) == 3  # each LB goes first once
@@ -49,7 +55,9 @@ def test_lb_commands_cover_every_worker():
     cfg = cli.config_from_args(cli.build_parser().parse_args(argv[3:]))
     assert cfg.prefix.max_tree_size == 6144 and cfg.prefix.eviction_interval == 1.0
     argv, _ = lc.lb_command(lc.LBSpec("ours", "load_aware"), ps, ds, 9005, peers, "key", tree=6144)
-    assert "--max-tree-size" not in argv
+    assert "--max-tree-size" not in argv and "--workers" not in argv
+    argv, _ = lc.lb_command(lc.parse_lbs("ours:load_aware:w8")[0], ps, ds, 9006, peers, "key")
+    assert cli.build_parser().parse_args(argv[3:]).workers == 8
 
 
 def test_bundle_peers_put_each_folder_on_its_own_path(tmp_path, monkeypatch):

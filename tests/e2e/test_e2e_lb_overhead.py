@@ -62,6 +62,11 @@ def test_added_latency_is_the_median_of_each_reps_difference():
     reps[1]["ours:load_aware"] = _row(12.5, 45.0, 0.40)  # adds 15 ms at p99 -> median 10 > 7
     assert lo.check(lo.summarize(reps))["met"] is False
     assert lo.check({"ours:load_aware": {"added_p99_ms": 1.0}})["met"] is None
+    # with --workers N as a second target of ours, each is held to the same limit
+    two = {"ours:load_aware": {"added_p99_ms": 9.0}, "ours:load_aware:w8": {"added_p99_ms": 3.0}, "smg:cache_aware": {"added_p99_ms": 2.0}}
+    c = lo.check(two)
+    assert c["ours"] == "ours:load_aware" and c["met"] is False
+    assert c["each"] == {"ours:load_aware": {"added_p99_ms": 9.0, "met": False}, "ours:load_aware:w8": {"added_p99_ms": 3.0, "met": True}}
 
 
 def test_overhead_end_to_end_against_simulated_workers(tmp_path):
