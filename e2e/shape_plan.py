@@ -38,13 +38,16 @@ class Shape:
     same_layout: bool
     ref_gpu: int  # first GPU of the reference server (it shares GPUs with PD servers: small capped pools)
     why: str
+    #: every KV page's bytes are whole on both sides (MLA at any TP; MHA/GQA at the same attention TP), so the
+    #: test-only KV digests of each room (e2e/kv_digest.py) must be equal and decide the `kv` controls
+    kv_digest: bool = False
 
 
 SHAPES = {s.topology: s for s in (
     Shape("mini-a-2p-dpdecode", "deepseek-tiny", False, 0,
-          "two TP-1 prefills into one TP-2 decode with attention DP 2 and EP 2 (MLA + MoE)"),
+          "two TP-1 prefills into one TP-2 decode with attention DP 2 and EP 2 (MLA + MoE)", kv_digest=True),
     Shape("mini-b-dp-both", "deepseek-tiny", True, 0,
-          "TP 2 + attention DP 2 + EP 2 on both sides (MLA + MoE)"),
+          "TP 2 + attention DP 2 + EP 2 on both sides (MLA + MoE)", kv_digest=True),
     Shape("mini-c-tp1-tp2", "llama-tiny", False, 2, "GQA, prefill TP 1 -> decode TP 2"),
     Shape("mini-c-tp2-tp1", "llama-tiny", False, 3, "GQA, prefill TP 2 -> decode TP 1"),
     Shape("mini-c-tp1-tp4", "llama-tiny", False, 0,

@@ -133,25 +133,18 @@ def _shape(d: dict) -> xc.Shape:
     return xc.Shape(**d)
 
 
-def _region_hash(torch, region, ids, r: int):
-    """int64 hashes of pages `ids` of one region ((pages, item) uint8), as xfer_cases.page_hash."""
-    sel = region.index_select(0, ids).view(torch.int64)
-    w = torch.from_numpy(xc.hash_weights(sel.shape[1], r)).to(region.device)
-    return (sel * w).sum(dim=1)
+def pool_hash(regions, ids: np.ndarray, trace: Callable[[str], None] = lambda what: None) -> np.ndarray:
+    """Hashes of pages `ids` over every region (the same on either side and device; engine/copy/page_hash.py).
+    `trace(step)` is called around a first copy to the GPU, the step the first kernel after a mapping follows."""
+    from sglang_p2p_backend.engine.copy import page_hash  # after _setup: it imports torch
 
-
-def pool_hash(torch, regions, ids: np.ndarray, trace: Callable[[str], None] = lambda what: None) -> np.ndarray:
-    """Hashes of pages `ids` over every region (the same on either side and device); `trace(step)` is called
-    after each CUDA step the first kernel depends on (the driver records the runtime's last error there)."""
-    if not len(ids):
-        return np.zeros(0, dtype=np.int64)
     trace("pool_hash: start")
-    idx = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(regions[0].device)
-    trace("pool_hash: page ids copied to the GPU")
-    total = torch.zeros(len(ids), dtype=torch.int64, device=regions[0].device)
-    for r, t in enumerate(regions):
-        total += _region_hash(torch, t, idx, r)
-    return total.cpu().numpy()
+    if len(ids) and regions and regions[0].device.type == "cuda":
+        import torch
+
+        torch.from_numpy(np.ascontiguousarray(ids[:1], dtype=np.int64)).to(regions[0].device)
+        trace("pool_hash: a page id copied to the GPU")
+    return page_hash.pool_hash(regions, ids).cpu().numpy()
 
 
 def _setup(quick: bool, gpu: int):
@@ -289,7 +282,7 @@ class Decode:
                 continue
             reply = {"pool": self.pool_cmd, "zero": self.zero, "nccl_start": self.nccl_start,
                      "nccl_stop": self.nccl_stop, "mark": self.mark, "ref": self.ref_recv,
-                     "hash": lambda ids: ("hash", pool_hash(self.torch, self.pool, ids))}[kind](*args)
+                     "hash": lambda ids: ("hash", pool_hash(self.pool, ids))}[kind](*args)
             self.conn.send(reply)
 
 
@@ -424,7 +417,7 @@ class Prefill:
         shape = case.shape
         src_pages = pool[0].shape[0]
         src_ids, dst_ids = xc.page_ids(case, src_pages, dst_pages)
-        want = pool_hash(self.torch, pool, src_ids, self.trace)
+        want = pool_hash(pool, src_ids, self.trace)
         bases, items = [t.data_ptr() for t in pool], [shape.item] * shape.regions
         nbytes = shape.nbytes(case.tokens)
         plan = self.tr.plan_pages(SESSION, bases, dst_ptrs, items, src_ids, dst_ids, src_pages, dst_pages)
@@ -506,7 +499,7 @@ class Prefill:
         if not self.time_left(f"nccl {case.name}"):
             return None
         src_ids, dst_ids = xc.page_ids(case, pool[0].shape[0], dst_pages)
-        want = pool_hash(self.torch, pool, src_ids)
+        want = pool_hash(pool, src_ids)
         self.ask("zero", dst_ids)
         times = self.budget().run(lambda: self.nccl_send(src_ids, dst_ids))
         _, got = self.ask("hash", dst_ids, want="hash")

@@ -12,6 +12,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
+# the page hash both processes compare: the backend's own (its test-only KV digest uses it too)
+from sglang_p2p_backend.engine.copy.page_hash import hash_weights, page_hash  # noqa: F401
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -91,22 +94,6 @@ def page_ids(case: Case, src_pages: int, dst_pages: int, seed: int = 35) -> tupl
     rng = np.random.default_rng(seed + 1000 * case.tokens + len(case.shape.name) + case.shape.page)
     return (rng.choice(src_pages, size=n, replace=False).astype(np.int64),
             rng.choice(dst_pages, size=n, replace=False).astype(np.int64))
-
-
-def hash_weights(words: int, region: int) -> np.ndarray:
-    """Odd int64 weights of a page's words in region `region`: the page hash is sum(word * weight) over the
-    page's words of every region, wrapping modulo 2**64, so it is exact and the same on any device."""
-    return np.arange(words, dtype=np.int64) * 2 + 1 + 2 * region * words
-
-
-def page_hash(pages_by_region: list[np.ndarray]) -> np.ndarray:
-    """Hashes (int64, one per page) of pages given per region as (pages, words) int64 arrays: the reference the
-    torch version in the driver is tested against."""
-    total = np.zeros(pages_by_region[0].shape[0] if pages_by_region else 0, dtype=np.int64)
-    with np.errstate(over="ignore"):
-        for r, words in enumerate(pages_by_region):
-            total += (words * hash_weights(words.shape[1], r)).sum(axis=1)
-    return total
 
 
 @dataclass

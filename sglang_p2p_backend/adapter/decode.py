@@ -444,6 +444,8 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             published = self.live_rooms.get(room)
             if published is not None:
                 self.kv_fault.apply(room, published.kv_ids)
+                if self.kv_digest is not None:  # after the fault: its corruption must show as a digest mismatch
+                    self.kv_digest.log_held(room, published.kv_ids)
             self.update_status(room, KVPoll.Success)
 
     # ------------------------------------------------------------------ failures held (failure_hold.py)

@@ -36,6 +36,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_p2p_backend.adapter import contract
 from sglang_p2p_backend.adapter.bootstrap import signed_writes
+from sglang_p2p_backend.adapter.kv_digest import DigestLabel, KVDigest
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.wire.agreement import local_agreement
 from sglang_p2p_backend.engine.wire.auth import AUTH_MAGIC, AuthError, Authenticator, key_from_env
@@ -192,6 +193,12 @@ class P2pNcclKVManagerBase(CommonKVManager):
             state_tp_size=int(getattr(self, "state_tp_size", 0) or 0),  # Common, 0.5.23
             hybrid_mla=bool(getattr(args, "is_hybrid_mla_backend", False)),
         )
+        #: the test-only KV digest (kv_digest.py), None unless SGLANG_P2P_TEST_KV_DIGEST=1: the roles check only this
+        self.kv_digest: Optional[KVDigest] = KVDigest(
+            DigestLabel(self._role, int(args.engine_rank), int(self.attn_tp_rank), int(self.attn_tp_size),
+                        bool(is_mla_backend), int(args.page_size)),
+            self.views[0],
+        ) if self.config.test_kv_digest else None
         #: the pair secrets this rank issued to its peers (one per registration)
         self.issued = IssuedSecrets(2 * self.config.max_peers)
         self.watch = PeerWatch(self.config.peer_timeout)
@@ -206,6 +213,8 @@ class P2pNcclKVManagerBase(CommonKVManager):
         self._spawn(self._liveness_step, f"p2p-{self._role}-liveness")
 
     _role = "manager"
+    #: off unless SGLANG_P2P_TEST_KV_DIGEST=1 (set in __init__); a class default for managers built without it
+    kv_digest: Optional[KVDigest] = None
 
     def register_to_bootstrap(self) -> None:
         with signed_writes(self.bootstrap_key):  # a keyed bootstrap server takes signed writes only

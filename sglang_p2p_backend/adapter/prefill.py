@@ -145,6 +145,8 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         **_: Any,
     ) -> None:
         """Queue one chunk of `bootstrap_room` (P2pNcclKVSender.send); dropped when the room is not live."""
+        if self.kv_digest is not None:
+            self.kv_digest.sent(bootstrap_room, kv_indices)
         self.workers.add(TransferTask(
             bootstrap_room,
             np.array(kv_indices, dtype=np.int32, copy=True),
@@ -493,6 +495,9 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             self.owned_rooms.discard(room)
             self._born.pop(room, None)
 
+        if self.kv_digest is not None:
+            self.kv_digest.forget(room)  # a failed room's pages (a succeeded one's went at its Success)
+
         for msg in self.next_attempts.release(room, cleared):
             self._on_metadata(msg)
 
@@ -531,8 +536,18 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         decode may publish the room's next attempt as soon as it reads the Status, and only a room marked
         concluded here keeps those destinations for the next sender (next_attempts.py)."""
         send = self._status_sender(room, KVPoll.Success)
+        if self.kv_digest is not None:
+            self._log_digest(room)
         self.update_status(room, KVPoll.Success)
         send()
+
+    def _log_digest(self, room: int) -> None:
+        """The test-only digest of the pages this rank sent for `room`, while SGLang still holds them (before
+        Success); none where every destination is a dummy (another prefill rank sends the room's KV)."""
+        if any(not info.is_dummy for info in list((self.transfer_infos.get(room) or {}).values())):
+            self.kv_digest.log_sent(room)
+        else:
+            self.kv_digest.forget(room)
 
     def _notify_decode(self, room: int, status: int, reason: str = "", block: bool = True,
                        skip: Optional[str] = None) -> None:

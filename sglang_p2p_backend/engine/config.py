@@ -111,6 +111,10 @@ class EngineConfig:
     #: SGLANG_P2P_TEST_CORRUPT_KV_FILE, tests only: while this file exists the decode zeroes a page of every room
     #: before its Success (adapter/kv_fault.py), the negative control of the end-to-end checks
     test_corrupt_kv_file: Optional[str] = None
+    #: SGLANG_P2P_TEST_KV_DIGEST=1, tests only: each side logs a digest of every room's KV pages at its Success
+    #: (the prefill of the pages it sent, the decode of the pages it holds; adapter/kv_digest.py), which the
+    #: end-to-end checks compare by room; costs a synchronous hash of the room's pages on the pool's device
+    test_kv_digest: bool = False
 
     @property
     def slot_bytes(self) -> int:
@@ -140,4 +144,5 @@ class EngineConfig:
             nccl_library=env.get("SGLANG_P2P_NCCL_SO_PATH") or env.get("SGLANG_NCCL_SO_PATH") or None,
             mooncake_force_tcp=env.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"),
             test_corrupt_kv_file=env.get("SGLANG_P2P_TEST_CORRUPT_KV_FILE") or None,
+            test_kv_digest=_choice("SGLANG_P2P_TEST_KV_DIGEST", ("0", "1")) == "1",
         )

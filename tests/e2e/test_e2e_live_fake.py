@@ -119,6 +119,23 @@ def test_sigterm_to_a_step_still_stops_its_servers_and_pids_are_recorded(tmp_pat
     raise AssertionError("server outlived its step")
 
 
+def digest_logs(entry, corrupted, wrong_room=None):
+    """What the servers of a shape with digests logged for `entry`'s requests, one room each (the `kv` controls'
+    last): the decode's digests equal the prefill's, but those of the rooms it corrupted (`corrupted`: it named
+    them in its fault line) and `wrong_room`."""
+    from sglang_p2p_backend.adapter.kv_digest import DigestLabel, format_line
+
+    n, kv = len(entry["cases"]) + len(entry["controls"]), sum(c["kind"] == "kv" for c in entry["controls"])
+    prefill, decode = [], []
+    for room in range(n):
+        zeroed = corrupted and room >= n - kv
+        prefill.append(format_line(DigestLabel("prefill", 0, 0, 1, True, 1), room, 4, room))
+        if zeroed:
+            decode.append(f"test fault (/s/corrupt exists): zeroed 1 pages of room {room} from page 2 in 3 KV regions")
+        decode.append(format_line(DigestLabel("decode", 0, 0, 1, True, 1), room, 4, room + (zeroed or room == wrong_room)))
+    return {"prefill": "\n".join(prefill)}, {"decode": "\n".join(decode)}
+
+
 @pytest.mark.parametrize("honours_fault,verdict,flagged", [(True, "pass", "10/10"), (False, "fail", "5/10")])
 def test_shape_check_needs_every_negative_control_flagged(tmp_path, honours_fault, verdict, flagged):
     from e2e import shapes
@@ -134,23 +151,38 @@ def test_shape_check_needs_every_negative_control_flagged(tmp_path, honours_faul
     assert entry["summary"]["verdict"] == "pass" and entry["summary"]["bit_identical"]
     assert entry["controls_flagged"] == flagged and not flag.exists()
     assert {c["kind"] for c in entry["controls"]} == {"prompt", "kv"}
+    assert shapes.verdict(shape, entry) == "fail"  # an MLA shape without its digests
+    entry["kv_digest"] = shapes.digest_check(entry, *digest_logs(entry, corrupted=honours_fault))
+    assert entry["kv_digest"]["rooms_required"] == len(entry["cases"]) + 5 and entry["kv_digest"]["kv_controls_sent"] == 5
     assert shapes.verdict(shape, entry) == verdict
+    # one room whose KV differs fails the shape, however well its answers agreed
+    entry["kv_digest"] = shapes.digest_check(entry, *digest_logs(entry, corrupted=honours_fault, wrong_room=3))
+    assert entry["kv_digest"]["mismatched"] == 1 and shapes.verdict(shape, entry) == "fail"
 
 
 def test_a_mixed_layout_shape_passes_when_pd_agrees_with_either_layouts_reference(tmp_path):
     """PD of a TP-1 prefill into a DP/EP decode agrees with the prefill-layout reference, not the decode-layout
-    one: it passes, the gap between the two references is reported, and the controls still fail against both."""
+    one: it passes, the gap between the two references is reported, and the controls still fail against both.
+    PD between the two references, further than the tolerance from both, passes only within their gap and with
+    the KV proven equal by the digests."""
     from e2e import shapes
     from e2e.shape_plan import SHAPES
 
     flag = tmp_path / "corrupt"
     decode_layout, prefill_layout = FakeServer("ref", 0, "--shift", "0.3"), FakeServer("ref-p", 0)
     pd = FakeServer("pd", 1, "--corrupt-file", str(flag))
+    between = FakeServer("pd-between", 1, "--shift", "0.15", "--corrupt-file", str(flag))
     shape = SHAPES["mini-a-2p-dpdecode"]
     with Stack(tmp_path) as stack:
-        assert len(stack.launch([decode_layout, prefill_layout, pd], timeout_s=60)) == 3
-        entry = asyncio.run(shapes.check_shape(shape, [decode_layout.url, prefill_layout.url], pd.url, flag))
+        assert len(stack.launch([decode_layout, prefill_layout, pd, between], timeout_s=60)) == 4
+        refs = [decode_layout.url, prefill_layout.url]
+        entry = asyncio.run(shapes.check_shape(shape, refs, pd.url, flag))
         alone = asyncio.run(shapes.check_shape(shape, [decode_layout.url], pd.url, flag))
+        mid = asyncio.run(shapes.check_shape(shape, refs, between.url, flag))
     assert entry["summary"]["verdict"] == "pass" and entry["controls_flagged"] == "10/10"
     assert abs(entry["layout_gap"]["summary"]["max_abs_logprob_diff"] - 0.3) < 1e-6
     assert alone["summary"]["verdict"] == "fail" and "layout_gap" not in alone
+    assert mid["summary"]["verdict"] == "fail" and mid["within_layout_gap"]["verdict"] == "pass"
+    assert shapes.verdict(shape, mid) == "fail"  # no digests: the gap does not count
+    mid["kv_digest"] = shapes.digest_check(mid, *digest_logs(mid, corrupted=True))
+    assert shapes.verdict(shape, mid) == "pass"

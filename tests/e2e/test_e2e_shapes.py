@@ -60,6 +60,17 @@ def test_shapes_started_together_never_share_a_port():
                 taken[port] = l.name
 
 
+def test_the_check_starts_pd_servers_with_kv_digests_and_only_mla_shapes_rely_on_them(tmp_path):
+    from e2e.shapes import CORRUPT_VAR, DIGEST_VAR, server_for
+
+    a = all_launches()["mini-a-2p-dpdecode"]
+    checked = {l.role: server_for(l, tmp_path / "flag", digest=True).env for l in a}
+    assert {role for role, env in checked.items() if env.get(DIGEST_VAR) == "1"} == {"prefill", "decode"}
+    assert CORRUPT_VAR in checked["decode"] and CORRUPT_VAR not in checked["prefill"]
+    assert not any(DIGEST_VAR in server_for(l, tmp_path / "flag").env for l in a)  # timed runs: off
+    assert {n for n, s in SHAPES.items() if s.kv_digest} == {"mini-a-2p-dpdecode", "mini-b-dp-both"}
+
+
 def test_reference_args_drop_pd_flags_and_move_ports():
     args = ("--model-path", "/m", "--port", "1", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
             "p2pnccl", "--dist-init-addr", "10.0.0.1:5", "--skip-server-warmup")

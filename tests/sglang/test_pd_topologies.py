@@ -3,6 +3,7 @@ bootstrap server, and p2pnccl's handling of replicated MLA KV, dummy ranks and D
 prefill side. MHA with different attention TP (head slices) is in test_pd_hetero_tp.py."""
 
 import pytest
+from support import kv_digests
 
 from sglang_p2p_backend.testing.launch import run_pair
 
@@ -42,17 +43,29 @@ def assert_decode_ranks_got_everything(result, rooms):
 
 @pytest.mark.parametrize("tp", [{"prefill": 2, "decode": 1}, {"prefill": 1, "decode": 2}], ids=["p2d1", "p1d2"])
 def test_mla_with_different_tp_replicates_the_latent_kv(tp):
-    result = run_pair(plan("mla", tp), env=ENV)
+    result = run_pair(plan("mla", tp), env={**ENV, **kv_digests.ENV})
     assert_decode_ranks_got_everything(result, [3001, 3002, 3004])
     for p in result["ranks"]["prefill"]:  # the dummy prefill rank concludes too, or the TP group would hang
         assert set(statuses(p).values()) == {"Success"}
     assert_every_rank_clean(result)
+    # the test-only KV digest: one line per room from the prefill rank that sent it (not the dummy) and from each
+    # decode rank, all equal (MLA pages are whole on every rank)
+    assert_digests_equal(result, prefill_lines=3, decode_lines=3 * tp["decode"])
 
 
 def test_mha_with_equal_tp_two():
-    result = run_pair(plan("mha", {"prefill": 2, "decode": 2}), env=ENV)
+    result = run_pair(plan("mha", {"prefill": 2, "decode": 2}), env={**ENV, **kv_digests.ENV})
     assert_decode_ranks_got_everything(result, [3001, 3002, 3004])
     assert_every_rank_clean(result)
+    # each decode rank holds the heads its own attention TP rank of the prefill sent: pairs by that rank
+    assert_digests_equal(result, prefill_lines=6, decode_lines=6)
+
+
+def assert_digests_equal(result, prefill_lines, decode_lines):
+    got = kv_digests.compare_run(result)
+    assert got["rooms_compared"] == got["rooms_equal"] == 3 and got["rooms_missing_a_side"] == 0, got
+    assert len(kv_digests.lines(result, "prefill")) == prefill_lines
+    assert len(kv_digests.lines(result, "decode")) == decode_lines
 
 
 def test_dp_attention_prefill_rank_is_resolved_per_room():

@@ -12,11 +12,16 @@ cases exercise the control plane and staging, which do not depend on the transpo
 """
 
 import importlib.util
+import threading
+import time
+from pathlib import Path
 
 import pytest
+from support import kv_digests
 from support.shm_ipc import IPC_STANDIN
 
-from sglang_p2p_backend.testing.launch import run_pair
+from sglang_p2p_backend.testing.launch import PairRun, run_pair
+from sglang_p2p_backend.testing.plan import touch
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -340,3 +345,54 @@ def test_the_test_only_kv_fault_zeroes_one_page_of_every_room_while_its_file_exi
         assert {b.split(" page ")[0] for b in r["bad_pages"]} == {"region 0", "region 1", "region 2"}
         assert {b.rsplit("(position ", 1)[1] for b in r["bad_pages"]} == {f"{p})" for p in zeroed}
     assert d["untouched_violations"] == []
+
+
+@pytest.mark.parametrize("layout,page_size", [("mla", 1), ("mha", 16)])
+def test_the_test_only_kv_digest_is_logged_equal_on_both_sides_of_every_room(layout, page_size):
+    """SGLANG_P2P_TEST_KV_DIGEST=1 (adapter/kv_digest.py): the prefill logs a digest of the pages it sent for
+    each room, chunk after chunk, the decode one of the pages it holds at the room's Success; the end-to-end
+    comparer (e2e/kv_digest.py) finds them equal, room by room."""
+    plan = {
+        "pool": {"layout": layout, "num_layers": 3, "page_size": page_size, "num_pages": 200},
+        "requests": [{"room": 71, "tokens": 83, "chunk_pages": 2}, {"room": 72, "tokens": 9, "chunk_pages": 4}],
+        "deadline_s": 60,
+    }
+    result = run_pair(plan, env=kv_digests.ENV)
+    assert_all_landed(result, [71, 72])
+    got = kv_digests.compare_run(result)
+    assert got["rooms_compared"] == got["rooms_equal"] == 2 and got["mismatches"] == [], got
+    assert got["rooms_missing_a_side"] == 0 and got["control_rooms"] == 0, got
+    sent = {d.room: d.pages for d in kv_digests.lines(result, "prefill")}
+    assert sent == {71: -(-83 // page_size), 72: -(-9 // page_size)}  # every page once, over every chunk
+
+
+def test_the_kv_digest_flags_the_rooms_the_test_only_fault_corrupted(tmp_path):
+    """The decode digests after the corruption fault: the rooms it zeroed pages of (its log names them) are
+    mismatches, and only they: the room that completed before the flag file existed is equal on both sides."""
+    flag = tmp_path / "corrupt"
+    later = {"chunk_pages": 8, "after": "flag-on"}  # these start once the flag file exists
+    plan = {
+        "pool": {"layout": "mla", "num_layers": 3, "page_size": 1, "num_pages": 200},
+        "requests": [{"room": 81, "tokens": 40, "chunk_pages": 16},
+                     {"room": 82, "tokens": 30, **later}, {"room": 83, "tokens": 9, **later}],
+        "deadline_s": 60,
+    }
+    run = PairRun(plan, env={**kv_digests.ENV, "SGLANG_P2P_TEST_CORRUPT_KV_FILE": str(flag)})
+
+    def flag_on() -> None:  # once the decode digested room 81 (after the fault's moment, before its Success)
+        log = Path(run.workdir) / "decode-0.log"
+        deadline = time.monotonic() + 300
+        while "p2p kv digest decode room=81 " not in log.read_text(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        flag.touch()
+        touch(run.plan, "flag-on")
+
+    arm = threading.Thread(target=flag_on, daemon=True)
+    arm.start()
+    result = run.wait(120)
+    arm.join(5)
+    assert result["returncodes"] == {"prefill": 0, "decode": 0}, result["workdir"]
+    assert {r: result["decode"]["requests"][r]["status"] for r in ("81", "82", "83")} == dict.fromkeys(("81", "82", "83"), "Success")
+    got = kv_digests.compare_run(result)
+    assert got["control_rooms"] == got["controls_flagged_by_digest"] == 2 and got["controls_not_flagged"] == [], got
+    assert got["rooms_compared"] == got["rooms_equal"] == 1, got  # room 81

@@ -1,0 +1,40 @@
+"""The exact page hash (engine/copy/page_hash.py) the transfer benchmark and the test-only KV digest share:
+the torch version equals the numpy reference, does not depend on how pages are batched, widens narrow items,
+and a room's digest changes with any byte or the pages' order."""
+
+import numpy as np
+import torch
+
+from sglang_p2p_backend.engine.copy import page_hash as ph
+
+
+def regions(item=32, pages=9, count=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [torch.from_numpy(rng.integers(0, 256, size=(pages, item), dtype=np.uint8)) for _ in range(count)]
+
+
+def test_pool_hash_matches_the_reference_in_any_batch_size():
+    regs, ids = regions(), np.array([8, 0, 3, 3, 5])
+    want = ph.page_hash([r.numpy()[ids].view(np.int64) for r in regs])
+    assert ph.pool_hash(regs, ids).tolist() == want.tolist()
+    assert ph.pool_hash(regs, ids, batch_bytes=1).tolist() == want.tolist()  # one page at a time
+    assert ph.pool_hash(regs, np.zeros(0, dtype=np.int64)).tolist() == []
+
+
+def test_items_that_are_not_whole_int64_words_are_widened():
+    for item in (12, 6, 5):  # int32, int16 and byte words
+        regs = regions(item=item)
+        before = ph.room_digest(regs, np.arange(9))
+        regs[2][4, item - 1] ^= 0x80
+        assert ph.room_digest(regs, np.arange(9)) != before
+
+
+def test_a_room_digest_sees_every_byte_and_the_page_order():
+    regs = regions()
+    ids = np.array([1, 4, 7])
+    base = ph.room_digest(regs, ids)
+    assert 0 <= base < 1 << 64 and base == ph.room_digest(regs, ids)
+    assert ph.room_digest(regs, ids[::-1]) != base
+    assert ph.room_digest(regs, ids[:2]) != base
+    regs[0][7, 0] ^= 1
+    assert ph.room_digest(regs, ids) != base
