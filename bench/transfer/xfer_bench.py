@@ -389,6 +389,13 @@ class Prefill:
         if self.dev.cuda:
             self.torch.cuda.synchronize(self.dev_t)
             seen.append(("after a synchronize", self.last_error()))
+            # the 2 x H100 failure followed a pageable host-to-device copy: pinned and pageable ones apart
+            probe = self.torch.zeros(4, dtype=self.torch.int64)
+            probe.pin_memory().to(self.dev_t, non_blocking=True)
+            self.torch.cuda.synchronize(self.dev_t)
+            seen.append(("after a pinned copy to the GPU", self.last_error()))
+            probe.to(self.dev_t)
+            seen.append(("after a pageable copy to the GPU", self.last_error()))
             try:  # a first kernel here: a runtime error left behind by the mapping shows now, named
                 self.torch.zeros(1, device=self.dev_t).add_(1)
                 seen.append(("first kernel", "ran"))

@@ -73,11 +73,18 @@ class KVDigest:
             return None
         return self._log(room, np.concatenate(chunks))
 
-    def log_held(self, room: int, kv_ids: np.ndarray) -> int:
+    def log_held(self, room: int, kv_ids: np.ndarray) -> Optional[int]:
         """Digest and log the pages `room` holds here, in the order the prefill sent into them."""
         return self._log(room, np.asarray(kv_ids, dtype=np.int64).reshape(-1))
 
-    def _log(self, room: int, pages: np.ndarray) -> int:
-        digest = room_digest(self.kv_views, pages) if self.kv_views else 0
+    def _log(self, room: int, pages: np.ndarray) -> Optional[int]:
+        """Digest and log; a digest that cannot be computed is logged as such (the comparer then misses that
+        room and the check fails, visibly) and never changes the room's own outcome: this is a test tool."""
+        try:
+            digest = room_digest(self.kv_views, pages) if self.kv_views else 0
+        except Exception as e:  # noqa: BLE001 - e.g. a CUDA error raised by the hash's first kernel
+            logger.error("p2p kv digest %s room=%d not computed: %s: %s", self.label.role, room, type(e).__name__,
+                         str(e).splitlines()[0] if str(e) else "")
+            return None
         logger.warning("%s", format_line(self.label, room, len(pages), digest))
         return digest

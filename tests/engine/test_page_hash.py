@@ -38,3 +38,23 @@ def test_a_room_digest_sees_every_byte_and_the_page_order():
     assert ph.room_digest(regs, ids[:2]) != base
     regs[0][7, 0] ^= 1
     assert ph.room_digest(regs, ids) != base
+
+
+def test_a_digest_that_cannot_be_computed_is_logged_and_leaves_the_room_alone(monkeypatch, caplog):
+    """The test-only room digest must never change a room's outcome: a failing hash (a CUDA error on the device,
+    say) is logged as not computed, and the call returns None instead of raising into the Success path."""
+    import torch
+
+    from sglang_p2p_backend.adapter import kv_digest
+
+    views = [torch.arange(64, dtype=torch.uint8).reshape(4, 16)]
+    digest = kv_digest.KVDigest(kv_digest.DigestLabel("decode", 0, 0, 1, True, 1), views)
+    assert digest.log_held(7, np.array([2, 0])) is not None  # the working path logs a value
+
+    def broken(regions, ids):
+        raise RuntimeError("CUDA error: peer access is already enabled\nmore lines")
+
+    monkeypatch.setattr(kv_digest, "room_digest", broken)
+    with caplog.at_level("ERROR", logger=kv_digest.__name__):
+        assert digest.log_held(8, np.array([1])) is None
+    assert "p2p kv digest decode room=8 not computed: RuntimeError: CUDA error: peer access is already enabled" in caplog.text
