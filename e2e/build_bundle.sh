@@ -2,7 +2,7 @@
 # Builds what the end-to-end check needs on the GPU host (torch 2.11.0+cu130, Python 3.12, no internet) as two
 # archives, each under the 60 MiB that one device call can carry beside the repository:
 #
-#   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras|serve|lb|bench]]  (default: .bundle/, sglang and extras; ignored by git;
+#   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras|serve|lb|bench|deepep]]  (default: .bundle/, sglang and extras; ignored by git;
 #                                                         ~8 min on 2 cores, xz is most of it)
 #
 #   sglang.tar.xz  SGLang 0.5.17 and everything its server imports: the recipe below
@@ -28,6 +28,14 @@
 #                            alone (50 MiB in all)
 #   bench.tar.xz   msgspec alone (0.2 MiB): the one package the transfer engine imports that the host image lacks, so
 #                  run_all.sh --phase transfer-bench (bench/transfer/xfer_bench.py) runs without the SGLang bundle
+#   deepep.tar.xz  src/      DeepEP's source at the commit e2e/deepep.py pins (DEEPEP_COMMIT: the last of the v1
+#                            line), only what setup.py builds and DeepEP's tests, taken with `git archive` from a
+#                            clone of deepseek-ai/DeepEP named by DEEPEP_GIT (GitHub is no package registry: get
+#                            the clone once, by whatever means the session has); src/COMMIT names the commit
+#                  deepgemm/ sgl-deep-gemm 0.1.5.post1 and apache-tvm-ffi 0.1.11, the DeepGEMM SGLang 0.5.17 pins
+#                            (its experts run on DeepGEMM under DeepEP); DEEPEP_WHEELS=DIR takes the two wheels
+#                            from DIR instead of pip (offline). ~4 MiB: run_all.sh --phase deepep builds DeepEP
+#                            on the GPU host in a call of its own (sglang.tar.xz comes in the next)
 # Needs pip (any Python) and network here; PIP_INDEX_URL etc. are honoured. XZ_THREADS (default 2).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -181,6 +189,32 @@ build_bench() {  # msgspec at the version the project pins (requirements/cpu-com
   pack bench "$W/bench"
 }
 
+build_deepep() {  # deepep.tar.xz: DeepEP's source at the pinned commit, DeepGEMM with its tvm-ffi
+  local git_dir=${DEEPEP_GIT:-} commit
+  if [ -z "$git_dir" ]; then
+    for git_dir in "$ROOT/.deepep/DeepEP.git" "$ROOT/.deepep/DeepEP" ""; do
+      [ -n "$git_dir" ] && git -C "$git_dir" rev-parse --git-dir >/dev/null 2>&1 && break
+    done
+  fi
+  if [ -z "$git_dir" ]; then
+    echo "build_bundle.sh: deepep needs a clone of deepseek-ai/DeepEP: set DEEPEP_GIT to its git directory" >&2; exit 1
+  fi
+  commit=${DEEPEP_COMMIT:-$(sed -n 's/^DEEPEP_COMMIT = "\([0-9a-f]*\)".*/\1/p' "$ROOT/e2e/deepep.py")}
+  mkdir -p "$W/deepep/src"
+  git -C "$git_dir" archive --format=tar "$commit" -- setup.py csrc deep_ep tests LICENSE README.md \
+    | tar -x -C "$W/deepep/src"
+  echo "$commit" > "$W/deepep/src/COMMIT"
+  if [ -n "${DEEPEP_WHEELS:-}" ]; then
+    mkdir -p "$W/w11" && cp "$DEEPEP_WHEELS"/sgl_deep_gemm-*.whl "$DEEPEP_WHEELS"/apache_tvm_ffi-*.whl "$W/w11/"
+  else
+    dl "$W/w11" sgl-deep-gemm==0.1.5.post1 apache-tvm-ffi==0.1.11
+  fi
+  mkdir -p "$W/deepep/deepgemm"
+  unpack_wheels "$W/w11" "$W/deepep/deepgemm"
+  (cd "$ROOT" && "$PY" -m e2e.deepep check-bundle "$W/deepep") || { echo "build_bundle.sh: deepep bundle incomplete" >&2; exit 1; }
+  pack deepep "$W/deepep"
+}
+
 # sglang.tar.xz: SGLang and its import chain; extras.tar.xz: Mooncake and genai-bench; serve.tar.xz: NIXL,
 # Mooncake, py-spy; lb.tar.xz: smg and mini_lb
 for part in $WHICH; do
@@ -190,7 +224,8 @@ for part in $WHICH; do
     serve) build_serve ;;
     lb) build_lb ;;
     bench) build_bench ;;
-    *) echo "build_bundle.sh: unknown part $part (sglang, extras, serve, lb or bench)" >&2; exit 2 ;;
+    deepep) build_deepep ;;
+    *) echo "build_bundle.sh: unknown part $part (sglang, extras, serve, lb, bench or deepep)" >&2; exit 2 ;;
   esac
 done
 ls -la "$OUT"

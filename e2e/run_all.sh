@@ -3,7 +3,7 @@
 #
 #   bash e2e/run_all.sh [--gpus 1|2] [--phase check|sglang-tests|perf|all|mooncake-bench|liveness|faults|unpack]
 #                       [--skip-sglang-tests] [--budget-s SECONDS]
-#   (phases also: lb)
+#   (phases also: lb, deepep)
 #
 # It unpacks whichever bundle archives (.bundle/sglang.tar.xz, .bundle/extras.tar.xz, built by
 # e2e/build_bundle.sh) this working tree carries into $E2E_ROOT (default /tmp/e2e, which survives between calls
@@ -51,6 +51,14 @@
 #          slowdown during transfers, a 128-token request's fixed cost by phase -> $OUT/xfer_$KIND.json and
 #          $OUT/xfer_$KIND.log (E2E_XFER_ARGS adds flags), after tests/gpu/test_copy_engine.py -> $OUT/xfer_tests.log
 #          (E2E_XFER_TESTS=0 skips it). Needs no SGLang: carry .bundle/bench.tar.xz (msgspec) or sglang.tar.xz
+#   deepep: DeepEP as the (P3x3)D4 profile uses it: built here with nvcc for sm_90 against the image's NVSHMEM
+#          wheel, DeepEP's own intranode test on GPUs 0-1, DeepGEMM's bf16 grouped GEMM (what SGLang runs an
+#          unquantized model's experts with under DeepEP) against torch, then with --gpus 4 and sglang.tar.xz
+#          unpacked (this call or the next, warm) the shape mini-b-deepep (e2e.shapes), and last a probe of
+#          DeepEP's low-latency test -> $OUT/deepep_<kind>.json naming the first step that failed,
+#          $OUT/deepep_built.tar.xz (the build, for a later call to carry as .bundle/deepep-built.tar.xz),
+#          $OUT/shapes_mini-b-deepep_<kind>.json (e2e/deepep.py). Needs .bundle/deepep.tar.xz
+#          (e2e/build_bundle.sh .bundle deepep) in this call or an earlier one on the same machine
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
 #   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
@@ -79,8 +87,8 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|lb-overhead|ipc|serve|shapes|shape-faults|shape-serve|transfer-bench|unpack) ;;
-  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, lb-overhead, ipc, serve, shapes, shape-faults, shape-serve, transfer-bench or unpack" >&2; exit 2 ;; esac
+case "$PHASE" in check|sglang-tests|perf|all|mooncake-bench|liveness|faults|lb|lb-overhead|ipc|serve|shapes|shape-faults|shape-serve|transfer-bench|deepep|unpack) ;;
+  *) echo "run_all.sh: --phase must be check, sglang-tests, perf, all, mooncake-bench, liveness, faults, lb, lb-overhead, ipc, serve, shapes, shape-faults, shape-serve, transfer-bench, deepep or unpack" >&2; exit 2 ;; esac
 case "$GPUS" in 1|2|4) ;;
   *) echo "run_all.sh: --gpus must be 1, 2 or 4" >&2; exit 2 ;; esac
 case "$PHASE:$GPUS" in shapes:4|shape-faults:4|shape-serve:4) ;; shapes:*|shape-faults:*|shape-serve:*)
@@ -109,12 +117,18 @@ unpack extras
 unpack serve
 unpack lb
 unpack bench
+unpack deepep
+unpack deepep-built
 if [ "$PHASE" = unpack ]; then
-  for part in sglang extras serve lb bench; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
+  for part in sglang extras serve lb bench deepep deepep-built; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
   exit 0
 fi
+if [ "$PHASE" = deepep ] && [ ! -f "$E2E_ROOT/deepep/.unpacked" ]; then
+  echo "run_all.sh: no DeepEP bundle: carry .bundle/deepep.tar.xz in this call (e2e/build_bundle.sh .bundle deepep)" >&2
+  exit 3
+fi
 HAVE_SGLANG=0; [ -f "$E2E_ROOT/sglang/.unpacked" ] && HAVE_SGLANG=1
-if [ "$HAVE_SGLANG" = 0 ] && [ "$PHASE" != lb-overhead ] && [ "$PHASE" != transfer-bench ]; then
+if [ "$HAVE_SGLANG" = 0 ] && [ "$PHASE" != lb-overhead ] && [ "$PHASE" != transfer-bench ] && [ "$PHASE" != deepep ]; then
   echo "run_all.sh: no SGLang bundle: carry .bundle/sglang.tar.xz in this call (e2e/build_bundle.sh builds it)" >&2
   exit 3
 fi
@@ -154,6 +168,9 @@ python3 -m e2e.machine "$KIND" > "$STATE/machine.json" 2>/dev/null || true
 if [ "$PHASE" = transfer-bench ]; then  # the transfer engine alone: torch, Triton, msgspec
   python3 -c "import torch, triton, msgspec, sglang_p2p_backend.engine.transport.cuda_ipc; print('preflight: transfer engine importable, torch', torch.__version__, 'CUDA', torch.version.cuda)" \
     || { echo "run_all.sh: preflight failed: carry .bundle/bench.tar.xz (msgspec; e2e/build_bundle.sh .bundle bench)" >&2; exit 4; }
+elif [ "$HAVE_SGLANG" = 0 ] && [ "$PHASE" = deepep ]; then  # the build needs torch and setuptools, no SGLang yet
+  python3 -c "import torch, setuptools; print('preflight: torch', torch.__version__, 'CUDA', torch.version.cuda, '(no SGLang bundle yet: mini-b-deepep waits for it)')" \
+    || { echo "run_all.sh: preflight failed: torch and setuptools are needed to build DeepEP" >&2; exit 4; }
 elif [ "$HAVE_SGLANG" = 0 ]; then  # lb-overhead only: our LB and its client, no SGLang
   python3 -c "import sglang_p2p_lb, aiohttp, orjson; print('preflight: LB importable (no SGLang bundle)')" \
     || { echo "run_all.sh: preflight failed: carry .bundle/lb.tar.xz (its common/ has orjson)" >&2; exit 4; }
@@ -323,7 +340,14 @@ run_shape_serve() {
     --out "$OUTDIR/shape_serve_${shape}_$KIND.json" --logs "$E2E_ROOT/logs/shape_serve" ${E2E_SERVE_ARGS:-}
 }
 
+run_deepep() {  # e2e/deepep.py: each step once per machine; the shape when SGLang and 4 GPUs are there
+  step deepep python3 -m e2e.deepep run --root "$E2E_ROOT" --models "$MODELS" --gpus "$GPUS" \
+    --out "$OUTDIR/deepep_$KIND.json" --logs "$E2E_ROOT/logs/deepep" --built-out "$OUTDIR/deepep_built.tar.xz" \
+    --shapes-out "$OUTDIR/shapes_mini-b-deepep_$KIND.json"
+}
+
 case "$PHASE" in
+  deepep) run_deepep ;;
   shapes) run_shapes ;;
   shape-serve) run_shape_serve ;;
   shape-faults) run_shape_faults ;;

@@ -41,7 +41,7 @@ from sglang_p2p_backend.launch.release import resolve_release
 
 from . import check, client, compare, config, kv_digest, promparse, results as results_io
 from .servers import Server, Stack, exit_on_sigterm, failure_report
-from .shape_plan import SHAPES, Launch, Shape, plan
+from .shape_plan import DEFAULT_SHAPES, SHAPES, Launch, Shape, plan
 
 CORRUPT_VAR = "SGLANG_P2P_TEST_CORRUPT_KV_FILE"
 DIGEST_VAR = "SGLANG_P2P_TEST_KV_DIGEST"
@@ -243,7 +243,7 @@ def _delta(before: Optional[float], after: Optional[float]) -> Optional[float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = config.step_parser(__doc__)
-    ap.add_argument("--only", default=",".join(SHAPES))
+    ap.add_argument("--only", default=",".join(DEFAULT_SHAPES))
     a = ap.parse_args(argv)
     exit_on_sigterm()
     res: dict[str, Any] = {}
