@@ -34,8 +34,12 @@
 #                            the clone once, by whatever means the session has); src/COMMIT names the commit
 #                  deepgemm/ sgl-deep-gemm 0.1.5.post1 and apache-tvm-ffi 0.1.11, the DeepGEMM SGLang 0.5.17 pins
 #                            (its experts run on DeepGEMM under DeepEP); DEEPEP_WHEELS=DIR takes the two wheels
-#                            from DIR instead of pip (offline). ~4 MiB: run_all.sh --phase deepep builds DeepEP
-#                            on the GPU host in a call of its own (sglang.tar.xz comes in the next)
+#                            from DIR instead of pip (offline)
+#                  include/  rdma-core's <infiniband/*.h> (Debian's libibverbs-dev) and <rdma/ib_user_verbs.h>
+#                            (linux-libc-dev): NVSHMEM's device headers include <infiniband/mlx5dv.h>, which an
+#                            image without libibverbs-dev lacks; apt-get download, or DEEPEP_DEBS=DIR with the two
+#                            .deb files. ~4 MiB in all: run_all.sh --phase deepep builds DeepEP on the GPU host in a
+#                            call of its own (sglang.tar.xz comes in the next)
 # Needs pip (any Python) and network here; PIP_INDEX_URL etc. are honoured. XZ_THREADS (default 2).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -211,6 +215,15 @@ build_deepep() {  # deepep.tar.xz: DeepEP's source at the pinned commit, DeepGEM
   fi
   mkdir -p "$W/deepep/deepgemm"
   unpack_wheels "$W/w11" "$W/deepep/deepgemm"
+  mkdir -p "$W/w12/x" "$W/deepep/include/rdma"
+  if [ -n "${DEEPEP_DEBS:-}" ]; then
+    cp "$DEEPEP_DEBS"/libibverbs-dev_*.deb "$DEEPEP_DEBS"/linux-libc-dev_*.deb "$W/w12/"
+  else
+    (cd "$W/w12" && apt-get download libibverbs-dev linux-libc-dev 2>&1 | grep -v "unsandboxed" || true)
+  fi
+  for deb in "$W"/w12/*.deb; do dpkg-deb -x "$deb" "$W/w12/x"; done
+  cp -r "$W/w12/x/usr/include/infiniband" "$W/deepep/include/"
+  cp "$W/w12/x/usr/include/rdma/ib_user_verbs.h" "$W/deepep/include/rdma/"
   (cd "$ROOT" && "$PY" -m e2e.deepep check-bundle "$W/deepep") || { echo "build_bundle.sh: deepep bundle incomplete" >&2; exit 1; }
   pack deepep "$W/deepep"
 }

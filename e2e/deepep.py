@@ -14,8 +14,10 @@ keeps what an earlier one finished: $E2E_ROOT/state/deepep.json):
   host        what the build depends on: nvcc, CUDA_HOME, torch, NVSHMEM (the wheel's folder), NCCL, GPUs and
               their links, RDMA NICs (/sys/class/infiniband) and GDRCopy
   build       DeepEP for sm_90 against the wheel's NVSHMEM (setup.py build, NVSHMEM_DIR, TORCH_CUDA_ARCH_LIST=9.0,
-              CCCL headers on the include path as CUDA 13 needs), its CPU timeout raised to 1000 s as SGLang's
-              own image does; or a build an earlier call returned (deepep-built.tar.xz) instead
+              CUDA 13's CCCL headers, rdma-core's <infiniband/mlx5dv.h> that NVSHMEM's headers include (carried:
+              the image may lack libibverbs-dev) and the pip CUDA libraries' headers on the host compiler's
+              include path), its CPU timeout raised to 1000 s as SGLang's own image does; or a build an earlier
+              call returned (deepep-built.tar.xz) instead
   import      deep_ep imports and has the API SGLang 0.5.17's DeepEP dispatcher calls
   intranode   DeepEP's own tests/test_intranode.py on GPUs 0-1 at deepseek-tiny's sizes (hidden 256, 8 experts,
               top 2): the normal kernels, byte-checked by the test itself
@@ -59,8 +61,9 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
                  "NVSHMEM_DISABLE_MNNVL": "1"}
 REQUIRED = ("host", "build", "import", "intranode", "deepgemm", "shapes")
 STEPS = (*REQUIRED, "low_latency")
-# seconds a step needs left before it starts (the build's own timeout is whatever is left then)
-NEEDS_S = {"host": 10, "build": 240, "import": 20, "intranode": 90, "deepgemm": 60, "shapes": 300,
+# seconds a step needs left before it starts (the build's own timeout is whatever is left then; the same build
+# took ~40 s of compiling on 2 slow cores here: kernels ~20 s, deep_ep.cpp ~20 s)
+NEEDS_S = {"host": 10, "build": 150, "import": 20, "intranode": 90, "deepgemm": 60, "shapes": 300,
            "low_latency": 60}
 TIMEOUT_S = {"host": 60, "import": 60, "intranode": 240, "deepgemm": 240, "low_latency": 150}
 # DeepEP's tests at deepseek-tiny's sizes (intranode) and the smallest hidden the low-latency kernels take
@@ -68,8 +71,10 @@ INTRANODE_ARGS = ("--num-processes", "2", "--num-tokens", "512", "--hidden", "25
                   "--num-experts", "8")
 LOW_LATENCY_ARGS = ("--num-processes", "2", "--num-tokens", "64", "--hidden", "2048", "--num-topk", "2",
                     "--num-experts", "8")
-# what the bundle must hold (check_bundle): DeepEP's build inputs and tests, DeepGEMM and its tvm-ffi
-BUNDLE_FILES = ("src/COMMIT", "src/setup.py", "src/csrc/deep_ep.cpp", "src/csrc/kernels/configs.cuh",
+# what the bundle must hold (check_bundle): rdma-core's headers NVSHMEM's device headers include, DeepEP's build
+# inputs and tests, DeepGEMM and its tvm-ffi
+BUNDLE_FILES = ("include/infiniband/mlx5dv.h", "include/infiniband/verbs.h", "include/rdma/ib_user_verbs.h",
+                "src/COMMIT", "src/setup.py", "src/csrc/deep_ep.cpp", "src/csrc/kernels/configs.cuh",
                 "src/csrc/kernels/intranode.cu", "src/csrc/kernels/internode_ll.cu", "src/deep_ep/buffer.py",
                 "src/tests/test_intranode.py", "src/tests/test_low_latency.py", "src/tests/utils.py",
                 "deepgemm/deep_gemm/__init__.py", "deepgemm/deep_gemm/_C.so", "deepgemm/tvm_ffi/__init__.py")
@@ -97,10 +102,12 @@ CAUSES = (
     ("Unsupported hidden", "the low-latency kernels were not compiled for this hidden size"),
     ("DeepEP timeout check failed", "a DeepEP kernel timed out waiting for a peer"),
     ("CUDA out of memory", "CUDA out of memory"),
-    ("libnvshmem_host.so", "the NVSHMEM host library was not found at run time"),
+    ("cannot open shared object file", "a shared library was not found at run time"),
     ("No such file or directory: 'nvcc'", "no nvcc"),
     ("fatal error:", "a header is missing"),
+    ("cannot find -l", "a library is missing at link time"),
     ("error:", "compile error"),
+    ("FAILED:", "a build step failed"),
     ("Error", "error"),
 )
 
@@ -206,14 +213,59 @@ def cuda_home() -> Optional[str]:
     return "/usr/local/cuda" if Path("/usr/local/cuda/bin/nvcc").exists() else None
 
 
-def build_env(nvshmem: Path, cuda: str) -> dict[str, str]:
-    """setup.py's environment: sm_90 only, the wheel's NVSHMEM, CUDA 13's CCCL headers for the host compiler."""
-    extra = {"NVSHMEM_DIR": str(nvshmem), "TORCH_CUDA_ARCH_LIST": "9.0", "DISABLE_SM90_FEATURES": "0",
-             "MAX_JOBS": str(os.cpu_count() or 8), "CUDA_HOME": cuda}
-    cccl = Path(cuda) / "include" / "cccl"
-    if cccl.is_dir():
-        extra["CPLUS_INCLUDE_PATH"] = os.pathsep.join(filter(None, [str(cccl), os.environ.get("CPLUS_INCLUDE_PATH")]))
-    return child_env(**extra)
+def pip_cuda_includes() -> list[Path]:
+    """Header folders of the CUDA libraries torch's wheels install (nvidia/cu13/include: cublas, cusparse,
+    cusolver, ...), which torch's ATen/cuda headers include; a toolkit assembled from wheels may lack them."""
+    found: list[Path] = []
+    for entry in sys.path:
+        for d in sorted(Path(entry or ".").glob("nvidia/*/include")):
+            if d.is_dir() and d not in found and d.parent.name != "nvshmem":
+                found.append(d)
+    return found
+
+
+LINK_NAMES = {  # what torch's CUDAExtension and DeepEP link with -l, and where a host may keep it instead
+    "libcudart.so": ("{cuda}/lib64/libcudart.so", "{cuda}/lib64/libcudart.so.13", "{pip}/libcudart.so.13"),
+    "libcuda.so": ("{cuda}/lib64/stubs/libcuda.so", "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1",
+                   "/usr/local/nvidia/lib64/libcuda.so.1"),
+}
+
+
+def link_dir(work: Path, cuda: str) -> Path:
+    """A folder of libcudart.so / libcuda.so links for the linker's LIBRARY_PATH (searched after the -L folders,
+    so a toolkit that has them wins): a toolkit assembled from wheels has only the versioned names."""
+    d = work / "link"
+    d.mkdir(parents=True, exist_ok=True)
+    pip = next((str(p.parent / "lib") for p in pip_cuda_includes() if (p.parent / "lib").is_dir()), "/nonexistent")
+    for name, candidates in LINK_NAMES.items():
+        target = next((Path(c.format(cuda=cuda, pip=pip)) for c in candidates
+                       if Path(c.format(cuda=cuda, pip=pip)).exists()), None)
+        if target is not None and not (d / name).exists():
+            (d / name).symlink_to(target)
+    return d
+
+
+def build_env(cuda: str, ib_headers: Optional[Path] = None, system_include: Path = Path("/usr/include"),
+              link: Optional[Path] = None) -> dict[str, str]:
+    """setup.py's environment: sm_90 only; NVSHMEM found by setup.py itself as the nvidia-nvshmem wheel (with
+    NVSHMEM_DIR set it would link -l:libnvshmem_host.so, a name the wheel lacks; found, it links
+    -l:libnvshmem_host.so.3 with an rpath to the wheel); for the host compiler (nvcc preprocesses with it too)
+    CUDA 13's CCCL headers, rdma-core's verbs/mlx5dv headers where the system has none (NVSHMEM's
+    nvshmem_common_ibgda.h includes <infiniband/mlx5dv.h>; the bundle carries Debian's), then the pip CUDA
+    libraries' headers. CPLUS_INCLUDE_PATH comes after torch's -I$CUDA_HOME/include, so it only fills gaps."""
+    extra = {"TORCH_CUDA_ARCH_LIST": "9.0", "DISABLE_SM90_FEATURES": "0", "MAX_JOBS": str(os.cpu_count() or 8),
+             "CUDA_HOME": cuda}
+    dirs = [Path(cuda) / "include" / "cccl"]
+    if ib_headers is not None and not (system_include / "infiniband" / "mlx5dv.h").exists():
+        dirs.append(ib_headers)
+    dirs += pip_cuda_includes()
+    extra["CPLUS_INCLUDE_PATH"] = os.pathsep.join(
+        [str(d) for d in dirs if d.is_dir()] + ([os.environ["CPLUS_INCLUDE_PATH"]] if os.environ.get("CPLUS_INCLUDE_PATH") else []))
+    if link is not None:
+        extra["LIBRARY_PATH"] = os.pathsep.join(filter(None, [os.environ.get("LIBRARY_PATH"), str(link)]))
+    env = child_env(**extra)
+    env.pop("NVSHMEM_DIR", None)
+    return env
 
 
 def patch_source(src: Path) -> list[str]:
@@ -385,13 +437,16 @@ class Runner:
         shutil.rmtree(self.work, ignore_errors=True)
         shutil.copytree(src, self.work)
         patches = patch_source(self.work)
-        env = build_env(nv, cuda)
+        env = build_env(cuda, self.bundle / "include", link=link_dir(self.work, cuda))
         timeout = self.left() - 20
         rc, text, secs = run_logged([sys.executable, "setup.py", "build"], self.logs / "build.log", timeout, env,
                                     cwd=self.work)
-        rec = outcome(rc, text, secs, timeout, patches=patches, nvshmem_dir=str(nv),
+        summary = [ln.strip() for ln in text.splitlines() if ln.startswith(" > ")]
+        rec = outcome(rc, text, secs, timeout, patches=patches, nvshmem_dir=str(nv), summary=summary,
                       arch=env["TORCH_CUDA_ARCH_LIST"], max_jobs=env["MAX_JOBS"],
-                      cplus_include_path=env.get("CPLUS_INCLUDE_PATH"))
+                      cplus_include_path=env.get("CPLUS_INCLUDE_PATH"), library_path=env.get("LIBRARY_PATH"))
+        if rc == 0 and "All internode and low-latency features are disabled" in text:
+            rec["nvshmem"] = "not found by setup.py: built without it (normal kernels only)"
         if rc == 0:
             libs = list((self.work / "build").glob("lib.*"))
             if not libs:

@@ -1,9 +1,9 @@
 """DeepEP on the GPU host (e2e/deepep.py, run_all.sh --phase deepep, build_bundle.sh deepep, the mini-b-deepep
 topology), checked on CPU: what the shape renders and SGLang accepts, what the bundle holds, how the phase
 refuses without it, and how the step runner records, skips and resumes."""
-import io
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 import zipfile
@@ -152,27 +152,53 @@ def fake_wheels(tmp_path: Path) -> Path:
     return d
 
 
+def fake_debs(tmp_path: Path) -> Path:
+    """libibverbs-dev and linux-libc-dev as dpkg-deb builds them, holding only the headers the bundle takes."""
+    d = tmp_path / "debs"
+    d.mkdir()
+    for pkg, headers in (("libibverbs-dev", ("infiniband/mlx5dv.h", "infiniband/verbs.h", "infiniband/mlx5_api.h")),
+                         ("linux-libc-dev", ("rdma/ib_user_verbs.h", "linux/types.h"))):
+        root = tmp_path / f"deb-{pkg}"
+        (root / "DEBIAN").mkdir(parents=True)
+        (root / "DEBIAN" / "control").write_text(f"Package: {pkg}\nVersion: 1.0\nArchitecture: amd64\n"
+                                                 f"Maintainer: t <t@t>\nDescription: t\n")
+        for h in headers:
+            (root / "usr/include" / h).parent.mkdir(parents=True, exist_ok=True)
+            (root / "usr/include" / h).write_text(f"/* {h} */\n")
+        subprocess.run(["dpkg-deb", "-b", "-Zgzip", str(root), str(d / f"{pkg}_1.0_amd64.deb")], check=True,
+                       capture_output=True)
+    return d
+
+
+def offline_env(tmp_path: Path, repo: Path, sha: str) -> dict[str, str]:
+    return {**os.environ, "DEEPEP_GIT": str(repo), "DEEPEP_COMMIT": sha, "DEEPEP_WHEELS": str(fake_wheels(tmp_path)),
+            "DEEPEP_DEBS": str(fake_debs(tmp_path)), "XZ_THREADS": "1"}
+
+
 def test_build_bundle_deepep_packs_the_source_at_the_commit_and_deepgemm(tmp_path):
+    if not shutil.which("dpkg-deb"):
+        pytest.skip("no dpkg-deb")
     repo, sha = fake_deepep_repo(tmp_path)
-    env = {**os.environ, "DEEPEP_GIT": str(repo), "DEEPEP_COMMIT": sha, "DEEPEP_WHEELS": str(fake_wheels(tmp_path)),
-           "XZ_THREADS": "1"}
+    env = offline_env(tmp_path, repo, sha)
     p = subprocess.run(["bash", str(REPO / "e2e/build_bundle.sh"), str(tmp_path / "out"), "deepep"], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     with tarfile.open(tmp_path / "out" / "deepep.tar.xz") as t:
         names = {n.lstrip("./") for n in t.getnames()}
         assert t.extractfile("./src/COMMIT").read().decode().strip() == sha
-    assert {f for f in deepep.BUNDLE_FILES} <= names
-    assert not any(n.startswith("src/figures") for n in names)  # only what the build and the tests read
+    assert {f for f in deepep.BUNDLE_FILES} <= names and "include/infiniband/mlx5_api.h" in names
+    assert not any(n.startswith(("src/figures", "include/linux")) for n in names)  # only what is read there
 
 
 def test_build_bundle_deepep_refuses_an_incomplete_source(tmp_path):
+    if not shutil.which("dpkg-deb"):
+        pytest.skip("no dpkg-deb")
     repo, _ = fake_deepep_repo(tmp_path)
     subprocess.run(["git", "-C", str(repo), "rm", "-q", "tests/utils.py"], check=True)
     subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "y"],
                    check=True)
     sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    env = {**os.environ, "DEEPEP_GIT": str(repo), "DEEPEP_COMMIT": sha, "DEEPEP_WHEELS": str(fake_wheels(tmp_path))}
+    env = offline_env(tmp_path, repo, sha)
     p = subprocess.run(["bash", str(REPO / "e2e/build_bundle.sh"), str(tmp_path / "out"), "deepep"], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode != 0 and "missing src/tests/utils.py" in p.stderr
@@ -275,7 +301,7 @@ def test_runner_resumes_keeps_what_passed_and_waits_for_sglang(tmp_path, monkeyp
 
 
 def test_runner_names_the_first_failed_step_and_skips_what_does_not_fit(tmp_path, monkeypatch):
-    r, calls, fake = make_runner(tmp_path, monkeypatch, left_s=150)
+    r, calls, fake = make_runner(tmp_path, monkeypatch, left_s=100)
     monkeypatch.setattr(r, "host", fake("host"))
     monkeypatch.setattr(r, "build", fake("build"))
     assert r.run() == 1
@@ -297,18 +323,42 @@ def test_a_newly_carried_bundle_forgets_the_old_build(tmp_path, monkeypatch):
     assert set(r2.steps) == {"host"}
 
 
-def test_build_env_and_source_patch(tmp_path):
-    cuda = tmp_path / "cuda"
-    (cuda / "include" / "cccl").mkdir(parents=True)
-    env = deepep.build_env(tmp_path / "nvshmem", str(cuda))
-    assert env["NVSHMEM_DIR"] == str(tmp_path / "nvshmem") and env["TORCH_CUDA_ARCH_LIST"] == "9.0"
-    assert env["CPLUS_INCLUDE_PATH"].split(os.pathsep)[0] == str(cuda / "include" / "cccl")
+def test_build_env_and_source_patch(tmp_path, monkeypatch):
+    cuda, ib, site = tmp_path / "cuda", tmp_path / "bundle-include", tmp_path / "site"
+    for d in (cuda / "include" / "cccl", ib, site / "nvidia" / "cu13" / "include", site / "nvidia" / "nvshmem" / "include"):
+        d.mkdir(parents=True)
+    monkeypatch.setattr("sys.path", [str(site)])
+    monkeypatch.delenv("CPLUS_INCLUDE_PATH", raising=False)
+    monkeypatch.setenv("NVSHMEM_DIR", "/somewhere")
+    env = deepep.build_env(str(cuda), ib, system_include=tmp_path / "no-system-headers", link=tmp_path / "link")
+    # setup.py finds the wheel itself (NVSHMEM_DIR would make it link a libnvshmem_host.so the wheel lacks)
+    assert "NVSHMEM_DIR" not in env and env["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    assert env["LIBRARY_PATH"].split(os.pathsep)[-1] == str(tmp_path / "link")
+    assert env["CPLUS_INCLUDE_PATH"].split(os.pathsep) == [str(cuda / "include" / "cccl"), str(ib),
+                                                           str(site / "nvidia" / "cu13" / "include")]
+    (tmp_path / "sys" / "infiniband").mkdir(parents=True)
+    (tmp_path / "sys" / "infiniband" / "mlx5dv.h").write_text("")
+    env = deepep.build_env(str(cuda), ib, system_include=tmp_path / "sys")
+    assert str(ib) not in env["CPLUS_INCLUDE_PATH"].split(os.pathsep)  # the system's own headers win
     assert (env["NCCL_NVLS_ENABLE"], env["NVSHMEM_DISABLE_NVLS"], env["TORCH_SYMM_MEM_DISABLE_MULTICAST"]) == ("0", "1", "1")
     (tmp_path / "src/csrc/kernels").mkdir(parents=True)
     cfg = tmp_path / "src/csrc/kernels/configs.cuh"
     cfg.write_text("#ifndef X\n#define NUM_CPU_TIMEOUT_SECS 100\n#else\n#define NUM_CPU_TIMEOUT_SECS 10\n#endif\n")
     assert deepep.patch_source(tmp_path / "src") == ["csrc/kernels/configs.cuh: NUM_CPU_TIMEOUT_SECS 100 -> 1000"]
     assert "NUM_CPU_TIMEOUT_SECS 1000\n" in cfg.read_text() and "NUM_CPU_TIMEOUT_SECS 10\n" in cfg.read_text()
+
+
+def test_link_dir_gives_the_linker_unversioned_names_a_wheel_toolkit_lacks(tmp_path, monkeypatch):
+    cuda, site = tmp_path / "cuda", tmp_path / "site"
+    (cuda / "lib64").mkdir(parents=True)
+    (cuda / "lib64" / "libcudart.so.13").write_text("")
+    (site / "nvidia" / "cu13" / "include").mkdir(parents=True)
+    monkeypatch.setattr("sys.path", [str(site)])
+    d = deepep.link_dir(tmp_path / "work", str(cuda))
+    assert (d / "libcudart.so").resolve() == (cuda / "lib64" / "libcudart.so.13").resolve()
+    (cuda / "lib64" / "stubs").mkdir()
+    (cuda / "lib64" / "stubs" / "libcuda.so").write_text("")
+    assert (deepep.link_dir(tmp_path / "work", str(cuda)) / "libcuda.so").resolve() == cuda / "lib64" / "stubs" / "libcuda.so"
 
 
 def test_explain_reads_the_known_failures():
