@@ -17,17 +17,11 @@ from e2e.shape_plan import DEFAULT_SHAPES, SHAPES, plan
 from sglang_p2p_backend.launch.config import load_config
 from sglang_p2p_backend.launch.render import server_command
 from sglang_p2p_backend.launch.validate import validate
+from test_e2e_shapes import flags
 
 REPO = Path(__file__).resolve().parents[2]
 TOPO = REPO / "configs" / "topologies"
 
-
-def flags(args):
-    out, key = {}, None
-    for tok in args:
-        key = tok if tok.startswith("--") else key
-        out.setdefault(key, []).extend([] if tok == key else [tok])
-    return out
 
 
 def rendered(name, release="0.5.17"):
