@@ -69,10 +69,11 @@ SINGLE_GPU_NOTE = ("both servers on one GPU (no NVLink): p2pnccl moved pages ove
                    "transport on loopback in the check (each server its own NCCL_HOSTID), and with its Mooncake tcp "
                    "transport in perf and SGLang's tests")
 
+#: NVLink multicast off (it can take a shared host's GPUs out of service), also in every child process
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 COMMON_ENV = {
     "SGLANG_HOST_IP": "127.0.0.1",  # bootstrap and backend addresses stay on loopback
-    # NVLink multicast off (it can take a shared host's GPUs out of service), also in every child process
-    "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+    **MULTICAST_OFF,
 }
 BACKEND_ENV = {
     "p2pnccl": {"SGLANG_P2P_TRANSPORT": "auto"},  # auto picks the CUDA IPC path between GPUs of one host

@@ -57,8 +57,7 @@ DEEPEP_COMMIT = "567632dd59810d77b3cc05553df953cc0f779799"
 # what SGLang 0.5.17 requires (its METADATA pins sgl-deep-gemm==0.1.5.post1 and apache-tvm-ffi==0.1.11)
 DEEPGEMM_WHEELS = ("sgl-deep-gemm==0.1.5.post1", "apache-tvm-ffi==0.1.11")
 SHAPE = "mini-b-deepep"
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-                 "NVSHMEM_DISABLE_MNNVL": "1"}
+MULTICAST_OFF = {**config.MULTICAST_OFF, "NVSHMEM_DISABLE_MNNVL": "1"}
 REQUIRED = ("host", "build", "import", "intranode", "deepgemm", "shapes")
 STEPS = (*REQUIRED, "low_latency")
 # seconds a step needs left before it starts (the build's own timeout is whatever is left then; the same build

@@ -135,15 +135,11 @@ def _shape(d: dict) -> xc.Shape:
 
 def pool_hash(regions, ids: np.ndarray, trace: Callable[[str], None] = lambda what: None) -> np.ndarray:
     """Hashes of pages `ids` over every region (the same on either side and device; engine/copy/page_hash.py).
-    `trace(step)` is called around a first copy to the GPU, the step the first kernel after a mapping follows."""
+    `trace(step)` is called first: a CUDA error left pending by earlier work shows there, before the hash's
+    kernels raise it."""
     from sglang_p2p_backend.engine.copy import page_hash  # after _setup: it imports torch
 
-    trace("pool_hash: start")
-    if len(ids) and regions and regions[0].device.type == "cuda":
-        import torch
-
-        torch.from_numpy(np.ascontiguousarray(ids[:1], dtype=np.int64)).to(regions[0].device)
-        trace("pool_hash: a page id copied to the GPU")
+    trace("pool_hash")
     return page_hash.pool_hash(regions, ids).cpu().numpy()
 
 

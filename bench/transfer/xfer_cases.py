@@ -1,7 +1,7 @@
 """What bench/transfer/xfer_bench.py measures, as data: the KV shapes and request sizes to measure, the page
-ids of each case, the page hash both processes compare, the repetition budget, the targets, and the table.
+ids of each case, the repetition budget, the targets, and the table.
 
-Pure (numpy only, no device), so the case list, the ids, the hash and the verdicts are tested on CPU
+Pure (numpy only, no device), so the case list, the ids and the verdicts are tested on CPU
 (tests/bench/test_xfer_bench.py); the driver only runs them.
 """
 
@@ -11,9 +11,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
-
-# the page hash both processes compare: the backend's own (its test-only KV digest uses it too)
-from sglang_p2p_backend.engine.copy.page_hash import hash_weights, page_hash  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The exact page hash (engine/copy/page_hash.py) the transfer benchmark and the test-only KV digest share:
-the torch version equals the numpy reference, does not depend on how pages are batched, widens narrow items,
-and a room's digest changes with any byte or the pages' order."""
+the reference is exact and wraps, the torch version equals it, does not depend on how pages are batched, widens
+narrow items, and a room's digest changes with any byte or the pages' order; a digest that cannot be computed
+leaves the room alone (adapter/kv_digest.py)."""
 
 import numpy as np
 import torch
@@ -11,6 +12,16 @@ from sglang_p2p_backend.engine.copy import page_hash as ph
 def regions(item=32, pages=9, count=3, seed=0):
     rng = np.random.default_rng(seed)
     return [torch.from_numpy(rng.integers(0, 256, size=(pages, item), dtype=np.uint8)) for _ in range(count)]
+
+
+def test_the_reference_hash_is_exact_and_wraps():
+    assert ph.hash_weights(3, 0).tolist() == [1, 3, 5] and ph.hash_weights(3, 1).tolist() == [7, 9, 11]
+    a = np.array([[1, 2, 3], [0, 0, 1]], dtype=np.int64)
+    b = np.array([[1, 0, 0], [2, 0, 0]], dtype=np.int64)
+    assert ph.page_hash([a, b]).tolist() == [1 + 6 + 15 + 7, 5 + 14]
+    # wraps modulo 2**64 instead of failing: (2**63 - 1) * (1 + 3) = 2**65 - 4, which is -4 modulo 2**64
+    big = np.full((1, 2), np.iinfo(np.int64).max, dtype=np.int64)
+    assert ph.page_hash([big]).tolist() == [-4]
 
 
 def test_pool_hash_matches_the_reference_in_any_batch_size():
