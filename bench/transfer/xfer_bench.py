@@ -68,6 +68,7 @@ FIXED_SHAPES = ("mla_p64", "mha_p16")
 SAME_GPU = (("mha_p16", 4096), ("mha_p16", 16384), ("mla_p64", 4096), ("mla_p64", 16384))
 #: cases with more copy-engine spans than this get fewer repetitions (a batch of ~1M spans takes long)
 MANY_SPANS = 1 << 16
+PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 
 
 # -- both processes ------------------------------------------------------------------------------------------
@@ -345,10 +346,15 @@ class Prefill:
         fn = self.rt.cudaMemcpyPeerAsync
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p]
         src_gpu = self.dev_t.index
-        if gpu != src_gpu:  # direct peer copies over NVLink, as the mapped write has (704: already enabled)
+        if gpu != src_gpu:  # direct peer copies over NVLink, as the mapped write has
             with torch.cuda.device(self.dev_t):
                 code = self.rt.cudaDeviceEnablePeerAccess(ctypes.c_int(gpu), ctypes.c_uint(0))
-            if code not in (0, 704):
+            if code == PEER_ACCESS_ALREADY_ENABLED:
+                # the mapping enabled it already. The runtime also records the refusal as this thread's last
+                # error, and torch's next kernel launch check would raise it ("peer access is already
+                # enabled", the 2 x H100 failure): reset it, as torch does after its own enable
+                self.rt.cudaGetLastError()
+            elif code:
                 raise RuntimeError(f"cudaDeviceEnablePeerAccess({gpu}) failed: error {code}")
 
         def copy() -> None:
