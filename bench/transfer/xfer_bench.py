@@ -213,7 +213,7 @@ class Decode:
             t.index_fill_(0, idx, 0)
         return ("ok",)
 
-    def nccl_start(self, slot_bytes: int, slots: int):
+    def nccl_start(self, slot_bytes: int, slots: int, overlap: bool = True):
         from sglang_p2p_backend.engine.config import EngineConfig
         from sglang_p2p_backend.engine.copy.copier import PageCopier
         from sglang_p2p_backend.engine.pair.pipeline import PairReceiver
@@ -228,7 +228,7 @@ class Decode:
         receiver = PairReceiver(transport=self.transport, staging=staging, copier=PageCopier([self.pool]),
                                 peer_session="prefill:0", wanted=lambda room: True,
                                 on_chunk=lambda room, rank, err: errors.append(err) if err else None,
-                                connect_timeout=IO_TIMEOUT, io_timeout=IO_TIMEOUT)
+                                connect_timeout=IO_TIMEOUT, io_timeout=IO_TIMEOUT, overlap=overlap)
         self.nccl = (staging, receiver, errors)
         return ("ok",)
 
@@ -455,7 +455,7 @@ class Prefill:
         return rows
 
     # -- the NCCL path
-    def nccl_open(self, pool: list):
+    def nccl_open(self, pool: list, overlap: bool = True):
         from sglang_p2p_backend.engine.config import EngineConfig
         from sglang_p2p_backend.engine.copy.copier import PageCopier
         from sglang_p2p_backend.engine.pair.pipeline import PairSender
@@ -466,12 +466,12 @@ class Prefill:
         cfg = EngineConfig.from_env()
         if getattr(self, "two_sided", None) is None:
             self.two_sided = two_sided_transport("auto", self.dev_t, "127.0.0.1", cfg)
-        self.ask("nccl_start", cfg.slot_bytes, cfg.staging_slots)
+        self.ask("nccl_start", cfg.slot_bytes, cfg.staging_slots, overlap)
         self.staging = StagingPool(self.two_sided.alloc_staging, cfg.slot_bytes, cfg.staging_slots)
         self.sender = PairSender(transport=self.two_sided, staging=self.staging, copier=PageCopier([pool]),
                                  local_session="prefill:0",
                                  control=lambda m: self.conn.send(("ctrl", messages.encode(m))),
-                                 connect_timeout=IO_TIMEOUT, io_timeout=IO_TIMEOUT)
+                                 connect_timeout=IO_TIMEOUT, io_timeout=IO_TIMEOUT, overlap=overlap)
         self.room = 1000
 
     def nccl_close(self):
@@ -696,11 +696,15 @@ class Prefill:
                 # the decode's pool of this shape on its own GPU (the same-GPU pass above replaced it)
                 self.map_pool(shape, dst_pages, self.cfg["decode_gpu"])
                 self.tr.forget_peer(SESSION)
-                self.nccl_open(pool)
-                for case in shape_cases:
-                    row = self.nccl_case(case, pool, dst_pages)
-                    if row:
-                        self.out["nccl"].append(row)
+                # each case with the engine's overlap (gather / scatter beside the transfer) and without it
+                for overlap in (True, False):
+                    self.nccl_open(pool, overlap)
+                    for case in shape_cases:
+                        row = self.nccl_case(case, pool, dst_pages)
+                        if row:
+                            self.out["nccl"].append({**row, "overlap": overlap})
+                    self.nccl_close()
+                self.nccl_open(pool)  # the interference loop below, and its close
                 if "interference" in sections and shape.name == INTERFERENCE_CASE[0] and self.time_left("interference nccl"):
                     tokens = max(t for t in self.cfg["tokens"] if t <= INTERFERENCE_CASE[1])
                     case = xc.Case(shape, tokens, "scattered")
@@ -837,7 +841,7 @@ def verdicts(result: dict) -> dict:
     inter = result.get("interference", [])
     if inter:
         out["interference"] = {r["mode"] + ":" + r["case"]: r["slowdown"] <= t["interference_max"] for r in inter}
-    nccl = [r for r in result.get("nccl", []) if r["tokens"] == 4096]
+    nccl = [r for r in result.get("nccl", []) if r["tokens"] == 4096 and r.get("overlap", True)]
     if nccl:
         out["nccl_ratio_4k"] = all((r["ratio"] or 0) >= t["nccl_ratio_min"] for r in nccl)
     same = result.get("same_gpu", [])
@@ -863,11 +867,11 @@ def tables(result: dict) -> str:
                    r["write_gbps"], r["ref"]["gpu_us"]["p50"], r["ratio"], r["bad_pages"])
         parts.append(f"== {key}: {title}\n{tb.render()}")
     if result.get("nccl"):
-        tb = xc.Table([("case", 30), ("MiB", 8), ("send us", 10), ("p99 us", 9), ("GB/s", 7), ("contig us", 10),
-                       ("ratio", 7), ("bad", 5)])
+        tb = xc.Table([("case", 30), ("overlap", 8), ("MiB", 8), ("send us", 10), ("p99 us", 9), ("GB/s", 7),
+                       ("contig us", 10), ("ratio", 7), ("bad", 5)])
         for r in result["nccl"]:
-            tb.add(r["case"], r["bytes"] / 2**20, r["send_us"]["p50"], r["send_us"]["p99"], r["send_gbps"],
-                   r["contiguous_send_us"]["p50"], r["ratio"], r["bad_pages"])
+            tb.add(r["case"], "on" if r.get("overlap", True) else "off", r["bytes"] / 2**20, r["send_us"]["p50"],
+                   r["send_us"]["p99"], r["send_gbps"], r["contiguous_send_us"]["p50"], r["ratio"], r["bad_pages"])
         parts.append(f"== nccl: PairSender -> PairReceiver vs one contiguous NCCL send\n{tb.render()}")
     if result.get("interference"):
         tb = xc.Table([("case", 30), ("mode", 13), ("alone ms", 10), ("during ms", 10), ("slowdown", 10),

@@ -13,7 +13,7 @@ AUTO = "auto"
 #: the values of SGLANG_P2P_TRANSPORT: `auto` or a forced transport (engine/transport/select.py)
 TRANSPORTS = (AUTO, "cudaipc", "nccl", "mooncake", "tcp")
 #: the values of SGLANG_P2P_COPY_ENGINE (engine/copy/ce_plan.py), the first the default
-COPY_ENGINE_MODES = ("off", "on", "auto")
+COPY_ENGINE_MODES = ("auto", "off", "on")  # the first is the default
 #: SGLANG_P2P_NCCL_CAPS by default; 16 channels already reach contiguous speed on H200 NVLink
 DEFAULT_CAPS: tuple[Optional[int], ...] = (16, 8, 4, 2)
 
@@ -100,9 +100,13 @@ class EngineConfig:
     nccl_cumem: bool = True
     nccl_split: bool = False  # SGLANG_P2P_NCCL_SPLIT=1: operations on a blocking child communicator
     nccl_high_priority: bool = False  # SGLANG_P2P_NCCL_STREAM_PRIORITY=high: pair streams at the top priority
-    #: SGLANG_P2P_COPY_ENGINE: how the same-host path copies a chunk: `off` (the SM copy kernel), `on` (the GPU's
-    #: copy engines, cudaMemcpyBatchAsync) or `auto` (per chunk, engine/copy/ce_plan.py's rule)
-    copy_engine: str = "off"
+    #: SGLANG_P2P_OVERLAP=0: each chunk's gather (prefill) or scatter (decode) no longer overlaps the transfer
+    #: of the next one on NCCL channels (engine/pair/pipeline.py); on, a pair end takes a second staging slot
+    #: when one is free
+    overlap: bool = True
+    #: SGLANG_P2P_COPY_ENGINE: how the same-host path copies a chunk: `auto` (per chunk, engine/copy/ce_plan.py's
+    #: rule), `off` (the SM copy kernel) or `on` (the GPU's copy engines, cudaMemcpyBatchAsync)
+    copy_engine: str = "auto"
     #: SGLANG_P2P_NCCL_SO_PATH, else SGLang's own SGLANG_NCCL_SO_PATH (one variable points both at another
     #: libnccl); None: the libnccl.so.2 torch loaded
     nccl_library: Optional[str] = None
@@ -140,6 +144,7 @@ class EngineConfig:
             nccl_cumem=env.get("NCCL_CUMEM_ENABLE", "").strip() != "0",
             nccl_split=_choice("SGLANG_P2P_NCCL_SPLIT", ("0", "1")) == "1",
             nccl_high_priority=_choice("SGLANG_P2P_NCCL_STREAM_PRIORITY", ("normal", "high")) == "high",
+            overlap=_choice("SGLANG_P2P_OVERLAP", ("1", "0")) == "1",
             copy_engine=_choice("SGLANG_P2P_COPY_ENGINE", COPY_ENGINE_MODES),
             nccl_library=env.get("SGLANG_P2P_NCCL_SO_PATH") or env.get("SGLANG_NCCL_SO_PATH") or None,
             mooncake_force_tcp=env.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"),

@@ -121,7 +121,9 @@ def test_quick_run_of_every_section_verifies_every_page(tmp_path):
     assert result["machine"].startswith("cpu-") and result["meta"]["quick"] is True
     n = len(xc.QUICK_SHAPES) * len(xc.QUICK_TOKENS) * 2
     assert len(result["ipc"]) == 2 * n and {r["mode"] for r in result["ipc"]} == {"kernel", "copy_engine"}
-    assert len(result["nccl"]) == n
+    # every NCCL case with the engine's overlap and without it
+    cases = {flag: sorted(r["case"] for r in result["nccl"] if r["overlap"] is flag) for flag in (True, False)}
+    assert len(result["nccl"]) == 2 * n and len(cases[True]) == n and cases[True] == cases[False]
     assert all(r["bad_pages"] == 0 for k in ("ipc", "nccl") for r in result[k])
     assert [r["mode"] for r in result["interference"]] == ["kernel", "copy_engine", "kernel", "copy_engine", "nccl"]
     assert all(r["error"] is None and r["writes_during"] > 0 for r in result["interference"])

@@ -142,9 +142,9 @@ def test_spans_go_to_the_copy_engines_after_the_export_check(shm):
 
 def test_the_knob_is_read_once_and_checked(monkeypatch):
     monkeypatch.delenv("SGLANG_P2P_COPY_ENGINE", raising=False)
-    assert EngineConfig.from_env().copy_engine == "off"
-    monkeypatch.setenv("SGLANG_P2P_COPY_ENGINE", " Auto ")
     assert EngineConfig.from_env().copy_engine == "auto"
+    monkeypatch.setenv("SGLANG_P2P_COPY_ENGINE", " Off ")
+    assert EngineConfig.from_env().copy_engine == "off"
     monkeypatch.setenv("SGLANG_P2P_COPY_ENGINE", "yes")
-    with pytest.raises(ConfigError, match=r"SGLANG_P2P_COPY_ENGINE='yes' is not one of off, on, auto"):
+    with pytest.raises(ConfigError, match=r"SGLANG_P2P_COPY_ENGINE='yes' is not one of auto, off, on"):
         EngineConfig.from_env()

@@ -8,14 +8,18 @@ as long as they can be first (`page_spans`: merged page runs of every region, th
 joins the regions of a pool that lie back to back in one allocation), and `choose` sends a chunk to the copy
 engines only where its spans are long and few enough.
 
-`SGLANG_P2P_COPY_ENGINE` (engine/config.py) picks the mode: `off` (the default: the kernel, as before), `on`
-(the copy engines for every chunk) or `auto` (`choose`'s rule per chunk, with the thresholds below). The
-thresholds come from `bench/transfer/xfer_bench.py` on one H100 (prefill and decode on the same GPU,
-bench/results/xfer_nvidia-h100-x1_2026-11-27.json): the copy engines matched the kernel only for 64 spans of 32
-MiB (2 GiB, 2.11 vs 2.12 ms) and lost everywhere else, by 1.3-2.6x for 64 spans of 0.25-8 MiB and by 14-2,000x
-for scattered pages (each span costs them ~4 us of host time). Their case is interference: a matmul on the same
-GPU ran 1.4% slower during copy-engine writes and 181% slower during kernel writes. The cross-GPU figures are
-still to measure.
+`SGLANG_P2P_COPY_ENGINE` (engine/config.py) picks the mode: `auto` (the default: `choose`'s rule per chunk, with
+the thresholds below), `off` (the kernel for every chunk) or `on` (the copy engines for every chunk). The
+thresholds come from `bench/transfer/xfer_bench.py`:
+- across two NVLinked H100s (bench/results/xfer_nvidia-h100-x4_2026-11-27_{a,b}.json, two runs), for at most 64
+  spans a chunk, the copy engines took 0.90-0.96 of the kernel's time with spans of 18-32 MiB, and 0.94-1.10 of
+  it at 4.5-8 MiB; shorter spans lost (1.01-1.6x at 0.14-2 MiB), scattered pages by 10-100x (each span costs them
+  host time);
+- with both pools on one H100 (bench/results/xfer_nvidia-h100-x1_2026-11-27.json) they only matched the kernel,
+  at 32 MiB spans.
+Their case is interference: a matmul on the prefill GPU ran 3.0-4.5% slower during copy-engine writes of
+32 MiB spans across GPUs and 83-107% slower during kernel writes (1.4% against 181% on one GPU). So `auto`
+takes them from a 16 MiB mean span up, where they are at least as fast and leave the SMs to the forward pass.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src addresses, dst a
 
 KERNEL = "kernel"
 COPY_ENGINE = "copy_engine"
-#: auto: a chunk goes to the copy engines when its mean span is at least this many bytes (the crossover
-#: measured on one H100; shorter spans, down to MHA pages of size 1 at 2 KiB a layer, stay on the kernel)
-CE_MIN_MEAN_SPAN_BYTES = 32 << 20
+#: auto: a chunk goes to the copy engines when its mean span is at least this many bytes (between the 8 MiB
+#: where the two were even across GPUs and the 18 MiB where the copy engines won both runs; shorter spans, down to
+#: MHA pages of size 1 at 2 KiB a layer, stay on the kernel)
+CE_MIN_MEAN_SPAN_BYTES = 16 << 20
 #: auto, with cudaMemcpyBatchAsync: at most this many spans a chunk (the batch call's host time grew by ~4 us a
 #: span; 64 is the most spans of a chunk where the copy engines kept up)
 CE_MAX_SPANS_BATCHED = 64

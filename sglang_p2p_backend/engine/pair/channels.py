@@ -102,6 +102,7 @@ class PairChannels:
                 control=lambda m, s=session: self.control.send(s, m),
                 connect_timeout=self.config.connect_timeout,
                 io_timeout=self.config.io_timeout,
+                overlap=self.config.overlap,
             )
         return sender
 
@@ -275,6 +276,7 @@ class PairReceivers:
                 on_refused=lambda h, reason, s=session: self.send(
                     s, wire.ChunkRefused(self.session, h.generation, h.room, reason), False),
                 check=self.check,
+                overlap=self.config.overlap,
             )
         return receiver
 

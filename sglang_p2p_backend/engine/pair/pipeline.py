@@ -18,8 +18,9 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from contextlib import nullcontext
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from sglang_p2p_backend.engine.copy.plan import Segment, plan_chunks
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.threads import set_os_name
 from sglang_p2p_backend.engine.waiting import wait_until
-from sglang_p2p_backend.engine.transport.base import PairComm, TransportError, TwoSidedTransport
+from sglang_p2p_backend.engine.transport.base import Completion, PairComm, TransportError, TwoSidedTransport
 
 logger = logging.getLogger(__name__)
 
@@ -45,23 +46,41 @@ def _stream_ctx(comm: Optional[PairComm]):
     return nullcontext()
 
 
-def _wait_stream(comm: Optional[PairComm], timeout: float) -> None:
-    """Wait for the work queued on the channel's stream by polling an event: a blocking stream sync could not
-    time out if the peer died with a receive posted."""
-    if comm is None or comm.stream is None:
+def _wait_on(stream: Optional["torch.cuda.Stream"], timeout: float) -> None:
+    """Wait for the work queued on `stream` by polling an event: a blocking stream sync could not time out if the
+    peer died with a receive posted."""
+    if stream is None:
         return
     done = torch.cuda.Event()
-    done.record(comm.stream)
+    done.record(stream)
     if not wait_until(done.query, timeout):
         raise TransportError(f"pair channel work not done after {timeout:.0f}s (peer stalled or gone)")
+
+
+class _Posted(NamedTuple):
+    """A chunk whose receive is posted: what landing it needs."""
+
+    header: ChunkHeader
+    verdict: ChunkVerdict
+    buf: torch.Tensor
+    done: Completion
+    comm: PairComm
+    deadline: float
+
+
+#: how often a receiver with a chunk in flight looks for the next header or the chunk's end
+_POLL_S = 0.0002
 
 
 class _PairEnd:
     """What both ends of a pair channel hold: the transport, staging, the page copier, timeouts, the channel."""
 
     def __init__(self, transport: TwoSidedTransport, staging: StagingPool, copier: PageCopier,
-                 connect_timeout: float, io_timeout: float):
+                 connect_timeout: float, io_timeout: float, overlap: bool = True):
         self.transport = transport
+        #: SGLANG_P2P_OVERLAP: one chunk's gather or scatter overlaps the next chunk's transfer, in a second
+        #: staging slot when one is free (channels with a side stream only, i.e. NCCL)
+        self.overlap = overlap
         self.staging = staging
         self.copier = copier
         self.item_lens = copier.item_lens
@@ -84,8 +103,9 @@ class PairSender(_PairEnd):
         control: Callable[[Message], None],
         connect_timeout: float,
         io_timeout: float,
+        overlap: bool = True,
     ):
-        super().__init__(transport, staging, copier, connect_timeout, io_timeout)
+        super().__init__(transport, staging, copier, connect_timeout, io_timeout, overlap)
         self.local_session = local_session
         self.control = control
 
@@ -132,31 +152,62 @@ class PairSender(_PairEnd):
         sent = 0
         try:
             comm = self._ensure_comm()
-            # one slot for the whole call: each chunk's gather is queued on the channel's stream behind the
-            # previous chunk's send, so the slot is reused in stream order without a host wait per chunk
-            buf = self.staging.acquire(self.io_timeout)
+            bufs = [self.staging.acquire(self.io_timeout)]
+            side = comm.side_stream if self.overlap and len(chunks) > 1 else None
+            if side is not None:  # a second slot only if one is free now: two ends never wait on each other
+                extra = self.staging.try_acquire()
+                if extra is not None:
+                    bufs.append(extra)
+                else:
+                    side = None
+            queued = False  # gathers queued on the side stream that the error path must see finished
             try:
                 last = None
-                for chunk in chunks:
+                sends: list = [None] * len(bufs)  # the send out of each slot still to finish before refilling it
+                for i, chunk in enumerate(chunks):
                     if not keep_going():
                         break
-                    with _stream_ctx(comm):
-                        self.copier.gather(chunk, src_ids, buf)
+                    j = i % len(bufs)
+                    if side is not None:
+                        # chunk i's gather runs while chunk i-1 moves; the channel's stream waits for the gather
+                        # (the transport orders a send after its caller's stream), the gather for the slot's
+                        # previous send
+                        if sends[j] is not None:
+                            side.wait_event(sends[j].event)
+                        queued = True
+                    with torch.cuda.stream(side) if side is not None else _stream_ctx(comm):
+                        self.copier.gather(chunk, src_ids, bufs[j])
                         segments = [_segment_msg(seg, dst_ids, heads) for seg in chunk.segments]
                         self.control(
                             ChunkHeader(self.local_session, self.generation, room, prefill_rank, next_seq(),
                                         chunk.nbytes, segments)
                         )
-                        last = comm.send(buf[: chunk.nbytes])
+                        last = sends[j] = comm.send(bufs[j][: chunk.nbytes])
                     sent += chunk.nbytes
                 if last is not None:
                     last.wait(self.io_timeout)
+                    queued = False  # every gather came before a send that finished
             finally:
-                self.staging.release(buf)
+                self._release(bufs, side if queued else None)
         except TransportError:
             self.reset()
             raise
         return sent
+
+    def _release(self, bufs: list, side: Optional["torch.cuda.Stream"]) -> None:
+        """Give the slots back; after an error, only once the gathers queued into them finished (the channel
+        was aborted, so sends they wait for end): a slot handed on while a gather still writes it would put
+        this room's bytes into another room's chunk."""
+        if side is not None:
+            self.reset()
+            done = torch.cuda.Event()
+            done.record(side)
+            if not wait_until(done.query, self.io_timeout):
+                logger.error("p2pnccl: gathers to %s not finished %.0fs after an error; %d staging slot(s) kept "
+                             "out of use", self.local_session, self.io_timeout, len(bufs))
+                return
+        for buf in bufs:
+            self.staging.release(buf)
 
     def reset(self) -> None:
         if self.comm is not None:
@@ -210,8 +261,9 @@ class PairReceiver(_PairEnd):
         on_channel: Callable[[Optional[CommInit]], None] = lambda init: None,
         on_refused: Callable[[ChunkHeader, str], None] = lambda header, reason: None,
         check: Optional[Callable[[ChunkHeader], ChunkVerdict]] = None,
+        overlap: bool = True,
     ):
-        super().__init__(transport, staging, copier, connect_timeout, io_timeout)
+        super().__init__(transport, staging, copier, connect_timeout, io_timeout, overlap)
         self.peer_session = peer_session
         #: told the CommInit of a channel once joined, None once it is dropped (the decode's comm pool)
         self.on_channel = on_channel
@@ -223,6 +275,9 @@ class PairReceiver(_PairEnd):
         self.check = check or (lambda h: chunk_layout(h, self.item_lens, staging.slot_bytes))
         self.broken_reason = ""
         self._queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
+        #: the chunk whose receive is posted but not yet landed: the next chunk's receive is posted before it
+        #: lands, so its scatter overlaps that receive (this thread only)
+        self._posted: Optional[_Posted] = None
         self._thread = threading.Thread(target=self._run, name=f"p2p-recv-{peer_session}", daemon=True)
         self._thread.start()
 
@@ -257,10 +312,12 @@ class PairReceiver(_PairEnd):
     def _run(self) -> None:
         set_os_name("p2p-recv")
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
+            item = self._next_item()
             try:
+                if not isinstance(item, ChunkHeader):
+                    self._land_posted()  # whatever follows a chunk sees it landed (a callable, a new channel)
+                if item is None:
+                    return
                 if isinstance(item, CommInit):
                     self._join(item)
                 elif isinstance(item, ChunkHeader):
@@ -269,6 +326,20 @@ class PairReceiver(_PairEnd):
                     item()
             except Exception:  # a bug here must not kill the peer's thread silently
                 logger.exception("p2p receiver for %s: unexpected error", self.peer_session)
+
+    def _next_item(self) -> object:
+        """The next queued item. While a receive is posted, the next header is taken as soon as it comes (its
+        receive is then posted behind), and the chunk lands without waiting for one once its bytes are in."""
+        while self._posted is not None:
+            try:
+                return self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self._posted.done.done() or time.monotonic() > self._posted.deadline:
+                    try:
+                        self._land_posted()
+                    except Exception:  # as in _run: logged, the thread goes on
+                        logger.exception("p2p receiver for %s: unexpected error", self.peer_session)
+        return self._queue.get()
 
     def _join(self, msg: CommInit) -> None:
         self._drop("replaced by a new pair channel")
@@ -282,14 +353,17 @@ class PairReceiver(_PairEnd):
             logger.warning(self.broken_reason)
 
     def _receive(self, header: ChunkHeader, verdict: ChunkVerdict) -> None:
-        """Receive one announced chunk; scatter it only if its checks passed and the room still wants it. A
-        chunk that failed its checks is received into staging and dropped (the channel stays in step); one
-        larger than a staging slot cannot be, so the channel is dropped and the prefill told."""
+        """Post the receive of one announced chunk, then land the chunk posted before it; a chunk is scattered
+        only if its checks passed and the room still wants it. A chunk that failed its checks is received into
+        staging and dropped (the channel stays in step); one larger than a staging slot cannot be, so the
+        channel is dropped and the prefill told."""
         if self.comm is None or header.generation != self.generation:
+            self._land_posted()
             reason = self.broken_reason or f"no pair channel with prefill {self.peer_session}"
             self.on_chunk(header.room, header.prefill_rank, reason)
             return
         if not verdict.in_step or header.nbytes > self.staging.slot_bytes:
+            self._land_posted()
             reason = verdict.problem or f"room {header.room}: chunk larger than a staging slot"
             self._drop(reason)
             self.on_refused(header, reason)
@@ -297,17 +371,68 @@ class PairReceiver(_PairEnd):
             return
         comm = self.comm
         try:
-            buf = self.staging.acquire(self.io_timeout)
+            buf = self._slot()
             try:
                 with _stream_ctx(comm):
-                    comm.recv(buf[: header.nbytes]).wait(self.io_timeout)
-                    if verdict.chunk is not None and self.wanted(header.room):
-                        self.copier.scatter(verdict.chunk, verdict.ids, buf)
-                _wait_stream(comm, self.io_timeout)
-            finally:
+                    done = comm.recv(buf[: header.nbytes])
+            except BaseException:
                 self.staging.release(buf)
+                raise
         except TransportError as e:
-            self._drop(f"pair channel with prefill {self.peer_session} broke: {e}")
+            self._land_posted()
+            self._broken(f"pair channel with prefill {self.peer_session} broke: {e}")
             self.on_chunk(header.room, header.prefill_rank, self.broken_reason)
             return
-        self.on_chunk(header.room, header.prefill_rank, verdict.problem)
+        earlier, self._posted = self._posted, _Posted(header, verdict, buf, done, comm,
+                                                       time.monotonic() + self.io_timeout)
+        if earlier is not None:
+            self._land(earlier)
+        if not self._overlaps(comm):
+            self._land_posted()  # nothing overlaps (CPU, or SGLANG_P2P_OVERLAP=0): land it now
+
+    def _overlaps(self, comm: PairComm) -> bool:
+        return self.overlap and comm.side_stream is not None
+
+    def _slot(self) -> torch.Tensor:
+        """A staging slot for the next receive: a free one, else the posted chunk's once it landed, else one
+        waited for. Never waits for a second slot while holding one."""
+        if self._posted is not None:
+            buf = self.staging.try_acquire()
+            if buf is not None:
+                return buf
+            self._land_posted()
+        return self.staging.acquire(self.io_timeout)
+
+    def _land_posted(self) -> None:
+        posted, self._posted = self._posted, None
+        if posted is not None:
+            self._land(posted)
+
+    def _land(self, p: _Posted) -> None:
+        """Wait for a posted receive, scatter it (on the side stream, beside the channel's stream where the next
+        receive may run), wait for the scatter, give the slot back and report the chunk."""
+        try:
+            try:
+                p.done.wait(max(0.0, p.deadline - time.monotonic()))
+                if p.verdict.chunk is not None and self.wanted(p.header.room):
+                    stream = p.comm.side_stream if self._overlaps(p.comm) else p.comm.stream
+                    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                        self.copier.scatter(p.verdict.chunk, p.verdict.ids, p.buf)
+                    _wait_on(stream, self.io_timeout)
+            finally:
+                self.staging.release(p.buf)
+        except TransportError as e:
+            reason = f"pair channel with prefill {self.peer_session} broke: {e}"
+            self.on_chunk(p.header.room, p.header.prefill_rank, reason)
+            if p.comm is self.comm:
+                self._broken(reason)
+            return
+        self.on_chunk(p.header.room, p.header.prefill_rank, p.verdict.problem)
+
+    def _broken(self, reason: str) -> None:
+        """Drop the channel and fail the chunk posted on it (this thread)."""
+        self._drop(reason)
+        posted, self._posted = self._posted, None
+        if posted is not None:  # the channel was aborted, so its receive ends and the slot can go back
+            self.staging.release(posted.buf)
+            self.on_chunk(posted.header.room, posted.header.prefill_rank, reason)

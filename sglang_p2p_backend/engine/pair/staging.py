@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -46,6 +46,23 @@ class StagingPool:
                         f"busy); raise SGLANG_P2P_STAGING_MB or check the peer"
                     )
                 self._cond.wait(left)
+        return self._make()
+
+    def try_acquire(self) -> Optional[torch.Tensor]:
+        """A slot if one is free (or may still be made) now, else None: never waits. A pair end takes its second
+        slot this way, so ends holding one slot each never wait on each other for a second."""
+        with self._cond:
+            if self._closed:
+                return None
+            if self._free:
+                return self._free.pop()
+            if self._created >= self.num_slots:
+                return None
+            self._created += 1
+        return self._make()
+
+    def _make(self) -> torch.Tensor:
+        """Allocate a slot counted as created; the count is given back if the allocation fails."""
         try:
             return self._alloc(self.slot_bytes)
         except BaseException:

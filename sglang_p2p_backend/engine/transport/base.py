@@ -52,6 +52,9 @@ class PairComm(ABC):
     device: torch.device
     #: stream the channel's operations run on; gather/scatter kernels for it are issued there too. None on CPU.
     stream: Optional["torch.cuda.Stream"] = None
+    #: a second stream of this channel alone, for the gather or scatter of one chunk while `stream` moves the
+    #: next (engine/pair/pipeline.py); None where the transport has none (CPU), then nothing overlaps
+    side_stream: Optional["torch.cuda.Stream"] = None
 
     @abstractmethod
     def send(self, buf: torch.Tensor) -> Completion:

@@ -399,7 +399,7 @@ class CudaIpcTransport(OneSidedTransport):
 
     name = NAME
 
-    def __init__(self, device: torch.device, copy_engine: str = "off"):
+    def __init__(self, device: torch.device, copy_engine: str = "auto"):
         self.device = device
         #: SGLANG_P2P_COPY_ENGINE: off (the SM kernel), on (copy engines), auto (per chunk: ce_plan.choose)
         self.copy_engine = copy_engine

@@ -134,9 +134,13 @@ class NcclPairComm(PairComm):
         self.device = device
         self.max_ctas = max_ctas
         self.stream, stream_handle = _own_stream(device, high_priority)
-        # the stream goes when this object does: after an abort from another thread the owner may still queue a
-        # kernel on it, which must not hit a destroyed handle
+        # the gather/scatter beside the transfers: a stream of this pair too (a pooled one could be another
+        # pair's, and a gather queued behind that pair's receive would wait on its peer)
+        self.side_stream, side_handle = _own_stream(device)
+        # the streams go when this object does: after an abort from another thread the owner may still queue a
+        # kernel on them, which must not hit a destroyed handle
         weakref.finalize(self, _destroy_stream, stream_handle)
+        weakref.finalize(self, _destroy_stream, side_handle)
         self.name = f"{handle:#x}(rank {rank}, cap {max_ctas or 'default'})"
         self._lock = threading.Lock()
         self._abort_reason = ""

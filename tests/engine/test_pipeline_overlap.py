@@ -1,0 +1,297 @@
+"""The overlapped two-sided path (SGLANG_P2P_OVERLAP, on by default) on CPU: a sender gathering chunk i+1 into a
+second staging slot while chunk i moves, a receiver posting chunk i+1's receive before landing chunk i.
+
+NCCL channels have a side stream for this; here the tcp channel is wrapped so that receives complete later, on a
+thread of their own in posting order (what a CUDA stream does), and says it has a side stream. CUDA's stream
+calls are replaced by no-ops: what is tested is the order of receives, scatters, slots and reports, which is
+the pipeline's own logic. The byte-exact GPU run is tests/gpu/test_engine_pipeline_nccl.py."""
+
+import queue
+import threading
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_p2p_backend.engine.copy.copier import PageCopier
+from sglang_p2p_backend.engine.pair import pipeline
+from sglang_p2p_backend.engine.pair.pipeline import PairReceiver, PairSender
+from sglang_p2p_backend.engine.pair.staging import StagingPool
+from sglang_p2p_backend.engine.transport.base import Completion, PairComm, TransportError
+from sglang_p2p_backend.engine.transport.tcp import TcpTransport
+
+from tests.engine.test_pipeline_tcp import pools, rand
+
+
+class _SideStream:
+    """What the sender asks of a side stream, on CPU."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def wait_event(self, event) -> None:
+        self.log.append(("side waits for a send", event))
+
+
+class _Later(Completion):
+    """A receive done by the comm's worker thread."""
+
+    def __init__(self):
+        self.finished = threading.Event()
+        self.error = None
+        self.event = None
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def wait(self, timeout: float) -> None:
+        if not self.finished.wait(timeout):
+            raise TransportError(f"receive not done after {timeout}s")
+        if self.error is not None:
+            raise TransportError(str(self.error))
+
+
+class LaterComm(PairComm):
+    """A tcp channel whose receives run later, one after another on a worker thread (a CUDA stream's order)."""
+
+    def __init__(self, inner: PairComm, log: list):
+        self.inner, self.log = inner, log
+        self.device = inner.device
+        self.side_stream = _SideStream(log)
+        self._work: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.hold = threading.Event()  # tests clear it to keep receives from finishing
+        self.hold.set()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            buf, c = self._work.get()
+            self.hold.wait()
+            try:
+                self.inner.recv(buf)
+            except TransportError as e:
+                c.error = e
+            self.log.append(("received", buf.numel()))
+            c.finished.set()
+
+    def send(self, buf: torch.Tensor) -> Completion:
+        c = self.inner.send(buf)
+        c.event = ("sent", buf.data_ptr())
+        self.log.append(("sent from slot", buf.data_ptr()))
+        return c
+
+    def recv(self, buf: torch.Tensor) -> Completion:
+        c = _Later()
+        self.log.append(("posted", buf.numel()))
+        self._work.put((buf, c))
+        return c
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class LaterTransport(TcpTransport):
+    def __init__(self, log: list, **kw):
+        super().__init__(**kw)
+        self.log = log
+        self.comms: list = []
+
+    def connect(self, unique_id: bytes, rank: int, timeout: float) -> PairComm:
+        comm = LaterComm(super().connect(unique_id, rank, timeout), self.log)
+        self.comms.append(comm)
+        return comm
+
+
+class LoggingCopier(PageCopier):
+    def __init__(self, views, log: list):
+        super().__init__(views)
+        self.log = log
+
+    def scatter(self, chunk, ids, staging):
+        self.log.append(("scatter", staging.data_ptr()))
+        return super().scatter(chunk, ids, staging)
+
+
+@pytest.fixture
+def cpu_streams(monkeypatch):
+    """CUDA's stream context and stream wait as no-ops (the CPU channel's work is done when its calls return)."""
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(pipeline, "_wait_on", lambda stream, timeout: None)
+
+
+class OverlapPair:
+    def __init__(self, slot_bytes=1024, slots=2, overlap=True, receiver_pool=None):
+        self.log: list = []
+        self.src_t, src_views = pools(fill=rand)
+        self.dst_t, dst_views = pools()
+        self.transport = LaterTransport(self.log, io_timeout=5.0)
+        self.landed: list = []
+        self.wanted = {5}
+        self.recv_pool = receiver_pool or StagingPool(self.transport.alloc_staging, slot_bytes, slots)
+        self.send_pool = StagingPool(self.transport.alloc_staging, slot_bytes, slots)
+        self.receiver = PairReceiver(
+            transport=self.transport, staging=self.recv_pool, copier=LoggingCopier([dst_views], self.log),
+            peer_session="prefill:1", wanted=lambda room: room in self.wanted,
+            on_chunk=lambda room, rank, err: self.landed.append((room, err)),
+            connect_timeout=5, io_timeout=5.0, overlap=overlap)
+        self.sender = PairSender(
+            transport=self.transport, staging=self.send_pool, copier=PageCopier([src_views]),
+            local_session="prefill:1", control=self.receiver.submit, connect_timeout=5, io_timeout=5.0,
+            overlap=overlap)
+
+    def drain(self):
+        ev = threading.Event()
+        self.receiver.submit(ev.set)
+        assert ev.wait(10)
+
+    def close(self):
+        self.sender.close()
+        self.receiver.close()
+        self.transport.close()
+
+    def pages_equal(self, src, dst) -> bool:
+        s, d = torch.from_numpy(src.astype(np.int64)), torch.from_numpy(dst.astype(np.int64))
+        return all(torch.equal(dt[d], st[s]) for st, dt in zip(self.src_t, self.dst_t))
+
+
+def _ids(n, seed):
+    rng = np.random.default_rng(seed)
+    return rng.permutation(64)[:n].astype(np.int32), rng.permutation(64)[:n].astype(np.int32)
+
+
+def _open(p: "OverlapPair") -> LaterComm:
+    """Open the channel with a one-page room and return the receiver's end."""
+    p.sender.send(5, 0, [np.array([63], np.int32)], [np.array([63], np.int32)])
+    p.drain()
+    p.log.clear()
+    return p.receiver.comm
+
+
+def _until(cond, what: str) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_overlapped_chunks_land_exactly_and_each_receive_is_posted_before_the_previous_chunk_lands(cpu_streams):
+    p = OverlapPair()
+    try:
+        comm = _open(p)
+        comm.hold.clear()  # receives finish only once the sender queued every chunk: the order is then fixed
+        src, dst = _ids(20, 1)
+        assert p.sender.send(5, 0, [src], [dst]) == 20 * 6 * 48
+        comm.hold.set()
+        p.drain()
+        assert p.landed[1:] == [(5, None)] * 7  # 3 pages a 1 KiB slot: 7 chunks, all reported, in order
+        assert p.pages_equal(src, dst)
+        events = [e[0] for e in p.log if e[0] in ("posted", "scatter")]
+        # receive-ahead: chunk i+1's receive is posted before chunk i is scattered
+        assert events[:3] == ["posted", "posted", "scatter"], events
+        assert events.count("posted") == events.count("scatter") == 7
+        # the sender filled two slots in turn, each refilled only after waiting for its previous send
+        slots = [e[1] for e in p.log if e[0] == "sent from slot"]
+        assert len(set(slots)) == 2 and slots[:2] * 3 == slots[:6]
+        assert sum(1 for e in p.log if e[0] == "side waits for a send") == 5
+        assert p.recv_pool.in_use == 0 and p.send_pool.in_use == 0
+    finally:
+        p.close()
+
+
+def test_without_overlap_every_chunk_lands_before_the_next_receive_is_posted(cpu_streams):
+    p = OverlapPair(overlap=False)
+    try:
+        src, dst = _ids(9, 2)
+        p.sender.send(5, 0, [src], [dst])
+        p.drain()
+        events = [e[0] for e in p.log if e[0] in ("posted", "scatter")]
+        assert events == ["posted", "scatter"] * 3
+        assert len({e[1] for e in p.log if e[0] == "sent from slot"}) == 1
+        assert p.pages_equal(src, dst)
+    finally:
+        p.close()
+
+
+def test_a_room_abandoned_while_its_chunk_is_in_flight_is_not_scattered(cpu_streams):
+    p = OverlapPair()
+    try:
+        comm = _open(p)
+        comm.hold.clear()  # the receive stays in flight
+        src, dst = np.array([40, 41], np.int32), np.array([50, 51], np.int32)
+        p.sender.send(5, 0, [src], [dst])
+        _until(lambda: any(e[0] == "posted" for e in p.log), "the receive to be posted")
+        p.wanted.discard(5)  # the decode gave the room up meanwhile: its pages may belong to another room now
+        comm.hold.set()
+        p.drain()
+        assert all(bool((t[50:52] == 0xA5).all()) for t in p.dst_t)  # nothing written into them
+        assert not any(e[0] == "scatter" for e in p.log)
+        assert p.landed[-1] == (5, None) and p.recv_pool.in_use == 0
+    finally:
+        p.close()
+
+
+def test_two_receivers_sharing_two_slots_never_wait_on_each_other(cpu_streams):
+    """Each receiver holds one slot with a chunk in flight when its next header comes; neither waits for a
+    second slot (it lands its own chunk first), so neither waits for the other."""
+    shared = StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), 1024, 2)
+    a, b = OverlapPair(receiver_pool=shared), OverlapPair(receiver_pool=shared)
+    try:
+        comms = [_open(a), _open(b)]
+        for c in comms:
+            c.hold.clear()
+        first = np.array([60, 61, 62], np.int32)  # one chunk each: each receiver posts it and holds one slot
+        for p in (a, b):
+            p.sender.send(5, 0, [first], [first])
+        _until(lambda: shared.in_use == 2, "each receiver to hold a slot")
+        src, dst = _ids(20, 4)
+        src, dst = src[~np.isin(dst, first)], dst[~np.isin(dst, first)]
+        for p in (a, b):
+            p.sender.send(5, 0, [src], [dst])  # tcp buffers the bytes: both senders are done
+        threading.Event().wait(0.2)  # both receivers now have their next header and no free slot
+        for c in comms:
+            c.hold.set()
+        a.drain(), b.drain()
+        assert a.landed[1:] == b.landed[1:] == [(5, None)] * (1 + -(-len(src) // 3))
+        assert a.pages_equal(src, dst) and b.pages_equal(src, dst)
+        assert shared.in_use == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_channel_breaking_with_a_chunk_in_flight_fails_both_chunks_in_order_and_returns_the_slots(cpu_streams):
+    p = OverlapPair()
+    try:
+        comm = _open(p)
+        comm.hold.clear()
+        src, dst = _ids(20, 5)
+        sender = threading.Thread(target=p.sender.send, args=(5, 0, [src], [dst]))
+        sender.start()
+        # two receives posted (both slots), the receiver waiting for the first
+        _until(lambda: sum(1 for e in p.log if e[0] == "posted") == 2, "two posted receives")
+        comm.inner.abort()  # the channel dies with both in flight
+        comm.hold.set()
+        sender.join(15)
+        p.drain()
+        assert len(p.landed) == 1 + 7
+        errors = [err for _, err in p.landed[1:]]
+        assert all(e and "broke" in e for e in errors), p.landed
+        assert p.recv_pool.in_use == 0
+        assert p.receiver.comm is None
+        assert not any(e[0] == "scatter" for e in p.log)
+    finally:
+        p.close()
+
+
+def test_overlap_is_on_by_default_and_sglang_p2p_overlap_turns_it_off(monkeypatch):
+    from sglang_p2p_backend.engine.config import ConfigError, EngineConfig
+
+    monkeypatch.delenv("SGLANG_P2P_OVERLAP", raising=False)
+    assert EngineConfig.from_env().overlap is True
+    monkeypatch.setenv("SGLANG_P2P_OVERLAP", "0")
+    assert EngineConfig.from_env().overlap is False
+    monkeypatch.setenv("SGLANG_P2P_OVERLAP", "yes")
+    with pytest.raises(ConfigError, match="SGLANG_P2P_OVERLAP"):
+        EngineConfig.from_env()
