@@ -49,7 +49,9 @@
 #   transfer-bench: bench/transfer/xfer_bench.py on this machine's GPUs: the same-host write path (SM kernel and
 #          copy engines) against one cudaMemcpyPeer, the NCCL path against one contiguous NCCL send, a matmul's
 #          slowdown during transfers, a 128-token request's fixed cost by phase -> $OUT/xfer_$KIND.json and
-#          $OUT/xfer_$KIND.log (E2E_XFER_ARGS adds flags), after tests/gpu/test_copy_engine.py -> $OUT/xfer_tests.log
+#          $OUT/xfer_$KIND.log (E2E_XFER_ARGS adds flags, e.g. "--programs 16,32,66,132": the copy kernel's grid
+#          bounded to each count, write time against the matmul's slowdown, SGLANG_P2P_IPC_PROGRAMS's trade-off),
+#          after tests/gpu/test_copy_engine.py -> $OUT/xfer_tests.log
 #          (E2E_XFER_TESTS=0 skips it). Needs no SGLang: carry .bundle/bench.tar.xz (msgspec) or sglang.tar.xz
 #   deepep: DeepEP as the (P3x3)D4 profile uses it: built here with nvcc for sm_90 against the image's NVSHMEM
 #          wheel, DeepEP's own intranode test on GPUs 0-1, DeepGEMM's bf16 grouped GEMM (what SGLang runs an

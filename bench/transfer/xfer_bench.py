@@ -1,7 +1,7 @@
 """The backend's own write paths across two GPUs against the one copy they should match.
 
     python bench/transfer/xfer_bench.py [--machine NAME] [--out PATH] [--sections plan,ipc,nccl,interference,fixed]
-                                        [--budget-s 400] [--case-s 0.25] [--quick]
+                                        [--budget-s 400] [--case-s 0.25] [--programs 16,32,66,132] [--quick]
 
 Two spawned processes: the prefill on cuda:0 drives, the decode on cuda:1 (cuda:0 on a one-GPU host) answers
 over a pipe (allocates and exports its pools, zeroes pages, hashes pages, receives NCCL chunks). Cases: MHA with
@@ -21,6 +21,10 @@ size 64; 128, 1k, 4k and 16k tokens; contiguous and scattered pages (bench/trans
   pair communicator.
 - `interference`: a bf16 matmul loop on the prefill GPU's default stream, alone and while a thread writes the
   16k MHA page-16 request back to back (kernel, copy engines, NCCL).
+- `--programs LIST` (with `ipc` or `interference`): the kernel's grid bounded to each value in turn
+  (SGLANG_P2P_IPC_PROGRAMS; the default is 8 programs an SM), for the 4k and 16k MHA page-16 cases, contiguous
+  and scattered: write time, GB/s and ratio as in `ipc`, and the matmul's slowdown during back-to-back writes
+  as in `interference`. How many SMs NVLink's ~380 GB/s needs against what they cost the forward pass.
 - `fixed`: where a 128-token request's time goes (MLA page 64 and MHA page 16, scattered): host planning
   (checks and address translation), descriptor upload (CUDA events), launch (host time of the queueing call),
   sync (host wait), the control message (msgspec encoding of the aux row and Status, and one way over a local
@@ -47,6 +51,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -66,6 +71,9 @@ IO_TIMEOUT = 120.0
 INTERFERENCE_CASE = ("mha_p16", 16384)
 FIXED_SHAPES = ("mla_p64", "mha_p16")
 SAME_GPU = (("mha_p16", 4096), ("mha_p16", 16384), ("mla_p64", 4096), ("mla_p64", 16384))
+#: --programs measures this shape's requests of these sizes (2 GiB at 16k: the interference case)
+PROGRAMS_CASE = ("mha_p16", (4096, 16384))
+IPC_MODES = ("kernel", "copy_engine")
 #: cases with more copy-engine spans than this get fewer repetitions (a batch of ~1M spans takes long)
 MANY_SPANS = 1 << 16
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
@@ -132,6 +140,34 @@ def _call_then_sync(call: Callable[[], Any], stream, calls: list, syncs: list) -
 
 def _shape(d: dict) -> xc.Shape:
     return xc.Shape(**d)
+
+
+def programs_tokens(tokens) -> list[int]:
+    """The request sizes --programs measures: PROGRAMS_CASE's, or with --quick (small pools, none of those
+    sizes) the largest there is, so the CPU run still walks the section."""
+    return [t for t in tokens if t in PROGRAMS_CASE[1]] or [max(tokens)]
+
+
+def parse_programs(raw: str) -> list[int]:
+    """--programs: comma-separated grid bounds, each >= 1 (empty: none, only the default grid)."""
+    values = [p.strip() for p in raw.split(",") if p.strip()]
+    if not all(v.isdigit() and int(v) >= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{raw!r}: give program counts >= 1 like 16,32,66,132")
+    return [int(v) for v in values]
+
+
+@dataclass
+class PreparedWrite:
+    """One ipc case ready to time: the write itself, what its destination pages must hash to, its span count
+    in each mode and the reference copy of the same bytes."""
+
+    case: xc.Case
+    gpu: int
+    dst_ids: np.ndarray
+    want: np.ndarray
+    spans: dict  # mode -> spans
+    write: Callable[[], Any]
+    ref: dict
 
 
 def pool_hash(regions, ids: np.ndarray, trace: Callable[[str], None] = lambda what: None) -> np.ndarray:
@@ -296,7 +332,7 @@ class Prefill:
         self.conn, self.cfg = conn, cfg
         self.deadline = time.monotonic() + cfg["budget_s"]
         self.skipped: list[str] = []
-        self.out: dict = {"ipc": [], "same_gpu": [], "nccl": [], "interference": [], "fixed_cost": {}}
+        self.out: dict = {"ipc": [], "same_gpu": [], "nccl": [], "interference": [], "fixed_cost": {}, "programs": []}
         self._refs: dict = {}
         self.rt = None
         if self.dev.cuda:
@@ -420,7 +456,7 @@ class Prefill:
         """The CUDA runtime's last error of this thread, not reset (0 on CPU)."""
         return int(self.rt.cudaPeekAtLastError()) if self.rt is not None else 0
 
-    def ipc_case(self, case: xc.Case, pool: list, dst_ptrs: list, dst_pages: int, gpu: int) -> list[dict]:
+    def ipc_prepare(self, case: xc.Case, pool: list, dst_ptrs: list, dst_pages: int, gpu: int) -> PreparedWrite:
         from sglang_p2p_backend.engine.copy.ce_plan import page_chunk_shape, page_spans
 
         shape = case.shape
@@ -428,31 +464,61 @@ class Prefill:
         src_ids, dst_ids = xc.page_ids(case, src_pages, dst_pages)
         want = pool_hash(pool, src_ids, self.trace)
         bases, items = [t.data_ptr() for t in pool], [shape.item] * shape.regions
-        nbytes = shape.nbytes(case.tokens)
         plan = self.tr.plan_pages(SESSION, bases, dst_ptrs, items, src_ids, dst_ids, src_pages, dst_pages)
-        ce_spans = page_spans(*plan)
-        kernel_spans, _ = page_chunk_shape(src_ids, dst_ids, items)
-        ref = self.reference(nbytes, gpu)
-        rows = []
-        for mode in ("kernel", "copy_engine"):
-            if not self.time_left(f"ipc {case.name} {mode} (gpu {gpu})"):
-                continue
-            self.ask("zero", dst_ids)
-            self.tr.copy_engine = "on" if mode == "copy_engine" else "off"
-            write = lambda: self.tr.write_pages(SESSION, bases, dst_ptrs, items, src_ids, dst_ids,  # noqa: E731
-                                                src_pages, dst_pages)
-            spans = int(ce_spans[2].size) if mode == "copy_engine" else kernel_spans
-            times = self.budget(spans if mode == "copy_engine" else 0).run(lambda: host_seconds(write))
-            _, got = self.ask("hash", dst_ids, want="hash")
-            bad = int(np.count_nonzero(got != want))
-            w = xc.stats_us(times)
-            rows.append({"case": case.name, "shape": shape.name, "tokens": case.tokens, "dest": case.dest,
-                         "mode": mode, "decode_gpu": gpu, "bytes": nbytes, "pages": int(src_ids.size),
-                         "spans": spans, "mean_span": nbytes / max(spans, 1), "write_us": w,
-                         "write_gbps": nbytes / w["p50"] / 1e3, "ref": ref,
-                         "ratio": xc.ratio(ref["gpu_us"]["p50"], w["p50"]), "bad_pages": bad})
+        spans = {"copy_engine": int(page_spans(*plan)[2].size), "kernel": page_chunk_shape(src_ids, dst_ids, items)[0]}
+        write = lambda: self.tr.write_pages(SESSION, bases, dst_ptrs, items, src_ids, dst_ids,  # noqa: E731
+                                            src_pages, dst_pages)
+        return PreparedWrite(case, gpu, dst_ids, want, spans, write, self.reference(shape.nbytes(case.tokens), gpu))
+
+    def ipc_write(self, w: PreparedWrite, mode: str) -> dict:
+        """Time `w`'s write in `mode` (into zeroed pages), then check every destination page it wrote."""
+        case = w.case
+        self.ask("zero", w.dst_ids)
+        self.tr.copy_engine = "on" if mode == "copy_engine" else "off"
+        spans = w.spans[mode]
+        times = self.budget(spans if mode == "copy_engine" else 0).run(lambda: host_seconds(w.write))
+        _, got = self.ask("hash", w.dst_ids, want="hash")
+        nbytes = case.shape.nbytes(case.tokens)
+        t = xc.stats_us(times)
+        return {"case": case.name, "shape": case.shape.name, "tokens": case.tokens, "dest": case.dest,
+                "mode": mode, "decode_gpu": w.gpu, "bytes": nbytes, "pages": int(w.dst_ids.size),
+                "spans": spans, "mean_span": nbytes / max(spans, 1), "write_us": t,
+                "write_gbps": nbytes / t["p50"] / 1e3, "ref": w.ref,
+                "ratio": xc.ratio(w.ref["gpu_us"]["p50"], t["p50"]), "bad_pages": int(np.count_nonzero(got != w.want))}
+
+    def ipc_case(self, case: xc.Case, pool: list, dst_ptrs: list, dst_pages: int, gpu: int) -> list[dict]:
+        w = self.ipc_prepare(case, pool, dst_ptrs, dst_pages, gpu)
+        rows = [self.ipc_write(w, mode) for mode in IPC_MODES if self.time_left(f"ipc {case.name} {mode} (gpu {gpu})")]
         self.tr.copy_engine = "off"
         return rows
+
+    # -- the kernel's grid
+    def programs_section(self, shape: xc.Shape, pool: list, dst_ptrs: list, dst_pages: int) -> None:
+        """--programs: each PROGRAMS_CASE request with the page kernel's grid bounded to each value (on CPU the
+        stand-in has no grid: the rows only walk the driver)."""
+        gpu = self.cfg["decode_gpu"]
+        if self.dev.cuda:  # the grid every other row ran with, for comparison
+            from sglang_p2p_backend.engine.transport.cuda_ipc import backend
+
+            self.out["programs_default"] = backend()._copiers(self.dev_t)[1].max_programs  # noqa: SLF001
+        for tokens in programs_tokens(self.cfg["tokens"]):
+            for dest in xc.DESTS:
+                case = xc.Case(shape, tokens, dest)
+                w: Optional[PreparedWrite] = None
+                for n in self.cfg["programs"]:
+                    if not self.time_left(f"programs {case.name} {n}"):
+                        continue
+                    w = w or self.ipc_prepare(case, pool, dst_ptrs, dst_pages, gpu)
+                    self.out["programs"].append(self.programs_row(w, n))
+        self.tr.programs = None
+
+    def programs_row(self, w: PreparedWrite, programs: int) -> dict:
+        """The kernel's write time with its grid bounded to `programs`, then a matmul's slowdown beside it."""
+        self.tr.programs = programs
+        row = self.ipc_write(w, "kernel")
+        beside = self.interference("kernel", w.write, row["bytes"])
+        row.update({k: v for k, v in beside.items() if k != "mode"}, programs=programs)
+        return row
 
     # -- the NCCL path
     def nccl_open(self, pool: list, overlap: bool = True):
@@ -683,6 +749,8 @@ class Prefill:
                             row["case"] = case.name
                             self.out["interference"].append(row)
                         self.tr.copy_engine = "off"
+                if self.cfg["programs"] and shape.name == PROGRAMS_CASE[0] and {"ipc", "interference"} & sections:
+                    self.programs_section(shape, pool, dst_ptrs, dst_pages)
                 self.tr.forget_peer(SESSION)
                 if "ipc" in sections and two_gpus:
                     same = [c for c in shape_cases if (shape.name, c.tokens) in SAME_GPU]
@@ -829,7 +897,8 @@ def verdicts(result: dict) -> dict:
             by[r["case"]] = min(by.get(r["case"], float("inf")), r[key]["p50"])
         return by
 
-    out: dict = {"verified": all(r["bad_pages"] == 0 for k in ("ipc", "same_gpu", "nccl") for r in result.get(k, []))}
+    out: dict = {"verified": all(r["bad_pages"] == 0 for k in ("ipc", "same_gpu", "nccl", "programs")
+                                 for r in result.get(k, []))}
     if ipc:
         b = best(ipc)
         out["ipc_ratio"] = all((r["ratio"] or 0) >= t["ipc_ratio_min"] for r in ipc if r["write_us"]["p50"] == b[r["case"]])
@@ -880,6 +949,8 @@ def tables(result: dict) -> str:
             tb.add(r["case"], r["mode"], r["matmul_ms_alone"], r["matmul_ms_during"], 100 * r["slowdown"],
                    r["writes_during"], r["write_gbps_during"])
         parts.append(f"== interference: matmul loop on the prefill GPU (slowdown in %)\n{tb.render()}")
+    if result.get("programs"):
+        parts.append(programs_table(result["programs"], result.get("programs_default")))
     for name, f in result.get("fixed_cost", {}).items():
         keys = [k for k in f if k.endswith("_us") and isinstance(f[k], dict)]
         lines = [f"  {k:<30}{f[k]['p50']:>10.1f} us p50 {f[k]['p99']:>10.1f} us p99" for k in keys]
@@ -901,6 +972,17 @@ def tables(result: dict) -> str:
     return "\n\n".join(parts)
 
 
+def programs_table(rows: list[dict], default: Optional[int]) -> str:
+    tb = xc.Table([("case", 30), ("programs", 9), ("write us", 10), ("p99 us", 9), ("GB/s", 7), ("ratio", 7),
+                   ("alone ms", 10), ("during ms", 10), ("slowdown", 10), ("GB/s dur", 9), ("bad", 5)])
+    for r in rows:
+        tb.add(r["case"], r["programs"], r["write_us"]["p50"], r["write_us"]["p99"], r["write_gbps"], r["ratio"],
+               r["matmul_ms_alone"], r["matmul_ms_during"], 100 * r["slowdown"], r["write_gbps_during"],
+               r["bad_pages"])
+    grid = f"the default grid: {default} programs" if default else "on CPU the stand-in has no grid"
+    return f"== programs: kernel grid vs write time and matmul slowdown (slowdown in %; {grid})\n{tb.render()}"
+
+
 SECTIONS = ("plan", "ipc", "nccl", "interference", "fixed")
 
 
@@ -913,6 +995,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=400.0, help="no case starts after this many seconds")
     ap.add_argument("--case-s", type=float, default=0.25, help="timed seconds per case and mode (at least 5 reps)")
     ap.add_argument("--max-reps", type=int, default=100)
+    ap.add_argument("--programs", type=parse_programs, default=[], metavar="LIST",
+                    help="comma-separated grid bounds of the page kernel to measure beside the default "
+                         "(SGLANG_P2P_IPC_PROGRAMS), e.g. 16,32,66,132; needs section ipc or interference")
     ap.add_argument("--quick", action="store_true", help="CPU: the same driver with stand-ins and small pools")
     ns = ap.parse_args(argv)
     sections = set(s for s in ns.sections.split(",") if s)
@@ -936,7 +1021,7 @@ def main(argv=None) -> int:
     if device_sections:
         gpus = torch.cuda.device_count() if cuda else 0
         cfg = {"quick": not cuda, "prefill_gpu": 0, "decode_gpu": 1 if gpus >= 2 else 0, "budget_s": ns.budget_s,
-               "case_s": ns.case_s, "max_reps": ns.max_reps, "sections": device_sections,
+               "case_s": ns.case_s, "max_reps": ns.max_reps, "sections": device_sections, "programs": ns.programs,
                "shapes": [s.__dict__ for s in shapes], "tokens": tokens}
         import multiprocessing as mp
 

@@ -46,14 +46,14 @@ def parse_caps(raw: Optional[str]) -> tuple[Optional[int], ...]:
     return tuple(caps)
 
 
-def _number(name: str, default: float, cast=float):
+def _number(name: str, default: Optional[float], cast=float):
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
         value = cast(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
+        raise ConfigError(f"{name}={raw!r} is not a {'whole ' if cast is int else ''}number") from None
     if value <= 0:
         raise ConfigError(f"{name}={raw!r} must be positive")
     return value
@@ -107,6 +107,10 @@ class EngineConfig:
     #: SGLANG_P2P_COPY_ENGINE: how the same-host path copies a chunk: `auto` (per chunk, engine/copy/ce_plan.py's
     #: rule), `off` (the SM copy kernel) or `on` (the GPU's copy engines, cudaMemcpyBatchAsync)
     copy_engine: str = "auto"
+    #: SGLANG_P2P_IPC_PROGRAMS: the grid bound of the same-host page-copy kernel (engine/copy/span_copy.py's
+    #: PageCopier); None: its default, 8 programs an SM. NVLink likely needs far fewer SMs than that grid takes
+    #: from the forward pass beside it (bench/transfer/xfer_bench.py --programs measures the trade-off)
+    ipc_programs: Optional[int] = None
     #: SGLANG_P2P_NCCL_SO_PATH, else SGLang's own SGLANG_NCCL_SO_PATH (one variable points both at another
     #: libnccl); None: the libnccl.so.2 torch loaded
     nccl_library: Optional[str] = None
@@ -146,6 +150,7 @@ class EngineConfig:
             nccl_high_priority=_choice("SGLANG_P2P_NCCL_STREAM_PRIORITY", ("normal", "high")) == "high",
             overlap=_choice("SGLANG_P2P_OVERLAP", ("1", "0")) == "1",
             copy_engine=_choice("SGLANG_P2P_COPY_ENGINE", COPY_ENGINE_MODES),
+            ipc_programs=_number("SGLANG_P2P_IPC_PROGRAMS", cls.ipc_programs, int),
             nccl_library=env.get("SGLANG_P2P_NCCL_SO_PATH") or env.get("SGLANG_NCCL_SO_PATH") or None,
             mooncake_force_tcp=env.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"),
             test_corrupt_kv_file=env.get("SGLANG_P2P_TEST_CORRUPT_KV_FILE") or None,

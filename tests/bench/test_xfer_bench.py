@@ -4,6 +4,7 @@ shared-memory stand-in of CUDA IPC, the tcp transport for the NCCL path): every 
 destination page it wrote is verified."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -112,10 +113,22 @@ def test_plan_section_records_every_case_with_exact_span_counts(tmp_path):
     assert rows["mha_p16_16384_contiguous"]["nccl_chunks"] == 16  # 2 GiB in 128 MiB staging slots
 
 
+def test_the_programs_flag_and_the_request_sizes_it_measures():
+    assert xfer_bench.parse_programs("") == []
+    assert xfer_bench.parse_programs("16, 32,66,132") == [16, 32, 66, 132]
+    for bad in ("0", "16,x", "-4", "8.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="program counts >= 1"):
+            xfer_bench.parse_programs(bad)
+    with pytest.raises(SystemExit):
+        xfer_bench.main(["--quick", "--programs", "0"])
+    assert xfer_bench.programs_tokens(xc.TOKENS) == [4096, 16384]
+    assert xfer_bench.programs_tokens(xc.QUICK_TOKENS) == [1024]  # --quick: the largest, so the section runs
+
+
 @pytest.mark.slow
-def test_quick_run_of_every_section_verifies_every_page(tmp_path):
+def test_quick_run_of_every_section_verifies_every_page(tmp_path, capsys):
     out = tmp_path / "quick.json"
-    rc = xfer_bench.main(["--quick", "--out", str(out), "--case-s", "0.02", "--max-reps", "6"])
+    rc = xfer_bench.main(["--quick", "--out", str(out), "--case-s", "0.02", "--max-reps", "6", "--programs", "4,16"])
     result = json.loads(out.read_text())
     assert rc == 0 and result["pass"]["verified"] is True
     assert result["machine"].startswith("cpu-") and result["meta"]["quick"] is True
@@ -130,6 +143,12 @@ def test_quick_run_of_every_section_verifies_every_page(tmp_path):
     assert set(result["fixed_cost"]) == {"mla_p64", "mha_p16"}
     assert all(f["end_to_end_us"] > 0 for f in result["fixed_cost"].values())
     assert result["skipped"] == [] and result["rule"]["winner"]
+    # --programs: the kernel with each grid bound, on every destination of the (quick) request size
+    rows = result["programs"]
+    assert [(r["case"], r["programs"]) for r in rows] == [(f"mha_p16_1024_{d}", n) for d in xc.DESTS for n in (4, 16)]
+    assert all(r["mode"] == "kernel" and r["bad_pages"] == 0 and r["write_us"]["n"] >= 5 and r["ratio"] > 0
+               and r["error"] is None and r["writes_during"] > 0 and r["matmul_ms_during"] > 0 for r in rows)
+    assert "== programs: kernel grid vs write time and matmul slowdown" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -1,8 +1,11 @@
 """The same-host transport's copy-engine route (SGLANG_P2P_COPY_ENGINE) with the shared-memory stand-in of CUDA
 IPC: `off` keeps the page kernel's call (the default, unchanged), `on` hands the checked, coalesced spans to the
 copy engines, `auto` follows ce_plan's rule per chunk; the bytes land either way and nothing else changes. What
-the CUDA calls do runs in tests/gpu/test_copy_engine.py."""
+the CUDA calls do runs in tests/gpu/test_copy_engine.py. Also the page kernel's grid bound
+(SGLANG_P2P_IPC_PROGRAMS): parsed with the other knobs and handed to every page write of the transport."""
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -23,11 +26,13 @@ class RecordingShm(ShmBackend):
     def __init__(self, batched: bool = True):
         super().__init__()
         self.calls: list[tuple] = []
+        self.programs: list = []  # the grid bound each page write was given
         self.batched = batched
 
-    def write_pages(self, device, src_bases, dst_bases, item_bytes, src_ids, dst_ids):
+    def write_pages(self, device, src_bases, dst_bases, item_bytes, src_ids, dst_ids, max_programs=None):
         self.calls.append(("pages", len(src_ids)))
-        super().write_pages(device, src_bases, dst_bases, item_bytes, src_ids, dst_ids)
+        self.programs.append(max_programs)
+        super().write_pages(device, src_bases, dst_bases, item_bytes, src_ids, dst_ids, max_programs)
 
     def copy_engines_batched(self):
         return self.batched
@@ -46,9 +51,9 @@ def shm():
     backend.close()
 
 
-def _pair(shm, mode, back_to_back=False):
+def _pair(shm, mode, back_to_back=False, programs=None):
     """A decode pool of REGIONS regions in one segment (back to back when asked, else with a gap of one page
-    between regions), mapped by a prefill transport in `mode`."""
+    between regions), mapped by a prefill transport in `mode` (its page kernel's grid bound `programs`)."""
     stride = PAGES * ITEM if back_to_back else (PAGES + 1) * ITEM
     dst_pool = shm.allocate(REGIONS * stride)
     dst_pool.zero_()
@@ -56,7 +61,7 @@ def _pair(shm, mode, back_to_back=False):
     dst_regions = [(dst_pool.data_ptr() + r * stride, PAGES * ITEM) for r in range(REGIONS)]
     decode = cuda_ipc.CudaIpcTransport(torch.device("cpu"))
     decode.register(dst_regions)
-    prefill = cuda_ipc.CudaIpcTransport(torch.device("cpu"), mode)
+    prefill = cuda_ipc.CudaIpcTransport(torch.device("cpu"), mode, programs)
     prefill.open_peer("d", decode.export)
     src_bases = [src_pool.data_ptr() + r * stride for r in range(REGIONS)]
     return prefill, src_pool, dst_pool, src_bases, [p for p, _ in dst_regions], stride
@@ -148,3 +153,30 @@ def test_the_knob_is_read_once_and_checked(monkeypatch):
     monkeypatch.setenv("SGLANG_P2P_COPY_ENGINE", "yes")
     with pytest.raises(ConfigError, match=r"SGLANG_P2P_COPY_ENGINE='yes' is not one of auto, off, on"):
         EngineConfig.from_env()
+
+
+@pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("1", 1), ("132", 132), (" 66 ", 66)])
+def test_the_programs_knob_is_read_once_unset_being_the_default_grid(monkeypatch, raw, want):
+    if raw is None:
+        monkeypatch.delenv("SGLANG_P2P_IPC_PROGRAMS", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_P2P_IPC_PROGRAMS", raw)
+    assert EngineConfig.from_env().ipc_programs == want
+
+
+@pytest.mark.parametrize("raw, why", [("0", "must be positive"), ("-8", "must be positive"),
+                                      ("many", "is not a whole number"), ("1.5", "is not a whole number")])
+def test_the_programs_knob_refuses_anything_but_a_count_naming_it(monkeypatch, raw, why):
+    monkeypatch.setenv("SGLANG_P2P_IPC_PROGRAMS", raw)
+    with pytest.raises(ConfigError, match=re.escape(f"SGLANG_P2P_IPC_PROGRAMS={raw!r} {why}")):
+        EngineConfig.from_env()
+
+
+@pytest.mark.parametrize("programs", [None, 32])
+def test_the_programs_bound_reaches_every_page_write_and_the_bytes_land(shm, programs):
+    tr, sp, dp, sb, db, stride = _pair(shm, "off", programs=programs)
+    tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([0, 1]), np.array([3, 4]), PAGES, PAGES)
+    tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([7]), np.array([9]), PAGES, PAGES)
+    assert shm.calls == [("pages", 2), ("pages", 1)] and shm.programs == [programs, programs]
+    _check(sp, dp, stride, [0, 1, 7], [3, 4, 9])
+    tr.close()

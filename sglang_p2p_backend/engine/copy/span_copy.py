@@ -197,9 +197,12 @@ class PageCopier:
         self._like = {w: torch.empty(1, dtype=d, device=device) for w, d in _WORD_DTYPES.items()}
 
     def copy(self, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
-             src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream) -> int:
+             src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream,
+             max_programs: Optional[int] = None) -> int:
         """Queue the copy of pages src_ids -> dst_ids of every region on `stream`; returns the bytes queued.
-        Ids and bases are trusted here: the transport checked them against both pools."""
+        Ids and bases are trusted here: the transport checked them against both pools. `max_programs` bounds
+        this launch's grid instead of `self.max_programs` (SGLANG_P2P_IPC_PROGRAMS; the copier is shared by
+        every transport of its thread, so the bound travels with the call)."""
         n_pages, n_regions = int(len(src_ids)), int(len(item_bytes))
         if not n_pages or not n_regions:
             return 0
@@ -219,6 +222,6 @@ class PageCopier:
         block = min(1024, max(16, 1 << (words - 1).bit_length()))
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             dev.copy_(self._host[:n], non_blocking=True)
-            grid = (min(n_pages * n_regions, self.max_programs),)
+            grid = (min(n_pages * n_regions, max_programs or self.max_programs),)
             _copy_pages[grid](dev, n_pages, dev[2 * n_pages:], n_regions, self._like[word], BLOCK=block)
         return n_pages * int(table[:, 2].sum())

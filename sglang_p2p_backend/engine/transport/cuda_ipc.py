@@ -111,9 +111,10 @@ class IpcBackend:
         raise NotImplementedError
 
     def write_pages(self, device: torch.device, src_bases: np.ndarray, dst_bases: np.ndarray, item_bytes: np.ndarray,
-                    src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+                    src_ids: np.ndarray, dst_ids: np.ndarray, max_programs: Optional[int] = None) -> None:
         """Copy pages src_ids -> dst_ids of every region (bases checked by the caller) and return once they are
-        in place. Default: as spans (what the CUDA backend's page kernel does in one launch)."""
+        in place. `max_programs`: the page kernel's grid bound (None: its default). Default: as spans (what the
+        CUDA backend's page kernel does in one launch; a copy without a kernel has no grid to bound)."""
         from sglang_p2p_backend.engine.copy.span_copy import expand_pages
 
         self.write(device, *expand_pages(src_bases, dst_bases, item_bytes, src_ids, dst_ids))
@@ -221,10 +222,10 @@ class CudaBackend(IpcBackend):
         stream.synchronize()
 
     def write_pages(self, device: torch.device, src_bases: np.ndarray, dst_bases: np.ndarray, item_bytes: np.ndarray,
-                    src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+                    src_ids: np.ndarray, dst_ids: np.ndarray, max_programs: Optional[int] = None) -> None:
         _, pages, stream = self._copiers(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        pages.copy(src_bases, dst_bases, item_bytes, src_ids, dst_ids, stream)
+        pages.copy(src_bases, dst_bases, item_bytes, src_ids, dst_ids, stream, max_programs)
         stream.synchronize()
 
     def copy_engines(self):
@@ -399,10 +400,13 @@ class CudaIpcTransport(OneSidedTransport):
 
     name = NAME
 
-    def __init__(self, device: torch.device, copy_engine: str = "auto"):
+    def __init__(self, device: torch.device, copy_engine: str = "auto", programs: Optional[int] = None):
         self.device = device
         #: SGLANG_P2P_COPY_ENGINE: off (the SM kernel), on (copy engines), auto (per chunk: ce_plan.choose)
         self.copy_engine = copy_engine
+        #: SGLANG_P2P_IPC_PROGRAMS: the page kernel's grid bound, the SMs a write may take from the forward
+        #: pass beside it (None: span_copy.PageCopier's default, 8 programs an SM)
+        self.programs = programs
         self.export: Optional[IpcExport] = None
         self.unavailable: Optional[str] = None
         self._peers: dict[str, IpcMapping] = {}
@@ -506,7 +510,7 @@ class CudaIpcTransport(OneSidedTransport):
                                                                                       plan.item_bytes)):
             backend().write_copy_engines(self.device, *page_spans(*plan))
         else:
-            backend().write_pages(self.device, *plan)
+            backend().write_pages(self.device, *plan, max_programs=self.programs)
         return int(plan.src_ids.size) * int(plan.item_bytes.sum())
 
     def close(self) -> None:
