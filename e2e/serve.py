@@ -57,9 +57,10 @@ OUTPUT_TOKENS = 64
 DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
 
 
-def requests_for(concurrency: int) -> int:
-    """Closed loop: 6 requests alone, two rounds of users at higher concurrency."""
-    return 6 if concurrency == 1 else 2 * concurrency
+def requests_for(concurrency: int, rounds: int = 2) -> int:
+    """Closed loop: 6 requests alone (3 per round), `rounds` rounds of users at higher concurrency. Two rounds
+    are mostly the arrival burst; more give steadier medians for the same cells."""
+    return 3 * rounds if concurrency == 1 else rounds * concurrency
 
 
 def parse_cells(text: str) -> list[tuple[int, int]]:
@@ -164,8 +165,9 @@ def tpot_ms_p50(records: list[stats.RequestRecord]) -> Optional[float]:
     return round(1e3 * statistics.median(per), 3) if per else None
 
 
-def one_run(pair: Pair, mode: str, plen: int, conc: int, seed: int, pyspy: Optional[str]) -> dict[str, Any]:
-    prompts = client.random_prompts(requests_for(conc), plen, seed=seed)
+def one_run(pair: Pair, mode: str, plen: int, conc: int, seed: int, pyspy: Optional[str],
+            rounds: int = 2) -> dict[str, Any]:
+    prompts = client.random_prompts(requests_for(conc, rounds), plen, seed=seed)
     with Probe(pair, mode, pyspy) as probe:
         records, wall = asyncio.run(client.closed_loop(pair.lb[mode].url, prompts, conc, OUTPUT_TOKENS))
     s = stats.summarize_run(records, wall)
@@ -214,10 +216,10 @@ def summarize_cells(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[str], cells: list[tuple[int, int]],
         reps: int, extra: dict[str, list[tuple[int, int]]], do_profile: bool, machine: str, pyspy: Optional[str],
-        deadline: float) -> dict[str, Any]:
+        deadline: float, rounds: int = 2) -> dict[str, Any]:
     res: dict[str, Any] = {"machine": machine, "model": MODEL, "flags": BASE_FLAGS, "mode_flags": MODE_FLAGS,
                            "backend_env": {b: BACKEND_ENV[b] for b in [*backends, *extra]},
-                           "output_tokens": OUTPUT_TOKENS, "requests": {str(c): requests_for(c) for _, c in cells},
+                           "output_tokens": OUTPUT_TOKENS, "requests": {str(c): requests_for(c, rounds) for _, c in cells},
                            "lb": "sglang_p2p_lb --policy random (one prefill, one decode: forwards only)",
                            "cells": [], "profile": [], "servers": {}}
     save = lambda: results.write_json(out, res)  # noqa: E731
@@ -230,7 +232,7 @@ def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[st
                 if b in ready:
                     res["profile"] += profile(ready[b], logs, pyspy)
                     save()
-        measure(ready, modes, cells, backends, extra, reps, res, save, pyspy, deadline)
+        measure(ready, modes, cells, backends, extra, reps, res, save, pyspy, deadline, rounds)
     return res
 
 
@@ -265,7 +267,7 @@ def warm_up(ready: dict[str, Any], modes: list[str]) -> None:
 
 def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]], backends: list[str],
             extra: dict[str, list[tuple[int, int]]], reps: int, res: dict[str, Any], save: Any,
-            pyspy: Optional[str], deadline: float) -> None:
+            pyspy: Optional[str], deadline: float, rounds: int = 2) -> None:
     """Every cell `reps` times, the backends of a cell in an order rotated by repetition; res["cells"] and
     res["summary"] grow (and are saved) after every run, res["stopped"] says where a deadline cut it short."""
     table: dict[tuple, dict[str, Any]] = {}
@@ -287,7 +289,8 @@ def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]
                                               "cuda_graph": mode == "graph", "reps": []})
                 if cell not in res["cells"]:
                     res["cells"].append(cell)
-                r = one_run(ready[b], mode, plen, conc, seed=1000 * plen + conc + 7919 * rep, pyspy=pyspy)
+                r = one_run(ready[b], mode, plen, conc, seed=1000 * plen + conc + 7919 * rep, pyspy=pyspy,
+                            rounds=rounds)
                 cell["reps"].append(r)
                 res["summary"] = summarize_cells(res["cells"])
                 save()
@@ -302,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="nograph,graph")
     ap.add_argument("--cells", default=DEFAULT_CELLS)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="closed-loop rounds of users a run (requests = rounds x "
+                    "concurrency)")
     ap.add_argument("--extra", default="", help="BACKEND:CELLS, run once per mode (e.g. mooncake:1024x1,1024x64)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--machine", default="unknown")
@@ -314,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     a.logs.mkdir(parents=True, exist_ok=True)
     res = run(a.models, a.logs, a.out, a.backends.split(","), a.modes.split(","), parse_cells(a.cells), a.reps, extra,
-              a.profile, a.machine, a.pyspy or None, config.deadline_from_env())
+              a.profile, a.machine, a.pyspy or None, config.deadline_from_env(), a.rounds)
     bad = [b for b, s in res["servers"].items() if s.get("status") != "ok"]
     print(json.dumps({"servers": res["servers"], "stopped": res.get("stopped")}, default=str)[:2000], flush=True)
     return 1 if bad or res.get("stopped") else 0

@@ -1,7 +1,7 @@
 """Serving figures of a 4-GPU miniature: p2pnccl next to SGLang's NIXL and Mooncake backends on the same servers.
 
     python3 -m e2e.shape_serve --models DIR --out FILE --logs DIR [--shape mini-a-serve] [--backends ...]
-                               [--cells 1024x1,...] [--reps 3] [--machine NAME]
+                               [--cells 1024x1,...] [--reps 3] [--rounds 2] [--machine NAME]
 
 The shape is a serving topology (configs/topologies/mini-{a,b}-serve.yaml: deepseek-anchor, DeepSeek-V3's KV
 shape, decode CUDA graphs). p2pnccl's servers are started by the launcher from it; each other backend runs the
@@ -82,7 +82,7 @@ def deployment(shape: Shape, cfg: LaunchConfig, model: Path, release: str, backe
 
 
 def run(models: Path, logs: Path, out: Path, shape_name: str, backends: list[str], cells: list[tuple[int, int]],
-        reps: int, machine: str, deadline: float) -> dict[str, Any]:
+        reps: int, machine: str, deadline: float, rounds: int = 2) -> dict[str, Any]:
     shape = SHAPES[shape_name]
     model = models / shape.model
     cfg = load(shape, model)
@@ -90,7 +90,7 @@ def run(models: Path, logs: Path, out: Path, shape_name: str, backends: list[str
     res: dict[str, Any] = {"machine": machine, "shape": shape_name, "why": shape.why, "model": shape.model,
                            "release": release, "backend_env": {b: serve.BACKEND_ENV[b] for b in backends},
                            "output_tokens": serve.OUTPUT_TOKENS,
-                           "requests": {str(c): serve.requests_for(c) for _, c in cells},
+                           "requests": {str(c): serve.requests_for(c, rounds) for _, c in cells},
                            "lb": "sglang_p2p_lb, default policy, the same for every backend",
                            "cells": [], "profile": [], "servers": {}}
     save = lambda: results.write_json(out, res)  # noqa: E731
@@ -99,7 +99,7 @@ def run(models: Path, logs: Path, out: Path, shape_name: str, backends: list[str
     with Stack(logs) as stack:
         ready = serve.start(stack, deps, res, save)
         serve.warm_up(ready, [MODE])
-        serve.measure(ready, [MODE], cells, backends, {}, reps, res, save, None, deadline)
+        serve.measure(ready, [MODE], cells, backends, {}, reps, res, save, None, deadline, rounds)
     return res
 
 
@@ -109,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--cells", default=serve.DEFAULT_CELLS)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="closed-loop rounds of users a run (requests = rounds x "
+                    "concurrency): 2 is mostly the arrival burst, more steadies the medians")
     ap.add_argument("--machine", default="unknown")
     a = ap.parse_args(argv)
     exit_on_sigterm()
     a.logs.mkdir(parents=True, exist_ok=True)
     res = run(a.models, a.logs, a.out, a.shape, a.backends.split(","), serve.parse_cells(a.cells), a.reps, a.machine,
-              config.deadline_from_env())
+              config.deadline_from_env(), a.rounds)
     bad = [b for b, s in res["servers"].items() if s.get("status") != "ok"]
     return 1 if bad or res.get("stopped") else 0
 

@@ -132,6 +132,7 @@ def test_tpot_cells_and_spread():
     assert serve.tpot_ms_p50(recs) == 25.0
     assert serve.parse_cells("1024x1,4096x64") == [(1024, 1), (4096, 64)]
     assert serve.requests_for(1) == 6 and serve.requests_for(64) == 128
+    assert serve.requests_for(1, 6) == 18 and serve.requests_for(16, 6) == 96  # --rounds 6: steadier medians
     assert serve.median_spread([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
     assert serve.median_spread([None]) == {"median": None, "min": None, "max": None}
     cells = [{"backend": "p2pnccl", "input_len": 1024, "concurrency": 1, "cuda_graph": False,

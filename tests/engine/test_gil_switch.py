@@ -5,15 +5,12 @@ import sys
 import pytest
 
 from sglang_p2p_backend.engine.config import ConfigError, EngineConfig
+from support.knobs import config_with
 
 
 @pytest.mark.parametrize("raw, want", [(None, 0.5), ("", 0.5), ("0", 0.0), ("0.2", 0.2), ("2", 2.0)])
 def test_switch_interval_knob(monkeypatch, raw, want):
-    if raw is None:
-        monkeypatch.delenv("SGLANG_P2P_GIL_SWITCH_MS", raising=False)
-    else:
-        monkeypatch.setenv("SGLANG_P2P_GIL_SWITCH_MS", raw)
-    assert EngineConfig.from_env().gil_switch_ms == want
+    assert config_with(monkeypatch, "SGLANG_P2P_GIL_SWITCH_MS", raw).gil_switch_ms == want
 
 
 @pytest.mark.parametrize("raw", ["fast", "-1"])

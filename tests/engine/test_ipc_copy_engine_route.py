@@ -16,6 +16,7 @@ from sglang_p2p_backend.engine.copy import ce_plan
 from sglang_p2p_backend.engine.transport import cuda_ipc
 from sglang_p2p_backend.engine.transport.base import TransportError
 from support.shm_ipc import ShmBackend
+from support.knobs import config_with
 
 ITEM, REGIONS, PAGES = 64, 3, 20
 
@@ -157,11 +158,7 @@ def test_the_knob_is_read_once_and_checked(monkeypatch):
 
 @pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("1", 1), ("132", 132), (" 66 ", 66)])
 def test_the_programs_knob_is_read_once_unset_being_the_default_grid(monkeypatch, raw, want):
-    if raw is None:
-        monkeypatch.delenv("SGLANG_P2P_IPC_PROGRAMS", raising=False)
-    else:
-        monkeypatch.setenv("SGLANG_P2P_IPC_PROGRAMS", raw)
-    assert EngineConfig.from_env().ipc_programs == want
+    assert config_with(monkeypatch, "SGLANG_P2P_IPC_PROGRAMS", raw).ipc_programs == want
 
 
 @pytest.mark.parametrize("raw, why", [("0", "must be positive"), ("-8", "must be positive"),

@@ -21,7 +21,7 @@ from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.transport.base import Completion, PairComm, TransportError
 from sglang_p2p_backend.engine.transport.tcp import TcpTransport
 
-from tests.engine.test_pipeline_tcp import pools, rand
+from support.cpu_pools import pools, rand
 
 
 class _SideStream:

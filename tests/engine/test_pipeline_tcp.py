@@ -8,23 +8,12 @@ import pytest
 import torch
 
 from sglang_p2p_backend.engine.copy.copier import PageCopier
-from sglang_p2p_backend.engine.copy.memory import Region, page_views
 from sglang_p2p_backend.engine.pair.pipeline import PairReceiver, PairSender
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.engine.transport.tcp import TcpTransport
 
-CPU = torch.device("cpu")
-
-
-def pools(num_regions=6, pages=64, item_len=48, fill=None):
-    ts = [torch.full((pages, item_len), 0xA5, dtype=torch.uint8) if fill is None else fill(i, pages, item_len) for i in range(num_regions)]
-    regions = [Region(t.data_ptr(), t.numel(), item_len) for t in ts]
-    return ts, page_views(regions, CPU)
-
-
-def rand(i, pages, item_len):
-    return torch.randint(0, 256, (pages, item_len), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+from support.cpu_pools import pools, rand
 
 
 class Pair:

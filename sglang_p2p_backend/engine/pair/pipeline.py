@@ -68,8 +68,9 @@ class _Posted(NamedTuple):
     deadline: float
 
 
-#: how often a receiver with a chunk in flight looks for the next header or the chunk's end
+#: how often a receiver with a chunk in flight looks for the next header or the chunk's end: first, and at most
 _POLL_S = 0.0002
+_POLL_MAX_S = 0.002
 
 
 class _PairEnd:
@@ -330,10 +331,14 @@ class PairReceiver(_PairEnd):
     def _next_item(self) -> object:
         """The next queued item. While a receive is posted, the next header is taken as soon as it comes (its
         receive is then posted behind), and the chunk lands without waiting for one once its bytes are in."""
+        pause = _POLL_S
         while self._posted is not None:
             try:
-                return self._queue.get(timeout=_POLL_S)
+                return self._queue.get(timeout=pause)
             except queue.Empty:
+                # backing off: a stalled peer must not keep this thread waking (and taking the GIL from the
+                # scheduler) thousands of times a second
+                pause = min(2 * pause, _POLL_MAX_S)
                 if self._posted.done.done() or time.monotonic() > self._posted.deadline:
                     try:
                         self._land_posted()
