@@ -63,6 +63,7 @@ if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` 
 
 from bench.transfer import xfer_cases as xc  # noqa: E402
 from bench.transfer.gpu_names import gpu_slugs  # noqa: E402
+from bench.transfer.host_profile import host_profile, render as render_profile  # noqa: E402
 from bench.transfer.interference import during_writes  # noqa: E402
 from bench.transfer.pair import SAFE_ENV, collect, expect, guarded  # noqa: E402
 
@@ -637,6 +638,7 @@ class Prefill:
         self.tr.copy_engine = "off"
         out["plan_us"] = xc.stats_us(b.run(lambda: host_seconds(lambda: self.tr.plan_pages(*args))))
         out["write_us"] = xc.stats_us(b.run(lambda: host_seconds(lambda: self.tr.write_pages(*args))))
+        out["write_profile"] = host_profile(lambda: self.tr.write_pages(*args))
         plan = self.tr.plan_pages(*args)
         if self.dev.cuda:
             _, pages, stream = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
@@ -956,6 +958,8 @@ def tables(result: dict) -> str:
         lines = [f"  {k:<30}{f[k]['p50']:>10.1f} us p50 {f[k]['p99']:>10.1f} us p99" for k in keys]
         lines.append(f"  {'end_to_end_us (write + aux + Status)':<30}{f['end_to_end_us']:>10.1f} us")
         lines.append(f"  nccl plan + headers {f['nccl']['plan_and_header_us']['p50']:.1f} us")
+        if f.get("write_profile"):
+            lines += ["  write_pages under cProfile, by own time a call:", *render_profile(f["write_profile"])]
         parts.append(f"== fixed cost of {f['case']} ({f['pages']} pages x {f['regions']} regions)\n" + "\n".join(lines))
     if result.get("plan"):
         tb = xc.Table([("case", 34), ("pages", 7), ("ipc plan", 10), ("ce rule", 9), ("ce spans", 10), ("#spans", 8),

@@ -142,6 +142,9 @@ def test_quick_run_of_every_section_verifies_every_page(tmp_path, capsys):
     assert all(r["error"] is None and r["writes_during"] > 0 for r in result["interference"])
     assert set(result["fixed_cost"]) == {"mla_p64", "mha_p16"}
     assert all(f["end_to_end_us"] > 0 for f in result["fixed_cost"].values())
+    # where the small write's host time goes, by function: the transport's checks among them
+    assert all(any(r["function"].startswith("plan_pages (cuda_ipc.py") and r["calls_per_op"] == 1.0
+                   for r in f["write_profile"]) for f in result["fixed_cost"].values())
     assert result["skipped"] == [] and result["rule"]["winner"]
     # --programs: the kernel with each grid bound, on every destination of the (quick) request size
     rows = result["programs"]
@@ -173,3 +176,24 @@ def test_run_all_transfer_bench_phase_needs_no_sglang_bundle(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     doc = json.loads((tmp_path / "out/xfer_cpu-test.json").read_text())
     assert doc["machine"] == "cpu-test" and len(doc["plan"]) == 27 and doc["pass"] == {"verified": True}
+
+
+def test_host_profile_names_the_function_that_takes_the_time():
+    from bench.transfer.host_profile import host_profile, render
+
+    def slow_part():
+        return sum(i * i for i in range(3000))
+
+    def quick_part():
+        return 1
+
+    def op():
+        quick_part()
+        slow_part()
+
+    rows = host_profile(op, calls=20, top=40)
+    by = {r["function"].split(" ")[0]: r for r in rows}
+    assert by["slow_part"]["calls_per_op"] == 1.0 and by["quick_part"]["calls_per_op"] == 1.0
+    assert by["slow_part"]["cum_us_per_op"] > 20 * by["quick_part"]["cum_us_per_op"]
+    assert rows == sorted(rows, key=lambda r: r["own_us_per_op"], reverse=True)
+    assert "slow_part" in "\n".join(render(rows, limit=40))
