@@ -34,7 +34,7 @@ from sglang_p2p_backend.engine.copy.state_slices import StatePlan
 from sglang_p2p_backend.engine.copy.plan import Segment, plan_chunks
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.threads import set_os_name
-from sglang_p2p_backend.engine.waiting import wait_until
+from sglang_p2p_backend.engine.waiting import Deadline, wait_until
 from sglang_p2p_backend.engine.transport.base import Completion, PairComm, TransportError, TwoSidedTransport
 
 logger = logging.getLogger(__name__)
@@ -69,8 +69,9 @@ class _Posted(NamedTuple):
 
 
 #: how often a receiver with a chunk in flight looks for the next header or the chunk's end: first, and at most
-_POLL_S = 0.0002
-_POLL_MAX_S = 0.002
+#: (the backoff of every other wait of the transfer threads, engine/waiting.py)
+_POLL_S = Deadline.FIRST_S
+_POLL_MAX_S = Deadline.MAX_S
 
 
 class _PairEnd:
