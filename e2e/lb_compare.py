@@ -17,8 +17,10 @@ A warm-up first runs every workload through a round-robin LB, so every server ha
 every shape before anything is measured. Then, per repetition, every LB in an order rotated by one each time
 (fresh LB processes started side by side, so no LB keeps a prefix tree from a previous run), runs each
 workload open-loop against cold caches (every server's /flush_cache first). Per run: TTFT p50/p99, E2E p99, output tok/s, cache hit
-rate (meta_info.cached_tokens over prompt tokens), errors; per LB and workload the median and the spread
-(min, max) over the repetitions. The workloads (e2e/lb_real.py's generators):
+rate (meta_info.cached_tokens over prompt tokens), errors, and the servers' own load as evidence of the LB's
+decisions: every server's ``sglang:num_queue_reqs`` and ``sglang:num_running_reqs`` sampled from /metrics
+every 0.5 s while the run is in flight (per server mean and max; per role the imbalance, the busiest server's
+mean load over the mean); per LB and workload the median and the spread (min, max) over the repetitions. The workloads (e2e/lb_real.py's generators):
 * ``bursty_mixed``: Poisson with 3x bursts, 85% short prompts, 15% 2k-6k (6k-14k on 4 GPUs);
 * ``shared_prefix``: multi-turn chats over 6 few-shot prefixes of 2k tokens (4k on 4 GPUs);
 * ``long_prefix``: 3-turn chats over 10 prefixes of 12k tokens, more than one prefill's radix cache holds
@@ -56,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from . import lb_layout, lb_real
+from . import lb_layout, lb_real, promparse
 from .lb_layout import TOPOLOGIES, Layout
 from .lb_real import Req
 
@@ -288,6 +290,11 @@ class Cluster:
         """Requests the server has taken so far (its own counter), None when it does not answer."""
         raise NotImplementedError
 
+    def load(self, url: str) -> Optional[LoadSample]:
+        """The server's queue and running requests now (SGLang's gauges on /metrics, which simworker exports
+        too); None when it does not answer in time or lacks them."""
+        return parse_load(fetch_metrics(url, SAMPLE_TIMEOUT_S))
+
     def flush(self) -> None:
         lb_real.flush_all([_Url(u) for u in self.urls()])
 
@@ -310,12 +317,13 @@ def transport_env(transport: str, name: str) -> dict[str, str]:
     raise ValueError(f"transport must be nccl, cudaipc or auto, got {transport!r}")
 
 
-def _prom_total(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and (len(line) == len(name) or line[len(name)] in " {"):
-            total += float(line.rsplit(None, 1)[-1])
-    return total
+def fetch_metrics(url: str, timeout: float) -> Optional[str]:
+    """A server's /metrics (Prometheus text); None when it does not answer within `timeout`."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+            return r.read().decode(errors="replace")
+    except Exception:  # busy, dead or restarting: the caller counts it as missing
+        return None
 
 
 class SGLangCluster(Cluster):
@@ -354,11 +362,8 @@ class SGLangCluster(Cluster):
         return [s.name for s in self.stack.launch(servers, timeout_s=timeout_s, lanes=len(servers))]
 
     def served(self, url):
-        try:
-            with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-                return _prom_total(r.read().decode(errors="replace"), "sglang:num_requests_total")
-        except Exception:
-            return None
+        text = fetch_metrics(url, 5)
+        return None if text is None else promparse.sample_total(text, "sglang:num_requests_total") or 0.0
 
 
 class SimCluster(Cluster):
@@ -431,6 +436,112 @@ class SimCluster(Cluster):
                 p.wait(5)
 
 
+# ----------------------------------------------------------------------------- server load (evidence)
+QUEUE_GAUGE = "sglang:num_queue_reqs"  # SGLang's scheduler gauges (one sample per DP rank, summed)
+RUNNING_GAUGE = "sglang:num_running_reqs"
+SAMPLE_S = 0.5  # sampling period during a run
+SAMPLE_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """One server's load at one instant: requests waiting in its queue and requests running."""
+
+    queue: float
+    running: float
+
+
+def parse_load(text: Optional[str]) -> Optional[LoadSample]:
+    """The load gauges of one /metrics text; None (a missing sample) when the text or either gauge is absent,
+    so a server that does not export them is not read as idle."""
+    if text is None:
+        return None
+    queue, running = promparse.sample_total(text, QUEUE_GAUGE), promparse.sample_total(text, RUNNING_GAUGE)
+    return None if queue is None or running is None else LoadSample(queue, running)
+
+
+class LoadSampler:
+    """While a run is in flight (``with LoadSampler(...):``), `probe(url)` every `interval` s for every server,
+    each server in a daemon thread of its own so that one slow to answer delays only its own samples; a probe
+    that fails appends None (missing). The run never waits on it beyond the last probe's timeout."""
+
+    def __init__(self, probe: Callable[[str], Optional[LoadSample]], urls: Sequence[str], interval: float = SAMPLE_S) -> None:
+        self.probe, self.interval = probe, interval
+        self.samples: dict[str, list[Optional[LoadSample]]] = {u: [] for u in urls}
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(u,), daemon=True, name=f"load-{u}") for u in urls]
+
+    def _loop(self, url: str) -> None:
+        due = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                sample = self.probe(url)
+            except Exception:  # evidence only: a probe must never end the run
+                sample = None
+            self.samples[url].append(sample)
+            # a probe slower than the period skips the slots it overran rather than catching up in a burst
+            due = max(due + self.interval, time.monotonic())
+            self._stop.wait(max(0.0, due - time.monotonic()))
+
+    def __enter__(self) -> "LoadSampler":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(SAMPLE_TIMEOUT_S + 1)
+
+
+def server_load(samples: Sequence[Optional[LoadSample]]) -> dict[str, Any]:
+    """One server's samples of a run: how many answered and how many were missing; mean and max of its queue,
+    of its running requests and mean of both together (`load_mean`); the figures are None without samples."""
+    ok = [x for x in samples if x is not None]
+    out: dict[str, Any] = {"samples": len(ok), "missing": len(samples) - len(ok)}
+    for key, xs in (("queue", [x.queue for x in ok]), ("running", [x.running for x in ok])):
+        out[f"{key}_mean"] = round(statistics.fmean(xs), 3) if xs else None
+        out[f"{key}_max"] = max(xs) if xs else None
+    out["load_mean"] = round(statistics.fmean(x.queue + x.running for x in ok), 3) if ok else None
+    return out
+
+
+def imbalance(means: Sequence[Optional[float]]) -> Optional[float]:
+    """Max over servers of their mean load divided by the mean over servers: 1.0 is even, n is one server of n
+    taking all of it. Servers without samples (None) are left out; None when none has any; 1.0 when all idle."""
+    xs = [m for m in means if m is not None]
+    if not xs:
+        return None
+    avg = statistics.fmean(xs)
+    return round(max(xs) / avg, 3) if avg > 0 else 1.0
+
+
+def load_evidence(prefills: dict[str, Sequence[Optional[LoadSample]]], decodes: dict[str, Sequence[Optional[LoadSample]]],
+                  interval_s: float = SAMPLE_S) -> dict[str, Any]:
+    """A run's server-side evidence from each server's samples (by URL, in the cluster's order): per server
+    `server_load` (under `server_load`), and for the run each role's imbalance and the largest prefill queue."""
+    per_role = {role: [{"url": u, **server_load(xs)} for u, xs in by_url.items()] for role, by_url in (("prefill", prefills), ("decode", decodes))}
+    out: dict[str, Any] = {f"{role}_imbalance": imbalance([x["load_mean"] for x in servers]) for role, servers in per_role.items()}
+    out["prefill_queue_max"] = max((x["queue_max"] for x in per_role["prefill"] if x["queue_max"] is not None), default=None)
+    out["server_load"] = {"interval_s": interval_s, **per_role}
+    return out
+
+
+def _server_text(x: dict[str, Any]) -> str:
+    if not x["samples"]:
+        return "-"
+    return f"q {x['queue_mean']:.1f}/{x['queue_max']:g} r {x['running_mean']:.1f}/{x['running_max']:g}"
+
+
+def evidence_line(run: dict[str, Any]) -> str:
+    """One line of a run's server-side evidence: per server queue and running (mean/max), per role the imbalance."""
+    load = run["server_load"]
+    roles = [f"{role} [{', '.join(_server_text(x) for x in load[role])}] imbalance {run[f'{role}_imbalance']}" for role in ("prefill", "decode")]
+    servers = load["prefill"] + load["decode"]
+    missing = sum(x["missing"] for x in servers)
+    return f"servers (queue q, running r: mean/max): {'; '.join(roles)}; {missing}/{missing + sum(x['samples'] for x in servers)} samples missing"
+
+
 # ----------------------------------------------------------------------------- planning and figures
 @dataclass(frozen=True)
 class Plan:
@@ -459,14 +570,15 @@ def plan(budget_s: float, n_lbs: int, workloads: Sequence[str], reps: int, max_r
 
 
 FIGURES = ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p99", "output_throughput", "cache_hit_rate", "num_failed")
+EVIDENCE = ("prefill_imbalance", "prefill_queue_max")  # the servers' side (load_evidence); absent from older results
 
 
 def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Median and spread (min, max) of each figure over the repetitions."""
+    """Median and spread (min, max) of each figure and of the servers' evidence over the repetitions."""
     empty = [r for r in runs if not r.get("num_requests")]
     runs = [r for r in runs if r.get("num_requests")]
     out: dict[str, Any] = {"reps": len(runs), "empty_runs": len(empty)}
-    for k in FIGURES:
+    for k in (*FIGURES, *EVIDENCE):
         xs = [r[k] for r in runs if r.get(k) is not None]
         out[k] = {"median": round(statistics.median(xs), 4), "min": min(xs), "max": max(xs)} if xs else None
     return out
@@ -532,8 +644,10 @@ def rotated(specs: Sequence[T], rep: int) -> list[T]:
 
 
 class Harness:
-    def __init__(self, cluster: Cluster, peers: dict[str, Peer], logs: Path, wp: WorkloadParams, client_timeout: float = 60.0, tree: Optional[int] = None) -> None:
+    def __init__(self, cluster: Cluster, peers: dict[str, Peer], logs: Path, wp: WorkloadParams, client_timeout: float = 60.0, tree: Optional[int] = None,
+                 sample_s: float = SAMPLE_S) -> None:
         self.cluster, self.peers, self.logs, self.wp, self.client_timeout, self.tree = cluster, peers, logs, wp, client_timeout, tree
+        self.sample_s = sample_s
         self.admin_key = os.urandom(16).hex()
 
     def lb(self, spec: LBSpec, tag: str) -> Optional[LBProc]:
@@ -595,6 +709,7 @@ class Harness:
                                 s = runs[spec.name][wl][-1]
                                 log(f"[lb_compare] rep {rep} {spec.name} {wl}: ttft p50/p99 {s['ttft_ms_p50']}/{s['ttft_ms_p99']} ms, "
                                     f"hit {s['cache_hit_rate']}, failed {s['num_failed']}/{s['num_requests']}")
+                                log(f"[lb_compare] rep {rep} {spec.name} {wl}: {evidence_line(s)}")
                     except (RuntimeError, TimeoutError) as e:
                         skipped[spec.name] = f"rep {rep}: {e}"
                         log(f"[lb_compare] {spec.name} rep {rep} did not run: {e}")
@@ -620,11 +735,14 @@ class Harness:
         return out
 
     def _run(self, url: str, reqs: Sequence[Req]) -> dict[str, Any]:
-        """One open-loop run on cold caches."""
+        """One open-loop run on cold caches, the servers' load sampled while it is in flight (load_evidence)."""
         self.cluster.flush()
-        answers, wall = asyncio.run(lb_real.open_loop(url, reqs, self.client_timeout))
+        with LoadSampler(self.cluster.load, self.cluster.urls(), self.sample_s) as sampler:
+            answers, wall = asyncio.run(lb_real.open_loop(url, reqs, self.client_timeout))
         s = lb_real.summarize(answers, wall)
         s["errors"] = s["errors"][:5]
+        s.update(load_evidence({u: sampler.samples[u] for u, _ in self.cluster.prefills},
+                               {u: sampler.samples[u] for u in self.cluster.decodes}, self.sample_s))
         return s
 
     def faults(self, specs: Sequence[LBSpec], duration: float, rate: float, seed: int, restart_timeout: float, probe_s: float = 20.0,

@@ -1,5 +1,7 @@
 """Plot an e2e/lb_compare.py result: per workload, each LB's TTFT p50 and p99 (median over the repetitions,
-whiskers from min to max), E2E p99 and output tok/s, with the cache hit rate over the bars.
+whiskers from min to max), E2E p99 and output tok/s, with the cache hit rate over the bars; then the servers'
+side: the prefill imbalance (busiest prefill's mean queue + running over the prefills' mean, 1 = even) and the
+largest prefill queue seen (empty for results from before lb_compare sampled the servers).
 
     python3 -m e2e.plot_lb_compare RESULT.json [OUT.png]     (default: RESULT.png)
 """
@@ -10,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-PANELS = (("ttft_ms_p50", "TTFT p50 (ms)"), ("ttft_ms_p99", "TTFT p99 (ms)"), ("e2e_ms_p99", "E2E p99 (ms)"), ("output_throughput", "output tok/s"))
+PANELS = (("ttft_ms_p50", "TTFT p50 (ms)"), ("ttft_ms_p99", "TTFT p99 (ms)"), ("e2e_ms_p99", "E2E p99 (ms)"), ("output_throughput", "output tok/s"),
+          ("prefill_imbalance", "prefill imbalance (max/mean)"), ("prefill_queue_max", "max prefill queue"))
 
 
 def bars(agg: dict[str, Any], workload: str, figure: str) -> tuple[list[str], list[float], list[tuple[float, float]]]:

@@ -1,4 +1,4 @@
-"""Read histogram sums and counts out of Prometheus text exposition (SGLang's /metrics).
+"""Read histogram sums and counts, and gauges and counters, out of Prometheus text exposition (SGLang's /metrics).
 
 The KV transfer time per request comes from the prefill server's ``sglang:kv_transfer_latency_ms`` histogram
 (SGLang observes it for every backend that subclasses its Common* classes: prefill's transfer-queue entry to
@@ -37,6 +37,19 @@ def histogram_totals(text: str, name: str) -> Optional[HistogramTotals]:
             total[suffix] += float(m.group("value"))
             seen = True
     return HistogramTotals(total["_sum"], total["_count"]) if seen else None
+
+
+def sample_total(text: str, name: str) -> Optional[float]:
+    """Sum of the samples named exactly ``name`` over all label sets (a gauge or counter, e.g. one per DP rank);
+    None when the metric is absent, so a server that does not export it is not read as idle."""
+    out: Optional[float] = None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m and m.group("name") == name:
+            out = (out or 0.0) + float(m.group("value"))
+    return out
 
 
 def total(parts: "list[Optional[HistogramTotals]]") -> Optional[HistogramTotals]:

@@ -105,6 +105,7 @@ class SimWorker:
         r.add_post("/flush_cache", self.flush_cache)
         r.add_get("/flush_cache", self.flush_cache)
         r.add_get("/stats", self.get_stats)
+        r.add_get("/metrics", self.metrics)
         r.add_post("/admin", self.admin)
         return app
 
@@ -219,6 +220,18 @@ class SimWorker:
         self.stats.flushes += 1
         self.radix.flush()
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n")
+
+    def metrics_text(self) -> str:
+        """SGLang's load gauges in Prometheus text, one sample per DP rank: waiting (for a prefill slot, or on a
+        decode for the KV) and running (prefilling, or decoding), as the ranks count them for /get_load."""
+        lines = []
+        for name, attr, what in (("sglang:num_queue_reqs", "waiting_reqs", "waiting"), ("sglang:num_running_reqs", "running_reqs", "running")):
+            lines += [f"# HELP {name} The number of {what} requests.", f"# TYPE {name} gauge"]
+            lines += [f'{name}{{dp_rank="{i}",model_name="{self.cfg.model}"}} {float(getattr(st, attr))}' for i, st in enumerate(self.ranks)]
+        return "\n".join(lines) + "\n"
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics_text(), content_type="text/plain")
 
     async def get_stats(self, request: web.Request) -> web.Response:
         st = {k: v for k, v in self.stats.__dict__.items()}

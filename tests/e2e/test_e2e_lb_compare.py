@@ -104,6 +104,73 @@ def test_aggregate_and_targets():
     assert not lc.targets(table, ["shared_prefix"])[0]["prefix_met"]
 
 
+def _samples(*pairs):
+    """LoadSamples from (queue, running) pairs; None stands for a sample that failed."""
+    return [None if x is None else lc.LoadSample(*x) for x in pairs]
+
+
+def test_load_evidence_per_server_and_imbalance():
+    ev = lc.load_evidence({"p0": _samples((2, 1), (3, 0), None), "p1": _samples((0, 1), (1, 0)), "p2": _samples(None, None)},
+                          {"d0": _samples((0, 4)), "d1": _samples((1, 3))})
+    p0, p1, p2 = ev["server_load"]["prefill"]
+    assert p0 == {"url": "p0", "samples": 2, "missing": 1, "queue_mean": 2.5, "queue_max": 3, "running_mean": 0.5, "running_max": 1, "load_mean": 3.0}
+    assert p1["load_mean"] == 1.0
+    # only failed samples: counted missing, no figures, and left out of the imbalance
+    assert (p2["samples"], p2["missing"], p2["queue_max"], p2["load_mean"]) == (0, 2, None, None)
+    assert ev["prefill_imbalance"] == 1.5  # means 3 and 1: 3 / 2
+    assert ev["decode_imbalance"] == 1.0 and ev["prefill_queue_max"] == 3 and ev["server_load"]["interval_s"] == lc.SAMPLE_S
+    line = lc.evidence_line(ev)
+    assert "prefill [q 2.5/3 r 0.5/1, q 0.5/1 r 0.5/1, -] imbalance 1.5" in line and line.endswith("3/9 samples missing")
+    assert lc.imbalance([]) is None and lc.imbalance([None]) is None
+    assert lc.imbalance([0.0, 0.0]) == 1.0  # idle is even
+    assert lc.imbalance([4.0, 0.0, 0.0, 0.0]) == 4.0  # one of four takes everything
+    nothing = lc.load_evidence({"p0": []}, {"d0": _samples(None)})
+    assert (nothing["prefill_imbalance"], nothing["decode_imbalance"], nothing["prefill_queue_max"]) == (None, None, None)
+
+
+def test_aggregate_takes_the_median_of_the_servers_evidence():
+    runs = [{**_run(10, 100, 500, 0.5), "prefill_imbalance": imb, "prefill_queue_max": q} for imb, q in ((1.2, 4), (1.8, 9), (1.4, 5))]
+    agg = lc.aggregate(runs + [_run(10, 100, 500, 0.5)])  # a result from before the sampling has neither
+    assert agg["prefill_imbalance"] == {"median": 1.4, "min": 1.2, "max": 1.8} and agg["prefill_queue_max"]["median"] == 5
+    assert lc.aggregate([_run(10, 100, 500, 0.5)])["prefill_imbalance"] is None
+
+
+def test_load_parsed_from_sglang_and_simworker_metrics():
+    sglang = "\n".join([
+        "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.",
+        "# TYPE sglang:num_queue_reqs gauge",
+        'sglang:num_queue_reqs{dp_rank="0",model_name="m",tp_rank="0"} 3.0',
+        'sglang:num_queue_reqs{dp_rank="1",model_name="m",tp_rank="0"} 2.0',
+        'sglang:num_running_reqs{dp_rank="0",model_name="m",tp_rank="0"} 7.0',
+        'sglang:num_grammar_queue_reqs{model_name="m"} 50.0',  # another gauge whose name starts alike
+    ])
+    assert lc.parse_load(sglang) == lc.LoadSample(5.0, 7.0)  # summed over the DP ranks
+    assert lc.parse_load("sglang:num_queue_reqs 1.0\n") is None  # no running gauge: missing, not idle
+    assert lc.parse_load(None) is None
+    from simworker import SimConfig, SimWorker
+
+    w = SimWorker(SimConfig(role="prefill", dp_size=2))
+    w.ranks[0].waiting_reqs, w.ranks[1].waiting_reqs, w.ranks[1].running_reqs = 4, 1, 2
+    assert lc.parse_load(w.metrics_text()) == lc.LoadSample(5.0, 2.0)
+
+
+def test_sampler_counts_failed_probes_as_missing_and_stops_with_the_run():
+    import time
+
+    def probe(url):
+        if url == "bad":
+            raise OSError("refused")
+        return None if url == "silent" else lc.LoadSample(1.0, 0.0)
+
+    with lc.LoadSampler(probe, ["ok", "bad", "silent"], interval=0.05) as s:
+        time.sleep(0.3)
+    n = {u: len(xs) for u, xs in s.samples.items()}
+    assert all(3 <= k <= 8 for k in n.values()), n
+    assert s.samples["bad"] == [None] * n["bad"] and s.samples["silent"] == [None] * n["silent"]
+    time.sleep(0.15)
+    assert {u: len(xs) for u, xs in s.samples.items()} == n  # nothing sampled after the run
+
+
 def test_errors_in_flight_at_a_kill():
     def a(sent, e2e):
         return Answer(RequestRecord(False, None, e2e, 0, "x"), 10, 0, sent)
@@ -152,6 +219,18 @@ def test_compare_end_to_end_against_simulated_workers(tmp_path):
             assert sum(r["num_failed"] for r in runs) == 0, (name, wl, [r["errors"] for r in runs])
         assert doc["aggregate"][name]["bursty_mixed"]["ttft_ms_p99"]["min"] <= doc["aggregate"][name]["bursty_mixed"]["ttft_ms_p99"]["max"]
     assert any(doc["runs"][n]["long_prefix"][k]["cache_hit_rate"] for n in lbs for k in range(3))  # the sims' radix caches hit
+    # the servers' own load, sampled from every sim's /metrics during every run
+    for name in lbs:
+        for wl in ("bursty_mixed", "long_prefix"):
+            for r in doc["runs"][name][wl]:
+                load = r["server_load"]
+                assert [len(load["prefill"]), len(load["decode"])] == [3, 1] and load["interval_s"] == 0.5
+                assert all(x["samples"] > 0 and x["queue_max"] >= 0 and x["running_max"] >= 0 for x in load["prefill"] + load["decode"]), load
+                assert r["prefill_imbalance"] >= 1.0 and r["decode_imbalance"] == 1.0 and r["prefill_queue_max"] >= 0
+            agg = doc["aggregate"][name][wl]
+            assert agg["prefill_imbalance"]["median"] >= 1.0 and agg["prefill_queue_max"]["median"] >= 0
+    assert any(x["running_max"] > 0 for n in lbs for r in doc["runs"][n]["bursty_mixed"]
+               for x in r["server_load"]["prefill"] + r["server_load"]["decode"])  # the sims report load, not only zeros
     assert {t["workload"] for t in doc["targets"]} <= {"bursty_mixed", "long_prefix"}
     f = doc["faults"]
     assert [(k["role"], k["index"]) for k in f["killed"]] == [("prefill", 0), ("decode", 0)] and len(f["restarted"]) == 2
