@@ -439,6 +439,10 @@ class SimCluster(Cluster):
 # ----------------------------------------------------------------------------- server load (evidence)
 QUEUE_GAUGE = "sglang:num_queue_reqs"  # SGLang's scheduler gauges (one sample per DP rank, summed)
 RUNNING_GAUGE = "sglang:num_running_reqs"
+#: PD's own queues, outside the two above: a prefill's requests waiting for their decode (bootstrap) or for their
+#: KV to be sent (inflight), a decode's waiting for pages (prealloc) or for their KV to arrive (transfer)
+PD_QUEUE_GAUGES = ("sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_inflight_queue_reqs",
+                   "sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs")
 SAMPLE_S = 0.5  # sampling period during a run
 SAMPLE_TIMEOUT_S = 1.0
 
@@ -449,6 +453,8 @@ class LoadSample:
 
     queue: float
     running: float
+    #: PD's queues summed (PD_QUEUE_GAUGES), None where the server exports none of them (not a missing sample)
+    pd_queue: Optional[float] = None
 
 
 def parse_load(text: Optional[str]) -> Optional[LoadSample]:
@@ -457,7 +463,10 @@ def parse_load(text: Optional[str]) -> Optional[LoadSample]:
     if text is None:
         return None
     queue, running = promparse.sample_total(text, QUEUE_GAUGE), promparse.sample_total(text, RUNNING_GAUGE)
-    return None if queue is None or running is None else LoadSample(queue, running)
+    if queue is None or running is None:
+        return None
+    pd = [v for v in (promparse.sample_total(text, g) for g in PD_QUEUE_GAUGES) if v is not None]
+    return LoadSample(queue, running, sum(pd) if pd else None)
 
 
 class LoadSampler:
@@ -503,6 +512,9 @@ def server_load(samples: Sequence[Optional[LoadSample]]) -> dict[str, Any]:
         out[f"{key}_mean"] = round(statistics.fmean(xs), 3) if xs else None
         out[f"{key}_max"] = max(xs) if xs else None
     out["load_mean"] = round(statistics.fmean(x.queue + x.running for x in ok), 3) if ok else None
+    pd = [x.pd_queue for x in ok if x.pd_queue is not None]
+    out["pd_queue_mean"] = round(statistics.fmean(pd), 3) if pd else None
+    out["pd_queue_max"] = max(pd) if pd else None
     return out
 
 

@@ -113,7 +113,8 @@ def test_load_evidence_per_server_and_imbalance():
     ev = lc.load_evidence({"p0": _samples((2, 1), (3, 0), None), "p1": _samples((0, 1), (1, 0)), "p2": _samples(None, None)},
                           {"d0": _samples((0, 4)), "d1": _samples((1, 3))})
     p0, p1, p2 = ev["server_load"]["prefill"]
-    assert p0 == {"url": "p0", "samples": 2, "missing": 1, "queue_mean": 2.5, "queue_max": 3, "running_mean": 0.5, "running_max": 1, "load_mean": 3.0}
+    assert p0 == {"url": "p0", "samples": 2, "missing": 1, "queue_mean": 2.5, "queue_max": 3, "running_mean": 0.5, "running_max": 1, "load_mean": 3.0,
+                  "pd_queue_mean": None, "pd_queue_max": None}
     assert p1["load_mean"] == 1.0
     # only failed samples: counted missing, no figures, and left out of the imbalance
     assert (p2["samples"], p2["missing"], p2["queue_max"], p2["load_mean"]) == (0, 2, None, None)
@@ -147,6 +148,12 @@ def test_load_parsed_from_sglang_and_simworker_metrics():
     assert lc.parse_load(sglang) == lc.LoadSample(5.0, 7.0)  # summed over the DP ranks
     assert lc.parse_load("sglang:num_queue_reqs 1.0\n") is None  # no running gauge: missing, not idle
     assert lc.parse_load(None) is None
+    # PD's own queues (waiting for the decode, for pages, for the KV) summed beside them
+    pd = sglang + "\n" + "\n".join(['sglang:num_prefill_bootstrap_queue_reqs{dp_rank="0"} 2.0',
+                                    'sglang:num_prefill_inflight_queue_reqs{dp_rank="0"} 1.0'])
+    assert lc.parse_load(pd) == lc.LoadSample(5.0, 7.0, 3.0)
+    load = lc.server_load([lc.LoadSample(1.0, 1.0, 3.0), lc.LoadSample(1.0, 1.0, 1.0), lc.LoadSample(0.0, 0.0)])
+    assert (load["pd_queue_mean"], load["pd_queue_max"], load["load_mean"]) == (2.0, 3.0, 1.333)
     from simworker import SimConfig, SimWorker
 
     w = SimWorker(SimConfig(role="prefill", dp_size=2))
