@@ -123,7 +123,7 @@ def cpu_streams(monkeypatch):
 class OverlapPair:
     def __init__(self, slot_bytes=1024, slots=2, overlap=True, receiver_pool=None):
         self.log: list = []
-        self.src_t, src_views = pools(fill=rand)
+        self.src_t, self.src_views = pools(fill=rand)
         self.dst_t, dst_views = pools()
         self.transport = LaterTransport(self.log, io_timeout=5.0)
         self.landed: list = []
@@ -136,7 +136,7 @@ class OverlapPair:
             on_chunk=lambda room, rank, err: self.landed.append((room, err)),
             connect_timeout=5, io_timeout=5.0, overlap=overlap)
         self.sender = PairSender(
-            transport=self.transport, staging=self.send_pool, copier=PageCopier([src_views]),
+            transport=self.transport, staging=self.send_pool, copier=PageCopier([self.src_views]),
             local_session="prefill:1", control=self.receiver.submit, connect_timeout=5, io_timeout=5.0,
             overlap=overlap)
 
@@ -295,3 +295,72 @@ def test_overlap_is_on_by_default_and_sglang_p2p_overlap_turns_it_off(monkeypatc
     monkeypatch.setenv("SGLANG_P2P_OVERLAP", "yes")
     with pytest.raises(ConfigError, match="SGLANG_P2P_OVERLAP"):
         EngineConfig.from_env()
+
+
+def test_try_acquire_leaves_a_slot_to_an_end_that_waits_for_one():
+    pool = StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), 16, 2)
+    first = pool.acquire(1)
+    assert not pool.has_waiters()
+    second = pool.try_acquire()
+    assert second is not None and pool.try_acquire() is None  # both out: nothing to take
+    waiter = threading.Thread(target=lambda: pool.release(pool.acquire(5)))
+    waiter.start()
+    _until(pool.has_waiters, "the waiter")
+    pool.release(second)
+    waiter.join(5)
+    pool.release(first)
+    assert pool.in_use == 0
+    # a waiter is first in line: between a release and the waiter taking the slot (the count acquire keeps
+    # while it waits), try_acquire leaves the free slot alone
+    pool = StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), 16, 2)
+    mine = pool.acquire(1)
+    pool._waiting = 1  # noqa: SLF001 - an acquire() woken by a release, not yet back in the lock
+    assert pool.try_acquire() is None and pool.has_waiters()
+    pool._waiting = 0  # noqa: SLF001
+    extra = pool.try_acquire()
+    assert extra is not None
+    pool.release(extra), pool.release(mine)
+
+
+class GatedCopier(PageCopier):
+    """The sender's copier, stopped before the gather of chunk `at` until `go` is set."""
+
+    def __init__(self, views, at: int):
+        super().__init__(views)
+        self.at, self.n = at, 0
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def gather(self, chunk, ids, staging):
+        if self.n == self.at:
+            self.reached.set()
+            assert self.go.wait(10)
+        self.n += 1
+        return super().gather(chunk, ids, staging)
+
+
+def test_a_sender_holding_two_slots_gives_one_back_to_an_end_that_waits(cpu_streams):
+    p = OverlapPair()
+    try:
+        _open(p)
+        gated = p.sender.copier = GatedCopier([p.src_views], at=3)
+        src, dst = _ids(20, 6)
+        sender = threading.Thread(target=p.sender.send, args=(5, 0, [src], [dst]))
+        sender.start()
+        assert gated.reached.wait(10)  # chunks 0-2 went out through both slots
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(p.send_pool.acquire(5)))
+        waiter.start()
+        _until(p.send_pool.has_waiters, "another end waiting for a slot")
+        gated.go.set()
+        waiter.join(10)
+        assert got, "the waiting end never got a slot while the sender went on"
+        sender.join(10)
+        assert not sender.is_alive()
+        p.send_pool.release(got[0])
+        p.drain()
+        assert p.landed[1:] == [(5, None)] * 7
+        slots = [e[1] for e in p.log if e[0] == "sent from slot"]
+        assert len(set(slots[:3])) == 2 and len(set(slots[3:])) == 1  # one slot after giving one back
+        assert p.send_pool.in_use == 0 and p.recv_pool.in_use == 0
+    finally:
+        p.close()

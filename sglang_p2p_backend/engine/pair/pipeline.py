@@ -169,15 +169,23 @@ class PairSender(_PairEnd):
                 for i, chunk in enumerate(chunks):
                     if not keep_going():
                         break
+                    if len(bufs) == 2 and self.staging.has_waiters():
+                        # another end has no slot: give back the one chunk i would refill, once its send is
+                        # done, and go on with the other (serial on the channel's stream from here)
+                        j = i % 2
+                        if sends[j] is not None:
+                            sends[j].wait(self.io_timeout)
+                        self.staging.release(bufs.pop(j))
+                        sends.pop(j)
                     j = i % len(bufs)
-                    if side is not None:
+                    if len(bufs) == 2:
                         # chunk i's gather runs while chunk i-1 moves; the channel's stream waits for the gather
                         # (the transport orders a send after its caller's stream), the gather for the slot's
                         # previous send
                         if sends[j] is not None:
                             side.wait_event(sends[j].event)
                         queued = True
-                    with torch.cuda.stream(side) if side is not None else _stream_ctx(comm):
+                    with torch.cuda.stream(side) if len(bufs) == 2 else _stream_ctx(comm):
                         self.copier.gather(chunk, src_ids, bufs[j])
                         segments = [_segment_msg(seg, dst_ids, heads) for seg in chunk.segments]
                         self.control(

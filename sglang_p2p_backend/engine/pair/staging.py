@@ -27,6 +27,7 @@ class StagingPool:
         self._created = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._waiting = 0  # acquire() calls waiting for a slot
 
     def acquire(self, timeout: float) -> torch.Tensor:
         deadline = time.monotonic() + timeout
@@ -45,14 +46,19 @@ class StagingPool:
                         f"no staging slot free for {timeout:.0f}s ({self.num_slots} x {self.slot_bytes >> 20} MiB "
                         f"busy); raise SGLANG_P2P_STAGING_MB or check the peer"
                     )
-                self._cond.wait(left)
+                self._waiting += 1
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
         return self._make()
 
     def try_acquire(self) -> Optional[torch.Tensor]:
-        """A slot if one is free (or may still be made) now, else None: never waits. A pair end takes its second
-        slot this way, so ends holding one slot each never wait on each other for a second."""
+        """A slot if one is free (or may still be made) now and nobody waits for one, else None: never waits. A
+        pair end takes its second slot this way, so ends holding one slot each never wait on each other for a
+        second, and a second slot never goes to an end that has one while another end has none."""
         with self._cond:
-            if self._closed:
+            if self._closed or self._waiting:
                 return None
             if self._free:
                 return self._free.pop()
@@ -75,6 +81,11 @@ class StagingPool:
         with self._cond:
             self._free.append(buf)
             self._cond.notify()
+
+    def has_waiters(self) -> bool:
+        """Whether an acquire() is waiting for a slot (an end holding two gives one back)."""
+        with self._cond:
+            return self._waiting > 0
 
     @property
     def in_use(self) -> int:
