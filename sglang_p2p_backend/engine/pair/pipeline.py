@@ -10,6 +10,10 @@ needs no per-request state beyond "is this room still wanted".
 room was aborted meanwhile (then it discards the bytes instead of scattering), so the channel stays in step.
 A broken channel fails the rooms whose chunks it carried and is dropped; the prefill's next request makes a
 new one (a higher `generation`).
+
+On channels with a side stream (NCCL) the ends overlap (`overlap`, SGLANG_P2P_OVERLAP): the sender gathers chunk
+i+1 into a second staging slot while chunk i moves, the receiver posts chunk i+1's receive before it scatters
+chunk i. A second slot is only ever taken when free and nobody waits for one (docs/design.md, two-sided path).
 """
 
 from __future__ import annotations
