@@ -78,8 +78,11 @@ def _choice(name: str, allowed: tuple[str, ...]) -> str:
 @dataclass(frozen=True)
 class EngineConfig:
     transport: str = AUTO  # SGLANG_P2P_TRANSPORT: one of TRANSPORTS
-    staging_mb: int = 256  # SGLANG_P2P_STAGING_MB: staging per rank and direction, split into slots
-    staging_slots: int = 2  # SGLANG_P2P_STAGING_SLOTS: chunks in flight per rank
+    #: SGLANG_P2P_STAGING_MB, SGLANG_P2P_STAGING_SLOTS: staging per rank and direction, split into slots (chunks
+    #: in flight per rank). Three slots of 128 MiB: a transfer overlapping its chunks holds two, and a slot stays
+    #: for another peer's transfer (engine/pair/staging.py: try_acquire)
+    staging_mb: int = 384
+    staging_slots: int = 3
     connect_timeout: float = 30.0  # SGLANG_P2P_CONNECT_TIMEOUT: joining a pair channel
     io_timeout: float = 30.0  # SGLANG_P2P_IO_TIMEOUT: one chunk's send/receive, a staging wait
     workers: int = 4  # SGLANG_P2P_WORKERS: prefill transfer queues (peers are sharded over them)

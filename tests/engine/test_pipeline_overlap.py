@@ -75,7 +75,12 @@ class LaterComm(PairComm):
             self.log.append(("received", buf.numel()))
             c.finished.set()
 
+    fail_send_at = None  # tests: the send with this index raises, as a send on an aborted channel does
+
     def send(self, buf: torch.Tensor) -> Completion:
+        self.sends = getattr(self, "sends", 0) + 1
+        if self.fail_send_at is not None and self.sends > self.fail_send_at:
+            raise TransportError("send failed (test)")
         c = self.inner.send(buf)
         c.event = ("sent", buf.data_ptr())
         self.log.append(("sent from slot", buf.data_ptr()))
@@ -118,10 +123,11 @@ def cpu_streams(monkeypatch):
     """CUDA's stream context and stream wait as no-ops (the CPU channel's work is done when its calls return)."""
     monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
     monkeypatch.setattr(pipeline, "_wait_on", lambda stream, timeout: None)
+    monkeypatch.setattr(pipeline, "_settled", lambda comm, timeout: True)
 
 
 class OverlapPair:
-    def __init__(self, slot_bytes=1024, slots=2, overlap=True, receiver_pool=None):
+    def __init__(self, slot_bytes=1024, slots=3, overlap=True, receiver_pool=None):
         self.log: list = []
         self.src_t, self.src_views = pools(fill=rand)
         self.dst_t, dst_views = pools()
@@ -166,6 +172,15 @@ def _open(p: "OverlapPair") -> LaterComm:
     p.drain()
     p.log.clear()
     return p.receiver.comm
+
+
+def _send_quietly(p: "OverlapPair", src, dst) -> None:
+    """Room 5 from a thread of its own; a TransportError (the decode dropped the channel) is what some tests
+    expect, and their assertions are on the receiver's side."""
+    try:
+        p.sender.send(5, 0, src, dst)
+    except TransportError:
+        pass
 
 
 def _until(cond, what: str) -> None:
@@ -297,22 +312,28 @@ def test_overlap_is_on_by_default_and_sglang_p2p_overlap_turns_it_off(monkeypatc
         EngineConfig.from_env()
 
 
-def test_try_acquire_leaves_a_slot_to_an_end_that_waits_for_one():
-    pool = StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), 16, 2)
+def test_try_acquire_takes_a_spare_slot_never_the_last_one():
+    pool = StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), 16, 3)
     first = pool.acquire(1)
     assert not pool.has_waiters()
     second = pool.try_acquire()
-    assert second is not None and pool.try_acquire() is None  # both out: nothing to take
+    assert second is not None and pool.try_acquire() is None  # one left: it stays for another end
+    third = pool.acquire(1)  # which another end then gets at once
     waiter = threading.Thread(target=lambda: pool.release(pool.acquire(5)))
     waiter.start()
     _until(pool.has_waiters, "the waiter")
     pool.release(second)
     waiter.join(5)
-    pool.release(first)
+    pool.release(first), pool.release(third)
     assert pool.in_use == 0
+    assert StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), 16, 2).try_acquire() is not None
+    two = StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), 16, 2)
+    held = two.acquire(1)
+    assert two.try_acquire() is None  # two slots: a second would be the last
+    two.release(held)
     # a waiter is first in line: between a release and the waiter taking the slot (the count acquire keeps
     # while it waits), try_acquire leaves the free slot alone
-    pool = StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), 16, 2)
+    pool = StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), 16, 3)
     mine = pool.acquire(1)
     pool._waiting = 1  # noqa: SLF001 - an acquire() woken by a release, not yet back in the lock
     assert pool.try_acquire() is None and pool.has_waiters()
@@ -347,6 +368,7 @@ def test_a_sender_holding_two_slots_gives_one_back_to_an_end_that_waits(cpu_stre
         sender = threading.Thread(target=p.sender.send, args=(5, 0, [src], [dst]))
         sender.start()
         assert gated.reached.wait(10)  # chunks 0-2 went out through both slots
+        third = p.send_pool.acquire(1)  # another end takes the slot left: the next one to come has to wait
         got = []
         waiter = threading.Thread(target=lambda: got.append(p.send_pool.acquire(5)))
         waiter.start()
@@ -356,11 +378,109 @@ def test_a_sender_holding_two_slots_gives_one_back_to_an_end_that_waits(cpu_stre
         assert got, "the waiting end never got a slot while the sender went on"
         sender.join(10)
         assert not sender.is_alive()
-        p.send_pool.release(got[0])
+        p.send_pool.release(got[0]), p.send_pool.release(third)
         p.drain()
         assert p.landed[1:] == [(5, None)] * 7
         slots = [e[1] for e in p.log if e[0] == "sent from slot"]
         assert len(set(slots[:3])) == 2 and len(set(slots[3:])) == 1  # one slot after giving one back
         assert p.send_pool.in_use == 0 and p.recv_pool.in_use == 0
+    finally:
+        p.close()
+
+
+def test_a_staging_slot_that_cannot_be_allocated_fails_its_chunk_and_the_channel_not_the_next_chunk(cpu_streams):
+    """The receiver's spare slot is allocated mid-transfer; if that fails (out of memory) the chunk's receive is
+    never posted, so the channel is dropped: the prefill's bytes must not land under the next header."""
+    made, refused = [], threading.Event()
+
+    def alloc(n):
+        if made:  # the slot of the channel's first room is the only one that can be had
+            refused.set()
+            raise RuntimeError("CUDA out of memory (test)")
+        made.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    p = OverlapPair(receiver_pool=StagingPool(alloc, 1024, 3))
+    try:
+        comm = _open(p)
+        comm.hold.clear()  # chunk 0 stays posted while chunk 1's header asks for the spare slot
+        src, dst = _ids(20, 7)
+        sender = threading.Thread(target=_send_quietly, args=(p, [src], [dst]))
+        sender.start()
+        assert refused.wait(10)
+        comm.hold.set()  # chunk 0 can land now
+        sender.join(15)
+        p.drain()
+        reports = p.landed[1:]
+        assert reports[0] == (5, None)  # chunk 0: received and scattered before the failure
+        assert reports[1][1] and "could not allocate a staging slot" in reports[1][1]
+        assert all(err for _, err in reports[1:]) and p.receiver.comm is None
+        assert p.pages_equal(src[:3], dst[:3])  # what was reported landed exactly
+        assert all(bool((t[torch.from_numpy(dst[3:].astype(np.int64))] == 0xA5).all()) for t in p.dst_t)
+        assert p.recv_pool.in_use == 0
+    finally:
+        p.close()
+
+
+def test_a_failing_header_check_fails_that_chunk_and_the_channel_and_reports_every_chunk_once(cpu_streams):
+    p = OverlapPair()
+    try:
+        _open(p)
+        checked = []
+        plain = p.receiver.check
+
+        def check(header):
+            checked.append(header)
+            if len(checked) == 3:
+                raise ValueError("a bug in a check (test)")
+            return plain(header)
+
+        p.receiver.check = check
+        src, dst = _ids(20, 8)
+        try:
+            p.sender.send(5, 0, [src], [dst])
+        except TransportError:
+            pass  # the decode dropped the channel under the sender
+        p.drain()
+        reports = p.landed[1:]
+        assert len(reports) == len(checked)  # every announced chunk reported once, in order
+        assert reports[:2] == [(5, None)] * 2 and all(err for _, err in reports[2:])
+        assert "dropped after an error" in reports[2][1]
+        assert p.recv_pool.in_use == 0
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("settled", [True, False])
+def test_a_sender_error_gives_its_two_slots_back_only_once_the_channel_work_ended(cpu_streams, monkeypatch, settled):
+    monkeypatch.setattr(pipeline, "_settled", lambda comm, timeout: settled)
+    p = OverlapPair()
+    try:
+        _open(p)
+        p.sender.comm.fail_send_at = 3
+        src, dst = _ids(20, 9)
+        with pytest.raises(TransportError, match="send failed"):
+            p.sender.send(5, 0, [src], [dst])
+        assert p.sender.comm is None  # the channel was dropped
+        # settled: both slots back; not settled: kept out of use rather than handed to another room
+        assert p.send_pool.in_use == (0 if settled else 2)
+    finally:
+        p.close()
+
+
+def test_no_receive_ahead_past_a_chunk_whose_scatter_may_load_a_kernel(cpu_streams):
+    """Loading a CUDA module can wait for the kernels running, here the next chunk's receive (on the peer):
+    a chunk whose scatter is not the preloaded kernel lands before the next receive is posted."""
+    p = OverlapPair()
+    try:
+        comm = _open(p)
+        p.receiver.copier.loaded_for = lambda chunk: False
+        comm.hold.clear()
+        src, dst = _ids(9, 10)
+        p.sender.send(5, 0, [src], [dst])
+        comm.hold.set()
+        p.drain()
+        assert [e[0] for e in p.log if e[0] in ("posted", "scatter")] == ["posted", "scatter"] * 3
+        assert p.landed[1:] == [(5, None)] * 3 and p.pages_equal(src, dst)
     finally:
         p.close()

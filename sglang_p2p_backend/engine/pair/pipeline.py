@@ -61,6 +61,19 @@ def _wait_on(stream: Optional["torch.cuda.Stream"], timeout: float) -> None:
         raise TransportError(f"pair channel work not done after {timeout:.0f}s (peer stalled or gone)")
 
 
+def _settled(comm: PairComm, timeout: float) -> bool:
+    """After an abort of `comm`: whether the work queued on its streams (sends, receives, and the gathers or
+    scatters of its staging slots) has ended within `timeout`. A slot goes back to the pool only then: one
+    handed on while a kernel still writes or reads it would mix another room's chunk with this one's bytes."""
+    streams = [st for st in (comm.stream, comm.side_stream) if st is not None]
+    events = []
+    for st in streams:
+        ev = torch.cuda.Event()
+        ev.record(st)
+        events.append(ev)
+    return wait_until(lambda: all(ev.query() for ev in events), timeout)
+
+
 class _Posted(NamedTuple):
     """A chunk whose receive is posted: what landing it needs."""
 
@@ -159,15 +172,13 @@ class PairSender(_PairEnd):
         try:
             comm = self._ensure_comm()
             bufs = [self.staging.acquire(self.io_timeout)]
-            side = comm.side_stream if self.overlap and len(chunks) > 1 else None
-            if side is not None:  # a second slot only if one is free now: two ends never wait on each other
-                extra = self.staging.try_acquire()
-                if extra is not None:
-                    bufs.append(extra)
-                else:
-                    side = None
-            queued = False  # gathers queued on the side stream that the error path must see finished
+            ok = False
             try:
+                side = comm.side_stream if self.overlap and len(chunks) > 1 else None
+                if side is not None:  # a spare slot only: another end keeps one, and nobody waits for it
+                    extra = self.staging.try_acquire()
+                    if extra is not None:
+                        bufs.append(extra)
                 last = None
                 sends: list = [None] * len(bufs)  # the send out of each slot still to finish before refilling it
                 for i, chunk in enumerate(chunks):
@@ -182,13 +193,11 @@ class PairSender(_PairEnd):
                         self.staging.release(bufs.pop(j))
                         sends.pop(j)
                     j = i % len(bufs)
-                    if len(bufs) == 2:
+                    if len(bufs) == 2 and sends[j] is not None:
                         # chunk i's gather runs while chunk i-1 moves; the channel's stream waits for the gather
                         # (the transport orders a send after its caller's stream), the gather for the slot's
                         # previous send
-                        if sends[j] is not None:
-                            side.wait_event(sends[j].event)
-                        queued = True
+                        side.wait_event(sends[j].event)
                     with torch.cuda.stream(side) if len(bufs) == 2 else _stream_ctx(comm):
                         self.copier.gather(chunk, src_ids, bufs[j])
                         segments = [_segment_msg(seg, dst_ids, heads) for seg in chunk.segments]
@@ -199,26 +208,24 @@ class PairSender(_PairEnd):
                         last = sends[j] = comm.send(bufs[j][: chunk.nbytes])
                     sent += chunk.nbytes
                 if last is not None:
-                    last.wait(self.io_timeout)
-                    queued = False  # every gather came before a send that finished
+                    last.wait(self.io_timeout)  # every gather came before a send that finished
+                ok = True
             finally:
-                self._release(bufs, side if queued else None)
+                self._release(bufs, comm, ok)
         except TransportError:
             self.reset()
             raise
         return sent
 
-    def _release(self, bufs: list, side: Optional["torch.cuda.Stream"]) -> None:
-        """Give the slots back; after an error, only once the gathers queued into them finished (the channel
-        was aborted, so sends they wait for end): a slot handed on while a gather still writes it would put
-        this room's bytes into another room's chunk."""
-        if side is not None:
+    def _release(self, bufs: list, comm: PairComm, ok: bool) -> None:
+        """Give the slots back. After an error, the channel is aborted first and the slots go back only once
+        the work queued on its streams ended (gathers into them, sends out of them); else they stay out of use,
+        logged, rather than carry this room's bytes into another room's chunk."""
+        if not ok:
             self.reset()
-            done = torch.cuda.Event()
-            done.record(side)
-            if not wait_until(done.query, self.io_timeout):
-                logger.error("p2pnccl: gathers to %s not finished %.0fs after an error; %d staging slot(s) kept "
-                             "out of use", self.local_session, self.io_timeout, len(bufs))
+            if not _settled(comm, self.io_timeout):
+                logger.error("p2pnccl: work on the channel to %s not finished %.0fs after an error; %d staging "
+                             "slot(s) kept out of use", self.local_session, self.io_timeout, len(bufs))
                 return
         for buf in bufs:
             self.staging.release(buf)
@@ -292,6 +299,7 @@ class PairReceiver(_PairEnd):
         #: the chunk whose receive is posted but not yet landed: the next chunk's receive is posted before it
         #: lands, so its scatter overlaps that receive (this thread only)
         self._posted: Optional[_Posted] = None
+        self._posted_header: Optional[ChunkHeader] = None  # the header _receive last posted (error bookkeeping)
         self._thread = threading.Thread(target=self._run, name=f"p2p-recv-{peer_session}", daemon=True)
         self._thread.start()
 
@@ -335,11 +343,13 @@ class PairReceiver(_PairEnd):
                 if isinstance(item, CommInit):
                     self._join(item)
                 elif isinstance(item, ChunkHeader):
-                    self._receive(item, self.check(item))
+                    self._take(item)
                 else:
                     item()
             except Exception:  # a bug here must not kill the peer's thread silently
                 logger.exception("p2p receiver for %s: unexpected error", self.peer_session)
+                if item is None:
+                    return
 
     def _next_item(self) -> object:
         """The next queued item. While a receive is posted, the next header is taken as soon as it comes (its
@@ -370,11 +380,25 @@ class PairReceiver(_PairEnd):
             self.broken_reason = f"could not join the pair channel of prefill {self.peer_session}: {e}"
             logger.warning(self.broken_reason)
 
+    def _take(self, header: ChunkHeader) -> None:
+        """One announced chunk, whatever goes wrong: a chunk whose receive cannot be posted as announced
+        breaks the channel (the prefill's bytes would otherwise land under the next header) and fails."""
+        try:
+            verdict = self.check(header)
+            self._receive(header, verdict)
+        except Exception as e:  # noqa: BLE001 - a bug or a CUDA error: the channel's order is not known any more
+            logger.exception("p2p receiver for %s: chunk of room %d", self.peer_session, header.room)
+            self._land_posted()
+            if self._posted_header is not header:  # its receive was not posted: nothing lands it
+                self._broken(f"pair channel with prefill {self.peer_session} dropped after an error: {e!r}")
+                self.on_chunk(header.room, header.prefill_rank, self.broken_reason)
+
     def _receive(self, header: ChunkHeader, verdict: ChunkVerdict) -> None:
         """Post the receive of one announced chunk, then land the chunk posted before it; a chunk is scattered
         only if its checks passed and the room still wants it. A chunk that failed its checks is received into
         staging and dropped (the channel stays in step); one larger than a staging slot cannot be, so the
         channel is dropped and the prefill told."""
+        self._posted_header = None
         if self.comm is None or header.generation != self.generation:
             self._land_posted()
             reason = self.broken_reason or f"no pair channel with prefill {self.peer_session}"
@@ -394,7 +418,7 @@ class PairReceiver(_PairEnd):
                 with _stream_ctx(comm):
                     done = comm.recv(buf[: header.nbytes])
             except BaseException:
-                self.staging.release(buf)
+                self.staging.release(buf)  # nothing was queued into it: the post itself failed
                 raise
         except TransportError as e:
             self._land_posted()
@@ -403,16 +427,22 @@ class PairReceiver(_PairEnd):
             return
         earlier, self._posted = self._posted, _Posted(header, verdict, buf, done, comm,
                                                        time.monotonic() + self.io_timeout)
+        self._posted_header = header
         if earlier is not None:
             self._land(earlier)
-        if not self._overlaps(comm):
-            self._land_posted()  # nothing overlaps (CPU, or SGLANG_P2P_OVERLAP=0): land it now
+        if self._posted is not None and not self._overlappable(self._posted):
+            self._land_posted()  # nothing overlaps (CPU, SGLANG_P2P_OVERLAP=0, a scatter that may load a kernel)
 
-    def _overlaps(self, comm: PairComm) -> bool:
-        return self.overlap and comm.side_stream is not None
+    def _overlappable(self, p: _Posted) -> bool:
+        """Whether the next chunk's receive may run while this one is scattered: on a channel with a side stream,
+        and only for a scatter whose kernels are loaded already (loading a CUDA module can wait for the kernels
+        running on the device, here the next receive, i.e. on the peer: docs/nccl.md, hazards)."""
+        if not self.overlap or p.comm.side_stream is None:
+            return False
+        return p.verdict.chunk is None or self.copier.loaded_for(p.verdict.chunk)
 
     def _slot(self) -> torch.Tensor:
-        """A staging slot for the next receive: a free one, else the posted chunk's once it landed, else one
+        """A staging slot for the next receive: a spare one, else the posted chunk's once it landed, else one
         waited for. Never waits for a second slot while holding one."""
         if self._posted is not None:
             buf = self.staging.try_acquire()
@@ -428,29 +458,41 @@ class PairReceiver(_PairEnd):
 
     def _land(self, p: _Posted) -> None:
         """Wait for a posted receive, scatter it (on the side stream, beside the channel's stream where the next
-        receive may run), wait for the scatter, give the slot back and report the chunk."""
+        receive may run), wait for the scatter, give the slot back and report the chunk. Any failure fails the
+        chunk and drops the channel; the slot then goes back only once the channel's work on it ended."""
         try:
-            try:
-                p.done.wait(max(0.0, p.deadline - time.monotonic()))
-                if p.verdict.chunk is not None and self.wanted(p.header.room):
-                    stream = p.comm.side_stream if self._overlaps(p.comm) else p.comm.stream
-                    with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                        self.copier.scatter(p.verdict.chunk, p.verdict.ids, p.buf)
-                    _wait_on(stream, self.io_timeout)
-            finally:
-                self.staging.release(p.buf)
-        except TransportError as e:
+            p.done.wait(max(0.0, p.deadline - time.monotonic()))
+            if p.verdict.chunk is not None and self.wanted(p.header.room):
+                stream = p.comm.side_stream if self._overlappable(p) else p.comm.stream
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    self.copier.scatter(p.verdict.chunk, p.verdict.ids, p.buf)
+                _wait_on(stream, self.io_timeout)
+        except Exception as e:  # noqa: BLE001 - TransportError, or a bug / CUDA error: the chunk fails either way
+            if not isinstance(e, TransportError):
+                logger.exception("p2p receiver for %s: landing a chunk of room %d", self.peer_session, p.header.room)
             reason = f"pair channel with prefill {self.peer_session} broke: {e}"
             self.on_chunk(p.header.room, p.header.prefill_rank, reason)
+            p.comm.abort()
             if p.comm is self.comm:
                 self._broken(reason)
+            self._release_after_abort(p)
             return
+        self.staging.release(p.buf)
         self.on_chunk(p.header.room, p.header.prefill_rank, p.verdict.problem)
 
     def _broken(self, reason: str) -> None:
         """Drop the channel and fail the chunk posted on it (this thread)."""
         self._drop(reason)
         posted, self._posted = self._posted, None
-        if posted is not None:  # the channel was aborted, so its receive ends and the slot can go back
-            self.staging.release(posted.buf)
+        if posted is not None:
             self.on_chunk(posted.header.room, posted.header.prefill_rank, reason)
+            self._release_after_abort(posted)
+
+    def _release_after_abort(self, p: _Posted) -> None:
+        """The slot of a chunk on an aborted channel back to the pool once the channel's work ended (its receive,
+        its scatter); else kept out of use, logged, so no later chunk can be written over by them."""
+        if _settled(p.comm, self.io_timeout):
+            self.staging.release(p.buf)
+        else:
+            logger.error("p2pnccl: work on the channel from %s not finished %.0fs after it was aborted; a staging "
+                         "slot kept out of use", self.peer_session, self.io_timeout)

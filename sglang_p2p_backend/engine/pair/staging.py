@@ -54,27 +54,36 @@ class StagingPool:
         return self._make()
 
     def try_acquire(self) -> Optional[torch.Tensor]:
-        """A slot if one is free (or may still be made) now and nobody waits for one, else None: never waits. A
-        pair end takes its second slot this way, so ends holding one slot each never wait on each other for a
-        second, and a second slot never goes to an end that has one while another end has none."""
+        """A spare slot for an end that holds one already, else None; never waits. Spare means nobody waits for
+        a slot and another one stays available after this, so a pair end whose peer stalls holds at most two
+        slots and never the last: ends of other peers keep one to work with (isolation), and ends holding one
+        slot each never wait on each other for a second."""
         with self._cond:
-            if self._closed or self._waiting:
+            available = len(self._free) + (self.num_slots - self._created)
+            if self._closed or self._waiting or available < 2:
                 return None
             if self._free:
                 return self._free.pop()
-            if self._created >= self.num_slots:
-                return None
             self._created += 1
         return self._make()
 
     def _make(self) -> torch.Tensor:
-        """Allocate a slot counted as created; the count is given back if the allocation fails."""
+        """Allocate a slot counted as created; the count is given back if the allocation fails, which is a
+        TransportError naming the size (the room fails; nothing else is left half done)."""
         try:
-            return self._alloc(self.slot_bytes)
-        except BaseException:
+            buf = self._alloc(self.slot_bytes)
+            if buf.is_cuda:
+                # the allocator may hand back memory freed on this thread's stream with kernels still queued;
+                # the slot is used on the pair's streams, which do not wait for that stream
+                torch.cuda.current_stream(buf.device).synchronize()
+            return buf
+        except BaseException as e:
             with self._cond:
                 self._created -= 1
                 self._cond.notify()
+            if isinstance(e, Exception) and not isinstance(e, TransportError):
+                raise TransportError(f"could not allocate a staging slot of {self.slot_bytes >> 20} MiB: {e}; "
+                                     f"lower SGLANG_P2P_STAGING_MB or free GPU memory") from e
             raise
 
     def release(self, buf: torch.Tensor) -> None:
