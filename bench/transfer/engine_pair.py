@@ -80,7 +80,7 @@ def _prefill(device, cases, ctrl, results, io_timeout):
     out = []
     for ci, case in enumerate(cases):
         pool = _pool(case, device, seed=1000 + ci)
-        staging = StagingPool(transport.alloc_staging, case.slot_mb << 20, 2)
+        staging = StagingPool(transport.alloc_staging, case.slot_mb << 20, EngineConfig.staging_slots)
         sender = PairSender(transport=transport, staging=staging, copier=PageCopier([pool]), local_session="prefill:0",
                             control=lambda m: ctrl.put(messages.encode(m)), connect_timeout=60, io_timeout=io_timeout)
         src, dst = _ids(case, 1), _ids(case, 2)
@@ -106,7 +106,7 @@ def _decode(device, cases, ctrl, results, io_timeout):
     verdicts = []
     for ci, case in enumerate(cases):
         pool = _pool(case, device, seed=None)
-        staging = StagingPool(transport.alloc_staging, case.slot_mb << 20, 2)
+        staging = StagingPool(transport.alloc_staging, case.slot_mb << 20, EngineConfig.staging_slots)
         errors: list[str] = []
         receiver = PairReceiver(transport=transport, staging=staging, copier=PageCopier([pool]), peer_session="prefill:0",
                                 wanted=lambda room: True, on_chunk=lambda room, rank, err: err and errors.append(err),
