@@ -223,6 +223,7 @@ class PairSender(_PairEnd):
         logged, rather than carry this room's bytes into another room's chunk."""
         if not ok:
             self.reset()
+            comm.abort()  # the channel of this call, whichever `self.comm` is now (idempotent)
             if not _settled(comm, self.io_timeout):
                 logger.error("p2pnccl: work on the channel to %s not finished %.0fs after an error; %d staging "
                              "slot(s) kept out of use", self.local_session, self.io_timeout, len(bufs))
@@ -418,7 +419,8 @@ class PairReceiver(_PairEnd):
                 with _stream_ctx(comm):
                     done = comm.recv(buf[: header.nbytes])
             except BaseException:
-                self.staging.release(buf)  # nothing was queued into it: the post itself failed
+                comm.abort()  # a post that failed may have queued part of the receive: end it before reuse
+                self._give_back(comm, buf)
                 raise
         except TransportError as e:
             self._land_posted()
@@ -475,7 +477,7 @@ class PairReceiver(_PairEnd):
             p.comm.abort()
             if p.comm is self.comm:
                 self._broken(reason)
-            self._release_after_abort(p)
+            self._give_back(p.comm, p.buf)
             return
         self.staging.release(p.buf)
         self.on_chunk(p.header.room, p.header.prefill_rank, p.verdict.problem)
@@ -486,13 +488,13 @@ class PairReceiver(_PairEnd):
         posted, self._posted = self._posted, None
         if posted is not None:
             self.on_chunk(posted.header.room, posted.header.prefill_rank, reason)
-            self._release_after_abort(posted)
+            self._give_back(posted.comm, posted.buf)
 
-    def _release_after_abort(self, p: _Posted) -> None:
-        """The slot of a chunk on an aborted channel back to the pool once the channel's work ended (its receive,
-        its scatter); else kept out of use, logged, so no later chunk can be written over by them."""
-        if _settled(p.comm, self.io_timeout):
-            self.staging.release(p.buf)
+    def _give_back(self, comm: PairComm, buf: torch.Tensor) -> None:
+        """A slot used on an aborted channel back to the pool once the channel's work ended (its receive, its
+        scatter); else kept out of use, logged, so no later chunk can be written over by them."""
+        if _settled(comm, self.io_timeout):
+            self.staging.release(buf)
         else:
             logger.error("p2pnccl: work on the channel from %s not finished %.0fs after it was aborted; a staging "
                          "slot kept out of use", self.peer_session, self.io_timeout)
