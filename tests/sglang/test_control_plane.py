@@ -37,7 +37,9 @@ def test_staging_mismatch_is_refused_on_both_sides_naming_both_values():
     plan = {
         "pool": POOL,
         "requests": slow_rooms([101, 102, 103]),
-        "env": {"prefill": {"SGLANG_P2P_STAGING_MB": "2"}, "decode": {"SGLANG_P2P_STAGING_MB": "1"}},
+        # two slots each (not the default three), so the slot sizes are the round halves named below
+        "env": {"prefill": {"SGLANG_P2P_STAGING_MB": "2", "SGLANG_P2P_STAGING_SLOTS": "2"},
+                "decode": {"SGLANG_P2P_STAGING_MB": "1", "SGLANG_P2P_STAGING_SLOTS": "2"}},
         "deadline_s": 40,
     }
     result = run_pair(plan, env=FAST_FAILURE_ENV)
