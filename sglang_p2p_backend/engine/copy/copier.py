@@ -107,7 +107,7 @@ class PageCopier:
     def __init__(self, views: GroupViews):
         self.views = views
         self.item_lens = item_lens(views)
-        on_cuda = self._on_cuda = any(v.is_cuda for regions in views for v in regions)
+        on_cuda = any(v.is_cuda for regions in views for v in regions)
         self._fused = None
         if on_cuda:
             from sglang_p2p_backend.engine.copy.gather_cuda import FusedGather
@@ -123,7 +123,7 @@ class PageCopier:
     def loaded_for(self, chunk: Chunk) -> bool:
         """Whether copying this chunk launches only kernels loaded up front: always on CPU; on CUDA only the fused
         kernel (FusedGather warms it up), not torch's copies, which CUDA loads lazily at their first launch."""
-        return self._fused is None and not self._on_cuda or self._fused_for(chunk) is not None
+        return self._fused is None or self._fused_for(chunk) is not None  # no fused kernel: on CPU
 
     def gather(self, chunk: Chunk, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
         fused = self._fused_for(chunk)

@@ -50,14 +50,21 @@ def _stream_ctx(comm: Optional[PairComm]):
     return nullcontext()
 
 
+def _streams_done(streams: Sequence[Optional["torch.cuda.Stream"]], timeout: float) -> bool:
+    """Whether the work queued so far on `streams` (None: no stream, nothing to wait for) ended within `timeout`,
+    by polling events: a blocking stream sync could not time out if the peer died with a receive posted."""
+    events = []
+    for st in streams:
+        if st is not None:
+            ev = torch.cuda.Event()
+            ev.record(st)
+            events.append(ev)
+    return wait_until(lambda: all(ev.query() for ev in events), timeout)
+
+
 def _wait_on(stream: Optional["torch.cuda.Stream"], timeout: float) -> None:
-    """Wait for the work queued on `stream` by polling an event: a blocking stream sync could not time out if the
-    peer died with a receive posted."""
-    if stream is None:
-        return
-    done = torch.cuda.Event()
-    done.record(stream)
-    if not wait_until(done.query, timeout):
+    """Wait for the work queued on `stream`; TransportError past `timeout`."""
+    if not _streams_done([stream], timeout):
         raise TransportError(f"pair channel work not done after {timeout:.0f}s (peer stalled or gone)")
 
 
@@ -65,13 +72,7 @@ def _settled(comm: PairComm, timeout: float) -> bool:
     """After an abort of `comm`: whether the work queued on its streams (sends, receives, and the gathers or
     scatters of its staging slots) has ended within `timeout`. A slot goes back to the pool only then: one
     handed on while a kernel still writes or reads it would mix another room's chunk with this one's bytes."""
-    streams = [st for st in (comm.stream, comm.side_stream) if st is not None]
-    events = []
-    for st in streams:
-        ev = torch.cuda.Event()
-        ev.record(st)
-        events.append(ev)
-    return wait_until(lambda: all(ev.query() for ev in events), timeout)
+    return _streams_done([comm.stream, comm.side_stream], timeout)
 
 
 class _Posted(NamedTuple):
@@ -107,6 +108,17 @@ class _PairEnd:
         self.io_timeout = io_timeout
         self.comm: Optional[PairComm] = None
         self.generation = 0
+
+    def _give_back(self, comm: PairComm, bufs: Sequence[torch.Tensor], peer: str) -> None:
+        """Slots used on an aborted channel back to the pool once the channel's work ended (gathers into them,
+        sends out of them, receives and scatters); else kept out of use, logged, rather than carry one room's
+        bytes into another room's chunk."""
+        if _settled(comm, self.io_timeout):
+            for buf in bufs:
+                self.staging.release(buf)
+        else:
+            logger.error("p2pnccl: work on the pair channel of %s not finished %.0fs after it was aborted; %d "
+                         "staging slot(s) kept out of use", peer, self.io_timeout, len(bufs))
 
 
 class PairSender(_PairEnd):
@@ -218,18 +230,14 @@ class PairSender(_PairEnd):
         return sent
 
     def _release(self, bufs: list, comm: PairComm, ok: bool) -> None:
-        """Give the slots back. After an error, the channel is aborted first and the slots go back only once
-        the work queued on its streams ended (gathers into them, sends out of them); else they stay out of use,
-        logged, rather than carry this room's bytes into another room's chunk."""
-        if not ok:
-            self.reset()
-            comm.abort()  # the channel of this call, whichever `self.comm` is now (idempotent)
-            if not _settled(comm, self.io_timeout):
-                logger.error("p2pnccl: work on the channel to %s not finished %.0fs after an error; %d staging "
-                             "slot(s) kept out of use", self.local_session, self.io_timeout, len(bufs))
-                return
-        for buf in bufs:
-            self.staging.release(buf)
+        """Give the slots back; after an error, with the channel aborted first (`_give_back`)."""
+        if ok:
+            for buf in bufs:
+                self.staging.release(buf)
+            return
+        self.reset()
+        comm.abort()  # the channel of this call, whichever `self.comm` is now (idempotent)
+        self._give_back(comm, bufs, self.local_session)
 
     def reset(self) -> None:
         if self.comm is not None:
@@ -420,7 +428,7 @@ class PairReceiver(_PairEnd):
                     done = comm.recv(buf[: header.nbytes])
             except BaseException:
                 comm.abort()  # a post that failed may have queued part of the receive: end it before reuse
-                self._give_back(comm, buf)
+                self._give_back(comm, [buf], self.peer_session)
                 raise
         except TransportError as e:
             self._land_posted()
@@ -477,7 +485,7 @@ class PairReceiver(_PairEnd):
             p.comm.abort()
             if p.comm is self.comm:
                 self._broken(reason)
-            self._give_back(p.comm, p.buf)
+            self._give_back(p.comm, [p.buf], self.peer_session)
             return
         self.staging.release(p.buf)
         self.on_chunk(p.header.room, p.header.prefill_rank, p.verdict.problem)
@@ -488,13 +496,4 @@ class PairReceiver(_PairEnd):
         posted, self._posted = self._posted, None
         if posted is not None:
             self.on_chunk(posted.header.room, posted.header.prefill_rank, reason)
-            self._give_back(posted.comm, posted.buf)
-
-    def _give_back(self, comm: PairComm, buf: torch.Tensor) -> None:
-        """A slot used on an aborted channel back to the pool once the channel's work ended (its receive, its
-        scatter); else kept out of use, logged, so no later chunk can be written over by them."""
-        if _settled(comm, self.io_timeout):
-            self.staging.release(buf)
-        else:
-            logger.error("p2pnccl: work on the channel from %s not finished %.0fs after it was aborted; a staging "
-                         "slot kept out of use", self.peer_session, self.io_timeout)
+            self._give_back(posted.comm, [posted.buf], self.peer_session)
