@@ -293,7 +293,7 @@ class Cluster:
     def load(self, url: str) -> Optional[LoadSample]:
         """The server's queue and running requests now (SGLang's gauges on /metrics, which simworker exports
         too); None when it does not answer in time or lacks them."""
-        return parse_load(fetch_metrics(url, SAMPLE_TIMEOUT_S))
+        return parse_load(promparse.fetch(url, SAMPLE_TIMEOUT_S))
 
     def flush(self) -> None:
         lb_real.flush_all([_Url(u) for u in self.urls()])
@@ -315,15 +315,6 @@ def transport_env(transport: str, name: str) -> dict[str, str]:
     if transport == "nccl":
         return {"SGLANG_P2P_TRANSPORT": "nccl", **lb_real._one_gpu_env(name)}
     raise ValueError(f"transport must be nccl, cudaipc or auto, got {transport!r}")
-
-
-def fetch_metrics(url: str, timeout: float) -> Optional[str]:
-    """A server's /metrics (Prometheus text); None when it does not answer within `timeout`."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
-            return r.read().decode(errors="replace")
-    except Exception:  # busy, dead or restarting: the caller counts it as missing
-        return None
 
 
 class SGLangCluster(Cluster):
@@ -362,7 +353,7 @@ class SGLangCluster(Cluster):
         return [s.name for s in self.stack.launch(servers, timeout_s=timeout_s, lanes=len(servers))]
 
     def served(self, url):
-        text = fetch_metrics(url, 5)
+        text = promparse.fetch(url, 5)
         return None if text is None else promparse.sample_total(text, "sglang:num_requests_total") or 0.0
 
 

@@ -22,7 +22,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,11 +43,8 @@ def requests_for(concurrency: int) -> int:
 
 
 def scrape(url: str) -> Optional[promparse.HistogramTotals]:
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            return promparse.histogram_totals(r.read().decode(), promparse.KV_TRANSFER_LATENCY)
-    except Exception:
-        return None
+    text = promparse.fetch(url)
+    return None if text is None else promparse.histogram_totals(text, promparse.KV_TRANSFER_LATENCY)
 
 
 def load_runs(backend: str, prefill: Server, lb: Server, deadline: float,

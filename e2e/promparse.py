@@ -7,8 +7,9 @@ completion). A run's mean is the difference of two snapshots: (sum_after - sum_b
 from __future__ import annotations
 
 import re
+import urllib.request
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 KV_TRANSFER_LATENCY = "sglang:kv_transfer_latency_ms"
 KV_TRANSFER_MB = "sglang:kv_transfer_total_mb"
@@ -22,34 +23,36 @@ class HistogramTotals:
     count: float
 
 
-def histogram_totals(text: str, name: str) -> Optional[HistogramTotals]:
-    """Sum of ``name_sum`` and ``name_count`` over all label sets; None when the metric is absent."""
-    total = {"_sum": 0.0, "_count": 0.0}
-    seen = False
+def fetch(url: str, timeout: float = 5.0) -> Optional[str]:
+    """A server's /metrics text; None when it does not answer within `timeout` (busy, dead or restarting: the
+    caller counts a missing sample)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+            return r.read().decode(errors="replace")
+    except Exception:  # noqa: BLE001 - any failure to read is a missing sample, never the caller's error
+        return None
+
+
+def _samples(text: str) -> Iterator[tuple[str, float]]:
+    """(name, value) of every sample line, comments skipped."""
     for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m or not m.group("name").startswith(name):
-            continue
-        suffix = m.group("name")[len(name):]
-        if suffix in total:
-            total[suffix] += float(m.group("value"))
-            seen = True
-    return HistogramTotals(total["_sum"], total["_count"]) if seen else None
+        if not line.startswith("#"):
+            m = _SAMPLE.match(line)
+            if m:
+                yield m.group("name"), float(m.group("value"))
 
 
 def sample_total(text: str, name: str) -> Optional[float]:
     """Sum of the samples named exactly ``name`` over all label sets (a gauge or counter, e.g. one per DP rank);
     None when the metric is absent, so a server that does not export it is not read as idle."""
-    out: Optional[float] = None
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if m and m.group("name") == name:
-            out = (out or 0.0) + float(m.group("value"))
-    return out
+    values = [v for n, v in _samples(text) if n == name]
+    return sum(values) if values else None
+
+
+def histogram_totals(text: str, name: str) -> Optional[HistogramTotals]:
+    """Sum of ``name_sum`` and ``name_count`` over all label sets; None when the metric is absent."""
+    s, c = sample_total(text, name + "_sum"), sample_total(text, name + "_count")
+    return None if s is None and c is None else HistogramTotals(s or 0.0, c or 0.0)
 
 
 def total(parts: "list[Optional[HistogramTotals]]") -> Optional[HistogramTotals]:

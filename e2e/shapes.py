@@ -33,7 +33,6 @@ import asyncio
 import sys
 import time
 import traceback
-import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
@@ -74,11 +73,10 @@ def server_for(launch: Launch, flag_file: Path, digest: bool = False) -> Server:
 
 def transfers_served(url: str) -> Optional[float]:
     """How many KV transfers a prefill server has made (its kv_transfer_latency_ms histogram count)."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            totals = promparse.histogram_totals(r.read().decode(), promparse.KV_TRANSFER_LATENCY)
-    except OSError:
+    text = promparse.fetch(url)
+    if text is None:
         return None
+    totals = promparse.histogram_totals(text, promparse.KV_TRANSFER_LATENCY)
     return totals.count if totals else 0.0
 
 
