@@ -428,7 +428,8 @@ class Prefill:
         if self.dev.cuda:
             self.torch.cuda.synchronize(self.dev_t)
             seen.append(("after a synchronize", self.last_error()))
-            # the 2 x H100 failure followed a pageable host-to-device copy: pinned and pageable ones apart
+            # pinned and pageable copies apart: a CUDA error the mapping left pending shows at the first step
+            # that checks the runtime's last error
             probe = self.torch.zeros(4, dtype=self.torch.int64)
             probe.pin_memory().to(self.dev_t, non_blocking=True)
             self.torch.cuda.synchronize(self.dev_t)
@@ -445,9 +446,9 @@ class Prefill:
         return ptrs
 
     def trace(self, step: str) -> None:
-        """Record (and print) a CUDA runtime error left pending at `step`, without resetting it: on 2 x H100 a
-        "peer access is already enabled" appeared after the decode's pool was mapped, and where it came from is
-        still open."""
+        """Record (and print) a CUDA runtime error left pending at `step`, without resetting it: the next torch
+        kernel launch would raise it far from its cause (on 2 x H100 a "peer access is already enabled" that the
+        reference copy's own enable left behind did so)."""
         code = self.last_error()
         if code:
             self.out.setdefault("cuda_errors", []).append((step, code))
@@ -766,15 +767,16 @@ class Prefill:
                 # the decode's pool of this shape on its own GPU (the same-GPU pass above replaced it)
                 self.map_pool(shape, dst_pages, self.cfg["decode_gpu"])
                 self.tr.forget_peer(SESSION)
-                # each case with the engine's overlap (gather / scatter beside the transfer) and without it
-                for overlap in (True, False):
+                # each case without the engine's overlap (gather / scatter beside the transfer), then with it, as
+                # deployed: that channel stays open for the interference loop below
+                for overlap in (False, True):
                     self.nccl_open(pool, overlap)
                     for case in shape_cases:
                         row = self.nccl_case(case, pool, dst_pages)
                         if row:
                             self.out["nccl"].append({**row, "overlap": overlap})
-                    self.nccl_close()
-                self.nccl_open(pool)  # the interference loop below, and its close
+                    if not overlap:
+                        self.nccl_close()
                 if "interference" in sections and shape.name == INTERFERENCE_CASE[0] and self.time_left("interference nccl"):
                     tokens = max(t for t in self.cfg["tokens"] if t <= INTERFERENCE_CASE[1])
                     case = xc.Case(shape, tokens, "scattered")
