@@ -237,16 +237,18 @@ class WorkloadParams:
     long_prefixes: int = 10  # 10 x 12k tokens: more than one prefill's radix cache (98k tokens), less than two
     question: int = 100
     answer: int = 50
+    chat_output: int = 32  # tokens each turn of shared_prefix and long_prefix asks for
 
 
 def make_workload(name: str, duration: float, seed: int, wp: WorkloadParams) -> list[Req]:
     if name == "bursty_mixed":
         return lb_real.bursty_mixed(duration, wp.bursty_rate, seed, wp.short_median, wp.long_min, wp.long_max)
     if name == "shared_prefix":
-        return lb_real.shared_prefix(duration, wp.chat_rate, seed, prefix_len=wp.chat_prefix, question=wp.question, answer=wp.answer, gap=wp.turn_gap)
+        return lb_real.shared_prefix(duration, wp.chat_rate, seed, prefix_len=wp.chat_prefix, question=wp.question, answer=wp.answer,
+                                     gap=wp.turn_gap, output=wp.chat_output)
     if name == "long_prefix":
         return lb_real.shared_prefix(duration, wp.long_rate, seed + 7919, n_prefixes=wp.long_prefixes, prefix_len=wp.long_prefix,
-                                     turns=3, question=wp.question, answer=wp.answer, gap=wp.turn_gap)
+                                     turns=3, question=wp.question, answer=wp.answer, gap=wp.turn_gap, output=wp.chat_output)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
@@ -526,8 +528,16 @@ def load_evidence(prefills: dict[str, Sequence[Optional[LoadSample]]], decodes: 
     per_role = {role: [{"url": u, **server_load(xs)} for u, xs in by_url.items()] for role, by_url in (("prefill", prefills), ("decode", decodes))}
     out: dict[str, Any] = {f"{role}_imbalance": imbalance([x["load_mean"] for x in servers]) for role, servers in per_role.items()}
     out["prefill_queue_max"] = max((x["queue_max"] for x in per_role["prefill"] if x["queue_max"] is not None), default=None)
+    out["decode_pd_queue_mean"] = decode_pd_queue(per_role["decode"])
     out["server_load"] = {"interval_s": interval_s, **per_role}
     return out
+
+
+def decode_pd_queue(decodes: Sequence[dict[str, Any]]) -> Optional[float]:
+    """Requests the decodes held in their PD queues (waiting for KV memory or for their transfer), summed over
+    the decodes, mean over the run: how long requests wait for a decode rather than for a prefill or the LB."""
+    xs = [x["pd_queue_mean"] for x in decodes if x.get("pd_queue_mean") is not None]
+    return round(sum(xs), 3) if xs else None
 
 
 def _server_text(x: dict[str, Any]) -> str:
@@ -573,7 +583,8 @@ def plan(budget_s: float, n_lbs: int, workloads: Sequence[str], reps: int, max_r
 
 
 FIGURES = ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p99", "output_throughput", "cache_hit_rate", "num_failed")
-EVIDENCE = ("prefill_imbalance", "prefill_queue_max")  # the servers' side (load_evidence); absent from older results
+# the servers' side (load_evidence); absent from older results
+EVIDENCE = ("prefill_imbalance", "prefill_queue_max", "decode_imbalance", "decode_pd_queue_mean")
 
 
 def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -624,11 +635,23 @@ def targets(agg: dict[str, dict[str, Any]], workloads: Sequence[str]) -> list[di
 
 
 # ----------------------------------------------------------------------------- runs
+def common_reps(runs: dict[str, dict[str, list]]) -> dict[str, int]:
+    """Per workload, the repetitions every LB that ran it completed (runs are kept in repetition order)."""
+    out: dict[str, int] = {}
+    for by_wl in runs.values():
+        for wl, rs in by_wl.items():
+            if rs:
+                out[wl] = min(out.get(wl, len(rs)), len(rs))
+    return out
+
+
 def summarize_compare(doc: dict[str, Any], workloads: Sequence[str]) -> None:
-    """`aggregate` and `targets` from the runs in `doc`."""
+    """`aggregate` and `targets` from the runs in `doc`, over the repetitions every LB completed (a repetition
+    cut short leaves its runs in `runs`, outside the medians: `reps_compared` says how many went in)."""
     runs = doc.get("runs") or {}
-    agg = {name: {wl: aggregate(rs) for wl, rs in by_wl.items() if rs} for name, by_wl in runs.items() if any(by_wl.values())}
-    doc.update(aggregate=agg, targets=targets(agg, workloads))
+    n = common_reps(runs)
+    agg = {name: {wl: aggregate(rs[: n[wl]]) for wl, rs in by_wl.items() if rs} for name, by_wl in runs.items() if any(by_wl.values())}
+    doc.update(aggregate=agg, targets=targets(agg, workloads), reps_compared=n)
 
 
 def in_flight_at(a: lb_real.Answer, times: Sequence[float]) -> bool:
@@ -687,18 +710,25 @@ class Harness:
         return round(ok * length / wall, 1) if ok == n else 0.0
 
     def compare(self, specs: Sequence[LBSpec], p: Plan, seed: int, doc: dict[str, Any], stop_at: float = float("inf"),
-                lb_run_s: float = 0.0, log: Callable[[str], None] = print) -> None:
+                lb_run_s: float = 0.0, rep_s_planned: float = 0.0, log: Callable[[str], None] = print) -> None:
         """Every repetition of every LB into `doc` as it goes (a run cut off by the step's timeout keeps what
-        it has); no LB run starts that would end after `stop_at` (monotonic), `lb_run_s` being its length."""
+        it has). A repetition starts only if it ends before `stop_at` (monotonic) at the length planned
+        (`rep_s_planned`) or measured for an earlier one, whichever is longer; within one, no LB run starts
+        that would end after `stop_at`, `lb_run_s` being its length."""
         runs: dict[str, dict[str, list]] = {s.name: {wl: [] for wl in p.workloads} for s in specs}
         order: list[list[str]] = []
         skipped: dict[str, str] = {}
         doc.update(order=order, runs=runs, skipped=skipped)
+        rep_s = 0.0  # the longest repetition so far: runs that queue drain longer than the plan says
         for rep in range(p.reps):
             loads = {wl: make_workload(wl, p.run_s, seed + rep, self.wp) for wl in p.workloads}
             order.append([s.name for s in rotated(specs, rep)])
-            if time.monotonic() + lb_run_s > stop_at:
-                return self._cut(doc, p, f"out of time before rep {rep} of {order[-1][0]}", log)
+            need, left = max(rep_s, rep_s_planned, lb_run_s), stop_at - time.monotonic()
+            if need > left:
+                # a repetition only where every LB gets its turn: medians over unequal counts would favour
+                # whichever LBs went first
+                return self._cut(doc, p, f"out of time before rep {rep}: {need:.1f} s a repetition, {left:.1f} s left", log)
+            rep_start = time.monotonic()
             # the rep's LBs start side by side (fresh processes, no prefix tree from an earlier rep) and run in turn
             procs = self._start_all([s for s in rotated(specs, rep) if s.name not in skipped], rep, skipped)
             try:
@@ -719,6 +749,7 @@ class Harness:
             finally:
                 for _, proc in procs:
                     proc.__exit__()
+            rep_s = max(rep_s, time.monotonic() - rep_start)
         summarize_compare(doc, p.workloads)
 
     def _cut(self, doc: dict[str, Any], p: Plan, why: str, log: Callable[[str], None]) -> None:
@@ -893,7 +924,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--lb-start-s", type=float, default=2.5, help="planning: seconds until the LBs started side by side serve")
     ap.add_argument("--run-overhead-s", type=float, default=1.5, help="planning: flush and the tail of each run")
     ap.add_argument("--drain-frac", type=float, default=None, help="planning: a run's queue drains in this share of its length "
-                    "(default 0.25 with --gpus 4, else 0)")
+                    "(default 0.6 with --gpus 4, else 0)")
     ap.add_argument("--restart-s", type=float, default=60.0, help="planning: seconds for the killed servers to serve again")
     ap.add_argument("--bundle-lb", type=Path, default=None, help="lb.tar.xz unpacked (smg/, minilb/)")
     ap.add_argument("--sglang-router-python", default=None, help="python of a venv with sglang-router==0.3.2")
@@ -926,7 +957,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prefill_tokens = args.prefill_max_total_tokens or layout.prefill_tokens
     decode_tokens = args.decode_max_total_tokens or layout.decode_tokens
     transport = args.transport or (layout.transport if args.gpus > 1 else os.environ.get("E2E_P2P_1GPU") or layout.transport)
-    drain = args.drain_frac if args.drain_frac is not None else (0.25 if args.gpus > 1 else 0.0)
+    # 4 GPUs: runs at a load that queues drained for 0.14-1.2 of their length (median 0.4) on 2026-11-27 (x4, 2P2D, 7.2 s)
+    drain = args.drain_frac if args.drain_frac is not None else (0.6 if args.gpus > 1 else 0.0)
     calibrate = layout.calibrate if args.calibrate is None else args.calibrate
     n_p, n_d = TOPOLOGIES[args.topology]
     where = lb_layout.placement(args.topology, args.gpus)
@@ -975,7 +1007,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 end = time.monotonic() + budget
                 if p.workloads:
                     lb_run_s = args.lb_start_s + len(p.workloads) * (p.run_s * (1 + drain) + args.run_overhead_s)
-                    h.compare(specs, p, args.seed, doc, stop_at=end - fault_reserve, lb_run_s=lb_run_s)
+                    rep_s = args.lb_start_s + len(specs) * (lb_run_s - args.lb_start_s)
+                    h.compare(specs, p, args.seed, doc, stop_at=end - fault_reserve, lb_run_s=lb_run_s, rep_s_planned=rep_s)
                 if args.fault_s > 0:
                     if end - time.monotonic() >= fault_reserve:
                         doc["faults"] = {}

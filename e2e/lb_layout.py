@@ -22,10 +22,19 @@ prefixes fit every prefill's cache) is dropped before long_prefix.
 Rates: on the 4-GPU layout the request rates come from the prefill capacity measured after the warm-up
 (tokens per second of a burst of fresh prompts of each workload's mean length), times a load factor per
 workload (``LOADS``, relative to the capacity without any cache hit), capped at ``max_rps`` so that the one
-client process and the Python LBs are not what queues. The bursty load (0.8) queues in its 3x bursts;
-long_prefix (1.5 of the capacity without hits) queues unless the router finds the cached prefixes; shared_prefix
-(2.0) fits every cache, so it runs at the cap and queues only where hits are lost. The burst that measures the
-capacity is short (0.2-1 s), so its fixed latencies make it an underestimate by up to ~20%.
+client process and the Python LBs are not what queues. The bursty load (0.8) queues in its 3x bursts.
+The chat workloads hit the cache on most turns whatever the router does (a turn resends its conversation),
+so their load is set from the misses: long_prefix at 5.0 of the capacity without hits is ~0.2 of the prefills'
+time where every prefix stays on one prefill (hit rate ~0.97) and 0.7-1.0 where they are spread (0.80-0.86,
+2026-11-27), so it queues unless the router finds the cached prefixes; shared_prefix (2.0) fits every cache,
+so it runs at the cap and queues only where hits are lost. The burst that measures the capacity is short
+(0.2-1 s), so its fixed latencies make it an underestimate by up to ~20%.
+
+Decodes: each chat turn asks for 8 tokens on 4 GPUs (``chat_output``; 32 elsewhere). A decode's pool holds ~36
+requests of 12.5k tokens; at 32 tokens a turn (~1 s on the decode) the decodes were full at 4.0 x capacity on
+2026-11-27 (x4, 2P2D: running 34 of 36, ~40 requests waiting in the decodes' PD queues, TTFT p50 1-2 s for
+every LB), so TTFT measured the decodes' memory, not the routing. At 8 tokens the same pool turns over 4x
+faster and the prefills are what queues.
 """
 from __future__ import annotations
 
@@ -35,7 +44,7 @@ from typing import Any, Mapping
 TOPOLOGIES = {"2p2d": (2, 2), "3p1d": (3, 1)}
 KV_BYTES_PER_TOKEN = {"llama-tiny": 4 * 2 * 2 * 64 * 2, "llama-anchor": 32 * 2 * 8 * 128 * 2}
 WEIGHTS_GIB = {"llama-tiny": 0.01, "llama-anchor": 0.45}
-LOADS = {"bursty_mixed": 0.8, "shared_prefix": 2.0, "long_prefix": 1.5}
+LOADS = {"bursty_mixed": 0.8, "shared_prefix": 2.0, "long_prefix": 5.0}
 TURNS = {"shared_prefix": 4, "long_prefix": 3}
 RATE_FIELD = {"bursty_mixed": "bursty_rate", "shared_prefix": "chat_rate", "long_prefix": "long_rate"}
 
@@ -58,7 +67,7 @@ class Layout:
 LAYOUTS = {
     1: Layout(1, "llama-tiny", "0.2", 98304, 262144, "nccl", 3),
     4: Layout(4, "llama-anchor", "0.88", 98304, 458752, "auto", 1, calibrate=True,
-              workload=(("short_median", 600), ("long_min", 6000), ("long_max", 14000), ("chat_prefix", 4000)),
+              workload=(("short_median", 600), ("long_min", 6000), ("long_max", 14000), ("chat_prefix", 4000), ("chat_output", 8)),
               workloads=("bursty_mixed", "long_prefix", "shared_prefix")),
 }
 

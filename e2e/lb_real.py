@@ -69,8 +69,9 @@ def bursty_mixed(duration: float, rate: float, seed: int = 0, short_median: int 
 
 
 def shared_prefix(duration: float, conversations_per_s: float, seed: int = 0, n_prefixes: int = 6, prefix_len: int = 2000,
-                  turns: int = 4, question: int = 100, answer: int = 50, gap: float = 2.0) -> list[Req]:
-    """Multi-turn chats over a few long few-shot prefixes (weights 1/(k+1)); each turn resends the history."""
+                  turns: int = 4, question: int = 100, answer: int = 50, gap: float = 2.0, output: int = 32) -> list[Req]:
+    """Multi-turn chats over a few long few-shot prefixes (weights 1/(k+1)); each turn resends the history and
+    asks for `output` tokens."""
     rng = random.Random(seed)
     prefixes = [_ids(random.Random(seed * 1000 + k), prefix_len) for k in range(n_prefixes)]
     weights = [1.0 / (k + 1) for k in range(n_prefixes)]
@@ -85,7 +86,7 @@ def shared_prefix(duration: float, conversations_per_s: float, seed: int = 0, n_
             if t + k * gap >= duration:
                 break
             history += _ids(rng, question)
-            out.append(Req(t + k * gap, list(history), 32))
+            out.append(Req(t + k * gap, list(history), output))
             history += _ids(rng, answer)
 
 

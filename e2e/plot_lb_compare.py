@@ -1,7 +1,8 @@
 """Plot an e2e/lb_compare.py result: per workload, each LB's TTFT p50 and p99 (median over the repetitions,
 whiskers from min to max), E2E p99 and output tok/s, with the cache hit rate over the bars; then the servers'
-side: the prefill imbalance (busiest prefill's mean queue + running over the prefills' mean, 1 = even) and the
-largest prefill queue seen (empty for results from before lb_compare sampled the servers).
+side: the prefill imbalance (busiest prefill's mean queue + running over the prefills' mean, 1 = even), the
+largest prefill queue seen, the decode imbalance and the requests waiting in the decodes' PD queues (empty for
+results from before lb_compare sampled them).
 
     python3 -m e2e.plot_lb_compare RESULT.json [OUT.png]     (default: RESULT.png)
 """
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 PANELS = (("ttft_ms_p50", "TTFT p50 (ms)"), ("ttft_ms_p99", "TTFT p99 (ms)"), ("e2e_ms_p99", "E2E p99 (ms)"), ("output_throughput", "output tok/s"),
-          ("prefill_imbalance", "prefill imbalance (max/mean)"), ("prefill_queue_max", "max prefill queue"))
+          ("prefill_imbalance", "prefill imbalance (max/mean)"), ("prefill_queue_max", "max prefill queue"),
+          ("decode_imbalance", "decode imbalance (max/mean)"), ("decode_pd_queue_mean", "waiting in decodes' PD queues"))
 
 
 def bars(agg: dict[str, Any], workload: str, figure: str) -> tuple[list[str], list[float], list[tuple[float, float]]]:
@@ -53,7 +55,7 @@ def plot(doc: dict[str, Any], out: Path) -> None:
                 for i, n in enumerate(names):
                     if hits.get(n) is not None:
                         ax.annotate(f"hit {hits[n]:.2f}", (i, med[i]), ha="center", va="bottom", fontsize=6)
-    reps = (doc.get("plan") or {}).get("reps")
+    reps = "/".join(str(n) for n in sorted(set((doc.get("reps_compared") or {}).values()))) or (doc.get("plan") or {}).get("reps")
     fig.suptitle(f"LB comparison, {doc.get('topology')} ({doc.get('servers', '')}), median of {reps} runs of {(doc.get('plan') or {}).get('run_s')} s, whiskers min-max", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -127,6 +127,11 @@ def test_load_evidence_per_server_and_imbalance():
     assert lc.imbalance([4.0, 0.0, 0.0, 0.0]) == 4.0  # one of four takes everything
     nothing = lc.load_evidence({"p0": []}, {"d0": _samples(None)})
     assert (nothing["prefill_imbalance"], nothing["decode_imbalance"], nothing["prefill_queue_max"]) == (None, None, None)
+    assert ev["decode_pd_queue_mean"] is None and nothing["decode_pd_queue_mean"] is None  # no PD gauges exported
+    # requests waiting for a decode: the decodes' PD queues summed over the decodes
+    full = lc.load_evidence({"p0": [lc.LoadSample(0, 1, 40)]}, {"d0": [lc.LoadSample(0, 34, 38), lc.LoadSample(0, 34, 42)],
+                                                                 "d1": [lc.LoadSample(0, 30, 30)], "d2": [lc.LoadSample(0, 1)]})
+    assert full["decode_pd_queue_mean"] == 70.0
 
 
 def test_aggregate_takes_the_median_of_the_servers_evidence():
@@ -285,8 +290,58 @@ def test_compare_starts_no_run_that_would_end_after_its_deadline(tmp_path):
     h = lc.Harness(cluster=None, peers={}, logs=tmp_path, wp=lc.WorkloadParams())
     doc: dict = {}
     h.compare([lc.LBSpec("ours", "load_aware")], lc.Plan(1.0, ("bursty_mixed",), 2), 0, doc, stop_at=time.monotonic() + 5, lb_run_s=10, log=lambda _: None)
-    assert doc["cut_short"] == "out of time before rep 0 of ours:load_aware"
+    assert doc["cut_short"].startswith("out of time before rep 0: 10.0 s a repetition, ")
     assert doc["aggregate"] == {} and doc["targets"] == [] and doc["runs"] == {"ours:load_aware": {"bursty_mixed": []}}
+
+
+class _StubProc:
+    url = "http://127.0.0.1:1"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_a_repetition_starts_only_when_every_lb_gets_its_turn(tmp_path, monkeypatch):
+    """Runs that drain longer than planned: the first repetition's measured length stops the second before it
+    starts, so both LBs keep one run each (medians over equal counts), instead of the first LB running again."""
+    import time
+
+    h = lc.Harness(cluster=None, peers={}, logs=tmp_path, wp=lc.WorkloadParams())
+    monkeypatch.setattr(h, "_start_all", lambda specs, rep, skipped: [(s, _StubProc()) for s in specs])
+
+    def slow_run(url, reqs):
+        time.sleep(0.4)
+        return {**_run(10, 100, 500, 0.5), "server_load": {"prefill": [], "decode": []}, "prefill_imbalance": None,
+                "decode_imbalance": None}
+
+    monkeypatch.setattr(h, "_run", slow_run)
+    doc: dict = {}
+    specs = [lc.LBSpec("ours", "load_aware"), lc.LBSpec("mini_lb", "")]
+    # planned: 0.1 s an LB run, so rep 1 would look as if it fitted; measured: ~0.8 s a repetition
+    h.compare(specs, lc.Plan(0.1, ("bursty_mixed",), 3), 0, doc, stop_at=time.monotonic() + 1.3, lb_run_s=0.1,
+              rep_s_planned=0.2, log=lambda _: None)
+    assert doc["cut_short"].startswith("out of time before rep 1: 0.8 s a repetition, ")
+    assert {name: len(by["bursty_mixed"]) for name, by in doc["runs"].items()} == {"ours:load_aware": 1, "mini_lb": 1}
+
+
+def test_medians_cover_only_the_repetitions_every_lb_completed():
+    doc = {"runs": {"ours:prefix_aware": {"long_prefix": [_run(10, 100, 500, 0.9), _run(10, 300, 500, 0.9)]},
+                    "mini_lb": {"long_prefix": [_run(10, 200, 500, 0.8), _run(10, 200, 500, 0.8), _run(10, 900, 500, 0.8)]}}}
+    lc.summarize_compare(doc, ["long_prefix"])
+    assert doc["reps_compared"] == {"long_prefix": 2}
+    assert doc["aggregate"]["mini_lb"]["long_prefix"]["reps"] == 2  # its third run stays in `runs` only
+    assert doc["aggregate"]["mini_lb"]["long_prefix"]["ttft_ms_p99"]["max"] == 200
+    assert len(doc["runs"]["mini_lb"]["long_prefix"]) == 3
+
+
+def test_chat_turns_ask_for_the_layouts_output_length():
+    four = lc.WorkloadParams(**dict(lc.lb_layout.LAYOUTS[4].workload))
+    for wl in ("shared_prefix", "long_prefix"):
+        assert {r.max_new_tokens for r in lc.make_workload(wl, 5.0, 1, four)} == {8}
+        assert {r.max_new_tokens for r in lc.make_workload(wl, 5.0, 1, lc.WorkloadParams())} == {32}
 
 
 def test_an_lb_that_does_not_start_is_skipped_once_and_for_all(tmp_path):

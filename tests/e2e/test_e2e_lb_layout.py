@@ -37,9 +37,9 @@ def test_burst_size_and_rates():
     assert ll.burst_size(3, 900, 98304) == 24  # 8 per prefill
     assert ll.burst_size(2, 100_000, 98304) == 4  # at least 2 per prefill
     table = ll.rates({"bursty_mixed": 200_000.0, "long_prefix": 100_000.0}, {"bursty_mixed": 2000.0, "long_prefix": 12500.0}, ll.LOADS, 60.0)
-    # bursty: 100 req/s of capacity, 0.8 of it is 80, capped at 60; long_prefix: 8 req/s, 1.5 x 8 = 12 req/s = 4 chats/s
+    # bursty: 100 req/s of capacity, 0.8 of it is 80, capped at 60; long_prefix: 8 req/s, 5 x 8 = 40 req/s = 13.3 chats/s
     assert table == {"bursty_mixed": {"capacity_rps": 100.0, "offered_rps": 60.0, "capped": True, "bursty_rate": 60.0},
-                     "long_prefix": {"capacity_rps": 8.0, "offered_rps": 12.0, "capped": False, "long_rate": 4.0}}
+                     "long_prefix": {"capacity_rps": 8.0, "offered_rps": 40.0, "capped": False, "long_rate": 13.333}}
 
 
 def test_calibrated_rates_replace_only_the_rate_fields():
@@ -99,6 +99,7 @@ def test_four_gpu_run_wires_its_layout_into_the_servers(tmp_path):
     assert (doc["machine"], doc["gpus"], doc["model"], doc["pool_gib"]) == ("test-x4", 4, "llama-anchor", {"prefill": 12.0, "decode": 56.0})
     assert doc["transport"].startswith("p2pnccl, SGLANG_P2P_TRANSPORT=auto")
     assert doc["workload_params"]["long_max"] == 14000 and doc["workload_params"]["chat_prefix"] == 4000
+    assert doc["workload_params"]["chat_output"] == 8  # the decodes turn over fast enough that the prefills queue
     for name, gpu, tokens in (("lbc-prefill2", 2, 98304), ("lbc-decode0", 3, 458752)):
         cmd = (logs / f"{name}.log").read_text().splitlines()[0].split()
         assert cmd[cmd.index("--base-gpu-id") + 1] == str(gpu) and cmd[cmd.index("--max-total-tokens") + 1] == str(tokens)
