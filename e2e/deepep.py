@@ -27,9 +27,9 @@ keeps what an earlier one finished: $E2E_ROOT/state/deepep.json):
               --moe-a2a-backend deepep (normal) and --moe-runner-backend deep_gemm, against a non-PD server
               of the decode's layout (needs sglang.tar.xz unpacked and 4 GPUs)
   low_latency a probe, not required: tests/test_low_latency.py on GPUs 0-1. The host has NVLink and no RDMA
-              NIC; DeepEP's low-latency dispatch asserts that NVSHMEM's IBGDA transport came up
-              (internode_ll.cu: num_rc_per_pe >= num_local_experts) even when every peer is reached over
-              NVLink, so this is expected to fail there, and the record says how
+              NIC; DeepEP's low-latency dispatch asserts num_rc_per_pe >= num_local_experts (internode_ll.cu),
+              which other hosts hit without NVSHMEM's IBGDA transport; on the 4 x H100 host it passed, NVSHMEM
+              starting without IBGDA and carrying the tokens over NVLink (2026-11-27). The record says how
 
 Each step is skipped when the time left is below what it needs, and the document names the first required
 step that failed (`failed`) with the lines of its log that say why. Every process gets NVLink multicast off.

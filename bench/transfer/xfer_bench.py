@@ -22,7 +22,8 @@ size 64; 128, 1k, 4k and 16k tokens; contiguous and scattered pages (bench/trans
 - `interference`: a bf16 matmul loop on the prefill GPU's default stream, alone and while a thread writes the
   16k MHA page-16 request back to back (kernel, copy engines, NCCL).
 - `--programs LIST` (with `ipc` or `interference`): the kernel's grid bounded to each value in turn
-  (SGLANG_P2P_IPC_PROGRAMS; the default is 8 programs an SM), for the 4k and 16k MHA page-16 cases, contiguous
+  (SGLANG_P2P_IPC_PROGRAMS; the default is span_copy.default_programs: one an SM for these cases), for the 4k and
+  16k MHA page-16 cases, contiguous
   and scattered: write time, GB/s and ratio as in `ipc`, and the matmul's slowdown during back-to-back writes
   as in `interference`. How many SMs NVLink's ~380 GB/s needs against what they cost the forward pass.
 - `fixed`: where a 128-token request's time goes (MLA page 64 and MHA page 16, scattered): host planning
@@ -502,7 +503,11 @@ class Prefill:
         if self.dev.cuda:  # the grid every other row ran with, for comparison
             from sglang_p2p_backend.engine.transport.cuda_ipc import backend
 
-            self.out["programs_default"] = backend()._copiers(self.dev_t)[1].max_programs  # noqa: SLF001
+            from sglang_p2p_backend.engine.copy.span_copy import default_programs
+
+            sms = backend()._copiers(self.dev_t)[1].sms  # noqa: SLF001
+            # MHA page 16: 32 KiB items, 8 KiB loop steps
+            self.out["programs_default"] = default_programs(sms, 8 * 1024)
         for tokens in programs_tokens(self.cfg["tokens"]):
             for dest in xc.DESTS:
                 case = xc.Case(shape, tokens, dest)
@@ -985,7 +990,7 @@ def programs_table(rows: list[dict], default: Optional[int]) -> str:
         tb.add(r["case"], r["programs"], r["write_us"]["p50"], r["write_us"]["p99"], r["write_gbps"], r["ratio"],
                r["matmul_ms_alone"], r["matmul_ms_during"], 100 * r["slowdown"], r["write_gbps_during"],
                r["bad_pages"])
-    grid = f"the default grid: {default} programs" if default else "on CPU the stand-in has no grid"
+    grid = f"the default grid of these cases: {default} programs" if default else "on CPU the stand-in has no grid"
     return f"== programs: kernel grid vs write time and matmul slowdown (slowdown in %; {grid})\n{tb.render()}"
 
 

@@ -111,8 +111,9 @@ class EngineConfig:
     #: rule), `off` (the SM copy kernel) or `on` (the GPU's copy engines, cudaMemcpyBatchAsync)
     copy_engine: str = "auto"
     #: SGLANG_P2P_IPC_PROGRAMS: the grid bound of the same-host page-copy kernel (engine/copy/span_copy.py's
-    #: PageCopier); None: its default, 8 programs an SM. NVLink likely needs far fewer SMs than that grid takes
-    #: from the forward pass beside it (bench/transfer/xfer_bench.py --programs measures the trade-off)
+    #: PageCopier); None: span_copy.default_programs (about 8 KiB in flight an SM, one program an SM for pages of
+    #: 32 KiB and up); bench/transfer/xfer_bench.py --programs measures write time against what the grid takes
+    #: from the forward pass beside it
     ipc_programs: Optional[int] = None
     #: SGLANG_P2P_NCCL_SO_PATH, else SGLang's own SGLANG_NCCL_SO_PATH (one variable points both at another
     #: libnccl); None: the libnccl.so.2 torch loaded

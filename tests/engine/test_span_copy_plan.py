@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion  # noqa: E402
-from sglang_p2p_backend.engine.copy.span_copy import plan_tiles, word_size  # noqa: E402
+from sglang_p2p_backend.engine.copy.span_copy import default_programs, plan_tiles, word_size  # noqa: E402
 from sglang_p2p_backend.engine.transport.base import TransportError  # noqa: E402
 from sglang_p2p_backend.engine.transport.cuda_ipc import CudaBackend, RegionTable, check_export  # noqa: E402
 
@@ -161,3 +161,14 @@ def test_cuda_handles_keep_all_64_bytes_nul_bytes_included():
     assert lib.get_handle(0x7000_0000) == handle
     assert lib.open_handle(handle, -1) == 0x1000  # device -1: no CUDA call on this CPU host
     assert seen["handle"] == handle
+
+
+def test_default_grid_keeps_about_8_kib_in_flight_an_sm():
+    """One program an SM for 8 KiB loop steps (MHA page 16: 32 KiB pages, MLA page 64: 72 KiB), 4 an SM for MHA
+    page 1 (2 KiB pages, a 256-thread block of 8-byte words), never more than 8 nor fewer than 1 an SM."""
+    h100 = 132
+    assert default_programs(h100, 1024 * 8) == 132
+    assert default_programs(h100, 256 * 8) == 528
+    assert default_programs(h100, 16 * 8) == 8 * 132  # tiny items: the old bound
+    assert default_programs(h100, 64 * 1024) == 132  # steps above 8 KiB: still one an SM
+    assert default_programs(h100, 0) == 8 * 132

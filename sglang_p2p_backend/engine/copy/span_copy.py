@@ -181,6 +181,21 @@ def expand_pages(src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes:
     return src.reshape(-1), dst.reshape(-1), np.broadcast_to(items, src.shape).reshape(-1)
 
 
+#: bytes each SM keeps in flight at the default grid (`default_programs`)
+IN_FLIGHT_PER_SM = 8 * 1024
+
+
+def default_programs(sms: int, step_bytes: int) -> int:
+    """The page kernel's default grid bound: enough programs that about 8 KiB an SM is in flight, each program
+    moving `step_bytes` (its block's words) a loop step: one program an SM for pages of 8 KiB steps and up (MHA
+    at page 16, MLA at page 64), up to 8 an SM for smaller items (MHA at page 1: 2 KiB, 4 an SM). Measured on
+    H100 pairs joined by NV18 (bench/transfer/xfer_bench.py --programs, 2026-11-27): with one program an SM,
+    4k- and 16k-token MHA page-16 requests crossed as fast as with 8 an SM (0.70-0.91 of one cudaMemcpyPeer
+    either way, 132 to 396 programs alike), while a bf16 matmul on the same GPU slowed 24-42% instead of
+    90-102%. SGLANG_P2P_IPC_PROGRAMS sets a fixed bound instead."""
+    return sms * max(1, min(8, IN_FLIGHT_PER_SM // max(1, step_bytes)))
+
+
 class PageCopier:
     """Copies whole pages of one pool's regions with one launch (`copy`); one per transfer thread and device
     (the pinned upload buffer is reused: a caller must not copy again before the previous copy finished)."""
@@ -189,9 +204,9 @@ class PageCopier:
         if triton is None:
             raise RuntimeError("the same-host copy path needs Triton (it comes with CUDA builds of torch)")
         self.device = device
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        #: 8 programs an SM hide the latency of 2-8 KiB items; a bound, so a transfer never fills the GPU alone
-        self.max_programs = max_programs or 8 * sms
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        #: a fixed grid bound; None: `default_programs` for each launch's step size
+        self.max_programs = max_programs
         self._host = torch.empty(0, dtype=torch.int64).pin_memory()
         self._dev = torch.empty(0, dtype=torch.int64, device=device)
         self._like = {w: torch.empty(1, dtype=d, device=device) for w, d in _WORD_DTYPES.items()}
@@ -222,6 +237,7 @@ class PageCopier:
         block = min(1024, max(16, 1 << (words - 1).bit_length()))
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             dev.copy_(self._host[:n], non_blocking=True)
-            grid = (min(n_pages * n_regions, max_programs or self.max_programs),)
+            bound = max_programs or self.max_programs or default_programs(self.sms, block * word)
+            grid = (min(n_pages * n_regions, bound),)
             _copy_pages[grid](dev, n_pages, dev[2 * n_pages:], n_regions, self._like[word], BLOCK=block)
         return n_pages * int(table[:, 2].sum())

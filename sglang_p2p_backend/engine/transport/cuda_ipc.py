@@ -405,7 +405,7 @@ class CudaIpcTransport(OneSidedTransport):
         #: SGLANG_P2P_COPY_ENGINE: off (the SM kernel), on (copy engines), auto (per chunk: ce_plan.choose)
         self.copy_engine = copy_engine
         #: SGLANG_P2P_IPC_PROGRAMS: the page kernel's grid bound, the SMs a write may take from the forward
-        #: pass beside it (None: span_copy.PageCopier's default, 8 programs an SM)
+        #: pass beside it (None: span_copy.default_programs, about 8 KiB in flight an SM)
         self.programs = programs
         self.export: Optional[IpcExport] = None
         self.unavailable: Optional[str] = None
