@@ -5,12 +5,14 @@ threads poll. Polling with `time.sleep(0)` keeps the thread runnable: every iter
 and inside an SGLang scheduler that GIL is the one its CPU-bound launch loop needs, so a spinning transfer
 thread taxes every decode or prefill step while a chunk is in flight. `Deadline.pause` therefore sleeps, in
 steps that double from `FIRST_S` to `MAX_S`: a chunk that is done at once is seen within tens of
-microseconds, a long one costs a wake-up every `MAX_S`, not a spin.
+microseconds, a long one costs a wake-up every `MAX_S`, not a spin. A wait that knows when its work should end
+(`expected_end`, transport/link_pace.py) sleeps until then in one piece and starts the doubling from there, so
+it is neither late by up to `MAX_S` nor awake while the work runs.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 
 class Deadline:
@@ -19,15 +21,23 @@ class Deadline:
     FIRST_S = 20e-6
     MAX_S = 0.5e-3
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, expected_end: Optional[float] = None):
         self.start = time.monotonic()
         self.deadline = self.start + timeout
         self._next = self.FIRST_S
+        #: monotonic time the awaited work should be done: the first pause sleeps until then (not past the deadline)
+        self._expected = expected_end
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
     def pause(self) -> None:
+        if self._expected is not None:
+            ahead = min(self._expected, self.deadline) - time.monotonic()
+            self._expected = None
+            if ahead > self.FIRST_S:
+                time.sleep(ahead)
+                return
         time.sleep(self._next)
         self._next = min(self._next * 2, self.MAX_S)
 

@@ -168,3 +168,32 @@ def _one_request_over_fresh_comm(tr: NcclTransport, conn, rank: int) -> Optional
 def replacement(rank: int, conn) -> Optional[dict]:
     """The recovered peer: joins the survivor's fresh communicator and moves one request."""
     return _one_request_over_fresh_comm(_transport(), conn, rank)
+
+
+# -- the link's pace -----------------------------------------------------------------------------------------
+
+PACE_BYTES = 64 << 20
+PACE_OPS = 6
+
+
+def paced_ops(rank: int, conn) -> dict:
+    """PACE_OPS transfers of PACE_BYTES over one communicator, each waited for: the first teaches nothing (it
+    connects too), later ones carry the time they should end; every transfer byte-exact."""
+    tr = _transport()
+    comm = connect_pair(tr, conn, rank, 60)
+    buf = torch.empty(PACE_BYTES, dtype=torch.uint8, device=comm.device)
+    out = {"expected": [], "late_s": [], "equal": True, "rate": None}
+    for i in range(PACE_OPS):
+        if rank == 0:
+            buf.fill_(i + 1)
+        with torch.cuda.stream(comm.stream):
+            done = comm.send(buf) if rank == 0 else comm.recv(buf)
+        out["expected"].append(done.expected_end is not None)
+        done.wait(IO_TIMEOUT)
+        if done.expected_end is not None:
+            out["late_s"].append(time.monotonic() - done.expected_end)
+        if rank == 1:
+            out["equal"] = out["equal"] and bool((buf == i + 1).all().item())
+    out["rate"] = comm.pace.rate()
+    comm.close()
+    return out

@@ -65,3 +65,14 @@ def test_peer_killed_mid_transfer_fails_in_time_then_a_new_communicator_works(di
     assert s["failed_after_s"] < FAIL_TIMEOUT + 5.0
     assert s["aborted"] and s["later_ops_fail"]
     assert s["next"]["equal"], s["next"]
+
+
+def test_waits_sleep_until_the_pace_the_link_showed():
+    """After the first transfer (which also connects, so it teaches nothing) each one carries when it should end,
+    from the fastest rate the pair has shown; the waiter sees it done soon after (not up to a 0.5 ms poll late,
+    nor asleep long past it) and the bytes are right."""
+    for side in run_pair(workers.paced_ops, (), timeout=120):
+        assert side["expected"] == [False, False] + [True] * (workers.PACE_OPS - 2)
+        assert side["rate"] is not None
+        assert all(-1.0 < late < 0.05 for late in side["late_s"]), side["late_s"]
+        assert side["equal"]

@@ -92,6 +92,14 @@ _POLL_S = Deadline.FIRST_S
 _POLL_MAX_S = Deadline.MAX_S
 
 
+def _first_pause(done: Completion) -> float:
+    """How long a receiver with a chunk in flight first waits for the next header: until the chunk should have
+    landed where the transport knows (`expected_end`, NCCL's LinkPace; a header that comes earlier wakes it),
+    else the shortest poll. After that the polls start short and double."""
+    end = getattr(done, "expected_end", None)
+    return max(_POLL_S, end - time.monotonic()) if end is not None else _POLL_S
+
+
 class _PairEnd:
     """What both ends of a pair channel hold: the transport, staging, the page copier, timeouts, the channel."""
 
@@ -363,14 +371,16 @@ class PairReceiver(_PairEnd):
     def _next_item(self) -> object:
         """The next queued item. While a receive is posted, the next header is taken as soon as it comes (its
         receive is then posted behind), and the chunk lands without waiting for one once its bytes are in."""
-        pause = _POLL_S
+        pause = _first_pause(self._posted.done) if self._posted is not None else _POLL_S
+        paced = pause > _POLL_S  # slept until the chunk's expected end: poll finely from there
         while self._posted is not None:
             try:
                 return self._queue.get(timeout=pause)
             except queue.Empty:
                 # backing off: a stalled peer must not keep this thread waking (and taking the GIL from the
                 # scheduler) thousands of times a second
-                pause = min(2 * pause, _POLL_MAX_S)
+                pause = _POLL_S if paced else min(2 * pause, _POLL_MAX_S)
+                paced = False
                 if self._posted.done.done() or time.monotonic() > self._posted.deadline:
                     try:
                         self._land_posted()

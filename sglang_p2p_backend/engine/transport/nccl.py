@@ -28,6 +28,7 @@ import ctypes
 import logging
 import struct
 import threading
+import time
 import weakref
 from typing import Optional, Sequence
 
@@ -36,6 +37,7 @@ import torch
 from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.waiting import Deadline
 from sglang_p2p_backend.engine.transport.base import Completion, PairComm, TransportError, TwoSidedTransport
+from sglang_p2p_backend.engine.transport.link_pace import LinkPace
 from sglang_p2p_backend.engine.transport.nccl_lib import (
     NCCL_IN_PROGRESS,
     NCCL_SUCCESS,
@@ -96,18 +98,37 @@ def _destroy_stream(handle: Optional[int]) -> None:
 
 
 class NcclCompletion(Completion):
-    """An operation queued on a pair's stream: done when the event after it has fired."""
+    """An operation queued on a pair's stream: done when the event after it has fired. `expected_end`: the
+    monotonic time it should be done (the pair's LinkPace), which its waiters sleep until before polling."""
 
-    def __init__(self, comm: "NcclPairComm", event: torch.cuda.Event, what: str):
+    def __init__(self, comm: "NcclPairComm", event: torch.cuda.Event, what: str, start: Optional[torch.cuda.Event] = None,
+                 nbytes: int = 0, expected_end: Optional[float] = None):
         self.comm = comm
         self.event = event
         self.what = what
+        self.expected_end = expected_end
+        self._start = start  # timing event before the operation, until its time taught the pair's pace
+        self._nbytes = nbytes
+
+    def _learn(self) -> None:
+        """Once the event fired: the operation's GPU time to the pair's pace (once)."""
+        start, self._start = self._start, None
+        if start is not None:
+            try:
+                self.comm.pace.observe(self._nbytes, start.elapsed_time(self.event) / 1e3)
+            except RuntimeError:  # a timing the driver cannot give teaches nothing; the wait itself is done
+                pass
 
     def done(self) -> bool:
-        return self.comm.aborted or self.event.query()
+        if self.comm.aborted:
+            return True
+        if self.event.query():
+            self._learn()
+            return True
+        return False
 
     def wait(self, timeout: float) -> None:
-        poll = Deadline(timeout)
+        poll = Deadline(timeout, self.expected_end)
         while not self.event.query():
             self.comm.raise_if_broken(self.what)
             if poll.left() <= 0:
@@ -116,6 +137,7 @@ class NcclCompletion(Completion):
                 raise TransportError(f"{reason}; pair channel {self.comm.name} aborted")
             poll.pause()
         self.comm.raise_if_broken(self.what)
+        self._learn()
 
 
 class NcclPairComm(PairComm):
@@ -142,6 +164,9 @@ class NcclPairComm(PairComm):
         weakref.finalize(self, _destroy_stream, stream_handle)
         weakref.finalize(self, _destroy_stream, side_handle)
         self.name = f"{handle:#x}(rank {rank}, cap {max_ctas or 'default'})"
+        #: when the operations queued on `stream` should end, from the rate the link has shown (link_pace.py)
+        self.pace = LinkPace()
+        self._timed = False  # the first operation connects too: its time teaches nothing
         self._lock = threading.Lock()
         self._abort_reason = ""
         self._released = False
@@ -184,8 +209,14 @@ class NcclPairComm(PairComm):
             if caller.cuda_stream != self.stream.cuda_stream:
                 self.stream.wait_stream(caller)
             stream_ptr = ctypes.c_void_p(self.stream.cuda_stream)
+            nbytes = sum(b.numel() for b in bufs)
+            start: Optional[torch.cuda.Event] = None
             try:
                 with torch.cuda.device(self.device):
+                    if self._timed:
+                        start = torch.cuda.Event(enable_timing=True)
+                        start.record(self.stream)
+                    self._timed = True
                     if len(bufs) == 1:
                         b = bufs[0]
                         code = fn(ctypes.c_void_p(b.data_ptr()), b.numel(), NCCL_UINT8, self.peer, self.handle, stream_ptr)
@@ -199,13 +230,14 @@ class NcclPairComm(PairComm):
                             )
                         code = self.lib.lib.ncclGroupEnd()
                     self._settle(code, what, poll)
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event(enable_timing=start is not None)
                     event.record(self.stream)
             except TransportError as e:
                 self._abort_locked(str(e))
                 raise
+            expected_end = self.pace.expect(time.monotonic(), nbytes)
         # keep the buffers alive until the op is done: the caller may drop its slice views
-        c = NcclCompletion(self, event, what)
+        c = NcclCompletion(self, event, what, start, nbytes, expected_end)
         c.bufs = list(bufs)  # type: ignore[attr-defined]
         return c
 

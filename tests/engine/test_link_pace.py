@@ -1,0 +1,89 @@
+"""Pacing the waits for a pair's transfers, on CPU: `LinkPace` (the rate a link showed, when its queue ends),
+`Deadline`'s first sleep until the expected end, and the receiver's first pause. The NCCL transport's use of
+them (timing events, `expected_end` on each completion) runs in tests/gpu/test_nccl_transport.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from sglang_p2p_backend.engine import waiting  # noqa: E402
+from sglang_p2p_backend.engine.pair import pipeline  # noqa: E402
+from sglang_p2p_backend.engine.transport.link_pace import LinkPace  # noqa: E402
+
+
+def test_the_fastest_recent_rate_sets_when_the_queue_ends():
+    pace = LinkPace(window=3)
+    assert pace.rate() is None and pace.expect(0.0, 10**8) is None  # nothing taught yet: no estimate
+    pace.observe(4096, 1e-6)  # small: launch latency, not bandwidth
+    pace.observe(10**9, 20.0)  # 50 MB/s: a connect or a late peer, not a link
+    assert pace.rate() is None
+    pace.observe(10**8, 0.5)  # 200 MB/s (a wait for the peer in it)
+    pace.observe(10**8, 0.1)  # 1 GB/s: the link
+    assert pace.rate() == pytest.approx(1e9)
+    # two operations queued at t=10: the second ends after the first
+    assert pace.expect(10.0, 10**8) == pytest.approx(10.1)
+    assert pace.expect(10.0, 2 * 10**8) == pytest.approx(10.3)
+    assert pace.expect(20.0, 10**8) == pytest.approx(20.1)  # the queue drained meanwhile
+    for _ in range(3):  # the 1 GB/s operation leaves the window
+        pace.observe(10**8, 0.2)
+    assert pace.rate() == pytest.approx(5e8)
+
+
+class _Clock:
+    def __init__(self):
+        self.now, self.sleeps = 100.0, []
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, s):
+        self.sleeps.append(round(s, 9))
+        self.now += s
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = _Clock()
+    monkeypatch.setattr(waiting.time, "monotonic", c.monotonic)
+    monkeypatch.setattr(waiting.time, "sleep", c.sleep)
+    return c
+
+
+def test_a_wait_sleeps_until_the_expected_end_then_polls_finely(clock):
+    d = waiting.Deadline(5.0, expected_end=100.004)
+    for _ in range(4):
+        d.pause()
+    assert clock.sleeps == [0.004, 20e-6, 40e-6, 80e-6]
+
+
+def test_an_expected_end_past_or_beyond_the_deadline(clock):
+    d = waiting.Deadline(5.0, expected_end=99.0)  # already past: the usual doubling from 20 us
+    d.pause()
+    d.pause()
+    assert clock.sleeps == [20e-6, 40e-6]
+    clock.sleeps.clear()
+    d = waiting.Deadline(1.0, expected_end=clock.now + 60.0)  # never sleeps past the deadline
+    d.pause()
+    assert clock.sleeps == [pytest.approx(1.0)] and d.left() <= 0
+    clock.sleeps.clear()
+    d = waiting.Deadline(1.0)  # no estimate: as before
+    for _ in range(7):
+        d.pause()
+    assert clock.sleeps == [20e-6, 40e-6, 80e-6, 160e-6, 320e-6, 500e-6, 500e-6]
+
+
+class _Done:
+    def __init__(self, expected_end):
+        self.expected_end = expected_end
+
+
+def test_a_receiver_first_waits_until_its_chunk_should_have_landed():
+    now = time.monotonic()
+    assert pipeline._first_pause(_Done(now + 0.003)) == pytest.approx(0.003, abs=5e-4)
+    assert pipeline._first_pause(_Done(now - 1.0)) == pipeline._POLL_S  # overdue: poll at once
+    assert pipeline._first_pause(_Done(None)) == pipeline._POLL_S  # no estimate (tcp, a first chunk)
+    assert pipeline._first_pause(object()) == pipeline._POLL_S  # a completion without one
