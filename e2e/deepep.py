@@ -57,13 +57,15 @@ DEEPEP_COMMIT = "567632dd59810d77b3cc05553df953cc0f779799"
 # what SGLang 0.5.17 requires (its METADATA pins sgl-deep-gemm==0.1.5.post1 and apache-tvm-ffi==0.1.11)
 DEEPGEMM_WHEELS = ("sgl-deep-gemm==0.1.5.post1", "apache-tvm-ffi==0.1.11")
 SHAPE = "mini-b-deepep"
+# the profile's modes (normal kernels on the prefill, low-latency ones on the decode) on a model they take
+LL_SHAPE, LL_MODEL = "mini-b-deepep-ll", "deepseek-wide"
 MULTICAST_OFF = {**config.MULTICAST_OFF, "NVSHMEM_DISABLE_MNNVL": "1"}
 REQUIRED = ("host", "build", "import", "intranode", "deepgemm", "shapes")
-STEPS = (*REQUIRED, "low_latency")
+STEPS = (*REQUIRED, "low_latency", "shapes_ll")
 # seconds a step needs left before it starts (the build's own timeout is whatever is left then; the same build
 # took ~40 s of compiling on 2 slow cores here: kernels ~20 s, deep_ep.cpp ~20 s)
 NEEDS_S = {"host": 10, "build": 150, "import": 20, "intranode": 90, "deepgemm": 60, "shapes": 300,
-           "low_latency": 60}
+           "low_latency": 60, "shapes_ll": 300}
 TIMEOUT_S = {"host": 60, "import": 60, "intranode": 240, "deepgemm": 240, "low_latency": 150}
 # DeepEP's tests at deepseek-tiny's sizes (intranode) and the smallest hidden the low-latency kernels take
 INTRANODE_ARGS = ("--num-processes", "2", "--num-tokens", "512", "--hidden", "256", "--num-topk", "2",
@@ -503,29 +505,29 @@ class Runner:
             rec["gemms"] = json.loads(lines[-1])
         return rec
 
-    def shapes(self) -> dict[str, Any]:
+    def shapes(self, shape: str = SHAPE, model: str = "deepseek-tiny") -> dict[str, Any]:
         if not (self.root / "sglang" / ".unpacked").exists():
             return {"ok": False, "pending": True, "why": "no SGLang bundle on this machine yet: carry .bundle/sglang.tar.xz "
                                                          "in the next call (warm machine)"}
         if self.a.gpus < 4:
             return {"ok": False, "pending": True,
-                    "why": f"mini-b-deepep needs 4 GPUs (run_all.sh --gpus 4), this run has {self.a.gpus}"}
+                    "why": f"{shape} needs 4 GPUs (run_all.sh --gpus 4), this run has {self.a.gpus}"}
         env = child_env([self.site, self.bundle / "deepgemm"], **dg_cache_env())
         # site and deepgemm go after SGLang's bundle on the path (its tvm_ffi is the same version)
         env["PYTHONPATH"] = os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(self.site),
                                              str(self.bundle / "deepgemm")]).strip(os.pathsep)
         rc, text, secs = run_logged([sys.executable, "-m", "e2e.make_tiny_models", str(self.a.models),
-                                     "--only", "deepseek-tiny"], self.logs / "models.log", 300, env)
+                                     "--only", model], self.logs / f"models_{model}.log", 300, env)
         if rc != 0:
             return outcome(rc, text, secs, 300, what="make_tiny_models")
-        out = self.a.shapes_out
+        out = shapes_out(self.a.shapes_out, shape)
         timeout = self.left() - 15
         rc, text, secs = run_logged([sys.executable, "-m", "e2e.shapes", "--models", str(self.a.models), "--out",
-                                     str(out), "--logs", str(self.logs / "shapes"), "--only", SHAPE],
-                                    self.logs / "shapes.log", timeout, env)
+                                     str(out), "--logs", str(self.logs / shape), "--only", shape],
+                                    self.logs / f"{shape}.log", timeout, env)
         rec = outcome(rc, text, secs, timeout)
         try:
-            entry = json.loads(out.read_text())["shapes"][SHAPE]
+            entry = json.loads(out.read_text())["shapes"][shape]
         except (OSError, ValueError, KeyError):
             return rec
         rec.update(verdict=entry.get("verdict"), status=entry.get("status"), summary=entry.get("summary"),
@@ -533,9 +535,9 @@ class Runner:
         if entry.get("verdict") != "pass":
             errors = entry.get("errors") or {}
             rec["errors"] = {k: tail(str(v), 20) for k, v in errors.items()}
-            rec["why"] = (f"{SHAPE}: {entry.get('status')}; "
+            rec["why"] = (f"{shape}: {entry.get('status')}; "
                           + (explain("\n".join(map(str, errors.values()))) or "see errors")) if errors else \
-                f"{SHAPE}: verdict {entry.get('verdict')} ({entry.get('status')})"
+                f"{shape}: verdict {entry.get('verdict')} ({entry.get('status')})"
         return rec
 
     def run(self) -> int:
@@ -552,17 +554,25 @@ class Runner:
         if built or (self.bundle / "deepgemm").is_dir():
             self.do("deepgemm", self.deepgemm)
         ready = built and all(self.steps.get(s, {}).get("ok") for s in ("intranode", "deepgemm"))
-        if ready:
+        if ready and "shapes" in self.a.shape_steps:
             self.do("shapes", self.shapes)
         if built:  # a probe: once per machine, whatever it found
             self.do("low_latency", lambda: self.deepep_test("low_latency", "test_low_latency.py", LOW_LATENCY_ARGS),
                     rerun_failed=False)
+        if ready and "shapes_ll" in self.a.shape_steps and self.steps.get("low_latency", {}).get("ok"):
+            # not required: the profile's decode mode, where the kernels ran on this host
+            self.do("shapes_ll", lambda: self.shapes(LL_SHAPE, LL_MODEL), rerun_failed=False)
         return self.finish()
 
     def finish(self) -> int:
         self.save()
         print(json.dumps({k: self.state.get(k) for k in ("verdict", "failed", "not_run")}), flush=True)
         return 0 if self.state.get("verdict") == "pass" else 1
+
+
+def shapes_out(first: Path, shape: str) -> Path:
+    """Where a shape's result goes: `first` (--shapes-out, mini-b-deepep's) with the shape's name in its place."""
+    return first if shape == SHAPE else first.with_name(first.name.replace(SHAPE, shape))
 
 
 def dg_cache_env() -> dict[str, str]:
@@ -586,6 +596,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     r.add_argument("--gpus", type=int, default=int(os.environ.get("E2E_GPUS", "2")))
     r.add_argument("--shapes-out", type=Path, default=None)
     r.add_argument("--built-out", type=Path, default=None)
+    r.add_argument("--shape-steps", type=lambda v: tuple(x for x in v.split(",") if x), default=("shapes", "shapes_ll"),
+                   help="which shapes to run: shapes (mini-b-deepep), shapes_ll (mini-b-deepep-ll), comma-separated")
     c = sub.add_parser("check-bundle")
     c.add_argument("dir", type=Path)
     a = ap.parse_args(argv)

@@ -11,6 +11,8 @@ Every model shares one byte-level BPE tokenizer (4096 tokens) trained locally on
 * ``deepseek-tiny``: the DeepSeek-V3 shape in miniature for the 4-GPU topologies: MLA as in ``mla-tiny``,
   4 layers of which the first is dense and three MoE (8 routed experts, top 2, one shared expert, sigmoid
   routing as V3), so expert parallelism over 2 GPUs has experts on each; sharpened like the others.
+* ``deepseek-wide``: ``deepseek-tiny`` at hidden size 2048 (dense MLP 1024), the smallest DeepEP's low-latency
+  kernels are compiled for, so a decode can run them (``mini-b-deepep-ll``); sharpened the same way.
 * ``deepseek-anchor``: for serving figures of the 4-GPU topologies: DeepSeek-V3's KV shape (61 MLA layers of
   kv_lora_rank 512 + rope 64, 70 KiB of KV a token like V3), its first 3 layers dense and the others MoE (16
   routed experts, top 4, one shared), hidden 1024; default init, for timing.
@@ -81,6 +83,8 @@ def specs(tok_ids: dict[str, int]) -> dict[str, ModelSpec]:
                          n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=128,
                          # V3's routing, which SGLang's model reads from the config (transformers' class lacks them)
                          topk_method="noaux_tc", scoring_func="sigmoid")
+    # the smallest hidden size DeepEP's low-latency kernels are compiled for (mini-b-deepep-ll)
+    deepseek_wide = dict(deepseek_tiny, hidden_size=2048, intermediate_size=1024)
     deepseek_anchor = dict(deepseek_tiny, hidden_size=1024, intermediate_size=2048, num_hidden_layers=61,
                            num_attention_heads=16, num_key_value_heads=16, first_k_dense_replace=3,
                            n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)
@@ -101,6 +105,7 @@ def specs(tok_ids: dict[str, int]) -> dict[str, ModelSpec]:
         "llama-tiny": ModelSpec("llama-tiny", "llama", llama_tiny, sharpen=True),
         "mla-tiny": ModelSpec("mla-tiny", "deepseek_v3", mla_tiny, sharpen=True),
         "deepseek-tiny": ModelSpec("deepseek-tiny", "deepseek_v3", deepseek_tiny, sharpen=True),
+        "deepseek-wide": ModelSpec("deepseek-wide", "deepseek_v3", deepseek_wide, sharpen=True),
         "deepseek-anchor": ModelSpec("deepseek-anchor", "deepseek_v3", deepseek_anchor, sharpen=False),
         "swa-tiny": ModelSpec("swa-tiny", "gpt_oss", swa_tiny, sharpen=True),
         "llama-anchor": ModelSpec("llama-anchor", "llama", anchor, sharpen=False),

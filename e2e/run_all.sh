@@ -59,7 +59,9 @@
 #          unpacked (this call or the next, warm) the shape mini-b-deepep (e2e.shapes), and last a probe of
 #          DeepEP's low-latency test -> $OUT/deepep_<kind>.json naming the first step that failed,
 #          $OUT/deepep_built.tar.xz (the build, for a later call to carry as .bundle/deepep-built.tar.xz),
-#          $OUT/shapes_mini-b-deepep_<kind>.json (e2e/deepep.py). Needs .bundle/deepep.tar.xz
+#          $OUT/shapes_mini-b-deepep_<kind>.json, then (where DeepEP's low-latency test passed) mini-b-deepep-ll,
+#          the decode on the low-latency kernels -> $OUT/shapes_mini-b-deepep-ll_<kind>.json; E2E_DEEPEP_SHAPES
+#          picks (default shapes,shapes_ll) (e2e/deepep.py). Needs .bundle/deepep.tar.xz
 #          (e2e/build_bundle.sh .bundle deepep) in this call or an earlier one on the same machine
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
@@ -345,7 +347,7 @@ run_shape_serve() {
 run_deepep() {  # e2e/deepep.py: each step once per machine; the shape when SGLang and 4 GPUs are there
   step deepep python3 -m e2e.deepep run --root "$E2E_ROOT" --models "$MODELS" --gpus "$GPUS" \
     --out "$OUTDIR/deepep_$KIND.json" --logs "$E2E_ROOT/logs/deepep" --built-out "$OUTDIR/deepep_built.tar.xz" \
-    --shapes-out "$OUTDIR/shapes_mini-b-deepep_$KIND.json"
+    --shapes-out "$OUTDIR/shapes_mini-b-deepep_$KIND.json" --shape-steps "${E2E_DEEPEP_SHAPES:-shapes,shapes_ll}"
 }
 
 case "$PHASE" in

@@ -55,6 +55,10 @@ SHAPES = {s.topology: s for s in (
     Shape("mini-b-deepep", "deepseek-tiny", True, 0,
           "mini-b-dp-both with DeepEP (normal kernels) and DeepGEMM's bf16 experts on both sides (MLA + MoE)",
           kv_digest=True, needs=("deep_ep", "deep_gemm")),
+    # the profile's DeepEP modes: normal kernels on the prefill, low-latency ones on the decode (hidden 2048 and up)
+    Shape("mini-b-deepep-ll", "deepseek-wide", False, 0,
+          "mini-b-deepep with the decode on DeepEP's low-latency kernels, as the (P3x3)D4 profile (MLA + MoE, hidden 2048)",
+          kv_digest=True, needs=("deep_ep", "deep_gemm")),
     Shape("mini-c-tp1-tp2", "llama-tiny", False, 2, "GQA, prefill TP 1 -> decode TP 2"),
     Shape("mini-c-tp2-tp1", "llama-tiny", False, 3, "GQA, prefill TP 2 -> decode TP 1"),
     Shape("mini-c-tp1-tp4", "llama-tiny", False, 0,

@@ -57,6 +57,36 @@ def test_the_shape_runs_only_when_asked_and_its_reference_carries_deepep():
     assert "mini-b-deepep" not in run_all.split("run_shapes() {")[1].split("}")[0]  # not in the shapes phase
 
 
+@pytest.mark.parametrize("release", ["0.5.17", "0.5.23"])
+def test_the_low_latency_shape_is_mini_b_deepep_with_the_profiles_decode_mode(release):
+    ours, base = rendered("mini-b-deepep-ll", release), rendered("mini-b-deepep", release)
+    ports = {"--port", "--dist-init-addr", "--disaggregation-bootstrap-port"}
+
+    def no_ports(cmd):
+        return {k: v for k, v in flags(cmd.args).items() if k not in ports}
+
+    assert no_ports(ours["prefill"]) == no_ports(base["prefill"])
+    f, b = no_ports(ours["decode"]), no_ports(base["decode"])
+    assert f.pop("--deepep-mode") == ["low_latency"] and b.pop("--deepep-mode") == ["normal"] and f == b
+    shape = SHAPES["mini-b-deepep-ll"]
+    assert (shape.model, shape.same_layout, shape.kv_digest) == ("deepseek-wide", False, True)
+    assert "mini-b-deepep-ll" not in DEFAULT_SHAPES
+    launches = plan(shape, Path("/m/deepseek-wide"), release, [])
+    assert [l.role for l in launches] == ["prefill", "decode", "reference", "reference-prefill", "lb"]
+    modes = {l.role: flags(tuple(l.argv[3:]))["--deepep-mode"] for l in launches if l.role.startswith("reference")}
+    assert modes == {"reference": ["low_latency"], "reference-prefill": ["normal"]}  # both layouts' references
+
+
+def test_deepseek_wide_is_deepseek_tiny_at_a_hidden_size_the_low_latency_kernels_take():
+    from e2e import make_tiny_models as mtm
+
+    ids = {"bos": 1, "eos": 2, "pad": 0}
+    wide, tiny = mtm.specs(ids)["deepseek-wide"].config, mtm.specs(ids)["deepseek-tiny"].config
+    assert wide["hidden_size"] == 2048  # DeepEP's SWITCH_HIDDEN: 2048 to 8192
+    assert {k: v for k, v in wide.items() if k not in ("hidden_size", "intermediate_size")} == \
+        {k: v for k, v in tiny.items() if k not in ("hidden_size", "intermediate_size")}
+
+
 @pytest.mark.sglang
 def test_sglangs_parser_accepts_the_deepep_commands():
     from sglang_p2p_backend.launch.sglang_parser import checker
@@ -67,6 +97,9 @@ def test_sglangs_parser_accepts_the_deepep_commands():
         assert chk.problems(cmd) == []
         ns = chk.parser.parse_args(list(cmd.args))
         assert (ns.moe_a2a_backend, ns.deepep_mode, ns.moe_runner_backend, ns.ep_size) == ("deepep", "normal", "deep_gemm", 2)
+    for role, cmd in rendered("mini-b-deepep-ll", chk.release).items():
+        assert chk.problems(cmd) == []
+        assert chk.parser.parse_args(list(cmd.args)).deepep_mode == ("low_latency" if role == "decode" else "normal")
     ref = launches[2].argv[3:]
     ns = chk.parser.parse_args(ref)
     assert ns.moe_a2a_backend == "deepep" and ns.disaggregation_mode == "null"
@@ -258,7 +291,8 @@ def make_runner(tmp_path, monkeypatch, left_s=500.0, gpus=4):
 
     monkeypatch.setenv("E2E_DEADLINE_EPOCH", str(time.time() + left_s))
     a = Namespace(root=tmp_path / "root", models=tmp_path / "models", out=tmp_path / "out" / "deepep.json",
-                  logs=tmp_path / "logs", gpus=gpus, shapes_out=tmp_path / "out" / "shapes.json", built_out=None)
+                  logs=tmp_path / "logs", gpus=gpus, shapes_out=tmp_path / "out" / "shapes_mini-b-deepep_x4.json",
+                  built_out=None, shape_steps=("shapes", "shapes_ll"))
     r = deepep.Runner(a)
     calls = []
 
@@ -292,6 +326,30 @@ def test_runner_resumes_keeps_what_passed_and_waits_for_sglang(tmp_path, monkeyp
     assert r2.run() == 0
     doc = json.loads(r2.a.out.read_text())
     assert calls2 == ["shapes"] and doc["verdict"] == "pass"  # the low-latency probe is not run twice
+
+
+def test_the_low_latency_shape_follows_where_the_kernels_ran(tmp_path, monkeypatch):
+    """mini-b-deepep-ll (deepseek-wide) runs after mini-b-deepep once DeepEP's low-latency test passed, into a
+    result file of its own; E2E_DEEPEP_SHAPES=shapes_ll (--shape-steps) runs it alone."""
+    for i, (steps, expected) in enumerate(((("shapes", "shapes_ll"), [("mini-b-deepep", "deepseek-tiny"), ("mini-b-deepep-ll", "deepseek-wide")]),
+                                           (("shapes_ll",), [("mini-b-deepep-ll", "deepseek-wide")]))):
+        machine = tmp_path / str(i)  # a fresh machine each time
+        (machine / "root" / "sglang").mkdir(parents=True)
+        (machine / "root" / "sglang" / ".unpacked").write_text("x")
+        r, calls, fake = make_runner(machine, monkeypatch)
+        r.a.shape_steps = steps
+        for step in ("host", "build", "api", "deepgemm"):
+            monkeypatch.setattr(r, step, fake(step))
+        monkeypatch.setattr(r, "deepep_test", lambda name, *a: fake(name)())
+        (r.site / "deep_ep").mkdir(parents=True, exist_ok=True)
+        shapes = []
+        monkeypatch.setattr(r, "shapes", lambda shape=deepep.SHAPE, model="deepseek-tiny": shapes.append((shape, model)) or {"ok": True})
+        r.run()
+        doc = json.loads(r.a.out.read_text())
+        assert shapes == expected
+        assert doc["verdict"] == ("pass" if "shapes" in steps else "incomplete")
+    assert deepep.shapes_out(r.a.shapes_out, "mini-b-deepep-ll").name == "shapes_mini-b-deepep-ll_x4.json"
+    assert deepep.shapes_out(r.a.shapes_out, "mini-b-deepep") == r.a.shapes_out
 
 
 def test_runner_names_the_first_failed_step_and_skips_what_does_not_fit(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ def all_launches(release="0.5.17"):
 
 def test_every_shape_starts_its_servers_with_the_launcher_and_a_reference_with_the_decodes_layout():
     launches = all_launches()
-    assert set(launches) == {"mini-a-2p-dpdecode", "mini-b-dp-both", "mini-b-deepep", "mini-c-tp1-tp2", "mini-c-tp2-tp1",
+    assert set(launches) == {"mini-a-2p-dpdecode", "mini-b-dp-both", "mini-b-deepep", "mini-b-deepep-ll", "mini-c-tp1-tp2", "mini-c-tp2-tp1",
                              "mini-c-tp1-tp4"}
     a = launches["mini-a-2p-dpdecode"]
     assert [l.role for l in a] == ["prefill", "prefill", "decode", "reference", "reference-prefill", "lb"]
@@ -69,7 +69,7 @@ def test_the_check_starts_pd_servers_with_kv_digests_and_only_mla_shapes_rely_on
     assert {role for role, env in checked.items() if env.get(DIGEST_VAR) == "1"} == {"prefill", "decode"}
     assert CORRUPT_VAR in checked["decode"] and CORRUPT_VAR not in checked["prefill"]
     assert not any(DIGEST_VAR in server_for(l, tmp_path / "flag").env for l in a)  # timed runs: off
-    assert {n for n, s in SHAPES.items() if s.kv_digest} == {"mini-a-2p-dpdecode", "mini-b-dp-both", "mini-b-deepep"}
+    assert {n for n, s in SHAPES.items() if s.kv_digest} == {"mini-a-2p-dpdecode", "mini-b-dp-both", "mini-b-deepep", "mini-b-deepep-ll"}
 
 
 def test_reference_args_drop_pd_flags_and_move_ports():

@@ -15,7 +15,7 @@ TOPOLOGIES = sorted((REPO / "configs" / "topologies").glob("*.yaml"))
 # host; a RoleBasedGroup's LB discovery dials one port for every pod
 RBG_TOPOLOGIES = [p for p in TOPOLOGIES if p.stem != "1p1d-one-host" and not p.stem.startswith("mini-")]
 EXPECTED_TOPOLOGIES = {"p3x3-d4", "p3x2-d4", "p4x2-d4", "p4-d6", "p4-d9", "p2-d2", "1p1d-one-host",
-                       "mini-a-2p-dpdecode", "mini-b-dp-both", "mini-b-deepep", "mini-c-tp1-tp2", "mini-c-tp2-tp1",
+                       "mini-a-2p-dpdecode", "mini-b-dp-both", "mini-b-deepep", "mini-b-deepep-ll", "mini-c-tp1-tp2", "mini-c-tp2-tp1",
                        "mini-c-tp1-tp4", "mini-a-serve", "mini-b-serve"}
 
 
