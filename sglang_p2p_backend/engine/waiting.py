@@ -20,6 +20,8 @@ class Deadline:
 
     FIRST_S = 20e-6
     MAX_S = 0.5e-3
+    #: the longest sleep until an expected end: an estimate gone wrong costs at most this once per wait
+    PACED_MAX_S = 5e-3
 
     def __init__(self, timeout: float, expected_end: Optional[float] = None):
         self.start = time.monotonic()
@@ -33,7 +35,7 @@ class Deadline:
 
     def pause(self) -> None:
         if self._expected is not None:
-            ahead = min(self._expected, self.deadline) - time.monotonic()
+            ahead = min(self._expected, self.deadline, time.monotonic() + self.PACED_MAX_S) - time.monotonic()
             self._expected = None
             if ahead > self.FIRST_S:
                 time.sleep(ahead)

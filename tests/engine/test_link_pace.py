@@ -23,6 +23,8 @@ def test_the_fastest_recent_rate_sets_when_the_queue_ends():
     assert pace.rate() is None
     pace.observe(10**8, 0.5)  # 200 MB/s (a wait for the peer in it)
     pace.observe(10**8, 0.1)  # 1 GB/s: the link
+    assert pace.rate() is None  # two operations: not trusted yet (one of them may have waited for its peer)
+    pace.observe(10**8, 0.4)
     assert pace.rate() == pytest.approx(1e9)
     # two operations queued at t=10: the second ends after the first
     assert pace.expect(10.0, 10**8) == pytest.approx(10.1)
@@ -31,6 +33,7 @@ def test_the_fastest_recent_rate_sets_when_the_queue_ends():
     for _ in range(3):  # the 1 GB/s operation leaves the window
         pace.observe(10**8, 0.2)
     assert pace.rate() == pytest.approx(5e8)
+
 
 
 class _Clock:
@@ -66,9 +69,14 @@ def test_an_expected_end_past_or_beyond_the_deadline(clock):
     d.pause()
     assert clock.sleeps == [20e-6, 40e-6]
     clock.sleeps.clear()
-    d = waiting.Deadline(1.0, expected_end=clock.now + 60.0)  # never sleeps past the deadline
+    d = waiting.Deadline(0.002, expected_end=clock.now + 60.0)  # never sleeps past the deadline
     d.pause()
-    assert clock.sleeps == [pytest.approx(1.0)] and d.left() <= 0
+    assert clock.sleeps == [pytest.approx(0.002)] and d.left() <= 0
+    clock.sleeps.clear()
+    d = waiting.Deadline(5.0, expected_end=clock.now + 60.0)  # nor longer than PACED_MAX_S on an estimate
+    d.pause()
+    d.pause()
+    assert clock.sleeps == [pytest.approx(waiting.Deadline.PACED_MAX_S), 20e-6]
     clock.sleeps.clear()
     d = waiting.Deadline(1.0)  # no estimate: as before
     for _ in range(7):
@@ -84,6 +92,7 @@ class _Done:
 def test_a_receiver_first_waits_until_its_chunk_should_have_landed():
     now = time.monotonic()
     assert pipeline._first_pause(_Done(now + 0.003)) == pytest.approx(0.003, abs=5e-4)
+    assert pipeline._first_pause(_Done(now + 9.0)) == waiting.Deadline.PACED_MAX_S  # an estimate gone wrong
     assert pipeline._first_pause(_Done(now - 1.0)) == pipeline._POLL_S  # overdue: poll at once
     assert pipeline._first_pause(_Done(None)) == pipeline._POLL_S  # no estimate (tcp, a first chunk)
     assert pipeline._first_pause(object()) == pipeline._POLL_S  # a completion without one

@@ -173,7 +173,7 @@ def replacement(rank: int, conn) -> Optional[dict]:
 # -- the link's pace -----------------------------------------------------------------------------------------
 
 PACE_BYTES = 64 << 20
-PACE_OPS = 6
+PACE_OPS = 8
 
 
 def paced_ops(rank: int, conn) -> dict:

@@ -97,7 +97,7 @@ def _first_pause(done: Completion) -> float:
     landed where the transport knows (`expected_end`, NCCL's LinkPace; a header that comes earlier wakes it),
     else the shortest poll. After that the polls start short and double."""
     end = getattr(done, "expected_end", None)
-    return max(_POLL_S, end - time.monotonic()) if end is not None else _POLL_S
+    return min(max(_POLL_S, end - time.monotonic()), Deadline.PACED_MAX_S) if end is not None else _POLL_S
 
 
 class _PairEnd:

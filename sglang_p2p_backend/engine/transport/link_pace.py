@@ -23,6 +23,8 @@ class LinkPace:
 
     #: rates below this are not a link's (a first operation that also connected, a peer that posted late)
     MIN_RATE = 100e6
+    #: operations seen before the rate is trusted: one that waited long for its peer must not set it alone
+    MIN_SAMPLES = 3
 
     def __init__(self, window: int = 32, min_bytes: int = 1 << 20):
         self._rates: deque[float] = deque(maxlen=window)
@@ -33,7 +35,7 @@ class LinkPace:
     def rate(self) -> Optional[float]:
         """Bytes per second, None until an operation taught one."""
         with self._lock:
-            return max(self._rates) if self._rates else None
+            return max(self._rates) if len(self._rates) >= self.MIN_SAMPLES else None
 
     def observe(self, nbytes: int, seconds: float) -> None:
         if nbytes >= self.min_bytes and seconds > 0 and nbytes / seconds >= self.MIN_RATE:
