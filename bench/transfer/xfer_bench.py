@@ -150,12 +150,21 @@ def programs_tokens(tokens) -> list[int]:
     return [t for t in tokens if t in PROGRAMS_CASE[1]] or [max(tokens)]
 
 
-def parse_programs(raw: str) -> list[int]:
-    """--programs: comma-separated grid bounds, each >= 1 (empty: none, only the default grid)."""
+def _positive_ints(raw: str, what: str) -> list[int]:
     values = [p.strip() for p in raw.split(",") if p.strip()]
     if not all(v.isdigit() and int(v) >= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{raw!r}: give program counts >= 1 like 16,32,66,132")
+        raise argparse.ArgumentTypeError(f"{raw!r}: give {what}")
     return [int(v) for v in values]
+
+
+def parse_programs(raw: str) -> list[int]:
+    """--programs: comma-separated grid bounds, each >= 1 (empty: none, only the default grid)."""
+    return _positive_ints(raw, "program counts >= 1 like 16,32,66,132")
+
+
+def parse_slot_mib(raw: str) -> list[int]:
+    """--slot-mib: comma-separated staging slot sizes in MiB, each >= 1 (empty: only the configured one)."""
+    return _positive_ints(raw, "slot sizes in MiB >= 1 like 256,512")
 
 
 @dataclass
@@ -528,7 +537,7 @@ class Prefill:
         return row
 
     # -- the NCCL path
-    def nccl_open(self, pool: list, overlap: bool = True):
+    def nccl_open(self, pool: list, overlap: bool = True, slot_bytes: Optional[int] = None):
         from sglang_p2p_backend.engine.config import EngineConfig
         from sglang_p2p_backend.engine.copy.copier import PageCopier
         from sglang_p2p_backend.engine.pair.pipeline import PairSender
@@ -539,8 +548,9 @@ class Prefill:
         cfg = EngineConfig.from_env()
         if getattr(self, "two_sided", None) is None:
             self.two_sided = two_sided_transport("auto", self.dev_t, "127.0.0.1", cfg)
-        self.ask("nccl_start", cfg.slot_bytes, cfg.staging_slots, overlap)
-        self.staging = StagingPool(self.two_sided.alloc_staging, cfg.slot_bytes, cfg.staging_slots)
+        slot_bytes = slot_bytes or cfg.slot_bytes  # both ends: a chunk is one slot on each side
+        self.ask("nccl_start", slot_bytes, cfg.staging_slots, overlap)
+        self.staging = StagingPool(self.two_sided.alloc_staging, slot_bytes, cfg.staging_slots)
         self.sender = PairSender(transport=self.two_sided, staging=self.staging, copier=PageCopier([pool]),
                                  local_session="prefill:0",
                                  control=lambda m: self.conn.send(("ctrl", messages.encode(m))),
@@ -774,13 +784,20 @@ class Prefill:
                 self.tr.forget_peer(SESSION)
                 # each case without the engine's overlap (gather / scatter beside the transfer), then with it, as
                 # deployed: that channel stays open for the interference loop below
-                for overlap in (False, True):
-                    self.nccl_open(pool, overlap)
+                # --slot-mib: then with the overlap at each other slot size (fewer, larger chunks a request)
+                from sglang_p2p_backend.engine.config import EngineConfig
+
+                default_slot = EngineConfig.from_env().slot_bytes
+                self.out["nccl_slot_mib_default"] = default_slot >> 20
+                passes = [(False, default_slot), *((True, mib << 20) for mib in self.cfg["slot_mib"]
+                                                   if mib << 20 != default_slot), (True, default_slot)]
+                for i, (overlap, slot) in enumerate(passes):
+                    self.nccl_open(pool, overlap, slot)
                     for case in shape_cases:
                         row = self.nccl_case(case, pool, dst_pages)
                         if row:
-                            self.out["nccl"].append({**row, "overlap": overlap})
-                    if not overlap:
+                            self.out["nccl"].append({**row, "overlap": overlap, "slot_mib": slot >> 20})
+                    if i < len(passes) - 1:
                         self.nccl_close()
                 if "interference" in sections and shape.name == INTERFERENCE_CASE[0] and self.time_left("interference nccl"):
                     tokens = max(t for t in self.cfg["tokens"] if t <= INTERFERENCE_CASE[1])
@@ -919,7 +936,9 @@ def verdicts(result: dict) -> dict:
     inter = result.get("interference", [])
     if inter:
         out["interference"] = {r["mode"] + ":" + r["case"]: r["slowdown"] <= t["interference_max"] for r in inter}
-    nccl = [r for r in result.get("nccl", []) if r["tokens"] == 4096 and r.get("overlap", True)]
+    slot = result.get("nccl_slot_mib_default")  # as deployed: the overlap on, the configured slots
+    nccl = [r for r in result.get("nccl", []) if r["tokens"] == 4096 and r.get("overlap", True)
+            and r.get("slot_mib", slot) == slot]
     if nccl:
         out["nccl_ratio_4k"] = all((r["ratio"] or 0) >= t["nccl_ratio_min"] for r in nccl)
     same = result.get("same_gpu", [])
@@ -945,10 +964,11 @@ def tables(result: dict) -> str:
                    r["write_gbps"], r["ref"]["gpu_us"]["p50"], r["ratio"], r["bad_pages"])
         parts.append(f"== {key}: {title}\n{tb.render()}")
     if result.get("nccl"):
-        tb = xc.Table([("case", 30), ("overlap", 8), ("MiB", 8), ("send us", 10), ("p99 us", 9), ("GB/s", 7),
-                       ("contig us", 10), ("ratio", 7), ("bad", 5)])
+        tb = xc.Table([("case", 30), ("overlap", 8), ("slot MiB", 9), ("MiB", 8), ("send us", 10), ("p99 us", 9),
+                       ("GB/s", 7), ("contig us", 10), ("ratio", 7), ("bad", 5)])
         for r in result["nccl"]:
-            tb.add(r["case"], "on" if r.get("overlap", True) else "off", r["bytes"] / 2**20, r["send_us"]["p50"],
+            tb.add(r["case"], "on" if r.get("overlap", True) else "off", r.get("slot_mib", "-"), r["bytes"] / 2**20,
+                   r["send_us"]["p50"],
                    r["send_us"]["p99"], r["send_gbps"], r["contiguous_send_us"]["p50"], r["ratio"], r["bad_pages"])
         parts.append(f"== nccl: PairSender -> PairReceiver vs one contiguous NCCL send\n{tb.render()}")
     if result.get("interference"):
@@ -1009,6 +1029,9 @@ def main(argv=None) -> int:
     ap.add_argument("--programs", type=parse_programs, default=[], metavar="LIST",
                     help="comma-separated grid bounds of the page kernel to measure beside the default "
                          "(SGLANG_P2P_IPC_PROGRAMS), e.g. 16,32,66,132; needs section ipc or interference")
+    ap.add_argument("--slot-mib", type=parse_slot_mib, default=[], metavar="LIST",
+                    help="staging slot sizes (MiB) to run the nccl cases at besides the default (SGLANG_P2P_STAGING_MB "
+                         "over SGLANG_P2P_STAGING_SLOTS), overlap on, e.g. 256")
     ap.add_argument("--quick", action="store_true", help="CPU: the same driver with stand-ins and small pools")
     ns = ap.parse_args(argv)
     sections = set(s for s in ns.sections.split(",") if s)
@@ -1033,6 +1056,7 @@ def main(argv=None) -> int:
         gpus = torch.cuda.device_count() if cuda else 0
         cfg = {"quick": not cuda, "prefill_gpu": 0, "decode_gpu": 1 if gpus >= 2 else 0, "budget_s": ns.budget_s,
                "case_s": ns.case_s, "max_reps": ns.max_reps, "sections": device_sections, "programs": ns.programs,
+               "slot_mib": ns.slot_mib,
                "shapes": [s.__dict__ for s in shapes], "tokens": tokens}
         import multiprocessing as mp
 

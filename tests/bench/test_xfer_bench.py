@@ -89,6 +89,10 @@ def test_verdicts_against_the_targets():
                              "nccl": [{"tokens": 4096, "ratio": 0.9, "bad_pages": 0}]})
     assert v == {"verified": True, "ipc_ratio": True, "ipc_4k_ms": True, "ipc_16k_ms": True,
                  "small_request_us": True, "interference": {"kernel:c": False}, "nccl_ratio_4k": True}
+    # the NCCL target is judged as deployed: the configured slot size, not a --slot-mib pass beside it
+    nccl = [{"tokens": 4096, "ratio": 0.5, "bad_pages": 0, "slot_mib": 128},
+            {"tokens": 4096, "ratio": 0.9, "bad_pages": 0, "slot_mib": 256}]
+    assert xfer_bench.verdicts({"nccl": nccl, "nccl_slot_mib_default": 128})["nccl_ratio_4k"] is False
     ipc[1]["bad_pages"] = 3
     assert xfer_bench.verdicts({"ipc": ipc})["verified"] is False
 
@@ -121,6 +125,9 @@ def test_the_programs_flag_and_the_request_sizes_it_measures():
             xfer_bench.parse_programs(bad)
     with pytest.raises(SystemExit):
         xfer_bench.main(["--quick", "--programs", "0"])
+    assert xfer_bench.parse_slot_mib("256,512") == [256, 512]
+    with pytest.raises(argparse.ArgumentTypeError, match="slot sizes in MiB"):
+        xfer_bench.parse_slot_mib("0")
     assert xfer_bench.programs_tokens(xc.TOKENS) == [4096, 16384]
     assert xfer_bench.programs_tokens(xc.QUICK_TOKENS) == [1024]  # --quick: the largest, so the section runs
 
@@ -128,15 +135,20 @@ def test_the_programs_flag_and_the_request_sizes_it_measures():
 @pytest.mark.slow
 def test_quick_run_of_every_section_verifies_every_page(tmp_path, capsys):
     out = tmp_path / "quick.json"
-    rc = xfer_bench.main(["--quick", "--out", str(out), "--case-s", "0.02", "--max-reps", "6", "--programs", "4,16"])
+    rc = xfer_bench.main(["--quick", "--out", str(out), "--case-s", "0.02", "--max-reps", "6", "--programs", "4,16",
+                          "--slot-mib", "256"])
     result = json.loads(out.read_text())
     assert rc == 0 and result["pass"]["verified"] is True
     assert result["machine"].startswith("cpu-") and result["meta"]["quick"] is True
     n = len(xc.QUICK_SHAPES) * len(xc.QUICK_TOKENS) * 2
     assert len(result["ipc"]) == 2 * n and {r["mode"] for r in result["ipc"]} == {"kernel", "copy_engine"}
-    # every NCCL case with the engine's overlap and without it
-    cases = {flag: sorted(r["case"] for r in result["nccl"] if r["overlap"] is flag) for flag in (True, False)}
-    assert len(result["nccl"]) == 2 * n and len(cases[True]) == n and cases[True] == cases[False]
+    # every NCCL case without the engine's overlap, with it at 256 MiB slots (--slot-mib), and as configured
+    default = result["nccl_slot_mib_default"]
+    by_case: dict = {}
+    for r in result["nccl"]:
+        by_case.setdefault(r["case"], []).append((r["overlap"], r["slot_mib"]))
+    assert len(by_case) == n and default != 256
+    assert all(p == [(False, default), (True, 256), (True, default)] for p in by_case.values())
     assert all(r["bad_pages"] == 0 for k in ("ipc", "nccl") for r in result[k])
     assert [r["mode"] for r in result["interference"]] == ["kernel", "copy_engine", "kernel", "copy_engine", "nccl"]
     assert all(r["error"] is None and r["writes_during"] > 0 for r in result["interference"])
