@@ -177,3 +177,18 @@ def test_the_programs_bound_reaches_every_page_write_and_the_bytes_land(shm, pro
     assert shm.calls == [("pages", 2), ("pages", 1)] and shm.programs == [programs, programs]
     _check(sp, dp, stride, [0, 1, 7], [3, 4, 9])
     tr.close()
+
+
+@pytest.mark.parametrize("programs, same_gpu, want", [(None, True, 8 * 132), (None, False, None), (32, True, 32),
+                                                      (32, False, 32)])
+def test_a_decode_on_the_same_gpu_keeps_the_wider_grid(shm, monkeypatch, programs, same_gpu, want):
+    """Across GPUs the kernel's own default (about 8 KiB in flight an SM) bounds the grid; into the prefill's own
+    GPU, 8 programs an SM, the bound the same-GPU case was measured at; SGLANG_P2P_IPC_PROGRAMS wins either way."""
+    tr, *_ = _pair(shm, "off", programs=programs)
+    tr._peers["d"].same_gpu = same_gpu  # noqa: SLF001 - the stand-in's segments all live on one "device"
+    tr.device = torch.device("cuda", 0)  # where the prefill's pool would be
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"multi_processor_count": 132}))
+    assert tr._grid("d") == want  # noqa: SLF001
+    assert tr._grid("nobody") == programs  # an unmapped peer: its write fails before any grid matters
+    tr.device = torch.device("cpu")
+    tr.close()

@@ -361,6 +361,11 @@ def check_export(export: IpcExport, expected: Sequence[tuple[int, int]]) -> Opti
     return None
 
 
+#: the page kernel's grid where prefill and decode share a GPU: the bound every case of the same-GPU benchmark
+#: was measured with (0.49-0.84 of one device-to-device copy on an H100, 2026-11-27)
+SAME_GPU_PROGRAMS_PER_SM = 8
+
+
 class IpcMapping:
     """One decode process's exported allocations opened in this process; close() unmaps them."""
 
@@ -375,6 +380,8 @@ class IpcMapping:
             self.close()
             raise
         self.table = RegionTable.build(export.regions, self._bases)
+        #: the decode's pool is on this rank's own GPU (prefill and decode sharing it)
+        self.same_gpu = export.device_uuid == backend().device_id(device)
 
     def close(self) -> None:
         for base in self._bases:
@@ -474,7 +481,19 @@ class CudaIpcTransport(OneSidedTransport):
         Checked before anything moves (TransportError, nothing written): the id arrays pair up, every id is
         inside its pool, and every destination region lies wholly inside a region the decode exported."""
         plan = self.plan_pages(session, src_bases, dst_bases, item_bytes, src_ids, dst_ids, src_pages, dst_pages)
-        return self.copy_pages(plan) if plan is not None else 0
+        return self.copy_pages(plan, self._grid(session)) if plan is not None else 0
+
+    def _grid(self, session: str) -> Optional[int]:
+        """The page kernel's grid bound for writes to `session`: SGLANG_P2P_IPC_PROGRAMS, else, where the decode
+        shares this GPU, 8 programs an SM (a copy within HBM needs more bytes in flight than one over NVLink, and
+        the kernel's one-an-SM default was measured across NVLink only), else the kernel's default (None)."""
+        if self.programs:
+            return self.programs
+        with self._lock:
+            m = self._peers.get(session)
+        if m is not None and m.same_gpu and self.device.type == "cuda":
+            return SAME_GPU_PROGRAMS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
+        return None
 
     def plan_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
                    src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> Optional["PageWrite"]:
@@ -503,14 +522,15 @@ class CudaIpcTransport(OneSidedTransport):
         mapped = m.table.translate(np.asarray(dst_bases, dtype=np.int64), items * int(dst_pages))
         return PageWrite(np.asarray(src_bases, dtype=np.int64), mapped, items, src_ids, dst_ids)
 
-    def copy_pages(self, plan: "PageWrite") -> int:
-        """The device half of `write_pages`: copy a checked plan (the kernel, or the copy engines where
-        SGLANG_P2P_COPY_ENGINE says so for this chunk) and wait; returns the bytes copied."""
+    def copy_pages(self, plan: "PageWrite", grid: Optional[int] = None) -> int:
+        """The device half of `write_pages`: copy a checked plan (the kernel, its grid bounded by `grid`, else by
+        SGLANG_P2P_IPC_PROGRAMS; or the copy engines where SGLANG_P2P_COPY_ENGINE says so for this chunk) and
+        wait; returns the bytes copied."""
         if self.copy_engine != "off" and self._copy_engines_take(*page_chunk_shape(plan.src_ids, plan.dst_ids,
                                                                                       plan.item_bytes)):
             backend().write_copy_engines(self.device, *page_spans(*plan))
         else:
-            backend().write_pages(self.device, *plan, max_programs=self.programs)
+            backend().write_pages(self.device, *plan, max_programs=grid or self.programs)
         return int(plan.src_ids.size) * int(plan.item_bytes.sum())
 
     def close(self) -> None:
