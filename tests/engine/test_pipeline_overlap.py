@@ -8,6 +8,7 @@ the pipeline's own logic. The byte-exact GPU run is tests/gpu/test_engine_pipeli
 
 import queue
 import threading
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -86,8 +87,12 @@ class LaterComm(PairComm):
         self.log.append(("sent from slot", buf.data_ptr()))
         return c
 
+    expect_s = None  # tests: each receive says it should end this far ahead (a transport's pace)
+
     def recv(self, buf: torch.Tensor) -> Completion:
         c = _Later()
+        if self.expect_s is not None:
+            c.expected_end = time.monotonic() + self.expect_s
         self.log.append(("posted", buf.numel()))
         self._work.put((buf, c))
         return c
@@ -482,5 +487,22 @@ def test_no_receive_ahead_past_a_chunk_whose_scatter_may_load_a_kernel(cpu_strea
         p.drain()
         assert [e[0] for e in p.log if e[0] in ("posted", "scatter")] == ["posted", "scatter"] * 3
         assert p.landed[1:] == [(5, None)] * 3 and p.pages_equal(src, dst)
+    finally:
+        p.close()
+
+
+def test_a_wrong_expected_end_does_not_hold_chunks_back(cpu_streams):
+    """Receives that claim to end 30 s ahead (a pace learned wrong): the receiver still lands every chunk as soon
+    as its bytes are in, since a header wakes it and no wait for an expected end lasts over 5 ms."""
+    p = OverlapPair()
+    try:
+        comm = _open(p)
+        comm.expect_s = 30.0
+        src, dst = _ids(20, 3)
+        t0 = time.monotonic()
+        assert p.sender.send(5, 0, [src], [dst]) == 20 * 6 * 48
+        _until(lambda: len(p.landed) >= 1 + 7, "every chunk of the room to land")
+        assert time.monotonic() - t0 < 3.0
+        assert p.landed[1:] == [(5, None)] * 7 and p.pages_equal(src, dst)  # 3 pages a 1 KiB slot: 7 chunks
     finally:
         p.close()
