@@ -537,7 +537,8 @@ class Prefill:
         return row
 
     # -- the NCCL path
-    def nccl_open(self, pool: list, overlap: bool = True, slot_bytes: Optional[int] = None):
+    def nccl_open(self, pool: list, overlap: bool, slot_bytes: int):
+        """A pair channel's sender with staging slots of `slot_bytes` on both ends (a chunk is one slot each)."""
         from sglang_p2p_backend.engine.config import EngineConfig
         from sglang_p2p_backend.engine.copy.copier import PageCopier
         from sglang_p2p_backend.engine.pair.pipeline import PairSender
@@ -548,7 +549,6 @@ class Prefill:
         cfg = EngineConfig.from_env()
         if getattr(self, "two_sided", None) is None:
             self.two_sided = two_sided_transport("auto", self.dev_t, "127.0.0.1", cfg)
-        slot_bytes = slot_bytes or cfg.slot_bytes  # both ends: a chunk is one slot on each side
         self.ask("nccl_start", slot_bytes, cfg.staging_slots, overlap)
         self.staging = StagingPool(self.two_sided.alloc_staging, slot_bytes, cfg.staging_slots)
         self.sender = PairSender(transport=self.two_sided, staging=self.staging, copier=PageCopier([pool]),

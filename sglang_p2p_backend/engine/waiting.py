@@ -35,7 +35,7 @@ class Deadline:
 
     def pause(self) -> None:
         if self._expected is not None:
-            ahead = min(self._expected, self.deadline, time.monotonic() + self.PACED_MAX_S) - time.monotonic()
+            ahead = min(self._expected - time.monotonic(), self.left(), self.PACED_MAX_S)
             self._expected = None
             if ahead > self.FIRST_S:
                 time.sleep(ahead)

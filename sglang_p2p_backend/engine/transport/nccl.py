@@ -198,7 +198,8 @@ class NcclPairComm(PairComm):
 
     def _post(self, bufs: Sequence[torch.Tensor], send: bool, timeout: float) -> NcclCompletion:
         fn = self.lib.lib.ncclSend if send else self.lib.lib.ncclRecv
-        what = f"{'send' if send else 'recv'} of {sum(b.numel() for b in bufs)} bytes in {len(bufs)} message(s)"
+        nbytes = sum(b.numel() for b in bufs)
+        what = f"{'send' if send else 'recv'} of {nbytes} bytes in {len(bufs)} message(s)"
         for b in bufs:
             if b.device != self.device or b.dtype != torch.uint8 or not b.is_contiguous():
                 raise TransportError(f"{what}: nccl moves contiguous uint8 tensors on {self.device}, got {b.device} {b.dtype}")
@@ -209,7 +210,6 @@ class NcclPairComm(PairComm):
             if caller.cuda_stream != self.stream.cuda_stream:
                 self.stream.wait_stream(caller)
             stream_ptr = ctypes.c_void_p(self.stream.cuda_stream)
-            nbytes = sum(b.numel() for b in bufs)
             start: Optional[torch.cuda.Event] = None
             try:
                 with torch.cuda.device(self.device):
