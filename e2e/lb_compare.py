@@ -17,7 +17,8 @@ A warm-up first runs every workload through a round-robin LB, so every server ha
 every shape before anything is measured. Then, per repetition, every LB in an order rotated by one each time
 (fresh LB processes started side by side, so no LB keeps a prefix tree from a previous run), runs each
 workload open-loop against cold caches (every server's /flush_cache first). Per run: TTFT p50/p99, E2E p99, output tok/s, cache hit
-rate (meta_info.cached_tokens over prompt tokens), errors, and the servers' own load as evidence of the LB's
+rate (meta_info.cached_tokens over prompt tokens), errors, TTFT p99 of the requests sent in the first ``--cold-s``
+seconds (the caches being built) and of those sent after (the steady state), and the servers' own load as evidence of the LB's
 decisions: every server's ``sglang:num_queue_reqs`` and ``sglang:num_running_reqs`` sampled from /metrics
 every 0.5 s while the run is in flight (per server mean and max; per role the imbalance, the busiest server's
 mean load over the mean); per LB and workload the median and the spread (min, max) over the repetitions. The workloads (e2e/lb_real.py's generators):
@@ -583,8 +584,24 @@ def plan(budget_s: float, n_lbs: int, workloads: Sequence[str], reps: int, max_r
 
 
 FIGURES = ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p99", "output_throughput", "cache_hit_rate", "num_failed")
-# the servers' side (load_evidence); absent from older results
-EVIDENCE = ("prefill_imbalance", "prefill_queue_max", "decode_imbalance", "decode_pd_queue_mean")
+# the servers' side (load_evidence) and the cold/warm split of TTFT (cold_warm); absent from older results
+EVIDENCE = ("prefill_imbalance", "prefill_queue_max", "decode_imbalance", "decode_pd_queue_mean",
+            "ttft_ms_p99_cold", "ttft_ms_p99_warm")
+#: seconds at the start of a run whose requests count as cold: every run starts on flushed caches, and with
+#: 12k-token prefixes the first miss of each one keeps the prefills busy for ~1-2 s (2026-11-28, x4 2P2D)
+COLD_S = 3.0
+
+
+def cold_warm(answers: Sequence[lb_real.Answer], cold_s: float) -> dict[str, Any]:
+    """TTFT p99 of the good answers sent in the first `cold_s` seconds of the run and of those sent later: which
+    part of a run's p99 is its caches being built, which the routing once they are."""
+    out: dict[str, Any] = {"cold_s": cold_s}
+    for part, keep in (("cold", lambda a: a.sent_at < cold_s), ("warm", lambda a: a.sent_at >= cold_s)):
+        ttft = [a.record.ttft_s for a in answers if a.record.ok and a.record.ttft_s is not None and keep(a)]
+        p99 = lb_real.percentile(ttft, 99)
+        out[f"ttft_ms_p99_{part}"] = None if p99 is None else round(p99 * 1e3, 3)
+        out[f"{part}_requests"] = len(ttft)
+    return out
 
 
 def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -621,6 +638,11 @@ def targets(agg: dict[str, dict[str, Any]], workloads: Sequence[str]) -> list[di
         row = {"workload": wl, "ours": best_ours, "ours_ttft_p99": p99[best_ours], "best_peer": best_peer, "peer_ttft_p99": p99[best_peer],
                "p99_vs_peer": round(p99[best_ours] / p99[best_peer] - 1, 3) if p99[best_peer] else None}
         row["p99_met"] = row["p99_vs_peer"] is not None and row["p99_vs_peer"] <= -0.2
+        warm = {n: _med(agg, n, wl, "ttft_ms_p99_warm") for n in agg}
+        if warm[best_ours] is not None and any(warm[n] is not None for n in peers_ok):
+            warm_peer = min((n for n in peers_ok if warm[n] is not None), key=lambda n: warm[n])
+            row.update(warm_best_peer=warm_peer, ours_warm_p99=warm[best_ours], peer_warm_p99=warm[warm_peer],
+                       warm_p99_vs_peer=round(warm[best_ours] / warm[warm_peer] - 1, 3) if warm[warm_peer] else None)
         top_peer_tput = max((tput[n] for n in peers_ok if tput[n] is not None), default=None)
         row["tput_met"] = top_peer_tput is not None and tput[best_ours] is not None and tput[best_ours] >= top_peer_tput
         if wl in ("shared_prefix", "long_prefix") and "smg:cache_aware" in agg:
@@ -671,9 +693,9 @@ def rotated(specs: Sequence[T], rep: int) -> list[T]:
 
 class Harness:
     def __init__(self, cluster: Cluster, peers: dict[str, Peer], logs: Path, wp: WorkloadParams, client_timeout: float = 60.0, tree: Optional[int] = None,
-                 sample_s: float = SAMPLE_S) -> None:
+                 sample_s: float = SAMPLE_S, cold_s: float = COLD_S) -> None:
         self.cluster, self.peers, self.logs, self.wp, self.client_timeout, self.tree = cluster, peers, logs, wp, client_timeout, tree
-        self.sample_s = sample_s
+        self.sample_s, self.cold_s = sample_s, cold_s
         self.admin_key = os.urandom(16).hex()
 
     def lb(self, spec: LBSpec, tag: str) -> Optional[LBProc]:
@@ -740,7 +762,8 @@ class Harness:
                             for wl, reqs in loads.items():
                                 runs[spec.name][wl].append(self._run(proc.url, reqs))
                                 s = runs[spec.name][wl][-1]
-                                log(f"[lb_compare] rep {rep} {spec.name} {wl}: ttft p50/p99 {s['ttft_ms_p50']}/{s['ttft_ms_p99']} ms, "
+                                log(f"[lb_compare] rep {rep} {spec.name} {wl}: ttft p50/p99 {s['ttft_ms_p50']}/{s['ttft_ms_p99']} ms "
+                                    f"(p99 cold/warm {s.get('ttft_ms_p99_cold')}/{s.get('ttft_ms_p99_warm')}), "
                                     f"hit {s['cache_hit_rate']}, failed {s['num_failed']}/{s['num_requests']}")
                                 log(f"[lb_compare] rep {rep} {spec.name} {wl}: {evidence_line(s)}")
                     except (RuntimeError, TimeoutError) as e:
@@ -775,6 +798,7 @@ class Harness:
             answers, wall = asyncio.run(lb_real.open_loop(url, reqs, self.client_timeout))
         s = lb_real.summarize(answers, wall)
         s["errors"] = s["errors"][:5]
+        s.update(cold_warm(answers, self.cold_s))
         s.update(load_evidence({u: sampler.samples[u] for u, _ in self.cluster.prefills},
                                {u: sampler.samples[u] for u in self.cluster.decodes}, self.sample_s))
         return s
@@ -916,6 +940,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--workloads", default=None, help="comma-separated, in the order the plan keeps them (default: the layout's)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-run-s", type=float, default=20.0, help="longest run per workload; shorter when the budget asks")
+    ap.add_argument("--cold-s", type=float, default=COLD_S, help="requests sent this early in a run count as cold "
+                    "(ttft_ms_p99_cold / _warm: the caches being built, then the steady state)")
     ap.add_argument("--min-run-s", type=float, default=4.0)
     ap.add_argument("--warmup-s", type=float, default=4.0)
     ap.add_argument("--fault-s", type=float, default=12.0, help="load run of the fault phase (0: no fault phase)")
@@ -988,7 +1014,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 doc["error"] = failure_report(list(cluster.servers.values())) if isinstance(cluster, SGLangCluster) else f"up: {up}"
             else:
                 cache = prefill_tokens if not args.sim else _knob(args.sim_knobs.split(), "--prefix-cache-tokens")
-                h = Harness(cluster, peers, args.logs, wp, tree=tree_blocks(cache) if cache else None)
+                h = Harness(cluster, peers, args.logs, wp, tree=tree_blocks(cache) if cache else None, cold_s=args.cold_s)
                 doc["ours_tree_blocks"] = h.tree
                 doc["warmup"] = h.warm_up(workloads, args.warmup_s, calibrate_pool=(cache or prefill_tokens) if calibrate else 0)
                 if calibrate:

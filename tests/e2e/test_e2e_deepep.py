@@ -330,7 +330,8 @@ def test_runner_resumes_keeps_what_passed_and_waits_for_sglang(tmp_path, monkeyp
 
 def test_the_low_latency_shape_follows_where_the_kernels_ran(tmp_path, monkeypatch):
     """mini-b-deepep-ll (deepseek-wide) runs after mini-b-deepep once DeepEP's low-latency test passed, into a
-    result file of its own; E2E_DEEPEP_SHAPES=shapes_ll (--shape-steps) runs it alone."""
+    result file of its own; E2E_DEEPEP_SHAPES=shapes_ll (--shape-steps) runs it alone, and the verdict is then
+    over the steps asked for."""
     for i, (steps, expected) in enumerate(((("shapes", "shapes_ll"), [("mini-b-deepep", "deepseek-tiny"), ("mini-b-deepep-ll", "deepseek-wide")]),
                                            (("shapes_ll",), [("mini-b-deepep-ll", "deepseek-wide")]))):
         machine = tmp_path / str(i)  # a fresh machine each time
@@ -347,9 +348,29 @@ def test_the_low_latency_shape_follows_where_the_kernels_ran(tmp_path, monkeypat
         r.run()
         doc = json.loads(r.a.out.read_text())
         assert shapes == expected
-        assert doc["verdict"] == ("pass" if "shapes" in steps else "incomplete")
+        assert doc["verdict"] == "pass" and doc["not_run"] == []
     assert deepep.shapes_out(r.a.shapes_out, "mini-b-deepep-ll").name == "shapes_mini-b-deepep-ll_x4.json"
     assert deepep.shapes_out(r.a.shapes_out, "mini-b-deepep") == r.a.shapes_out
+
+
+def test_a_carried_build_is_imported_and_a_failed_low_latency_shape_fails_the_verdict(tmp_path, monkeypatch):
+    """A build carried from an earlier call (deepep-built.tar.xz) still has its extension loaded here before
+    anything uses it; the low-latency shape, once asked for and runnable, counts in the verdict."""
+    (tmp_path / "root" / "sglang").mkdir(parents=True)
+    (tmp_path / "root" / "sglang" / ".unpacked").write_text("x")
+    r, calls, fake = make_runner(tmp_path, monkeypatch)
+    r.a.shape_steps = ("shapes_ll",)
+    monkeypatch.setattr(r, "host", fake("host"))
+    monkeypatch.setattr(r, "build", fake("build", **{"from": "deepep-built.tar.xz"}))
+    monkeypatch.setattr(r, "api", fake("import"))
+    monkeypatch.setattr(r, "deepgemm", fake("deepgemm"))
+    monkeypatch.setattr(r, "deepep_test", lambda name, *a: fake(name)())
+    monkeypatch.setattr(r, "shapes", lambda *a: calls.append("shapes_ll") or {"ok": False, "why": "logprobs off"})
+    (r.site / "deep_ep").mkdir(parents=True)
+    assert r.run() == 1
+    doc = json.loads(r.a.out.read_text())
+    assert calls == ["host", "build", "import", "intranode", "deepgemm", "low_latency", "shapes_ll"]
+    assert doc["verdict"] == "fail" and doc["failed"] == {"step": "shapes_ll", "why": "logprobs off"}
 
 
 def test_runner_names_the_first_failed_step_and_skips_what_does_not_fit(tmp_path, monkeypatch):

@@ -104,6 +104,23 @@ def test_aggregate_and_targets():
     assert not lc.targets(table, ["shared_prefix"])[0]["prefix_met"]
 
 
+def test_cold_and_warm_ttft_split_at_the_cold_seconds():
+    """Requests sent in the first cold_s seconds (caches flushed at the run's start) and those sent after get a
+    p99 each; failed answers count in neither."""
+    def a(sent, ttft, ok=True):
+        return Answer(RequestRecord(ok, ttft if ok else None, 1.0, 1 if ok else 0, "" if ok else "x"), 10, 0, sent)
+
+    answers = [a(0.1, 2.0), a(2.9, 1.0), a(3.0, 0.2), a(7.0, 0.1), a(8.0, None, ok=False)]
+    out = lc.cold_warm(answers, 3.0)
+    assert out == {"cold_s": 3.0, "ttft_ms_p99_cold": 1990.0, "cold_requests": 2, "ttft_ms_p99_warm": 199.0, "warm_requests": 2}
+    assert lc.cold_warm(answers, 0.0)["cold_requests"] == 0 and lc.cold_warm(answers, 0.0)["ttft_ms_p99_cold"] is None
+    # the targets put the steady state beside the headline p99
+    table = {"ours:prefix_aware": {"long_prefix": lc.aggregate([{**_run(10, 140, 500, 0.98), "ttft_ms_p99_warm": 50}])},
+             "mini_lb": {"long_prefix": lc.aggregate([{**_run(30, 160, 480, 0.85), "ttft_ms_p99_warm": 150}])}}
+    (row,) = lc.targets(table, ["long_prefix"])
+    assert not row["p99_met"] and row["warm_best_peer"] == "mini_lb" and row["warm_p99_vs_peer"] == -0.667
+
+
 def _samples(*pairs):
     """LoadSamples from (queue, running) pairs; None stands for a sample that failed."""
     return [None if x is None else lc.LoadSample(*x) for x in pairs]
@@ -230,6 +247,8 @@ def test_compare_end_to_end_against_simulated_workers(tmp_path):
             assert len(runs) == 3 and sum(r["num_requests"] for r in runs) > 0
             assert sum(r["num_failed"] for r in runs) == 0, (name, wl, [r["errors"] for r in runs])
         assert doc["aggregate"][name]["bursty_mixed"]["ttft_ms_p99"]["min"] <= doc["aggregate"][name]["bursty_mixed"]["ttft_ms_p99"]["max"]
+        for r in doc["runs"][name]["bursty_mixed"]:  # every answer counted once, cold or warm
+            assert r["cold_requests"] + r["warm_requests"] == r["num_requests"] - r["num_failed"] and r["cold_s"] == lc.COLD_S
     assert any(doc["runs"][n]["long_prefix"][k]["cache_hit_rate"] for n in lbs for k in range(3))  # the sims' radix caches hit
     # the servers' own load, sampled from every sim's /metrics during every run
     for name in lbs:

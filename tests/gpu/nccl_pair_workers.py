@@ -177,8 +177,9 @@ PACE_OPS = 8
 
 
 def paced_ops(rank: int, conn) -> dict:
-    """PACE_OPS transfers of PACE_BYTES over one communicator, each waited for: the first teaches nothing (it
-    connects too), later ones carry the time they should end; every transfer byte-exact."""
+    """PACE_OPS transfers of PACE_BYTES over one communicator, each waited for: connect()'s probe was the untimed
+    first operation, the first three transfers teach the rate, later ones carry the time they should end; every
+    transfer byte-exact."""
     tr = _transport()
     comm = connect_pair(tr, conn, rank, 60)
     buf = torch.empty(PACE_BYTES, dtype=torch.uint8, device=comm.device)

@@ -68,12 +68,13 @@ def test_peer_killed_mid_transfer_fails_in_time_then_a_new_communicator_works(di
 
 
 def test_waits_sleep_until_the_pace_the_link_showed():
-    """After the first transfer (which also connects, so it teaches nothing) and three that teach the rate, each
-    one carries when it should end, from the fastest rate the pair has shown; the waiter sees it done soon after (not up to a 0.5 ms poll late,
-    nor asleep long past it) and the bytes are right."""
+    """The pair's first operation is connect()'s one-byte probe (it also connects, so it teaches nothing); after
+    three transfers that teach the rate, each one carries when it should end, from the fastest rate the pair has
+    shown; the waiter sees it done soon after (not up to a 0.5 ms poll late, nor asleep long past it) and the
+    bytes are right."""
     for side in run_pair(workers.paced_ops, (), timeout=120):
-        # op 0 connects (untimed); ops 1-3 teach the rate (3 samples); from op 4 on each carries its end
-        assert side["expected"] == [False] * 4 + [True] * (workers.PACE_OPS - 4)
+        # the probe connected (untimed); ops 0-2 teach the rate (3 samples); from op 3 on each carries its end
+        assert side["expected"] == [False] * 3 + [True] * (workers.PACE_OPS - 3)
         assert side["rate"] is not None
         assert all(-1.0 < late < 0.05 for late in side["late_s"]), side["late_s"]
         assert side["equal"]
