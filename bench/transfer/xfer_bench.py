@@ -72,6 +72,7 @@ SESSION = "127.0.0.1:17035"
 IO_TIMEOUT = 120.0
 INTERFERENCE_CASE = ("mha_p16", 16384)
 FIXED_SHAPES = ("mla_p64", "mha_p16")
+PHASE_TOKENS = (1024, 4096)  # nccl_phases: a one-chunk and a several-chunk request at the default slots
 SAME_GPU = (("mha_p16", 4096), ("mha_p16", 16384), ("mla_p64", 4096), ("mla_p64", 16384))
 #: --programs measures this shape's requests of these sizes (2 GiB at 16k: the interference case)
 PROGRAMS_CASE = ("mha_p16", (4096, 16384))
@@ -287,6 +288,17 @@ class Decode:
             self.nccl = None
         return ("ok",)
 
+    def trace(self, on: bool):
+        """The receiver's steps, timed (PairReceiver.trace) from now on; switched off, the steps recorded."""
+        receiver = self.nccl[1]
+        if on:
+            self.trace_rows = []
+            rows = self.trace_rows
+            receiver.trace = lambda step, room: rows.append(("decode", step, room, time.monotonic()))
+            return ("ok",)
+        receiver.trace = None
+        return ("trace", self.trace_rows)
+
     def mark(self):
         done: "queue.Queue[float]" = queue.Queue()
         self.nccl[1].submit(lambda: done.put(time.monotonic()))
@@ -309,7 +321,7 @@ class Decode:
         served = 0
         while True:
             msg = expect(self.conn, ("pool", "zero", "hash", "nccl_start", "nccl_stop", "ctrl", "mark", "ref",
-                                     "echo", "done"), IO_TIMEOUT * 3)
+                                     "trace", "echo", "done"), IO_TIMEOUT * 3)
             kind, args = msg[0], msg[1:]
             served += 1
             if kind == "done":
@@ -325,7 +337,7 @@ class Decode:
                 self.conn.send(("echo", args[0]))
                 continue
             reply = {"pool": self.pool_cmd, "zero": self.zero, "nccl_start": self.nccl_start,
-                     "nccl_stop": self.nccl_stop, "mark": self.mark, "ref": self.ref_recv,
+                     "nccl_stop": self.nccl_stop, "mark": self.mark, "ref": self.ref_recv, "trace": self.trace,
                      "hash": lambda ids: ("hash", pool_hash(self.pool, ids))}[kind](*args)
             self.conn.send(reply)
 
@@ -343,7 +355,7 @@ class Prefill:
         self.conn, self.cfg = conn, cfg
         self.deadline = time.monotonic() + cfg["budget_s"]
         self.skipped: list[str] = []
-        self.out: dict = {"ipc": [], "same_gpu": [], "nccl": [], "interference": [], "fixed_cost": {}, "programs": []}
+        self.out: dict = {"ipc": [], "same_gpu": [], "nccl": [], "nccl_phases": [], "interference": [], "fixed_cost": {}, "programs": []}
         self._refs: dict = {}
         self.rt = None
         if self.dev.cuda:
@@ -602,6 +614,23 @@ class Prefill:
                 "bytes": nbytes, "send_us": w, "send_gbps": nbytes / w["p50"] / 1e3, "contiguous_send_us": r,
                 "ratio": xc.ratio(r["p50"], w["p50"]), "bad_pages": int(np.count_nonzero(got != want))}
 
+    def nccl_phases(self, case: xc.Case, pool: list, dst_pages: int) -> Optional[dict]:
+        """Where one request's time goes on the NCCL path, as deployed (the channel of the last pass): every step
+        of every chunk on both ends (PairSender / PairReceiver's trace), the median offset from send()'s start."""
+        if not self.time_left(f"nccl phases {case.name}"):
+            return None
+        src_ids, dst_ids = xc.page_ids(case, pool[0].shape[0], dst_pages)
+        events: list = []
+        self.sender.trace = lambda step, room: events.append(("prefill", step, room, time.monotonic()))
+        self.ask("trace", True)
+        try:
+            times = self.budget().run(lambda: self.nccl_send(src_ids, dst_ids))
+        finally:
+            self.sender.trace = None
+            _, theirs = self.ask("trace", False, want="trace")
+        return {"case": case.name, "bytes": case.shape.nbytes(case.tokens), "chunks_slot_mib": self.staging.slot_bytes >> 20,
+                "send_us": xc.stats_us(times), "phases_us": xc.phase_offsets(events + [tuple(e) for e in theirs])}
+
     # -- interference
     def matmul_loop(self) -> Callable[[], float]:
         """A bf16 matmul loop on a stream of its own (the forward pass a prefill runs while it ships KV): the
@@ -799,6 +828,11 @@ class Prefill:
                             self.out["nccl"].append({**row, "overlap": overlap, "slot_mib": slot >> 20})
                     if i < len(passes) - 1:
                         self.nccl_close()
+                for case in shape_cases:  # the steps of a request of one and of several chunks, as deployed
+                    if case.tokens in PHASE_TOKENS and case.dest == "scattered":
+                        row = self.nccl_phases(case, pool, dst_pages)
+                        if row:
+                            self.out["nccl_phases"].append(row)
                 if "interference" in sections and shape.name == INTERFERENCE_CASE[0] and self.time_left("interference nccl"):
                     tokens = max(t for t in self.cfg["tokens"] if t <= INTERFERENCE_CASE[1])
                     case = xc.Case(shape, tokens, "scattered")
@@ -971,6 +1005,11 @@ def tables(result: dict) -> str:
                    r["send_us"]["p50"],
                    r["send_us"]["p99"], r["send_gbps"], r["contiguous_send_us"]["p50"], r["ratio"], r["bad_pages"])
         parts.append(f"== nccl: PairSender -> PairReceiver vs one contiguous NCCL send\n{tb.render()}")
+    for r in result.get("nccl_phases", []):
+        lines = [f"  {name:<28}{us:>10.1f} us" for name, us in r["phases_us"]]
+        parts.append(f"== nccl phases of {r['case']} ({r['bytes'] / 2**20:.0f} MiB, {r['chunks_slot_mib']} MiB slots, "
+                     f"send() to landed p50 {r['send_us']['p50']:.0f} us): median offset from send()'s start\n"
+                     + "\n".join(lines))
     if result.get("interference"):
         tb = xc.Table([("case", 30), ("mode", 13), ("alone ms", 10), ("during ms", 10), ("slowdown", 10),
                        ("writes", 8), ("GB/s", 7)])

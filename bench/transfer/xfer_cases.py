@@ -175,6 +175,29 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def phase_offsets(events: list[tuple[str, str, int, float]]) -> list[tuple[str, float]]:
+    """Where a request's time goes on the two-sided path: `events` are (end, step, room, monotonic time) from
+    both ends' traces (PairSender / PairReceiver), one clock for the two processes of a host. Per request (room)
+    every step's offset from the sender's `start` in us, the k-th time a step recurs (one per chunk) named
+    "end step k"; returned as the median over the requests, in the order of those medians (a timeline).
+    Requests without a `start` (a trace switched on mid-request) are left out."""
+    by_room: dict[int, list[tuple[str, str, float]]] = {}
+    for end, step, room, t in events:
+        by_room.setdefault(room, []).append((end, step, t))
+    offsets: dict[str, list[float]] = {}
+    for evs in by_room.values():
+        start = next((t for end, step, t in evs if end == "prefill" and step == "start"), None)
+        if start is None:
+            continue
+        seen: dict[tuple[str, str], int] = {}
+        for end, step, t in sorted(evs, key=lambda e: e[2]):
+            k = seen.get((end, step), 0)
+            seen[(end, step)] = k + 1
+            offsets.setdefault(f"{end} {step} {k}", []).append((t - start) * 1e6)
+    medians = [(name, round(float(np.median(v)), 1)) for name, v in offsets.items()]
+    return sorted(medians, key=lambda kv: kv[1])
+
+
 def ratio(reference_us: Optional[float], measured_us: Optional[float]) -> Optional[float]:
     """reference / measured (1.0 = as fast as the reference); None when either is missing."""
     if not reference_us or not measured_us:

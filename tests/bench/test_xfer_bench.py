@@ -52,6 +52,22 @@ def test_the_drivers_page_hash_is_the_backends_and_sees_a_flipped_byte():
     assert (got != want).tolist() == [False, False, True]
 
 
+def test_phase_offsets_time_each_step_from_its_requests_start():
+    """Both ends' steps as (end, step, room, time): per room the offset from the prefill's start, the k-th
+    recurrence of a step (one per chunk) named apart; medians over the rooms, in time order; a room whose start
+    was not traced is left out."""
+    ev = [("prefill", "start", 1, 10.0), ("prefill", "header", 1, 10.0001), ("decode", "header", 1, 10.0002),
+          ("prefill", "header", 1, 10.0003), ("decode", "header", 1, 10.0004),
+          ("prefill", "start", 2, 20.0), ("prefill", "header", 2, 20.0003), ("decode", "header", 2, 20.0004),
+          ("prefill", "header", 2, 20.0005), ("decode", "header", 2, 20.0006),
+          ("decode", "landed", 3, 30.0)]
+    out = xc.phase_offsets(ev)
+    assert [name for name, _ in out] == ["prefill start 0", "prefill header 0", "decode header 0", "prefill header 1",
+                                         "decode header 1"]
+    assert dict(out) == pytest.approx({"prefill start 0": 0.0, "prefill header 0": 200.0, "decode header 0": 300.0,
+                                       "prefill header 1": 400.0, "decode header 1": 500.0}, abs=0.2)
+
+
 def test_budget_bounds_repetitions():
     calls = []
     times = xc.Budget(seconds=1.0, min_reps=3, max_reps=10, warmup=2).run(lambda: calls.append(1) or 0.6)
@@ -163,7 +179,19 @@ def test_quick_run_of_every_section_verifies_every_page(tmp_path, capsys):
     assert [(r["case"], r["programs"]) for r in rows] == [(f"mha_p16_1024_{d}", n) for d in xc.DESTS for n in (4, 16)]
     assert all(r["mode"] == "kernel" and r["bad_pages"] == 0 and r["write_us"]["n"] >= 5 and r["ratio"] > 0
                and r["error"] is None and r["writes_during"] > 0 and r["matmul_ms_during"] > 0 for r in rows)
-    assert "== programs: kernel grid vs write time and matmul slowdown" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "== programs: kernel grid vs write time and matmul slowdown" in out_text
+    # the steps of a 1k-token request on both ends, in order on one clock: each end's steps in its own order, and
+    # the header handed to the control channel before the decode takes it
+    phases = result["nccl_phases"]
+    assert [r["case"] for r in phases] == [f"{s.name}_1024_scattered" for s in xc.QUICK_SHAPES]
+    for r in phases:
+        t = dict(r["phases_us"])
+        assert t["prefill start 0"] == 0.0 and r["send_us"]["n"] >= 5
+        assert t["prefill gather 0"] <= t["prefill header 0"] <= t["prefill post 0"] <= t["prefill sent 0"]
+        assert t["prefill header 0"] <= t["decode header 0"] <= t["decode post 0"] <= t["decode landed 0"] \
+            <= t["decode scattered 0"] <= t["decode reported 0"]
+    assert "== nccl phases of" in out_text
 
 
 @pytest.mark.slow

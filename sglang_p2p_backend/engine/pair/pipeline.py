@@ -116,6 +116,13 @@ class _PairEnd:
         self.io_timeout = io_timeout
         self.comm: Optional[PairComm] = None
         self.generation = 0
+        #: a benchmark's probe (bench/transfer/xfer_bench.py, NCCL phases): told (event, room) at each step of a
+        #: chunk's way, to time the steps against one clock; None in service
+        self.trace: Optional[Callable[[str, int], None]] = None
+
+    def _mark(self, event: str, room: int) -> None:
+        if self.trace is not None:
+            self.trace(event, room)
 
     def _give_back(self, comm: PairComm, bufs: Sequence[torch.Tensor], peer: str) -> None:
         """Slots used on an aborted channel back to the pool once the channel's work ended (gathers into them,
@@ -189,6 +196,7 @@ class PairSender(_PairEnd):
         if not chunks or not keep_going():
             return 0
         sent = 0
+        self._mark("start", room)
         try:
             comm = self._ensure_comm()
             bufs = [self.staging.acquire(self.io_timeout)]
@@ -220,15 +228,19 @@ class PairSender(_PairEnd):
                         side.wait_event(sends[j].event)
                     with torch.cuda.stream(side) if len(bufs) == 2 else _stream_ctx(comm):
                         self.copier.gather(chunk, src_ids, bufs[j])
+                        self._mark("gather", room)
                         segments = [_segment_msg(seg, dst_ids, heads) for seg in chunk.segments]
+                        self._mark("header", room)  # handed to the control channel (its hop is the decode's "header")
                         self.control(
                             ChunkHeader(self.local_session, self.generation, room, prefill_rank, next_seq(),
                                         chunk.nbytes, segments)
                         )
                         last = sends[j] = comm.send(bufs[j][: chunk.nbytes])
+                        self._mark("post", room)
                     sent += chunk.nbytes
                 if last is not None:
                     last.wait(self.io_timeout)  # every gather came before a send that finished
+                    self._mark("sent", room)
                 ok = True
             finally:
                 self._release(bufs, comm, ok)
@@ -402,6 +414,7 @@ class PairReceiver(_PairEnd):
     def _take(self, header: ChunkHeader) -> None:
         """One announced chunk, whatever goes wrong: a chunk whose receive cannot be posted as announced
         breaks the channel (the prefill's bytes would otherwise land under the next header) and fails."""
+        self._mark("header", header.room)
         try:
             verdict = self.check(header)
             self._receive(header, verdict)
@@ -436,6 +449,7 @@ class PairReceiver(_PairEnd):
             try:
                 with _stream_ctx(comm):
                     done = comm.recv(buf[: header.nbytes])
+                self._mark("post", header.room)
             except BaseException:
                 comm.abort()  # a post that failed may have queued part of the receive: end it before reuse
                 self._give_back(comm, [buf], self.peer_session)
@@ -482,11 +496,13 @@ class PairReceiver(_PairEnd):
         chunk and drops the channel; the slot then goes back only once the channel's work on it ended."""
         try:
             p.done.wait(max(0.0, p.deadline - time.monotonic()))
+            self._mark("landed", p.header.room)
             if p.verdict.chunk is not None and self.wanted(p.header.room):
                 stream = p.comm.side_stream if self._overlappable(p) else p.comm.stream
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     self.copier.scatter(p.verdict.chunk, p.verdict.ids, p.buf)
                 _wait_on(stream, self.io_timeout)
+                self._mark("scattered", p.header.room)
         except Exception as e:  # noqa: BLE001 - TransportError, or a bug / CUDA error: the chunk fails either way
             if not isinstance(e, TransportError):
                 logger.exception("p2p receiver for %s: landing a chunk of room %d", self.peer_session, p.header.room)
@@ -499,6 +515,7 @@ class PairReceiver(_PairEnd):
             return
         self.staging.release(p.buf)
         self.on_chunk(p.header.room, p.header.prefill_rank, p.verdict.problem)
+        self._mark("reported", p.header.room)
 
     def _broken(self, reason: str) -> None:
         """Drop the channel and fail the chunk posted on it (this thread)."""
