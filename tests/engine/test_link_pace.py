@@ -4,6 +4,7 @@ them (timing events, `expected_end` on each completion) runs in tests/gpu/test_n
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -57,17 +58,26 @@ def clock(monkeypatch):
 
 
 def test_a_wait_sleeps_until_the_expected_end_then_polls_finely(clock):
+    """One sleep until the expected end, then a poll every 20 us for FINE_AFTER_S (1 ms: the work is due), then
+    the doubling of any other wait."""
     d = waiting.Deadline(5.0, expected_end=100.004)
-    for _ in range(4):
+    while clock.now < 100.005 - 1e-9:
         d.pause()
-    assert clock.sleeps == [0.004, 20e-6, 40e-6, 80e-6]
+    for _ in range(3):
+        d.pause()
+    fine = clock.sleeps[1:-3]
+    assert clock.sleeps[0] == 0.004 and set(fine) == {20e-6}
+    assert len(fine) * 20e-6 == pytest.approx(waiting.Deadline.FINE_AFTER_S, abs=25e-6)
+    assert clock.sleeps[-3:] == [20e-6, 40e-6, 80e-6]
 
 
 def test_an_expected_end_past_or_beyond_the_deadline(clock):
-    d = waiting.Deadline(5.0, expected_end=99.0)  # already past: the usual doubling from 20 us
+    d = waiting.Deadline(5.0, expected_end=99.0)  # already past: overdue, fine polls for FINE_AFTER_S, then doubling
+    while clock.now < 100.0 + waiting.Deadline.FINE_AFTER_S:
+        d.pause()
     d.pause()
     d.pause()
-    assert clock.sleeps == [20e-6, 40e-6]
+    assert set(clock.sleeps[:-2]) == {20e-6} and clock.sleeps[-2:] == [20e-6, 40e-6]
     clock.sleeps.clear()
     d = waiting.Deadline(0.002, expected_end=clock.now + 60.0)  # never sleeps past the deadline
     d.pause()
@@ -87,6 +97,44 @@ def test_an_expected_end_past_or_beyond_the_deadline(clock):
 class _Done:
     def __init__(self, expected_end):
         self.expected_end = expected_end
+
+
+def test_a_receiver_polls_finely_after_its_paced_wait_then_backs_off():
+    """The receiver with a chunk posted: asleep until the chunk's expected end (a header would wake it), then a
+    look every 20 us for FINE_AFTER_S, then the doubling up to 0.5 ms; once the chunk is seen done it lands and
+    the receiver waits for its next item."""
+    timeouts: list = []
+    expected = time.monotonic() + 0.002
+
+    class _Queue:
+        def get(self, timeout=None):
+            if timeout is None:
+                return "next item"
+            timeouts.append(timeout)
+            time.sleep(timeout)
+            raise pipeline.queue.Empty
+
+    class _Completion:
+        expected_end = expected
+
+        def done(self):  # late: 6 ms after its expected end
+            return time.monotonic() > expected + 0.006
+
+    class _Rx:
+        _queue = _Queue()
+
+        def __init__(self):
+            self._posted = pipeline._Posted(None, None, None, _Completion(), None, time.monotonic() + 60)
+
+        def _land_posted(self):
+            self._posted = None
+
+    assert pipeline.PairReceiver._next_item(_Rx()) == "next item"
+    assert timeouts[0] == pytest.approx(0.002, abs=5e-4)
+    fine = list(itertools.takewhile(lambda t: t == pipeline._POLL_S, timeouts[1:]))
+    assert len(fine) >= 3  # several looks at 20 us once the chunk is due, not one
+    backoff = timeouts[1 + len(fine):]
+    assert backoff[0] == 2 * pipeline._POLL_S and backoff == sorted(backoff) and backoff[-1] == pipeline._POLL_MAX_S
 
 
 def test_a_receiver_first_waits_until_its_chunk_should_have_landed():

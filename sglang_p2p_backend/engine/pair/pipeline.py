@@ -384,15 +384,15 @@ class PairReceiver(_PairEnd):
         """The next queued item. While a receive is posted, the next header is taken as soon as it comes (its
         receive is then posted behind), and the chunk lands without waiting for one once its bytes are in."""
         pause = _first_pause(self._posted.done) if self._posted is not None else _POLL_S
-        paced = pause > _POLL_S  # slept until the chunk's expected end: poll finely from there
+        # slept until the chunk's expected end: poll finely from there for a while (Deadline.FINE_AFTER_S)
+        fine_until = time.monotonic() + pause + Deadline.FINE_AFTER_S if pause > _POLL_S else 0.0
         while self._posted is not None:
             try:
                 return self._queue.get(timeout=pause)
             except queue.Empty:
                 # backing off: a stalled peer must not keep this thread waking (and taking the GIL from the
                 # scheduler) thousands of times a second
-                pause = _POLL_S if paced else min(2 * pause, _POLL_MAX_S)
-                paced = False
+                pause = _POLL_S if time.monotonic() < fine_until else min(2 * pause, _POLL_MAX_S)
                 if self._posted.done.done() or time.monotonic() > self._posted.deadline:
                     try:
                         self._land_posted()
