@@ -36,7 +36,7 @@
 #          SGLANG_P2P_TRANSPORT=cudaipc (tests/gpu/test_pd_sglang_cuda.py; E2E_IPC_SGLANG_K selects, "" skips)
 #          -> $OUT/ipc_tests.log. The end-to-end check over it: E2E_P2P_1GPU=cudaipc ... --phase check
 #   serve: p2pnccl (auto: the CUDA IPC path) next to SGLang's NIXL backend (and Mooncake with --extra), every
-#          server on GPU 0, decode with and without CUDA graphs, repeated cells, scheduler CPU by thread and
+#          server on GPU 0 (--gpus 2: the decodes on GPU 1), decode with and without CUDA graphs, repeated cells, scheduler CPU by thread and
 #          py-spy profiles -> $OUT/serve_<kind>.json (e2e/serve.py; flags in E2E_SERVE_ARGS; needs serve.tar.xz)
 #   shapes: the DeepSeek deployment in miniature on a 4-GPU host (--gpus 4): every configs/topologies/mini-*.yaml
 #          started from its launch config, checked against a non-PD server with negative controls
@@ -321,9 +321,11 @@ run_serve() {  # E2E_SERVE_ARGS: e2e.serve's flags (--modes, --cells, --reps, --
     STATUS=1; return 0
   fi
   step models python3 -m e2e.make_tiny_models "$MODELS" --only llama-anchor
+  local where=()
+  [ "$GPUS" != 1 ] && where=(--decode-gpu 1)  # two GPUs: prefills on GPU 0, decodes on GPU 1 (the KV crosses NVLink)
   # shellcheck disable=SC2086
   step serve python3 -m e2e.serve --models "$MODELS" --out "$OUTDIR/serve_$KIND.json" --logs "$E2E_ROOT/logs/serve" \
-    --machine "$KIND" --pyspy "$E2E_ROOT/serve/bin/py-spy" ${E2E_SERVE_ARGS:-}
+    --machine "$KIND" --pyspy "$E2E_ROOT/serve/bin/py-spy" "${where[@]}" ${E2E_SERVE_ARGS:-}
 }
 
 run_shapes() {

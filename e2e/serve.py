@@ -2,11 +2,12 @@
 
     python3 -m e2e.serve --models DIR --out FILE --logs DIR [--backends p2pnccl,nixl] [--modes nograph,graph]
                          [--cells 1024x1,1024x16,...] [--reps 3] [--extra mooncake:1024x1,1024x64,...]
-                         [--profile] [--machine NAME]
+                         [--decode-gpu 1] [--max-total-tokens N] [--profile] [--machine NAME]
 
 Every backend gets one prefill server and, per CUDA-graph mode, one decode server with an LB in front (our LB,
 the same binary for every backend: with one prefill and one decode it only forwards). All servers run on GPU 0
-at once and are loaded one at a time, so every backend sees the same host state; each repetition visits the
+(``--decode-gpu 1``: the decodes on GPU 1, as on a two-GPU host, where the KV crosses NVLink) at once and are
+loaded one at a time, so every backend sees the same host state; each repetition visits the
 cells in the same order and, per cell, the backends in an order rotated by repetition. Per run: TTFT p50/p99,
 TPOT p50, E2E p50 and output tokens/s seen by the client (streaming /generate), the prefill's own
 ``sglang:kv_transfer_latency_ms`` (mean over the run), the decode's step time by running batch size (its log),
@@ -36,9 +37,10 @@ from . import client, config, decode_log, perf, procstat, promparse, results, st
 from .servers import Server, Stack, exit_on_sigterm, failure_report
 
 MODEL = "llama-anchor"
+MAX_TOTAL_TOKENS = 65536
 BASE_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--skip-server-warmup",
-              "--enable-metrics", "--log-level", "info", "--mem-fraction-static", "0.7", "--max-total-tokens", "65536",
-              "--cuda-graph-backend-prefill", "disabled", "--sleep-on-idle"]
+              "--enable-metrics", "--log-level", "info", "--mem-fraction-static", "0.7",
+              "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--cuda-graph-backend-prefill", "disabled", "--sleep-on-idle"]
 # --sleep-on-idle: a fully idle scheduler (no batch, nothing in a PD queue) waits on its sockets instead of
 # spinning a core. Every backend's servers stay up while one is measured; without it their idle schedulers
 # (and NIXL's progress threads) kept 8-9 of the host's 16 cores busy and the same server's TPOT at
@@ -55,6 +57,13 @@ BASE_PORT = {"p2pnccl": 33000, "nixl": 33100, "mooncake": 33200, "p2pnccl-gil5":
 TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl"}  # a variant's --disaggregation-transfer-backend
 OUTPUT_TOKENS = 64
 DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
+
+
+def with_max_total_tokens(flags: list[str], n: int) -> list[str]:
+    """`flags` with the KV pool capped at `n` tokens (128 KiB each: 65,536 are 8 GiB; a 16k-token prompt at
+    concurrency 16 needs 262,144 on the decode, which only a GPU of its own holds beside two others)."""
+    i = flags.index("--max-total-tokens")
+    return [*flags[:i + 1], str(n), *flags[i + 2:]]
 
 
 def requests_for(concurrency: int, rounds: int = 2) -> int:
@@ -74,18 +83,20 @@ def parse_cells(text: str) -> list[tuple[int, int]]:
 class Pair:
     """One backend's prefill, and per mode its decode and LB."""
 
-    def __init__(self, backend: str, models: Path, modes: list[str]):
+    def __init__(self, backend: str, models: Path, modes: list[str], decode_gpu: int = 0,
+                 max_total_tokens: int = MAX_TOTAL_TOKENS):
         base = BASE_PORT[backend]
+        flags = with_max_total_tokens(BASE_FLAGS, max_total_tokens)
         env = {**config.COMMON_ENV, **BACKEND_ENV[backend]}
         self.backend = backend
         transfer = TRANSFER_BACKEND.get(backend, backend)
         self.prefill = Server(f"serve-{backend}-prefill", base, "prefill", models / MODEL, backend=transfer,
-                              bootstrap_port=base + 9, args=[*BASE_FLAGS, *MODE_FLAGS["nograph"]], env=env)
+                              bootstrap_port=base + 9, args=[*flags, *MODE_FLAGS["nograph"]], env=env)
         self.decode: dict[str, Server] = {}
         self.lb: dict[str, Server] = {}
         for i, mode in enumerate(modes):
             d = Server(f"serve-{backend}-decode-{mode}", base + 1 + 2 * i, "decode", models / MODEL, backend=transfer,
-                       args=[*BASE_FLAGS, *MODE_FLAGS[mode]], env=env)
+                       args=[*flags, *MODE_FLAGS[mode]], env=env, gpu=decode_gpu)
             self.decode[mode] = d
             self.lb[mode] = Server(f"serve-{backend}-lb-{mode}", base + 2 + 2 * i, "lb", lb_prefill=self.prefill,
                                    lb_decode=d, args=["--policy", "random"])
@@ -216,14 +227,15 @@ def summarize_cells(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[str], cells: list[tuple[int, int]],
         reps: int, extra: dict[str, list[tuple[int, int]]], do_profile: bool, machine: str, pyspy: Optional[str],
-        deadline: float, rounds: int = 2) -> dict[str, Any]:
-    res: dict[str, Any] = {"machine": machine, "model": MODEL, "flags": BASE_FLAGS, "mode_flags": MODE_FLAGS,
+        deadline: float, rounds: int = 2, decode_gpu: int = 0, max_total_tokens: int = MAX_TOTAL_TOKENS) -> dict[str, Any]:
+    res: dict[str, Any] = {"machine": machine, "model": MODEL, "flags": with_max_total_tokens(BASE_FLAGS, max_total_tokens),
+                           "mode_flags": MODE_FLAGS, "gpus": {"prefill": 0, "decode": decode_gpu},
                            "backend_env": {b: BACKEND_ENV[b] for b in [*backends, *extra]},
                            "output_tokens": OUTPUT_TOKENS, "requests": {str(c): requests_for(c, rounds) for _, c in cells},
                            "lb": "sglang_p2p_lb --policy random (one prefill, one decode: forwards only)",
                            "cells": [], "profile": [], "servers": {}}
     save = lambda: results.write_json(out, res)  # noqa: E731
-    pairs = {b: Pair(b, models, modes) for b in [*backends, *extra]}
+    pairs = {b: Pair(b, models, modes, decode_gpu, max_total_tokens) for b in [*backends, *extra]}
     with Stack(logs) as stack:
         ready = start(stack, pairs, res, save)
         warm_up(ready, modes)
@@ -308,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="closed-loop rounds of users a run (requests = rounds x "
                     "concurrency)")
     ap.add_argument("--extra", default="", help="BACKEND:CELLS, run once per mode (e.g. mooncake:1024x1,1024x64)")
+    ap.add_argument("--decode-gpu", type=int, default=0, help="the decodes' GPU (1 on a two-GPU host: the KV crosses "
+                    "NVLink); the prefills stay on GPU 0")
+    ap.add_argument("--max-total-tokens", type=int, default=MAX_TOTAL_TOKENS, help="every server's KV pool cap "
+                    "(128 KiB a token); raise it for 16k-token prompts where a GPU holds fewer servers")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--machine", default="unknown")
     ap.add_argument("--pyspy", default="", help="py-spy executable (profile and thread names)")
@@ -319,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     a.logs.mkdir(parents=True, exist_ok=True)
     res = run(a.models, a.logs, a.out, a.backends.split(","), a.modes.split(","), parse_cells(a.cells), a.reps, extra,
-              a.profile, a.machine, a.pyspy or None, config.deadline_from_env(), a.rounds)
+              a.profile, a.machine, a.pyspy or None, config.deadline_from_env(), a.rounds, a.decode_gpu,
+              a.max_total_tokens)
     bad = [b for b, s in res["servers"].items() if s.get("status") != "ok"]
     print(json.dumps({"servers": res["servers"], "stopped": res.get("stopped")}, default=str)[:2000], flush=True)
     return 1 if bad or res.get("stopped") else 0

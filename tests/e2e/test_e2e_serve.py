@@ -160,6 +160,18 @@ def test_every_backend_gets_the_same_flags_and_the_modes_differ_only_in_decode_g
     assert "--disaggregation-transfer-backend p2pnccl" in " ".join(variant.prefill.command())
 
 
+def test_two_gpu_layout_puts_every_decode_on_gpu_1_with_the_pool_asked_for(tmp_path: Path):
+    """--decode-gpu 1 (run_all.sh --gpus 2): prefills on GPU 0, decodes on GPU 1, so the KV crosses NVLink;
+    --max-total-tokens replaces the pool cap on every server, nothing else changes."""
+    one = serve.Pair("nixl", tmp_path, ["graph"])
+    two = serve.Pair("nixl", tmp_path, ["graph"], decode_gpu=1, max_total_tokens=262144)
+    assert (one.prefill.gpu, one.decode["graph"].gpu) == (0, 0) and (two.prefill.gpu, two.decode["graph"].gpu) == (0, 1)
+    cmd = two.decode["graph"].command()
+    assert cmd[cmd.index("--base-gpu-id") + 1] == "1" and cmd[cmd.index("--max-total-tokens") + 1] == "262144"
+    assert cmd.count("--max-total-tokens") == 1
+    assert [a for a in two.prefill.args if a != "262144"] == [a for a in one.prefill.args if a != "65536"]
+
+
 def test_report_pools_repetitions_across_files_and_compares_with_nixl(tmp_path: Path):
     import json
 
