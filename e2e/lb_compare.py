@@ -592,6 +592,17 @@ EVIDENCE = ("prefill_imbalance", "prefill_queue_max", "decode_imbalance", "decod
 COLD_S = 3.0
 
 
+def ttft_timeline(answers: Sequence[lb_real.Answer], bin_s: float = 1.0) -> list[list[float]]:
+    """[second, answers, TTFT p50 ms, TTFT p99 ms] for each `bin_s` of the run by when the requests were sent (good
+    answers only): where in a run its slow requests were, e.g. the cold start against the steady state."""
+    bins: dict[int, list[float]] = {}
+    for a in answers:
+        if a.record.ok and a.record.ttft_s is not None:
+            bins.setdefault(int(a.sent_at // bin_s), []).append(a.record.ttft_s * 1e3)
+    return [[round(k * bin_s, 3), len(v), round(lb_real.percentile(v, 50), 1), round(lb_real.percentile(v, 99), 1)]
+            for k, v in sorted(bins.items())]
+
+
 def cold_warm(answers: Sequence[lb_real.Answer], cold_s: float) -> dict[str, Any]:
     """TTFT p99 of the good answers sent in the first `cold_s` seconds of the run and of those sent later: which
     part of a run's p99 is its caches being built, which the routing once they are."""
@@ -798,7 +809,7 @@ class Harness:
             answers, wall = asyncio.run(lb_real.open_loop(url, reqs, self.client_timeout))
         s = lb_real.summarize(answers, wall)
         s["errors"] = s["errors"][:5]
-        s.update(cold_warm(answers, self.cold_s))
+        s.update(cold_warm(answers, self.cold_s), ttft_timeline=ttft_timeline(answers))
         s.update(load_evidence({u: sampler.samples[u] for u, _ in self.cluster.prefills},
                                {u: sampler.samples[u] for u in self.cluster.decodes}, self.sample_s))
         return s

@@ -2,13 +2,15 @@
 whiskers from min to max), E2E p99 and output tok/s, with the cache hit rate over the bars; then the servers'
 side: the prefill imbalance (busiest prefill's mean queue + running over the prefills' mean, 1 = even), the
 largest prefill queue seen, the decode imbalance and the requests waiting in the decodes' PD queues (empty for
-results from before lb_compare sampled them).
+results from before lb_compare sampled them); last, TTFT p99 by second of the run (the median over the
+repetitions of each second's p99, by when the requests were sent), where a run's slow requests were.
 
     python3 -m e2e.plot_lb_compare RESULT.json [OUT.png]     (default: RESULT.png)
 """
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +33,21 @@ def bars(agg: dict[str, Any], workload: str, figure: str) -> tuple[list[str], li
     return names, med, err
 
 
+def timelines(doc: dict[str, Any], workload: str) -> dict[str, tuple[list[float], list[float]]]:
+    """Per LB: the seconds of its runs and, for each, the median over the repetitions of that second's TTFT p99
+    (`ttft_timeline` of each run; none in results from before lb_compare recorded it)."""
+    out = {}
+    for name, by_wl in (doc.get("runs") or {}).items():
+        per_sec: dict[float, list[float]] = {}
+        for run in by_wl.get(workload) or []:
+            for sec, _n, _p50, p99 in run.get("ttft_timeline") or []:
+                per_sec.setdefault(sec, []).append(p99)
+        if per_sec:
+            secs = sorted(per_sec)
+            out[name] = (secs, [statistics.median(per_sec[t]) for t in secs])
+    return out
+
+
 def plot(doc: dict[str, Any], out: Path) -> None:
     import matplotlib
 
@@ -41,7 +58,8 @@ def plot(doc: dict[str, Any], out: Path) -> None:
     workloads = list((doc.get("plan") or {}).get("workloads") or [])
     if not agg or not workloads:
         raise SystemExit("no aggregate figures in this result (did the comparison run?)")
-    fig, axes = plt.subplots(len(workloads), len(PANELS), figsize=(4.2 * len(PANELS), 3.2 * len(workloads)), squeeze=False)
+    fig, axes = plt.subplots(len(workloads), len(PANELS) + 1, figsize=(4.2 * (len(PANELS) + 1), 3.2 * len(workloads)),
+                             squeeze=False)
     for r, wl in enumerate(workloads):
         for c, (key, label) in enumerate(PANELS):
             ax = axes[r][c]
@@ -55,6 +73,13 @@ def plot(doc: dict[str, Any], out: Path) -> None:
                 for i, n in enumerate(names):
                     if hits.get(n) is not None:
                         ax.annotate(f"hit {hits[n]:.2f}", (i, med[i]), ha="center", va="bottom", fontsize=6)
+        ax = axes[r][len(PANELS)]
+        for name, (secs, p99) in timelines(doc, wl).items():
+            ax.plot(secs, p99, label=name, lw=1.6 if name.startswith("ours:") else 1.0)
+        ax.set_title(f"{wl}: TTFT p99 (ms) by second sent", fontsize=9)
+        ax.set_xlabel("second of the run", fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=6)
     reps = "/".join(str(n) for n in sorted(set((doc.get("reps_compared") or {}).values()))) or (doc.get("plan") or {}).get("reps")
     fig.suptitle(f"LB comparison, {doc.get('topology')} ({doc.get('servers', '')}), median of {reps} runs of {(doc.get('plan') or {}).get('run_s')} s, whiskers min-max", fontsize=10)
     fig.tight_layout()

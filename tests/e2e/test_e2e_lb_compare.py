@@ -114,6 +114,10 @@ def test_cold_and_warm_ttft_split_at_the_cold_seconds():
     out = lc.cold_warm(answers, 3.0)
     assert out == {"cold_s": 3.0, "ttft_ms_p99_cold": 1990.0, "cold_requests": 2, "ttft_ms_p99_warm": 199.0, "warm_requests": 2}
     assert lc.cold_warm(answers, 0.0)["cold_requests"] == 0 and lc.cold_warm(answers, 0.0)["ttft_ms_p99_cold"] is None
+    # per second of the run: answers, TTFT p50 and p99 (ms) of the requests sent in it
+    assert lc.ttft_timeline(answers) == [[0.0, 1, 2000.0, 2000.0], [2.0, 1, 1000.0, 1000.0], [3.0, 1, 200.0, 200.0],
+                                         [7.0, 1, 100.0, 100.0]]
+    assert lc.ttft_timeline(answers, bin_s=5.0) == [[0.0, 3, 1000.0, 1980.0], [5.0, 1, 100.0, 100.0]]
     # the targets put the steady state beside the headline p99
     table = {"ours:prefix_aware": {"long_prefix": lc.aggregate([{**_run(10, 140, 500, 0.98), "ttft_ms_p99_warm": 50}])},
              "mini_lb": {"long_prefix": lc.aggregate([{**_run(30, 160, 480, 0.85), "ttft_ms_p99_warm": 150}])}}
@@ -249,6 +253,7 @@ def test_compare_end_to_end_against_simulated_workers(tmp_path):
         assert doc["aggregate"][name]["bursty_mixed"]["ttft_ms_p99"]["min"] <= doc["aggregate"][name]["bursty_mixed"]["ttft_ms_p99"]["max"]
         for r in doc["runs"][name]["bursty_mixed"]:  # every answer counted once, cold or warm
             assert r["cold_requests"] + r["warm_requests"] == r["num_requests"] - r["num_failed"] and r["cold_s"] == lc.COLD_S
+            assert sum(b[1] for b in r["ttft_timeline"]) == r["num_requests"] - r["num_failed"]
     assert any(doc["runs"][n]["long_prefix"][k]["cache_hit_rate"] for n in lbs for k in range(3))  # the sims' radix caches hit
     # the servers' own load, sampled from every sim's /metrics during every run
     for name in lbs:
