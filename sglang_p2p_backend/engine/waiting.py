@@ -41,20 +41,25 @@ class Deadline:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def pause(self) -> None:
+    def next_pause(self) -> float:
+        """How long the next pause lasts, the schedule moved on by one: until the expected end (once), then
+        FIRST_S for FINE_AFTER_S, then doubling to MAX_S. For a waiter that waits on something else than a
+        sleep (the decode's receiver waits on its queue, which a header wakes)."""
         now = time.monotonic()
         if self._expected is not None:
             ahead = min(self._expected - now, self.deadline - now, self.PACED_MAX_S)
             self._expected = None
             self._fine_until = now + max(ahead, 0.0) + self.FINE_AFTER_S
             if ahead > self.FIRST_S:
-                time.sleep(ahead)
-                return
+                return ahead
         if now < self._fine_until:
-            time.sleep(self.FIRST_S)
-            return
-        time.sleep(self._next)
+            return self.FIRST_S
+        step = self._next
         self._next = min(self._next * 2, self.MAX_S)
+        return step
+
+    def pause(self) -> None:
+        time.sleep(self.next_pause())
 
 
 def wait_until(done: Callable[[], bool], timeout: float) -> bool:

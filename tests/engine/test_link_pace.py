@@ -131,16 +131,21 @@ def test_a_receiver_polls_finely_after_its_paced_wait_then_backs_off():
 
     assert pipeline.PairReceiver._next_item(_Rx()) == "next item"
     assert timeouts[0] == pytest.approx(0.002, abs=5e-4)
-    fine = list(itertools.takewhile(lambda t: t == pipeline._POLL_S, timeouts[1:]))
+    first, most = waiting.Deadline.FIRST_S, waiting.Deadline.MAX_S
+    fine = list(itertools.takewhile(lambda t: t == first, timeouts[1:]))
     assert len(fine) >= 3  # several looks at 20 us once the chunk is due, not one
     backoff = timeouts[1 + len(fine):]
-    assert backoff[0] == 2 * pipeline._POLL_S and backoff == sorted(backoff) and backoff[-1] == pipeline._POLL_MAX_S
+    assert backoff[0] == 2 * first and backoff == sorted(backoff) and backoff[-1] == most
 
 
 def test_a_receiver_first_waits_until_its_chunk_should_have_landed():
     now = time.monotonic()
-    assert pipeline._first_pause(_Done(now + 0.003)) == pytest.approx(0.003, abs=5e-4)
-    assert pipeline._first_pause(_Done(now + 9.0)) == waiting.Deadline.PACED_MAX_S  # an estimate gone wrong
-    assert pipeline._first_pause(_Done(now - 1.0)) == pipeline._POLL_S  # overdue: poll at once
-    assert pipeline._first_pause(_Done(None)) == pipeline._POLL_S  # no estimate (tcp, a first chunk)
-    assert pipeline._first_pause(object()) == pipeline._POLL_S  # a completion without one
+
+    def first_pause(done) -> float:
+        return pipeline._landing_wait(pipeline._Posted(None, None, None, done, None, now + 60)).next_pause()
+
+    assert first_pause(_Done(now + 0.003)) == pytest.approx(0.003, abs=5e-4)
+    assert first_pause(_Done(now + 9.0)) == waiting.Deadline.PACED_MAX_S  # an estimate gone wrong
+    assert first_pause(_Done(now - 1.0)) == waiting.Deadline.FIRST_S  # overdue: poll at once
+    assert first_pause(_Done(None)) == waiting.Deadline.FIRST_S  # no estimate (tcp, a first chunk)
+    assert first_pause(object()) == waiting.Deadline.FIRST_S  # a completion without one

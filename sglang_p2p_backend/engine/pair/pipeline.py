@@ -86,18 +86,11 @@ class _Posted(NamedTuple):
     deadline: float
 
 
-#: how often a receiver with a chunk in flight looks for the next header or the chunk's end: first, and at most
-#: (the backoff of every other wait of the transfer threads, engine/waiting.py)
-_POLL_S = Deadline.FIRST_S
-_POLL_MAX_S = Deadline.MAX_S
-
-
-def _first_pause(done: Completion) -> float:
-    """How long a receiver with a chunk in flight first waits for the next header: until the chunk should have
-    landed where the transport knows (`expected_end`, NCCL's LinkPace; a header that comes earlier wakes it),
-    else the shortest poll. After that the polls start short and double."""
-    end = getattr(done, "expected_end", None)
-    return min(max(_POLL_S, end - time.monotonic()), Deadline.PACED_MAX_S) if end is not None else _POLL_S
+def _landing_wait(posted: _Posted) -> Deadline:
+    """The schedule of a receiver's looks for the next header or the posted chunk's end: the waits of every
+    other transfer thread (engine/waiting.py), first until the chunk should have landed where the transport
+    knows (`expected_end`, NCCL's LinkPace; a header that comes earlier wakes the receiver)."""
+    return Deadline(max(0.0, posted.deadline - time.monotonic()), getattr(posted.done, "expected_end", None))
 
 
 class _PairEnd:
@@ -383,21 +376,19 @@ class PairReceiver(_PairEnd):
     def _next_item(self) -> object:
         """The next queued item. While a receive is posted, the next header is taken as soon as it comes (its
         receive is then posted behind), and the chunk lands without waiting for one once its bytes are in."""
-        pause = _first_pause(self._posted.done) if self._posted is not None else _POLL_S
-        # slept until the chunk's expected end: poll finely from there for a while (Deadline.FINE_AFTER_S)
-        fine_until = time.monotonic() + pause + Deadline.FINE_AFTER_S if pause > _POLL_S else 0.0
-        while self._posted is not None:
-            try:
-                return self._queue.get(timeout=pause)
-            except queue.Empty:
-                # backing off: a stalled peer must not keep this thread waking (and taking the GIL from the
-                # scheduler) thousands of times a second
-                pause = _POLL_S if time.monotonic() < fine_until else min(2 * pause, _POLL_MAX_S)
-                if self._posted.done.done() or time.monotonic() > self._posted.deadline:
-                    try:
-                        self._land_posted()
-                    except Exception:  # as in _run: logged, the thread goes on
-                        logger.exception("p2p receiver for %s: unexpected error", self.peer_session)
+        if self._posted is not None:
+            # backing off: a stalled peer must not keep this thread waking (and taking the GIL from the
+            # scheduler) thousands of times a second
+            wait = _landing_wait(self._posted)
+            while self._posted is not None:
+                try:
+                    return self._queue.get(timeout=wait.next_pause())
+                except queue.Empty:
+                    if self._posted.done.done() or time.monotonic() > self._posted.deadline:
+                        try:
+                            self._land_posted()
+                        except Exception:  # as in _run: logged, the thread goes on
+                            logger.exception("p2p receiver for %s: unexpected error", self.peer_session)
         return self._queue.get()
 
     def _join(self, msg: CommInit) -> None:
