@@ -166,7 +166,6 @@ class NcclPairComm(PairComm):
         self.name = f"{handle:#x}(rank {rank}, cap {max_ctas or 'default'})"
         #: when the operations queued on `stream` should end, from the rate the link has shown (link_pace.py)
         self.pace = LinkPace()
-        self._timed = False  # the first operation connects too: its time teaches nothing
         self._lock = threading.Lock()
         self._abort_reason = ""
         self._released = False
@@ -213,10 +212,11 @@ class NcclPairComm(PairComm):
             start: Optional[torch.cuda.Event] = None
             try:
                 with torch.cuda.device(self.device):
-                    if self._timed:
+                    # only operations large enough to teach the pace are timed (LinkPace.min_bytes): not
+                    # connect()'s one-byte probe, the first operation, whose time is also the connection's
+                    if nbytes >= self.pace.min_bytes:
                         start = torch.cuda.Event(enable_timing=True)
                         start.record(self.stream)
-                    self._timed = True
                     if len(bufs) == 1:
                         b = bufs[0]
                         code = fn(ctypes.c_void_p(b.data_ptr()), b.numel(), NCCL_UINT8, self.peer, self.handle, stream_ptr)
