@@ -99,6 +99,13 @@ def step_parser(doc: Optional[str]) -> argparse.ArgumentParser:
 MODEL_CHECK_FLAGS: dict[str, list[str]] = {"swa-tiny": ["--moe-runner-backend", "triton"]}
 
 
+def with_flag(flags: Sequence[str], name: str, value: object) -> list[str]:
+    """`flags` with the value after `name` replaced by `value` (the flag must be there)."""
+    out = list(flags)
+    out[out.index(name) + 1] = str(value)
+    return out
+
+
 def check_flags(model: str) -> list[str]:
     """CHECK_FLAGS for one model, with its own flags (MODEL_CHECK_FLAGS) and its page size from
     E2E_CHECK_PAGE_SIZE ("mla-tiny=64,llama-tiny=1"; the reference and the PD pair of a model get the same, so

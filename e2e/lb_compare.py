@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from . import lb_layout, lb_real, promparse
+from .config import with_flag
 from .lb_layout import TOPOLOGIES, Layout
 from .lb_real import Req
 
@@ -1010,7 +1011,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             if args.models is None:
                 ap.error("--models is needed without --sim")
-            flags = _with_flag(lb_real.FLAGS, "--mem-fraction-static", layout.mem_fraction)
+            flags = with_flag(lb_real.FLAGS, "--mem-fraction-static", layout.mem_fraction)
             p_flags = _with_max_tokens(flags, prefill_tokens)
             d_flags = _with_max_tokens(flags, decode_tokens)
             cluster = SGLangCluster(stack, args.models / layout.model, where, p_flags, d_flags, transport)
@@ -1083,14 +1084,8 @@ def _knob(argv: Sequence[str], flag: str) -> Optional[int]:
     return int(argv[argv.index(flag) + 1]) if flag in argv else None
 
 
-def _with_flag(flags: Sequence[str], name: str, value: object) -> list[str]:
-    out = list(flags)
-    out[out.index(name) + 1] = str(value)
-    return out
-
-
 def _with_max_tokens(flags: Sequence[str], n: int) -> list[str]:
-    return _with_flag(flags, "--max-total-tokens", n)
+    return with_flag(flags, "--max-total-tokens", n)
 
 
 if __name__ == "__main__":

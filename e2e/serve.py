@@ -59,13 +59,6 @@ OUTPUT_TOKENS = 64
 DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
 
 
-def with_max_total_tokens(flags: list[str], n: int) -> list[str]:
-    """`flags` with the KV pool capped at `n` tokens (128 KiB each: 65,536 are 8 GiB; a 16k-token prompt at
-    concurrency 16 needs 262,144 on the decode, which only a GPU of its own holds beside two others)."""
-    i = flags.index("--max-total-tokens")
-    return [*flags[:i + 1], str(n), *flags[i + 2:]]
-
-
 def requests_for(concurrency: int, rounds: int = 2) -> int:
     """Closed loop: 6 requests alone (3 per round), `rounds` rounds of users at higher concurrency. Two rounds
     are mostly the arrival burst; more give steadier medians for the same cells."""
@@ -86,7 +79,9 @@ class Pair:
     def __init__(self, backend: str, models: Path, modes: list[str], decode_gpu: int = 0,
                  max_total_tokens: int = MAX_TOTAL_TOKENS):
         base = BASE_PORT[backend]
-        flags = with_max_total_tokens(BASE_FLAGS, max_total_tokens)
+        # the KV pool cap, 128 KiB a token: 65,536 are 8 GiB; a 16k-token prompt at concurrency 16 needs 262,144
+        # on the decode, which only a GPU of its own holds beside two others
+        flags = config.with_flag(BASE_FLAGS, "--max-total-tokens", max_total_tokens)
         env = {**config.COMMON_ENV, **BACKEND_ENV[backend]}
         self.backend = backend
         transfer = TRANSFER_BACKEND.get(backend, backend)
@@ -228,7 +223,7 @@ def summarize_cells(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[str], cells: list[tuple[int, int]],
         reps: int, extra: dict[str, list[tuple[int, int]]], do_profile: bool, machine: str, pyspy: Optional[str],
         deadline: float, rounds: int = 2, decode_gpu: int = 0, max_total_tokens: int = MAX_TOTAL_TOKENS) -> dict[str, Any]:
-    res: dict[str, Any] = {"machine": machine, "model": MODEL, "flags": with_max_total_tokens(BASE_FLAGS, max_total_tokens),
+    res: dict[str, Any] = {"machine": machine, "model": MODEL, "flags": config.with_flag(BASE_FLAGS, "--max-total-tokens", max_total_tokens),
                            "mode_flags": MODE_FLAGS, "gpus": {"prefill": 0, "decode": decode_gpu},
                            "backend_env": {b: BACKEND_ENV[b] for b in [*backends, *extra]},
                            "output_tokens": OUTPUT_TOKENS, "requests": {str(c): requests_for(c, rounds) for _, c in cells},

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
+from e2e import config  # noqa: E402
 from e2e import lb_compare as lc  # noqa: E402
 from e2e.lb_real import Answer  # noqa: E402
 from e2e.stats import RequestRecord  # noqa: E402
@@ -303,7 +304,7 @@ def test_sglang_servers_of_each_topology():
                 assert s.env["SGLANG_P2P_TRANSPORT"] == transport and (("NCCL_HOSTID" in s.env) == (transport == "nccl"))
     assert lc.servers_text(lc.lb_layout.placement("3p1d", 4)) == "prefill 0 on GPU 0, prefill 1 on GPU 1, prefill 2 on GPU 2, decode 0 on GPU 3"
     assert lc.servers_text(lc.lb_layout.placement("2p2d", 1)) == "2 prefill + 2 decode on GPU 0"
-    assert lc._with_flag(lc.lb_real.FLAGS, "--mem-fraction-static", "0.88")[lc.lb_real.FLAGS.index("--mem-fraction-static") + 1] == "0.88"
+    assert config.with_flag(lc.lb_real.FLAGS, "--mem-fraction-static", "0.88")[lc.lb_real.FLAGS.index("--mem-fraction-static") + 1] == "0.88"
     with pytest.raises(ValueError, match="nccl, cudaipc or auto"):
         lc.transport_env("mooncake", "x")
 
