@@ -7,6 +7,7 @@ metadata and pod templates through the client's ObjectMeta and PodTemplateSpec m
 
 from __future__ import annotations
 
+import gzip
 import json
 from functools import cache
 from pathlib import Path
@@ -21,9 +22,9 @@ from kubernetes.client import (
 )
 
 LWS_VERSION = "v0.10.0"
-LWS_SCHEMA = Path(__file__).parent / "data" / f"lws-{LWS_VERSION}-crd-schema.json"
+LWS_SCHEMA = Path(__file__).parent / "data" / f"lws-{LWS_VERSION}-crd-schema.json.gz"
 RBG_VERSION = "v0.8.0-alpha.5"
-RBG_SCHEMA = Path(__file__).parent / "data" / f"rbg-{RBG_VERSION}-crd-schema.json"
+RBG_SCHEMA = Path(__file__).parent / "data" / f"rbg-{RBG_VERSION}-crd-schema.json.gz"
 CORE_MODELS = {
     ("v1", "Service"): V1Service, ("apps/v1", "Deployment"): V1Deployment, ("v1", "ConfigMap"): V1ConfigMap,
     ("policy/v1", "PodDisruptionBudget"): V1PodDisruptionBudget, ("v1", "ServiceAccount"): V1ServiceAccount,
@@ -52,7 +53,7 @@ def _closed(node: Any) -> Any:
 
 @cache
 def crd_validator(path: Path) -> jsonschema.Draft4Validator:
-    schema = _closed(json.loads(path.read_text()))
+    schema = _closed(json.loads(gzip.decompress(path.read_bytes())))
     jsonschema.Draft4Validator.check_schema(schema)
     return jsonschema.Draft4Validator(schema)
 

@@ -7,6 +7,7 @@ cluster profile asks for; the CLI's stdout and folder output; broken inputs stop
 from __future__ import annotations
 
 import copy
+import gzip
 import re
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -66,7 +67,7 @@ def lws_template(sets: list[dict], pod: lws.Pod) -> dict:
 # --------------------------------------------------------------------------- offline schema validation
 
 def test_lws_schema_is_the_pinned_release():
-    text = LWS_SCHEMA.read_text()
+    text = gzip.decompress(LWS_SCHEMA.read_bytes()).decode()
     assert f"kubernetes-sigs/lws {LWS_VERSION}" in text and "2161f38ff333f9e24d3c44adef7cd5d9787cac00" in text
     assert lws.API_VERSION == "leaderworkerset.x-k8s.io/v1"
 
