@@ -20,8 +20,14 @@ V1_LOADS = "/v1/loads?include=core"
 LEGACY = "/get_load"
 
 
-def parse_v1_loads(doc: Any) -> tuple[list[float], list[float], float] | None:
-    """(queued prompt tokens, requests, KV usage) per rank from a `/v1/loads` answer."""
+Parsed = tuple[list[float], list[float], float, "tuple[float, float] | None"]
+
+
+def parse_v1_loads(doc: Any) -> Parsed | None:
+    """(queued prompt tokens, requests, KV usage) per rank from a `/v1/loads` answer, and the KV demand in
+    tokens with the pool's capacity, summed over ranks (`num_total_tokens`: the KV in use plus what requests
+    queued for pages will take, so a decode whose prealloc queue is long reads as over-full, which its
+    `token_usage` never says), or None where the answer lacks them."""
     loads = doc.get("loads") if isinstance(doc, dict) else None
     if not isinstance(loads, list) or not loads:
         return None
@@ -29,17 +35,21 @@ def parse_v1_loads(doc: Any) -> tuple[list[float], list[float], float] | None:
     tokens = [float(x.get("num_waiting_uncached_tokens", 0) or 0) for x in loads]
     reqs = [float((x.get("num_running_reqs", 0) or 0) + (x.get("num_waiting_reqs", 0) or 0)) for x in loads]
     usage = [float(x.get("token_usage", 0.0) or 0.0) for x in loads]
-    return tokens, reqs, sum(usage) / len(usage)
+    capacity = sum(float(x.get("max_total_num_tokens", 0) or 0) for x in loads)
+    kv = None
+    if capacity > 0 and all("num_total_tokens" in x for x in loads):
+        kv = (sum(float(x.get("num_total_tokens", 0) or 0) for x in loads), capacity)
+    return tokens, reqs, sum(usage) / len(usage), kv
 
 
-def parse_legacy_load(doc: Any) -> tuple[list[float], list[float], float] | None:
-    """Same from the older `/get_load` list (`num_reqs`, `num_tokens` per rank)."""
+def parse_legacy_load(doc: Any) -> Parsed | None:
+    """Same from the older `/get_load` list (`num_reqs`, `num_tokens` per rank; no KV demand)."""
     if isinstance(doc, dict):
         doc = [doc]
     if not isinstance(doc, list) or not doc or not all(isinstance(x, dict) for x in doc):
         return None
     doc = sorted(doc, key=lambda x: x.get("dp_rank", 0))
-    return [float(x.get("num_tokens", 0) or 0) for x in doc], [float(x.get("num_reqs", 0) or 0) for x in doc], 0.0
+    return [float(x.get("num_tokens", 0) or 0) for x in doc], [float(x.get("num_reqs", 0) or 0) for x in doc], 0.0, None
 
 
 class LoadPoller:

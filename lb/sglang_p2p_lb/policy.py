@@ -46,8 +46,8 @@ class LoadAwareParams:
     prefill_tol_frac: float = 0.10
     decode_tol_reqs: float = 2.0
     decode_tol_frac: float = 0.10
-    # KV pressure: a decode at usage u costs kv_weight * u / (1 - u) extra running requests, so it is
-    # avoided well before it has to retract requests.
+    # KV pressure: a decode at usage u costs kv_weight * u / (1 - u) extra running requests (kv_pressure), so
+    # it is avoided well before it has to retract requests or keep new ones waiting for pages.
     kv_weight: float = 8.0
     same_node_bonus: int = 2
     live_channel_bonus: int = 1
@@ -69,10 +69,21 @@ def prefill_cost(w: Worker, ctx: PairContext) -> tuple[int, float]:
     return best_rank([w.prefill_load(r, ctx.poll_max_age, ctx.now) for r in range(w.dp_size)])
 
 
+#: above this KV use the pressure grows linearly (slope of u / (1 - u) there) instead of without bound, so
+#: two over-full decodes still compare: the one asked for less wins
+KV_KNEE = 0.95
+
+
+def kv_pressure(u: float) -> float:
+    """u / (1 - u) up to KV_KNEE, then on along its tangent: 0 when empty, 1 at half full, 19 at the knee."""
+    if u <= KV_KNEE:
+        return u / (1.0 - u)
+    return KV_KNEE / (1.0 - KV_KNEE) + (u - KV_KNEE) / (1.0 - KV_KNEE) ** 2
+
+
 def decode_cost(w: Worker, ctx: PairContext, kv_weight: float) -> tuple[int, float]:
     rank, running = best_rank([w.decode_load(r, ctx.poll_max_age, ctx.now) for r in range(w.dp_size)])
-    u = min(w.kv_usage(ctx.poll_max_age), 0.99)
-    return rank, running + kv_weight * u / (1.0 - u)
+    return rank, running + kv_weight * kv_pressure(w.kv_usage(ctx.poll_max_age))
 
 
 def _near_best(costs: Sequence[float], tol_abs: float, tol_frac: float) -> list[int]:

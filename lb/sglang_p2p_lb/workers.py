@@ -55,6 +55,9 @@ class PolledLoad:
     kv_usage: float
     local_tokens: list[float]
     local_reqs: list[float]
+    #: decode: KV tokens in use or asked for by queued requests, all ranks (None: the server does not say)
+    kv_demand: float | None = None
+    kv_capacity: float = 0.0  # the pool's tokens, all ranks
 
 
 @dataclass(eq=False)
@@ -131,15 +134,26 @@ class Worker:
         return self.inflight_reqs[rank] + ext
 
     def kv_usage(self, max_age: float = 10.0) -> float:
+        """The decode's KV pool use as a fraction (above 1: more asked for than it holds). Where the poll gave
+        the demand in tokens, what this LB dispatched or saw finish since moves it: between two polls (1 s) a
+        burst would otherwise all go to the decode that looked emptiest, more than its pool holds (seen on
+        4 x H200: 40 requests of 12k tokens onto one decode in 2 s, 20 of them waiting for pages)."""
         p = self.polled
         if p is None or time.monotonic() - p.at > max_age:
             return 0.0
-        return p.kv_usage
+        if p.kv_demand is None or p.kv_capacity <= 0:
+            return p.kv_usage
+        since = sum(self.inflight_tokens) - sum(p.local_tokens)
+        return max(0.0, p.kv_demand + since) / p.kv_capacity
 
-    def record_poll(self, tokens: list[float], reqs: list[float], kv_usage: float) -> None:
+    def record_poll(self, tokens: list[float], reqs: list[float], kv_usage: float,
+                    kv: tuple[float, float] | None = None) -> None:
+        """One poll's figures (per rank), `kv` the decode's (demand, capacity) in tokens when it reports them."""
         if len(tokens) != self.dp_size or len(reqs) != self.dp_size:
             return  # DP size comes from /get_server_info; a poll that disagrees is not used
-        self.polled = PolledLoad(time.monotonic(), tokens, reqs, kv_usage, list(self.inflight_tokens), list(self.inflight_reqs))
+        demand, capacity = kv if kv is not None else (None, 0.0)
+        self.polled = PolledLoad(time.monotonic(), tokens, reqs, kv_usage, list(self.inflight_tokens),
+                                 list(self.inflight_reqs), demand, capacity)
 
     def notify_stalled(self, reason: str) -> None:
         """Fail the requests in flight here: the worker accepts connections but stopped answering."""

@@ -89,6 +89,51 @@ def test_decode_choice_by_running_requests_and_kv_usage():
     assert pol.choose([p], [d1, d2], CTX).decode is d1
 
 
+def test_v1_loads_gives_the_decode_kv_demand_with_queued_requests_and_legacy_does_not():
+    from sglang_p2p_lb.loads import parse_legacy_load, parse_v1_loads
+
+    doc = {"loads": [{"dp_rank": 1, "num_running_reqs": 3, "num_waiting_reqs": 2, "token_usage": 0.9,
+                      "num_total_tokens": 150_000, "max_total_num_tokens": 100_000},
+                     {"dp_rank": 0, "num_running_reqs": 1, "token_usage": 0.5,
+                      "num_total_tokens": 50_000, "max_total_num_tokens": 100_000}]}
+    tokens, reqs, usage, kv = parse_v1_loads(doc)
+    assert reqs == [1.0, 5.0] and usage == 0.7 and kv == (200_000.0, 200_000.0)
+    del doc["loads"][0]["num_total_tokens"]  # a server that does not say: no demand, usage only
+    assert parse_v1_loads(doc)[3] is None
+    assert parse_legacy_load([{"num_reqs": 2, "num_tokens": 10}])[3] is None
+
+
+def test_decode_kv_demand_follows_what_was_dispatched_since_the_poll():
+    d = D(1)
+    d.record_poll([0.0], [0.0], 0.2, (20_000.0, 100_000.0))
+    assert d.kv_usage() == 0.2
+    leases = [Lease(P(7), d, 0, 0, 10_000, 1) for _ in range(5)]
+    assert abs(d.kv_usage() - 0.7) < 1e-9  # 50k tokens asked for since the poll
+    for lease in leases[:3]:
+        lease.release()
+    assert abs(d.kv_usage() - 0.4) < 1e-9
+    # polled over-full (requests waiting for pages): above 1, and the pressure keeps growing past the knee
+    d.record_poll([0.0], [0.0], 0.85, (138_000.0, 100_000.0))
+    from sglang_p2p_lb.policy import kv_pressure
+
+    assert d.kv_usage() > 1.3 and kv_pressure(1.38) > kv_pressure(1.0) > kv_pressure(0.95) > 18.99
+
+
+def test_a_burst_between_polls_does_not_overfill_the_decode_that_looked_emptiest():
+    # two decodes of 100k tokens polled at 20% and 50%; twelve 10k-token requests before the next poll. Counted
+    # by requests alone the emptier one took 9 of them (110k asked of its 100k pool, 20 requests waiting for
+    # pages in the 4 x H200 run); with the demand moved by each dispatch they end within one request's KV
+    pol = LoadAwarePolicy(rng=random.Random(0))
+    p, d1, d2 = P(1), D(1), D(2)
+    d1.record_poll([0.0], [0.0], 0.2, (20_000.0, 100_000.0))
+    d2.record_poll([0.0], [0.0], 0.5, (50_000.0, 100_000.0))
+    for _ in range(12):
+        c = pol.choose([p], [d1, d2], PairContext(tokens=10_000))
+        Lease(c.prefill, c.decode, 0, 0, 10_000, 1)
+    demand = [w.kv_usage() * 100_000 for w in (d1, d2)]
+    assert max(demand) <= 100_000 and abs(demand[0] - demand[1]) <= 10_000, demand
+
+
 def test_dp_rank_is_least_loaded_rank():
     p, d = P(1, dp=4), D(1, dp=2)
     for r in (0, 1, 3):
