@@ -52,7 +52,7 @@
 #          $OUT/xfer_$KIND.log (E2E_XFER_ARGS adds flags, e.g. "--programs 16,32,66,132": the copy kernel's grid
 #          bounded to each count, write time against the matmul's slowdown, SGLANG_P2P_IPC_PROGRAMS's trade-off),
 #          after tests/gpu/test_copy_engine.py, tests/gpu/test_engine_pipeline_nccl.py (the NCCL pipeline,
-#          overlap on, byte-exact) and the NCCL waits' pacing test (with SGLANG_P2P_NCCL_SPLIT=1 also the peer-death
+#          overlap on, byte-exact) and the NCCL waits' pacing test (with the split communicator, the default, also the peer-death
 #          tests of the split communicator) -> $OUT/xfer_tests.log (E2E_XFER_TESTS=0 skips them). Needs no SGLang: carry .bundle/bench.tar.xz (msgspec) or sglang.tar.xz
 #   deepep: DeepEP as the (P3x3)D4 profile uses it: built here with nvcc for sm_90 against the image's NVSHMEM
 #          wheel, DeepEP's own intranode test on GPUs 0-1, DeepGEMM's bf16 grouped GEMM (what SGLang runs an
@@ -298,9 +298,10 @@ run_ipc() {  # pytest output goes to $OUT/ipc_tests.log; figures to $OUT/ipc_$KI
 
 run_transfer_bench() {  # figures to $OUT/xfer_$KIND.json, the printed tables to $OUT/xfer_$KIND.log
   if [ "${E2E_XFER_TESTS:-1}" = 1 ]; then  # the bytes first: the copy-engine path, the NCCL pipeline (overlap on)
-    # with the split communicator asked for, also its abort path: a peer killed mid-transfer (~1 min more)
+    # with the split communicator (the default; SGLANG_P2P_NCCL_SPLIT=0 turns it off), also its abort path: a
+    # peer killed mid-transfer (~1 min more)
     local split_tests=()
-    [ "${SGLANG_P2P_NCCL_SPLIT:-0}" = 1 ] && \
+    [ "${SGLANG_P2P_NCCL_SPLIT:-1}" = 1 ] && \
       split_tests=("tests/gpu/test_nccl_transport.py::test_peer_killed_mid_transfer_fails_in_time_then_a_new_communicator_works")
     step copy_engine_tests python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_copy_engine.py \
       tests/gpu/test_engine_pipeline_nccl.py "tests/gpu/test_nccl_transport.py::test_waits_sleep_until_the_pace_the_link_showed" \

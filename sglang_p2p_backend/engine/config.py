@@ -101,7 +101,9 @@ class EngineConfig:
     #: NCCL_CUMEM_ENABLE, NCCL's own (not "0"): SGLang sets 0 (legacy IPC buffers, about twice the memory a
     #: communicator) unless symmetric memory is on, so the pool costs communicators with the matching table
     nccl_cumem: bool = True
-    nccl_split: bool = False  # SGLANG_P2P_NCCL_SPLIT=1: operations on a blocking child communicator
+    #: SGLANG_P2P_NCCL_SPLIT (1, the default): operations on a blocking child communicator split off the
+    #: non-blocking one (init and abort stay non-blocking); 0: every launch goes through NCCL's helper thread
+    nccl_split: bool = True
     nccl_high_priority: bool = False  # SGLANG_P2P_NCCL_STREAM_PRIORITY=high: pair streams at the top priority
     #: SGLANG_P2P_OVERLAP=0: each chunk's gather (prefill) or scatter (decode) no longer overlaps the transfer
     #: of the next one on NCCL channels (engine/pair/pipeline.py); on, a pair end takes a second staging slot
@@ -150,7 +152,7 @@ class EngineConfig:
             nccl_budget_mb=_non_negative("SGLANG_P2P_NCCL_BUDGET_MB", cls.nccl_budget_mb),
             nccl_caps=parse_caps(env.get("SGLANG_P2P_NCCL_CAPS")),
             nccl_cumem=env.get("NCCL_CUMEM_ENABLE", "").strip() != "0",
-            nccl_split=_choice("SGLANG_P2P_NCCL_SPLIT", ("0", "1")) == "1",
+            nccl_split=_choice("SGLANG_P2P_NCCL_SPLIT", ("1", "0")) == "1",
             nccl_high_priority=_choice("SGLANG_P2P_NCCL_STREAM_PRIORITY", ("normal", "high")) == "high",
             overlap=_choice("SGLANG_P2P_OVERLAP", ("1", "0")) == "1",
             copy_engine=_choice("SGLANG_P2P_COPY_ENGINE", COPY_ENGINE_MODES),

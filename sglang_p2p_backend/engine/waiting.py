@@ -62,9 +62,10 @@ class Deadline:
         time.sleep(self.next_pause())
 
 
-def wait_until(done: Callable[[], bool], timeout: float) -> bool:
-    """Poll `done` with backoff until it is true (True) or `timeout` seconds passed (False)."""
-    wait = Deadline(timeout)
+def wait_until(done: Callable[[], bool], timeout: float, expected_end: Optional[float] = None) -> bool:
+    """Poll `done` with backoff until it is true (True) or `timeout` seconds passed (False); `expected_end` as
+    for Deadline (now or earlier: fine polls from the start)."""
+    wait = Deadline(timeout, expected_end)
     while not done():
         if wait.left() <= 0:
             return False

@@ -111,3 +111,43 @@ def test_staging_pool_back_pressure_times_out_with_the_knob_named():
         pool.acquire(0.2)
     threading.Timer(0.1, pool.release, args=(buf,)).start()
     assert pool.acquire(2) is buf
+
+
+def test_a_bad_source_id_fails_its_room_before_any_header_and_the_channel_stays(pair):
+    src = np.arange(1, 11, dtype=np.int32)
+    pair.wanted.update({8, 9})
+    pair.sender.send(8, 0, [src], [src])
+    generation = pair.sender.generation
+    with pytest.raises(TransportError, match=r"room 9: group 0 page id out of range \[0, 64\): min 1, max 64"):
+        pair.sender.send(9, 0, [np.append(src, 64).astype(np.int32)], [np.arange(30, 41, dtype=np.int32)])
+    pair.drain()
+    assert [room for room, _ in pair.landed] == [8] * len(pair.landed)  # nothing of room 9 announced
+    assert pair.sender.comm is not None and pair.sender.generation == generation
+    pair.sender.send(9, 0, [src], [src + 40])  # the same channel carries the next request
+    pair.drain()
+    assert all(torch.equal(d[41:51], s[1:11]) for s, d in zip(pair.src_t, pair.dst_t))
+
+
+def test_each_chunk_header_goes_out_before_its_gather():
+    """The decode posts a chunk's receive while the prefill gathers it: the header is handed to the control
+    channel first."""
+    steps = []
+
+    class Recording(PageCopier):
+        def gather(self, chunk, ids, staging):
+            steps.append("gather")
+            super().gather(chunk, ids, staging)
+
+    p = Pair()
+    try:
+        p.sender.copier = Recording(p.sender.copier.views)
+        control = p.sender.control
+        p.sender.control = lambda msg: (steps.append(type(msg).__name__), control(msg))
+        p.wanted.add(3)
+        src = np.arange(0, 7, dtype=np.int32)
+        p.sender.send(3, 0, [src], [src])  # 7 pages of 288 B in 1024 B slots: 3 chunks
+        p.drain()
+        assert [s for s in steps if s != "CommInit"] == ["ChunkHeader", "gather"] * 3
+        assert [err for _, err in p.landed] == [None] * 3
+    finally:
+        p.close()

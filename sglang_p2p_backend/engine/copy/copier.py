@@ -18,7 +18,7 @@ they order with the channel's send/recv.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -119,6 +119,20 @@ class PageCopier:
         if self._fused is None or any(seg.heads is not None for seg in chunk.segments):
             return None
         return self._fused
+
+    def bad_ids(self, ids: Sequence[np.ndarray]) -> Optional[str]:
+        """What is wrong with a transfer's page ids (group g's must name pages of every region of g), None if
+        nothing: checked before a chunk's header goes out, so a bad id fails its room, not the channel."""
+        for g, part in enumerate(ids):
+            if g >= len(self.views):
+                return f"page ids for group {g}, which this rank's pools do not have"
+            if len(part) == 0 or not self.views[g]:
+                continue
+            limit = min(int(v.shape[0]) for v in self.views[g])
+            lo, hi = int(np.min(part)), int(np.max(part))
+            if lo < 0 or hi >= limit:
+                return f"group {g} page id out of range [0, {limit}): min {lo}, max {hi}"
+        return None
 
     def loaded_for(self, chunk: Chunk) -> bool:
         """Whether copying this chunk launches only kernels loaded up front: always on CPU; on CUDA only the fused

@@ -11,9 +11,10 @@ The ctypes binding of libnccl is `nccl_lib.py`.
 Launch cost (measured on two H200s, bench/results/transfer_nvidia-h200-x2.json): every op on a non-blocking
 communicator is launched by a fresh NCCL thread, ~170-250 us of host time per send/recv against ~40 us on a
 blocking one, which caps a 64 MiB-chunk pipeline near 210 GB/s. `split_blocking=True` (EngineConfig.nccl_split,
-SGLANG_P2P_NCCL_SPLIT=1) keeps the non-blocking communicator for init, connection and abort, and runs the ops on
-a blocking child split off it (`splitShare=1`: same channels and buffers). Not yet measured on the GPU host:
-opt-in until it is. `high_priority` (SGLANG_P2P_NCCL_STREAM_PRIORITY=high) puts the pair stream at the top CUDA
+the backend's default; SGLANG_P2P_NCCL_SPLIT=0 turns it off) keeps the non-blocking communicator for init,
+connection and abort, and runs the ops on a blocking child split off it (`splitShare=1`: same channels and
+buffers): on 4 x H200 it took each post from ~0.35-0.45 ms to ~0.15 ms and a 1k-token request from 2.0 to 1.35
+ms, and a peer killed mid-transfer still failed its op in time (docs/nccl.md). `high_priority` (SGLANG_P2P_NCCL_STREAM_PRIORITY=high) puts the pair stream at the top CUDA
 priority so the NCCL kernel's CTAs are not queued behind a gather that becomes ready at the same moment.
 
 Ordering rule: `send`/`recv` are ordered after the work already queued on the caller's current CUDA stream
@@ -203,7 +204,10 @@ class NcclPairComm(PairComm):
             if b.device != self.device or b.dtype != torch.uint8 or not b.is_contiguous():
                 raise TransportError(f"{what}: nccl moves contiguous uint8 tensors on {self.device}, got {b.device} {b.dtype}")
         caller = torch.cuda.current_stream(self.device)
-        poll = Deadline(timeout)
+        # on a non-blocking communicator NCCL's helper thread launches the op in ~0.1-0.2 ms: polls every
+        # Deadline.FIRST_S from the start (an end "expected" now) see that within tens of microseconds, where
+        # doubling steps saw it up to one step (0.16-0.32 ms by then) late
+        poll = Deadline(timeout, expected_end=time.monotonic())
         with self._lock:
             self.raise_if_broken(what)
             if caller.cuda_stream != self.stream.cuda_stream:
