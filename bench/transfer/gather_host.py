@@ -17,16 +17,17 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` and `sglang_p2p_backend`
+    sys.path.insert(0, _ROOT)
 
-import xfer_cases as xc  # noqa: E402
-from host_profile import host_profile, render  # noqa: E402
+from bench.transfer import xfer_cases as xc  # noqa: E402
+from bench.transfer.host_profile import host_profile, render  # noqa: E402
 
 from sglang_p2p_backend.engine.copy.copier import PageCopier  # noqa: E402
 from sglang_p2p_backend.engine.copy.plan import plan_chunks  # noqa: E402
@@ -61,12 +62,15 @@ def gpu_us(fn: Callable[[], object], reps: int = 20) -> float:
     return float(np.median(out))
 
 
-def main() -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out", default="")
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gather_host: no CUDA device here: nothing measured (the fused gather is the CUDA path)")
+        return 0
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     shape = xc.SHAPES[0]  # mha_p1: 64 regions of 2 KiB a token

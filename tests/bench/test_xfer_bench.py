@@ -249,3 +249,11 @@ def test_host_profile_names_the_function_that_takes_the_time():
     assert by["slow_part"]["cum_us_per_op"] > 20 * by["quick_part"]["cum_us_per_op"]
     assert rows == sorted(rows, key=lambda r: r["own_us_per_op"], reverse=True)
     assert "slow_part" in "\n".join(render(rows, limit=40))
+
+
+def test_gather_host_says_it_measured_nothing_without_cuda(capsys, monkeypatch):
+    from bench.transfer import gather_host
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gather_host.main(["--tokens", "128"]) == 0
+    assert "no CUDA device here: nothing measured" in capsys.readouterr().out
