@@ -14,8 +14,9 @@ blocking one, which caps a 64 MiB-chunk pipeline near 210 GB/s. `split_blocking=
 the backend's default; SGLANG_P2P_NCCL_SPLIT=0 turns it off) keeps the non-blocking communicator for init,
 connection and abort, and runs the ops on a blocking child split off it (`splitShare=1`: same channels and
 buffers): on 4 x H200 it took each post from ~0.35-0.45 ms to ~0.15 ms and a 1k-token request from 2.0 to 1.35
-ms, and a peer killed mid-transfer still failed its op in time (docs/nccl.md). `high_priority` (SGLANG_P2P_NCCL_STREAM_PRIORITY=high) puts the pair stream at the top CUDA
-priority so the NCCL kernel's CTAs are not queued behind a gather that becomes ready at the same moment.
+ms, and a peer killed mid-transfer still failed its op in time (docs/nccl.md). `high_priority`
+(SGLANG_P2P_NCCL_STREAM_PRIORITY=high) puts the pair stream at the top CUDA priority so the NCCL kernel's CTAs
+are not queued behind a gather that becomes ready at the same moment.
 
 Ordering rule: `send`/`recv` are ordered after the work already queued on the caller's current CUDA stream
 (as torch.distributed does), and `Completion.event` lets another stream wait for them without a host sync.
