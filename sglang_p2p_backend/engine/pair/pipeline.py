@@ -230,11 +230,11 @@ class PairSender(_PairEnd):
                         # the post, ~0.3 ms, were on every chunk's path); the ids were checked above, so what
                         # fails after it is a CUDA error, which aborts the channel as a failed send does
                         segments = [_segment_msg(seg, dst_ids, heads) for seg in chunk.segments]
+                        self._mark("header", room)  # handed to the control channel (its hop is the decode's "header")
                         self.control(
                             ChunkHeader(self.local_session, self.generation, room, prefill_rank, next_seq(),
                                         chunk.nbytes, segments)
                         )
-                        self._mark("header", room)  # handed to the control channel (its hop is the decode's "header")
                         self.copier.gather(chunk, src_ids, bufs[j])
                         self._mark("gather", room)
                         last = sends[j] = comm.send(bufs[j][: chunk.nbytes])
