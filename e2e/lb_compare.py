@@ -134,9 +134,11 @@ def tree_blocks(cache_tokens: int) -> int:
 
 
 def lb_command(spec: LBSpec, prefills: Sequence[tuple[str, int]], decodes: Sequence[str], port: int, peers: dict[str, Peer],
-               admin_key: str, prom_port: int = 0, tree: Optional[int] = None) -> Optional[tuple[list[str], dict[str, str]]]:
+               admin_key: str, prom_port: int = 0, tree: Optional[int] = None,
+               decisions: Optional[Path] = None) -> Optional[tuple[list[str], dict[str, str]]]:
     """argv and extra environment of one LB over every prefill and decode; None when the peer is absent.
-    `tree`: our tree policies' --max-tree-size (blocks), with a 1 s eviction interval, as docs/lb.md advises."""
+    `tree`: our tree policies' --max-tree-size (blocks), with a 1 s eviction interval, as docs/lb.md advises;
+    `decisions`: where ours logs every routing decision (--decision-log)."""
     workers: list[str] = []
     for url, bp in prefills:
         workers += ["--prefill", url, str(bp)]
@@ -146,7 +148,9 @@ def lb_command(spec: LBSpec, prefills: Sequence[tuple[str, int]], decodes: Seque
     if spec.kind == "ours":
         sized = ["--max-tree-size", str(tree), "--eviction-interval-secs", "1"] if tree and spec.policy in TREE_POLICIES else []
         procs = ["--workers", str(spec.workers)] if spec.workers > 1 else []
-        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", spec.policy, *sized, *procs, "--admin-api-key", admin_key, "--log-level", "warning"], {}
+        logged = ["--decision-log", str(decisions)] if decisions is not None else []
+        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", spec.policy, *sized, *procs, *logged,
+                "--admin-api-key", admin_key, "--log-level", "warning"], {}
     peer = peers.get(spec.kind)
     if peer is None:
         return None
@@ -712,10 +716,14 @@ class Harness:
 
     def lb(self, spec: LBSpec, tag: str) -> Optional[LBProc]:
         port = free_port()
-        cmd = lb_command(spec, self.cluster.prefills, self.cluster.decodes, port, self.peers, self.admin_key, prom_port=free_port(), tree=self.tree)
+        name = f"lb-{spec.name.replace(':', '-')}-{tag}"
+        # ours logs its decisions beside its log (they travel back in the call's log archive): the evidence of
+        # where each request went and what every server looked like to it then
+        cmd = lb_command(spec, self.cluster.prefills, self.cluster.decodes, port, self.peers, self.admin_key, prom_port=free_port(),
+                         tree=self.tree, decisions=self.logs / f"{name}-decisions.jsonl" if spec.kind == "ours" else None)
         if cmd is None:
             return None
-        return LBProc(spec, cmd[0], cmd[1], port, self.logs / f"lb-{spec.name.replace(':', '-')}-{tag}.log")
+        return LBProc(spec, cmd[0], cmd[1], port, self.logs / f"{name}.log")
 
     def warm_up(self, workloads: Sequence[str], seconds: float, calibrate_pool: int = 0) -> dict[str, Any]:
         """Every workload's shapes through every server (round robin), then cold caches again. With

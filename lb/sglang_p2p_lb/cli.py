@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-max-age-secs", dest="poll_max_age", type=float, default=10.0, help="ignore polled loads older than this")
     g.add_argument("--channel-ttl-secs", type=float, default=600.0, help="a P/D pair used within this time counts as having a live transfer channel")
     g.add_argument("--no-dp-aware", dest="dp_aware", action="store_false", help="never add DP-rank fields (routed_dp_rank, disagg_prefill_dp_rank)")
+    g.add_argument("--decision-log", default=None, metavar="PATH", help="append a JSON line per routing decision with what the policy saw of every candidate (PATH.<index> per process with --workers); off by default")
     g = p.add_argument_group("circuit breaker (smg's --cb-* flags)")
     g.add_argument("--cb-failure-threshold", type=int, default=BreakerConfig.failure_threshold, help="consecutive failed legs on a worker that open its circuit")
     g.add_argument("--cb-success-threshold", type=int, default=BreakerConfig.success_threshold, help="successful half-open probes that close it")
@@ -248,6 +249,7 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         dp_aware=args.dp_aware,
         discovery=found,
+        decision_log=args.decision_log,
     )
 
 

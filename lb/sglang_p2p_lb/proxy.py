@@ -31,6 +31,7 @@ from aiohttp import web
 from . import logprobs, payload, sse
 from .admission import Admission
 from .bootstrap import build_bodies
+from .decision_log import DecisionLog
 from .health import record_failure, record_success
 from .metrics import Metrics
 from .policy import Choice, PairContext, Policy
@@ -144,8 +145,10 @@ def parse_prefill_answer(raw: bytes) -> Any:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, policy: Policy, session: aiohttp.ClientSession, cfg: ProxyConfig, metrics: Metrics) -> None:
+    def __init__(self, pool: WorkerPool, policy: Policy, session: aiohttp.ClientSession, cfg: ProxyConfig, metrics: Metrics,
+                 decisions: DecisionLog | None = None) -> None:
         self.pool, self.policy, self.session, self.cfg, self.metrics = pool, policy, session, cfg, metrics
+        self.decisions = decisions  # --decision-log: every choice and what the policy saw
         self.inflight = 0
         self.admission = Admission(cfg.max_concurrent, cfg.queue_size, cfg.queue_timeout)
         self._background: set[asyncio.Task] = set()
@@ -221,7 +224,10 @@ class Dispatcher:
             total = len(self.pool.all(missing))  # type: ignore[arg-type]
             return f"no healthy {missing} worker available ({total} registered, {len(exclude_p if not ps else exclude_d)} failed for this request)"
         ctx = PairContext(frozenset(self.pool.live_channels(self.cfg.channel_ttl)), self.cfg.poll_max_age, tokens=tokens, prompt=key)
-        return self.policy.choose(ps, ds, ctx)
+        choice = self.policy.choose(ps, ds, ctx)
+        if self.decisions is not None:
+            self.decisions.record(choice, ps, ds, ctx)
+        return choice
 
     def _last_resort(self, role: str, exclude: set[str]) -> list[Worker]:
         """No worker of a role is routable (all ejected, removed or with an open circuit): try the ejected
@@ -516,6 +522,8 @@ class Dispatcher:
     async def close(self) -> None:
         for t in list(self._background):
             t.cancel()
+        if self.decisions is not None:
+            self.decisions.close()
 
 
 @dataclass

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from . import auth, discovery, payload
 from .circuit import BreakerConfig
+from .decision_log import DecisionLog
 from .discovery import DiscoveryConfig
 from .health import HealthChecker, HealthConfig
 from .loads import LoadPoller
@@ -61,6 +62,8 @@ class LBConfig:
     # SO_REUSEPORT port (processes.py); 1 is the single-process LB
     processes: int = 1
     process_index: int = 0
+    # --decision-log: a JSON line per routing decision (decision_log.py); PATH.<index> per server process
+    decision_log: str | None = None
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -96,7 +99,11 @@ class LoadBalancer:
         # cannot be retried once its prefill started (seen once in ~400 requests on a real decode)
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=WORKER_KEEPALIVE_S)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False, headers=headers)
-        self.dispatcher = Dispatcher(self.pool, self.policy, self.session, self.cfg.proxy, self.metrics)
+        decisions = None
+        if self.cfg.decision_log:
+            path = self.cfg.decision_log if self.cfg.processes == 1 else f"{self.cfg.decision_log}.{self.cfg.process_index}"
+            decisions = DecisionLog(path)
+        self.dispatcher = Dispatcher(self.pool, self.policy, self.session, self.cfg.proxy, self.metrics, decisions)
         self.health = HealthChecker(self.pool, self.session, self.cfg.health, self.metrics, self.cfg.dp_aware)
         self.loads = LoadPoller(self.pool, self.session, self.cfg.load_poll_interval)
         # one discovery round before serving, so DP sizes are known for the first requests

@@ -58,7 +58,10 @@ def test_lb_commands_cover_every_worker():
     argv, _ = lc.lb_command(lc.LBSpec("ours", "load_aware"), ps, ds, 9005, peers, "key", tree=6144)
     assert "--max-tree-size" not in argv and "--workers" not in argv
     argv, _ = lc.lb_command(lc.parse_lbs("ours:load_aware:w8")[0], ps, ds, 9006, peers, "key")
-    assert cli.build_parser().parse_args(argv[3:]).workers == 8
+    assert cli.build_parser().parse_args(argv[3:]).workers == 8 and "--decision-log" not in argv
+    # ours logs its routing decisions where the harness asks (its log directory)
+    argv, _ = lc.lb_command(lc.LBSpec("ours", "load_aware"), ps, ds, 9007, peers, "key", decisions=Path("/l/d.jsonl"))
+    assert cli.config_from_args(cli.build_parser().parse_args(argv[3:])).decision_log == "/l/d.jsonl"
 
 
 def test_bundle_peers_put_each_folder_on_its_own_path(tmp_path, monkeypatch):
@@ -256,6 +259,11 @@ def test_compare_end_to_end_against_simulated_workers(tmp_path):
             assert r["cold_requests"] + r["warm_requests"] == r["num_requests"] - r["num_failed"] and r["cold_s"] == lc.COLD_S
             assert sum(b[1] for b in r["ttft_timeline"]) == r["num_requests"] - r["num_failed"]
     assert any(doc["runs"][n]["long_prefix"][k]["cache_hit_rate"] for n in lbs for k in range(3))  # the sims' radix caches hit
+    # ours left a decision log per repetition beside its log, a line per request it routed (the peers none)
+    for name in ("ours-load_aware", "ours-prefix_aware"):
+        for k in range(3):
+            lines = (tmp_path / "logs" / f"lb-{name}-rep{k}-decisions.jsonl").read_bytes().splitlines()
+            assert len(lines) >= sum(doc["runs"][name.replace("-", ":", 1)][wl][k]["num_requests"] for wl in ("bursty_mixed", "long_prefix"))
     # the servers' own load, sampled from every sim's /metrics during every run
     for name in lbs:
         for wl in ("bursty_mixed", "long_prefix"):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import orjson
+
 from lb_harness import ADMIN, cluster, run, wait_until
 
 from sglang_p2p_lb.cli import build_parser, config_from_args
@@ -285,3 +287,25 @@ def test_ejected_worker_is_probed_faster_and_back_soon():
             assert other.consecutive_successes == 0  # the healthy one waits for the regular round
 
     run(body)
+
+
+def test_decision_log_records_each_choice_with_what_every_candidate_showed(tmp_path):
+    """--decision-log: one line per routed request, naming the pair it went to and each candidate's load as the
+    policy saw it then (the evidence a GPU run's routing is explained from)."""
+    path = tmp_path / "decisions.jsonl"
+
+    async def body():
+        async with cluster(n_prefill=2, n_decode=2, decision_log=str(path)) as c:
+            for i in range(6):
+                status, _, _ = await c.post("/generate", {"text": "x" * (400 * (i + 1)), "sampling_params": {"max_new_tokens": 2}})
+                assert status == 200
+            return [w.url for w in c.prefills], [w.url for w in c.decodes]
+
+    prefills, decodes = run(body)
+    lines = [orjson.loads(x) for x in path.read_bytes().splitlines()]
+    assert len(lines) == 6
+    for n, line in enumerate(lines, start=1):
+        assert line["p"] in prefills and line["d"] in decodes and line["tokens"] == 100 * n
+        assert [u for u, _ in line["prefills"]] == prefills and [u for u, _, _ in line["decodes"]] == decodes
+        # one at a time: nothing else in flight when each was routed
+        assert all(load == 0 for _, load in line["prefills"]) and all(run_ == 0 for _, run_, _ in line["decodes"])
