@@ -17,7 +17,7 @@ from typing import Sequence
 
 import orjson
 
-from .policy import Choice, PairContext
+from .policy import Choice, PairContext, decode_running, prefill_cost
 from .workers import Worker
 
 
@@ -27,7 +27,6 @@ class DecisionLog:
         self._f = open(path, "ab", buffering=0)  # noqa: SIM115 - held for the LB's life, closed by close()
 
     def record(self, choice: Choice, prefills: Sequence[Worker], decodes: Sequence[Worker], ctx: PairContext) -> None:
-        age, now = ctx.poll_max_age, ctx.now
         line = {
             "t": round(time.time(), 4),
             "tokens": ctx.tokens,
@@ -36,9 +35,9 @@ class DecisionLog:
             "d": choice.decode.url,
             "d_rank": choice.decode_rank,
             "p_tokens": choice.prefill_tokens,
-            "prefills": [[w.url, round(min(w.prefill_load(r, age, now) for r in range(w.dp_size)), 1)] for w in prefills],
-            "decodes": [[w.url, round(min(w.decode_load(r, age, now) for r in range(w.dp_size)), 1), round(w.kv_usage(age), 4)]
-                        for w in decodes],
+            # the loads as the policies score them: a prefill's least-loaded rank, a decode's and its KV use
+            "prefills": [[w.url, round(prefill_cost(w, ctx)[1], 1)] for w in prefills],
+            "decodes": [[w.url, round(decode_running(w, ctx)[1], 1), round(w.kv_usage(ctx.poll_max_age), 4)] for w in decodes],
         }
         self._f.write(orjson.dumps(line) + b"\n")
 

@@ -81,8 +81,13 @@ def kv_pressure(u: float) -> float:
     return KV_KNEE / (1.0 - KV_KNEE) + (u - KV_KNEE) / (1.0 - KV_KNEE) ** 2
 
 
+def decode_running(w: Worker, ctx: PairContext) -> tuple[int, float]:
+    """The decode's least-loaded rank and its running requests."""
+    return best_rank([w.decode_load(r, ctx.poll_max_age, ctx.now) for r in range(w.dp_size)])
+
+
 def decode_cost(w: Worker, ctx: PairContext, kv_weight: float) -> tuple[int, float]:
-    rank, running = best_rank([w.decode_load(r, ctx.poll_max_age, ctx.now) for r in range(w.dp_size)])
+    rank, running = decode_running(w, ctx)
     return rank, running + kv_weight * kv_pressure(w.kv_usage(ctx.poll_max_age))
 
 
