@@ -1,6 +1,6 @@
 """Finds what would stop a topology after it started: missing addresses, parallel sizes that do not fit
-the GPUs, expert counts that do not split over the EP ranks, flags the launcher owns, clashing ports and
-shared GPUs. Pure: every check reads the LaunchConfig only, and every message names the fix.
+the GPUs, expert counts that do not split over the EP ranks, flags the launcher owns, settings that stall
+attention-DP servers, clashing ports and shared GPUs. Pure: every check reads the LaunchConfig only, and every message names the fix.
 
 Flags unknown to SGLang are found by `sglang_parser`, which needs SGLang itself.
 """
@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .config import DIST_INIT_PORT_SPAN, ConfigError, LaunchConfig, Node
+from .render import attn_dp_size
 
 # Flags the launcher renders from the topology (aliases included), with where to set them instead.
 LAUNCHER_FLAGS = {
@@ -106,6 +107,20 @@ def _flag_problems(cfg: LaunchConfig) -> list[str]:
     ]
 
 
+def _idle_sleep_problems(cfg: LaunchConfig) -> list[str]:
+    """`sleep-on-idle` on a server with attention DP: each DP rank's scheduler then waits up to 1 s on its own
+    sockets when it has nothing, and a request on another rank needs it in the DP ranks' sync of every step,
+    so that request waits for it to wake. Seen as time to first token quantized to 1.0 and 2.0 s at
+    concurrency 1, whatever the KV backend (mini-a-serve on 4 x H200, docs/serving.md)."""
+    return [
+        f"{spec.role}: `sleep-on-idle` with attention DP over {attn_dp_size(cfg, spec.role)} ranks stalls requests "
+        f"up to 1 s each (an idle DP rank sleeps in its socket poll while the rank with the request waits for it "
+        f"in their sync): remove `sleep-on-idle` from the profile"
+        for spec in (cfg.prefill, cfg.decode)
+        if spec.args.get("sleep-on-idle") and attn_dp_size(cfg, spec.role) > 1
+    ]
+
+
 def _claims(cfg: LaunchConfig) -> dict[str, list[_Claim]]:
     """Ports each host must have free, by who takes them."""
     by_host: dict[str, list[_Claim]] = defaultdict(list)
@@ -169,6 +184,7 @@ def problems(cfg: LaunchConfig) -> list[str]:
         *_address_problems(cfg),
         *_size_problems(cfg),
         *_flag_problems(cfg),
+        *_idle_sleep_problems(cfg),
         *_port_problems(cfg),
         *_gpu_problems(cfg),
     ]

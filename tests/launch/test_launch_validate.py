@@ -74,6 +74,14 @@ def test_launcher_owned_flag_in_args(variant):
     only(problems_of(path), "prefill: `tp-size` in args is set by the launcher", "`tp:` of the role")
 
 
+def test_sleep_on_idle_refused_where_attention_dp_would_wait_for_a_sleeping_rank(variant):
+    def edit(d):
+        d["decode"]["args"]["sleep-on-idle"] = True
+        d["prefill"]["args"] = {"sleep-on-idle": True}  # TP-1 prefills have plain attention: nothing waits there
+    only(problems_of(variant("mini-a-serve", edit)), "decode: `sleep-on-idle` with attention DP over 2 ranks",
+         "up to 1 s", "remove `sleep-on-idle`")
+
+
 def test_redundant_experts_that_do_not_split_over_ep(variant):
     path = variant("p3x3-d4", lambda d: d["decode"].__setitem__("args", {"ep-num-redundant-experts": 30}))
     only(problems_of(path), "decode: 256 routed + 30 redundant experts = 286 do not split over EP 32")
