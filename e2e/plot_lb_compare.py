@@ -84,6 +84,19 @@ def plot(doc: dict[str, Any], out: Path) -> None:
     fig.suptitle(f"LB comparison, {doc.get('topology')} ({doc.get('servers', '')}), median of {reps} runs of {(doc.get('plan') or {}).get('run_s')} s, whiskers min-max", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+    plt.close(fig)
+    _palette(out)
+
+
+def _palette(path: Path) -> None:
+    """Re-save as a 128-colour palette PNG (a third of the size, the same chart): the committed results travel
+    with every device call, whose 64 MiB the SGLang archive nearly fills (docs/e2e.md). Pillow comes with
+    matplotlib."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        small = img.convert("RGB").quantize(colors=128)
+    small.save(path, optimize=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
