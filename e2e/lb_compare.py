@@ -75,24 +75,41 @@ class LBSpec:
     kind: str  # ours | mini_lb | smg
     policy: str = ""
     workers: int = 1  # ours only: --workers (server processes on one port)
+    cached_cost: float = 0.0  # ours only: --cached-token-cost
 
     @property
     def name(self) -> str:
         base = f"{self.kind}:{self.policy}" if self.policy else self.kind
-        return f"{base}:w{self.workers}" if self.workers > 1 else base
+        base = f"{base}:w{self.workers}" if self.workers > 1 else base
+        return f"{base}:c{self.cached_cost:g}" if self.cached_cost else base
+
+
+def _ours_option(item: str, opt: str) -> tuple[str, float]:
+    """One `:w<N>` (our --workers) or `:c<share>` (our --cached-token-cost) of an `ours:` entry."""
+    try:
+        value = float(opt[1:]) if opt[:1] == "c" else int(opt[1:]) if opt[:1] == "w" else None
+    except ValueError:
+        value = None
+    if opt[:1] == "w" and value is not None and value >= 1:
+        return "workers", value
+    if opt[:1] == "c" and value is not None and 0.0 <= value <= 1.0:
+        return "cached_cost", value
+    raise ValueError(f"LB {item!r}: ours takes a process count as :w<N> (N >= 1) and a cached-token cost as "
+                     f":c<share> (0-1), e.g. ours:prefix_aware:c0.25")
 
 
 def parse_lbs(text: str) -> list[LBSpec]:
-    """`ours:<policy>[:w<N>]` (N: our --workers), `smg:<policy>`, `mini_lb`, comma-separated."""
+    """`ours:<policy>[:w<N>][:c<share>]` (our --workers, --cached-token-cost), `smg:<policy>`, `mini_lb`,
+    comma-separated."""
     out = []
     for item in filter(None, (x.strip() for x in text.split(","))):
-        kind, _, policy = item.partition(":")
-        policy, _, procs = policy.partition(":")
+        kind, _, rest = item.partition(":")
+        policy, *opts = rest.split(":") if rest else ("",)
         if kind not in ("ours", "mini_lb", "smg") or (kind != "mini_lb" and not policy) or (kind == "mini_lb" and policy):
-            raise ValueError(f"LB {item!r}: use ours:<policy>[:w<N>], smg:<policy> or mini_lb")
-        if procs and (kind != "ours" or not procs.startswith("w") or not procs[1:].isdigit() or int(procs[1:]) < 1):
-            raise ValueError(f"LB {item!r}: only ours takes a process count, as ours:<policy>:w<N> (N >= 1)")
-        out.append(LBSpec(kind, policy, int(procs[1:]) if procs else 1))
+            raise ValueError(f"LB {item!r}: use ours:<policy>[:w<N>][:c<share>], smg:<policy> or mini_lb")
+        if opts and kind != "ours":
+            raise ValueError(f"LB {item!r}: only ours takes a process count (:w<N>) or a cached-token cost (:c<share>)")
+        out.append(LBSpec(kind, policy, **dict(_ours_option(item, o) for o in opts)))
     return out
 
 
@@ -149,7 +166,8 @@ def lb_command(spec: LBSpec, prefills: Sequence[tuple[str, int]], decodes: Seque
         sized = ["--max-tree-size", str(tree), "--eviction-interval-secs", "1"] if tree and spec.policy in TREE_POLICIES else []
         procs = ["--workers", str(spec.workers)] if spec.workers > 1 else []
         logged = ["--decision-log", str(decisions)] if decisions is not None else []
-        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", spec.policy, *sized, *procs, *logged,
+        cached = ["--cached-token-cost", f"{spec.cached_cost:g}"] if spec.cached_cost else []
+        return [sys.executable, "-m", "sglang_p2p_lb", *common, "--policy", spec.policy, *sized, *procs, *logged, *cached,
                 "--admin-api-key", admin_key, "--log-level", "warning"], {}
     peer = peers.get(spec.kind)
     if peer is None:
@@ -956,7 +974,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--topology", choices=sorted(TOPOLOGIES), default="2p2d")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--logs", type=Path, required=True)
-    ap.add_argument("--lbs", default=",".join(DEFAULT_LBS), help="comma-separated: ours:<policy>, mini_lb, smg:<policy>")
+    ap.add_argument("--lbs", default=",".join(DEFAULT_LBS), help="comma-separated: ours:<policy>[:w<N>][:c<share>], mini_lb, smg:<policy>")
     ap.add_argument("--workloads", default=None, help="comma-separated, in the order the plan keeps them (default: the layout's)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-run-s", type=float, default=20.0, help="longest run per workload; shorter when the budget asks")

@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--balance-rel-threshold", type=float, default=PrefixParams.balance_rel_threshold)
     g.add_argument("--eviction-interval-secs", "--eviction-interval", dest="eviction_interval", type=float, default=PrefixParams.eviction_interval, help="how often each worker's prefix tree is trimmed to --max-tree-size")
     g.add_argument("--max-tree-size", type=int, default=PrefixParams.max_tree_size, help="prefix-tree entries (64-byte prompt blocks) kept per worker")
+    g.add_argument("--cached-token-cost", dest="cached_cost", type=float, default=PrefixParams.cached_cost, help="ours (prefix_aware): share of a cached prompt token's cost still charged to the prefill holding it, 0-1 (its KV still leaves that prefill; default 0: a hit is free)")
     g = p.add_argument_group("keys (Authorization: Bearer)")
     g.add_argument("--api-key", default=os.environ.get(auth.API_KEY_ENV), help=f"client key for every route but /health and /metrics; also sent to the workers (env {auth.API_KEY_ENV})")
     g.add_argument("--admin-api-key", default=os.environ.get(auth.ADMIN_KEY_ENV), help=f"key for POST/DELETE /workers and /flush_cache, which are refused without one (env {auth.ADMIN_KEY_ENV})")
@@ -206,6 +207,7 @@ def config_from_args(args: argparse.Namespace) -> LBConfig:
             balance_rel_threshold=args.balance_rel_threshold,
             eviction_interval=args.eviction_interval,
             max_tree_size=args.max_tree_size,
+            cached_cost=args.cached_cost,
         ),
         auth=auth.AuthConfig.from_keys(admin_keys, args.api_key),
         worker_api_key=args.api_key,

@@ -9,7 +9,9 @@ there. Both policies remember what they routed where in an approximate prefix tr
 this request's KV is ready: its outstanding uncached tokens plus this prompt's tokens minus the part
 expected in its cache. So a cache hit wins while the holder's queue is shorter than the work the hit
 saves, and a hot prefix spills to other servers as soon as its holder's queue grows past that (a hit
-costs only its uncached tokens in the holder's load, so the trade-off is made in one unit). Matches
+costs only its uncached tokens in the holder's load, so the trade-off is made in one unit). In PD a hit is not
+free: the whole prompt's KV still leaves the prefill that holds it, and attention still reads the prefix;
+`cached_cost` charges that share of every cached token (0, the default: a hit costs nothing). Matches
 below `cache_threshold` of the prompt count as misses; among prefills of near-equal cost the longer expected
 hit wins, then the smaller tree (where a new prefix evicts least), and when request loads are imbalanced by both
 balance thresholds cache affinity is dropped for pure load, as in smg. The decode and the pair
@@ -41,6 +43,12 @@ class PrefixParams:
     balance_rel_threshold: float = 1.5
     eviction_interval: float = 120.0
     max_tree_size: int = 1 << 18
+    # ours (prefix_aware only): the share of a cached token's cost still charged to the prefill that holds it
+    cached_cost: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cached_cost <= 1.0:
+            raise ValueError(f"cached token cost must be in [0, 1] (a share of an uncached token's), got {self.cached_cost}")
 
 
 def request_load(w: Worker, ctx: PairContext) -> float:
@@ -98,8 +106,12 @@ class PrefixAwarePolicy(LoadAwarePolicy, _TreeOwner):
         for r in range(w.dp_size):
             share = cached_share(self.tree.match(hashes, (w.url, r)), len(ctx.prompt)) if affinity else 0.0
             cached = ctx.tokens * share if share >= self.prefix.cache_threshold else 0.0
-            out.append((w.prefill_load(r, ctx.poll_max_age, ctx.now) + ctx.tokens - cached, cached))
+            out.append((w.prefill_load(r, ctx.poll_max_age, ctx.now) + self.work(ctx.tokens, cached), cached))
         return out
+
+    def work(self, tokens: float, cached: float) -> float:
+        """A request's prefill work in uncached-token units: its uncached tokens and `cached_cost` of the rest."""
+        return tokens - cached * (1.0 - self.prefix.cached_cost)
 
     def choose(self, prefills, decodes, ctx) -> Choice:
         self.maybe_evict(prefills)
@@ -119,7 +131,7 @@ class PrefixAwarePolicy(LoadAwarePolicy, _TreeOwner):
         i, j, d_rank = self.pick(prefills, decodes, pc, ctx, prefs)
         if hashes:
             self.tree.insert(hashes, (prefills[i].url, pc[i][0]))
-        return Choice(prefills[i], decodes[j], pc[i][0], d_rank, prefill_tokens=max(1, round(ctx.tokens - cached[i])) if cached[i] else None)
+        return Choice(prefills[i], decodes[j], pc[i][0], d_rank, prefill_tokens=max(1, round(self.work(ctx.tokens, cached[i]))) if cached[i] else None)
 
 
 class CacheAwarePolicy(_TreeOwner):

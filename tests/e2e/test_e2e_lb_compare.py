@@ -28,9 +28,17 @@ def test_parse_lbs_and_rotation():
     # our LB with --workers N
     assert [(s.name, s.policy, s.workers) for s in lc.parse_lbs("ours:load_aware:w8,ours:load_aware:w1")] == [
         ("ours:load_aware:w8", "load_aware", 8), ("ours:load_aware", "load_aware", 1)]
-    for bad in ("smg:cache_aware:w2", "ours:load_aware:8", "ours:load_aware:w0"):
+    for bad in ("smg:cache_aware:w2", "ours:load_aware:8", "ours:load_aware:w0", "ours:prefix_aware:c1.5", "ours:prefix_aware:cx"):
         with pytest.raises(ValueError, match="process count"):
             lc.parse_lbs(bad)
+    # our LB with --cached-token-cost, beside the same policy without it: two LBs, two names, and the flag passed
+    a, b = lc.parse_lbs("ours:prefix_aware:c0.25,ours:prefix_aware:w2:c0.5")
+    assert (a.name, a.cached_cost, a.workers) == ("ours:prefix_aware:c0.25", 0.25, 1)
+    assert (b.name, b.cached_cost, b.workers) == ("ours:prefix_aware:w2:c0.5", 0.5, 2)
+    argv, _ = lc.lb_command(a, [("http://127.0.0.1:1", 2)], ["http://127.0.0.1:3"], 4, {}, "k")
+    assert argv[argv.index("--cached-token-cost") + 1] == "0.25"
+    argv, _ = lc.lb_command(lc.parse_lbs("ours:prefix_aware")[0], [("http://127.0.0.1:1", 2)], ["http://127.0.0.1:3"], 4, {}, "k")
+    assert "--cached-token-cost" not in argv
     orders = [[s.name for s in lc.rotated(specs, r)] for r in range(3)]
     assert orders[1] == ["mini_lb", "smg:cache_aware", "ours:load_aware"]
     assert all(sorted(o) == sorted(orders[0]) for o in orders) and len({o[0] for o in orders}) == 3  # each LB goes first once

@@ -3,6 +3,8 @@ prefill wins for which prompts and loads."""
 
 import random
 
+import pytest
+
 from lb_harness import cluster, run
 from sglang_p2p_lb.policy import PairContext
 from sglang_p2p_lb.policy_registry import make_policy
@@ -75,6 +77,35 @@ def test_prefix_aware_spills_a_hot_prefix_when_its_holder_is_busy():
     # queue beyond the saving: a cold server finishes first
     Lease(holder, ds[0], 0, 0, 3 * tokens, 1)
     assert pol.choose(ps, ds, ctx(prompt)).prefill is other
+
+
+def test_cached_token_cost_spills_a_holder_that_sends_most_of_the_kv():
+    """A hit still sends the whole prompt's KV from its holder: with --cached-token-cost the holder's hits count
+    in its load and the prefix spills once that load passes a miss elsewhere; without it every hit stays."""
+    prefix = SYSTEM * 4  # ~1.1k tokens, past the 256-token tolerance within which the longer hit wins
+    placed = {}
+    for cost in (0.0, 0.5):
+        ps, ds = [P(1), P(2)], [D(1)]
+        pol = PrefixAwarePolicy(PrefixParams(cached_cost=cost), rng=random.Random(0))
+        holder = pol.choose(ps, ds, ctx(prefix + b"q")).prefill
+        Lease(holder, ds[0], 0, 0, ctx(prefix + b"q").tokens, 1)
+        works = []
+        for k in range(8):  # none finishes: each stays on its prefill's books
+            c = ctx(prefix + f"question {k}".encode())
+            choice = pol.choose(ps, ds, c)
+            if choice.prefill is holder and choice.prefill_tokens is not None:
+                works.append((choice.prefill_tokens, c.tokens))
+            Lease(choice.prefill, ds[0], 0, 0, c.tokens, 1, p_tokens=choice.prefill_tokens)
+        placed[cost] = (holder.inflight_reqs[0], sum(p.inflight_reqs[0] for p in ps if p is not holder))
+        if cost:  # a hit is charged its uncached tokens and half the cached ones
+            (work, tokens), = works[:1]
+            assert tokens // 2 - 64 <= work <= tokens // 2 + 64, (work, tokens)
+    assert placed[0.0] == (9, 0)  # the first request and all eight hits
+    # the second prefill took a miss once the holder's charged hits passed it, then held the prefix too: shared
+    held, other = placed[0.5]
+    assert held + other == 9 and other >= 3 and abs(held - other) <= 1, placed
+    with pytest.raises(ValueError, match="cached token cost"):
+        PrefixParams(cached_cost=1.5)
 
 
 def test_prefix_aware_ignores_short_matches_and_imbalance():
