@@ -253,6 +253,7 @@ class WorkloadParams:
     short_median: int = 300  # bursty: 85% short prompts (lognormal) ...
     long_min: int = 2000  # ... and 15% long ones, uniform in [long_min, long_max]
     long_max: int = 6000
+    bursty_output_max: int = 64  # ... each asking for a quarter of this to this many tokens (fewer: the decode keeps up)
     chat_rate: float = 6.0  # shared_prefix conversations/s, 4 turns each
     chat_prefix: int = 2000
     turn_gap: float = 1.0  # seconds between the turns of a conversation (runs are short)
@@ -266,7 +267,8 @@ class WorkloadParams:
 
 def make_workload(name: str, duration: float, seed: int, wp: WorkloadParams) -> list[Req]:
     if name == "bursty_mixed":
-        return lb_real.bursty_mixed(duration, wp.bursty_rate, seed, wp.short_median, wp.long_min, wp.long_max)
+        return lb_real.bursty_mixed(duration, wp.bursty_rate, seed, wp.short_median, wp.long_min, wp.long_max,
+                                    wp.bursty_output_max)
     if name == "shared_prefix":
         return lb_real.shared_prefix(duration, wp.chat_rate, seed, prefix_len=wp.chat_prefix, question=wp.question, answer=wp.answer,
                                      gap=wp.turn_gap, output=wp.chat_output)

@@ -54,9 +54,9 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def bursty_mixed(duration: float, rate: float, seed: int = 0, short_median: int = 300, long_min: int = 2000,
-                 long_max: int = 6000) -> list[Req]:
+                 long_max: int = 6000, output_max: int = 64) -> list[Req]:
     """Poisson arrivals, 3x rate for the last quarter of every 4 s; 85% short prompts (lognormal, median 300),
-    15% long (uniform 2k-6k)."""
+    15% long (uniform 2k-6k); each asks for output_max / 4 to output_max tokens (16-64)."""
     rng = random.Random(seed)
     calm = rate / (0.75 + 3 * 0.25)
     out, t = [], 0.0
@@ -65,7 +65,7 @@ def bursty_mixed(duration: float, rate: float, seed: int = 0, short_median: int 
         if t >= duration:
             return out
         n = rng.randint(long_min, long_max) if rng.random() < 0.15 else max(8, int(rng.lognormvariate(math.log(short_median), 0.6)))
-        out.append(Req(t, _ids(rng, n), rng.randint(16, 64)))
+        out.append(Req(t, _ids(rng, n), rng.randint(max(1, output_max // 4), output_max)))
 
 
 def shared_prefix(duration: float, conversations_per_s: float, seed: int = 0, n_prefixes: int = 6, prefix_len: int = 2000,

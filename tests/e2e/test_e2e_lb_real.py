@@ -26,6 +26,9 @@ def test_workloads_are_seeded_bursty_and_share_prefixes():
     burst = sum(1 for r in a if r.at % 4 >= 3)
     assert burst > 0.35 * len(a)  # a quarter of the time carries half the requests
     assert any(len(r.input_ids) >= 2000 for r in a) and any(len(r.input_ids) < 600 for r in a)
+    assert {r.max_new_tokens for r in a} <= set(range(16, 65)) and a == lb_real.bursty_mixed(20, 16.0, seed=3, output_max=64)
+    short = lb_real.bursty_mixed(20, 16.0, seed=3, output_max=8)  # what a 3P1D run asks so that its decode keeps up
+    assert {r.max_new_tokens for r in short} == set(range(2, 9))
     chats = lb_real.shared_prefix(20, 3.0, seed=1)
     assert [r.at for r in chats] == sorted(r.at for r in chats)
     heads = {tuple(r.input_ids[:2000]) for r in chats}
