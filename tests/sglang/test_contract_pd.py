@@ -9,7 +9,7 @@ import pytest
 from test_pd_hetero_tp import ENV as HETERO_ENV
 from test_pd_hetero_tp import assert_heads_landed, kv_bytes_sent, rooms
 from test_pd_hetero_tp import plan as hetero_plan
-from test_pd_transfer import FAST_FAILURE_ENV, MOONCAKE_ENV, TRANSPORTS, assert_all_landed, failed_reason
+from test_pd_transfer import FAST_FAILURE_ENV, MOONCAKE_ENV, REFUSAL_ENV, TRANSPORTS, assert_all_landed, failed_reason
 
 from sglang_p2p_backend.testing.launch import run_pair
 
@@ -55,7 +55,7 @@ def test_kv_layout_mismatch_is_refused_on_both_sides_naming_both_layouts(prefill
         "kv_layout": {"prefill": prefill_layout, "decode": decode_layout},
         "deadline_s": 40,
     }
-    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    result = run_pair(plan, env=REFUSAL_ENV)
     assert result["returncodes"] == {"prefill": 0, "decode": 0}, result["workdir"]
     ours = (f"KV byte layout (KVArgs.kv_layout) differs: {both}; launch both with the same --dsv4-attn-backend and "
             f"SGLANG_DSV4_KV_LAYOUT")
@@ -125,7 +125,7 @@ def test_kv_checksum_on_one_side_only_is_refused_naming_the_flag():
     needs_kv_checksum()
     plan = {"pool": POOL, "requests": [{"room": 521, "tokens": 20}], "kv_checksum": {"prefill": True},
             "deadline_s": 40}
-    result = run_pair(plan, env=FAST_FAILURE_ENV)
+    result = run_pair(plan, env=REFUSAL_ENV)
     for side in ("prefill", "decode"):
         reason = failed_reason(result[side], 521)
         # the prefill's last aux buffer is the digest row (64 bytes)

@@ -36,6 +36,11 @@ FAST_FAILURE_ENV = {
     "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "5",
 }
 
+#: for tests that expect a refusal's reason: it reaches both sides when the decode registers, which on the loaded
+#: 2-core CI machine came after the fast 8 s (the room then timed out in Bootstrapping instead, naming no reason)
+REFUSAL_ENV = {**FAST_FAILURE_ENV, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30",
+               "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30"}
+
 
 MOONCAKE_ENV = {"SGLANG_P2P_TRANSPORT": "mooncake", "MC_FORCE_TCP": "1", "GLOG_minloglevel": "2"}
 # the same-host path with its CPU stand-in for CUDA IPC (tests/support/shm_ipc.py): pools in shared memory
