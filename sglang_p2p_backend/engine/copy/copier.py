@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.engine.copy.heads import Heads
-from sglang_p2p_backend.engine.copy.plan import Chunk, is_contiguous, staging_blocks
+from sglang_p2p_backend.engine.copy.plan import Chunk, ids_out_of_range, is_contiguous, staging_blocks
 from sglang_p2p_backend.engine.copy.state_slices import Spans
 
 GroupViews = Sequence[Sequence[torch.Tensor]]  # [group][region] -> (num_items, item_len) uint8 view
@@ -128,10 +128,9 @@ class PageCopier:
                 return f"page ids for group {g}, which this rank's pools do not have"
             if len(part) == 0 or not self.views[g]:
                 continue
-            limit = min(int(v.shape[0]) for v in self.views[g])
-            lo, hi = int(np.min(part)), int(np.max(part))
-            if lo < 0 or hi >= limit:
-                return f"group {g} page id out of range [0, {limit}): min {lo}, max {hi}"
+            problem = ids_out_of_range(part, min(int(v.shape[0]) for v in self.views[g]))
+            if problem:
+                return f"group {g} {problem}"
         return None
 
     def loaded_for(self, chunk: Chunk) -> bool:

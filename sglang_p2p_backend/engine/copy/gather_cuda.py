@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from sglang_p2p_backend.engine.copy.plan import ids_out_of_range
+
 try:  # Triton comes with CUDA builds of torch; CPU-only installs lack it and never call this module
     import triton
     import triton.language as tl
@@ -175,10 +177,9 @@ class FusedGather:
         if isinstance(ids, torch.Tensor) and ids.device.type == "cuda":
             return ids.to(torch.int64)  # already on the GPU: the caller vouches for the range
         part = np.ascontiguousarray(np.asarray(ids, dtype=np.int64))
-        if part.size:
-            limit = min(table.num_items[lo:hi])
-            if int(part.min()) < 0 or int(part.max()) >= limit:
-                raise IndexError(f"page id out of range [0, {limit}): min {int(part.min())}, max {int(part.max())}")
+        problem = ids_out_of_range(part, min(table.num_items[lo:hi]))
+        if problem:
+            raise IndexError(problem)
         # pinned: from pageable memory the copy would first wait for all work queued on the stream
         return torch.from_numpy(part).pin_memory().to(self.device, non_blocking=True)
 

@@ -75,6 +75,14 @@ def is_contiguous(ids: np.ndarray) -> bool:
     return ids.size > 0 and int(ids[-1]) - int(ids[0]) == ids.size - 1 and bool(np.all(np.diff(ids) == 1))
 
 
+def ids_out_of_range(ids: np.ndarray, limit: int) -> Optional[str]:
+    """What is wrong with page ids that must lie in [0, limit), None if nothing (or no ids)."""
+    if len(ids) == 0:
+        return None
+    lo, hi = int(np.min(ids)), int(np.max(ids))
+    return f"page id out of range [0, {limit}): min {lo}, max {hi}" if lo < 0 or hi >= limit else None
+
+
 def moved_len(item_len: int, heads: Slice, region: int = 0) -> int:
     """Bytes one page of region `region` contributes: the whole page, only the head range, or the spans."""
     return item_len if heads is None else heads.moved(item_len, region)
