@@ -86,14 +86,14 @@ class LBSpec:
 
 def _ours_option(item: str, opt: str) -> tuple[str, float]:
     """One `:w<N>` (our --workers) or `:c<share>` (our --cached-token-cost) of an `ours:` entry."""
+    key, text = opt[:1], opt[1:]
     try:
-        value = float(opt[1:]) if opt[:1] == "c" else int(opt[1:]) if opt[:1] == "w" else None
+        if key == "w" and int(text) >= 1:
+            return "workers", int(text)
+        if key == "c" and 0.0 <= float(text) <= 1.0:
+            return "cached_cost", float(text)
     except ValueError:
-        value = None
-    if opt[:1] == "w" and value is not None and value >= 1:
-        return "workers", value
-    if opt[:1] == "c" and value is not None and 0.0 <= value <= 1.0:
-        return "cached_cost", value
+        pass
     raise ValueError(f"LB {item!r}: ours takes a process count as :w<N> (N >= 1) and a cached-token cost as "
                      f":c<share> (0-1), e.g. ours:prefix_aware:c0.25")
 

@@ -1,6 +1,7 @@
 """Finds what would stop a topology after it started: missing addresses, parallel sizes that do not fit
 the GPUs, expert counts that do not split over the EP ranks, flags the launcher owns, settings that stall
-attention-DP servers, clashing ports and shared GPUs. Pure: every check reads the LaunchConfig only, and every message names the fix.
+attention-DP servers, clashing ports and shared GPUs. Pure: every check reads the LaunchConfig only, and every
+message names the fix.
 
 Flags unknown to SGLang are found by `sglang_parser`, which needs SGLang itself.
 """

@@ -89,16 +89,16 @@ def test_cached_token_cost_spills_a_holder_that_sends_most_of_the_kv():
         pol = PrefixAwarePolicy(PrefixParams(cached_cost=cost), rng=random.Random(0))
         holder = pol.choose(ps, ds, ctx(prefix + b"q")).prefill
         Lease(holder, ds[0], 0, 0, ctx(prefix + b"q").tokens, 1)
-        works = []
+        first_hit = None  # (prefill work charged, prompt tokens) of the first hit on the holder
         for k in range(8):  # none finishes: each stays on its prefill's books
             c = ctx(prefix + f"question {k}".encode())
             choice = pol.choose(ps, ds, c)
-            if choice.prefill is holder and choice.prefill_tokens is not None:
-                works.append((choice.prefill_tokens, c.tokens))
+            if first_hit is None and choice.prefill is holder and choice.prefill_tokens is not None:
+                first_hit = (choice.prefill_tokens, c.tokens)
             Lease(choice.prefill, ds[0], 0, 0, c.tokens, 1, p_tokens=choice.prefill_tokens)
         placed[cost] = (holder.inflight_reqs[0], sum(p.inflight_reqs[0] for p in ps if p is not holder))
         if cost:  # a hit is charged its uncached tokens and half the cached ones
-            (work, tokens), = works[:1]
+            work, tokens = first_hit
             assert tokens // 2 - 64 <= work <= tokens // 2 + 64, (work, tokens)
     assert placed[0.0] == (9, 0)  # the first request and all eight hits
     # the second prefill took a miss once the holder's charged hits passed it, then held the prefix too: shared
