@@ -23,7 +23,7 @@ def test_the_issue_35_case_list():
     by = {s.name: s for s in xc.SHAPES}
     assert by["mha_p1"].regions * by["mha_p1"].token_bytes == 128 << 10  # 128 KiB of KV a token
     assert by["mla_p64"].nbytes(4096) == 61 * 576 * 2 * 4096
-    assert by["mha_p16"].nbytes(16384) == 2 << 30  # 16k tokens of MHA: 2 GiB, the issue's figure
+    assert by["mha_p16"].nbytes(16384) == 2 << 30  # 16k tokens of MHA: 2 GiB, the size the transfer targets are stated for
     assert xc.pool_pages(by["mha_p16"]) == (1024, 2048)
 
 
