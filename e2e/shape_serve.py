@@ -65,11 +65,12 @@ def deployment(shape: Shape, cfg: LaunchConfig, model: Path, release: str, backe
         if backend == "p2pnccl":  # the launcher itself, as an operator starts it
             s = server_for(node_launch(shape, cfg, node, model), config.e2e_root() / "state" / "no-corruption")
             s.env.update(serve.BACKEND_ENV[backend])
-        else:
+        else:  # a peer backend, or a variant of ours (serve.TRANSFER_BACKEND: the same backend, other knobs)
+            transfer = serve.TRANSFER_BACKEND.get(backend, backend)
             s = Server(f"{shape.topology}-{backend}-{node.role}{node.group}", node.port + step, node.role,
                        gpu=node.base_gpu_id or 0, bootstrap_port=node.bootstrap_port + step,
-                       argv=moved_command(cfg, node, release, backend, step), env={**env, **dict(server_command(
-                           cfg, node, release).env)})
+                       argv=moved_command(cfg, node, release, transfer, step), env={**env, **dict(server_command(
+                           cfg, node, release).env), **serve.BACKEND_ENV[backend]})
         servers.append(s)
     prefills = [s for s in servers if s.mode == "prefill"]
     decode = next(s for s in servers if s.mode == "decode")
@@ -106,13 +107,17 @@ def run(models: Path, logs: Path, out: Path, shape_name: str, backends: list[str
 def main(argv: list[str] | None = None) -> int:
     ap = config.step_parser(__doc__)
     ap.add_argument("--shape", default="mini-a-serve", choices=sorted(SHAPES))
-    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--backends", default=",".join(BACKENDS), help="of " + ", ".join(serve.BACKEND_ENV) + " (the "
+                    "p2pnccl-* variants run our backend with other knobs: e2e/serve.py's BACKEND_ENV)")
     ap.add_argument("--cells", default=serve.DEFAULT_CELLS)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="closed-loop rounds of users a run (requests = rounds x "
                     "concurrency): 2 is mostly the arrival burst, more steadies the medians")
     ap.add_argument("--machine", default="unknown")
     a = ap.parse_args(argv)
+    unknown = sorted(set(a.backends.split(",")) - set(serve.BACKEND_ENV))
+    if unknown:
+        ap.error(f"--backends: {', '.join(unknown)} not one of {', '.join(serve.BACKEND_ENV)}")
     exit_on_sigterm()
     a.logs.mkdir(parents=True, exist_ok=True)
     res = run(a.models, a.logs, a.out, a.shape, a.backends.split(","), serve.parse_cells(a.cells), a.reps, a.machine,

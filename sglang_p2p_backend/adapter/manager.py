@@ -165,8 +165,10 @@ class P2pNcclKVManagerBase(CommonKVManager):
             # its sources; aux rows included (they travel in the last chunk's batch)
             self.one_sided.register(self.local_memory.regions())
         #: same-host path (engine/transport/cuda_ipc.py): the decode exports its pools, the prefill maps peers'
+        c = self.config
         self.ipc: Optional[CudaIpcTransport] = CudaIpcTransport(
-            self.device, self.config.copy_engine, self.config.ipc_programs) if self.transports.ipc else None
+            self.device, c.copy_engine, c.ipc_programs, c.ce_min_span_bytes, c.ce_max_spans
+        ) if self.transports.ipc else None
         self.auth = Authenticator(key, self.session, self.incarnation) if key else None
         #: the model's KV head count (MHA/GQA; SGLang sets it on the prefill only): heads.py pairs ranks by it
         self.kv_total_heads = 0 if is_mla_backend else int(

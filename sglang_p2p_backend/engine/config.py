@@ -112,6 +112,11 @@ class EngineConfig:
     #: SGLANG_P2P_COPY_ENGINE: how the same-host path copies a chunk: `auto` (per chunk, engine/copy/ce_plan.py's
     #: rule), `off` (the SM copy kernel) or `on` (the GPU's copy engines, cudaMemcpyBatchAsync)
     copy_engine: str = "auto"
+    #: SGLANG_P2P_CE_MIN_SPAN_KIB / SGLANG_P2P_CE_MAX_SPANS: `auto`'s thresholds (a chunk goes to the copy engines
+    #: when its mean span is at least this long and it has at most this many spans); None: ce_plan's defaults,
+    #: measured on transfers alone. Lower them where the prefill is busy: the copy engines take no SMs from it
+    ce_min_span_kib: Optional[int] = None
+    ce_max_spans: Optional[int] = None
     #: SGLANG_P2P_IPC_PROGRAMS: the grid bound of the same-host page-copy kernel (engine/copy/span_copy.py's
     #: PageCopier); None: span_copy.default_programs (about 8 KiB in flight an SM, one program an SM for pages of
     #: 32 KiB and up); bench/transfer/xfer_bench.py --programs measures write time against what the grid takes
@@ -129,6 +134,10 @@ class EngineConfig:
     #: (the prefill of the pages it sent, the decode of the pages it holds; adapter/kv_digest.py), which the
     #: end-to-end checks compare by room; costs a synchronous hash of the room's pages on the pool's device
     test_kv_digest: bool = False
+
+    @property
+    def ce_min_span_bytes(self) -> Optional[int]:
+        return None if self.ce_min_span_kib is None else self.ce_min_span_kib << 10
 
     @property
     def slot_bytes(self) -> int:
@@ -156,6 +165,8 @@ class EngineConfig:
             nccl_high_priority=_choice("SGLANG_P2P_NCCL_STREAM_PRIORITY", ("normal", "high")) == "high",
             overlap=_choice("SGLANG_P2P_OVERLAP", ("1", "0")) == "1",
             copy_engine=_choice("SGLANG_P2P_COPY_ENGINE", COPY_ENGINE_MODES),
+            ce_min_span_kib=_number("SGLANG_P2P_CE_MIN_SPAN_KIB", cls.ce_min_span_kib, int),
+            ce_max_spans=_number("SGLANG_P2P_CE_MAX_SPANS", cls.ce_max_spans, int),
             ipc_programs=_number("SGLANG_P2P_IPC_PROGRAMS", cls.ipc_programs, int),
             nccl_library=env.get("SGLANG_P2P_NCCL_SO_PATH") or env.get("SGLANG_NCCL_SO_PATH") or None,
             mooncake_force_tcp=env.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"),

@@ -128,3 +128,30 @@ def test_serving_runs_every_backend_on_the_same_rendered_commands_with_moved_por
     assert lb[lb.index("--prefill"):lb.index("--host")] == [
         "--prefill", "http://127.0.0.1:31600", "9600", "--prefill", "http://127.0.0.1:31601", "9601",
         "--decode", "http://127.0.0.1:31610"]
+
+
+def test_a_variant_of_ours_runs_the_rendered_commands_as_p2pnccl_with_its_knobs_and_ports_of_its_own(capsys):
+    """`--backends p2pnccl,p2pnccl-ce,...`: a variant is our backend on the same rendered commands as the peers
+    (ports moved by its place in the list), with its knobs in the environment; unknown names are refused."""
+    from e2e import serve, shape_serve
+    from e2e.shape_plan import load
+
+    shape = shape_serve.SHAPES["mini-a-serve"]
+    cfg = load(shape, Path("/m/deepseek-anchor"))
+    ce = shape_serve.deployment(shape, cfg, Path("/m/deepseek-anchor"), "0.5.17", "p2pnccl-ce", 3)
+    f = flags(tuple(ce.prefills[0].argv[3:]))
+    assert ce.prefills[0].argv[1:3] == ["-m", "sglang.launch_server"]
+    assert (f["--disaggregation-transfer-backend"], f["--port"], f["--disaggregation-bootstrap-port"]) == (
+        ["p2pnccl"], ["33600"], ["11600"])
+    for s in ce.servers():
+        assert (s.env["SGLANG_P2P_CE_MIN_SPAN_KIB"], s.env["SGLANG_P2P_CE_MAX_SPANS"]) == ("1024", "256")
+        assert s.env["SGLANG_P2P_TRANSPORT"] == "auto"
+    sm = shape_serve.deployment(shape, cfg, Path("/m/deepseek-anchor"), "0.5.17", "p2pnccl-sm16", 4)
+    assert sm.decode["graph"].env["SGLANG_P2P_IPC_PROGRAMS"] == "16"
+    assert "SGLANG_P2P_IPC_PROGRAMS" not in ce.decode["graph"].env
+    ports = [s.port for d in (ce, sm) for s in [*d.servers(), d.lb["graph"]]]
+    assert len(ports) == len(set(ports))
+    assert set(serve.TRANSFER_BACKEND) <= set(serve.BACKEND_ENV)
+    with pytest.raises(SystemExit):
+        shape_serve.main(["--models", "/m", "--out", "/tmp/x.json", "--logs", "/tmp/l", "--backends", "p2pnccl,nccl2"])
+    assert "--backends: nccl2 not one of p2pnccl, p2pnccl-gil5, p2pnccl-ce" in capsys.readouterr().err

@@ -81,6 +81,21 @@ def test_auto_rule_at_its_thresholds():
     assert choose("auto", few + 1, (few + 1) * mean, batched=False) == KERNEL
 
 
+def test_auto_thresholds_given_replace_the_shipped_ones():
+    """SGLANG_P2P_CE_MIN_SPAN_KIB / SGLANG_P2P_CE_MAX_SPANS: MLA at 61 layers, page 1, a contiguous 4k-token
+    request is 61 spans of 4.5 MiB; the shipped 16 MiB mean keeps it on the kernel, a 1 MiB one sends it to the
+    copy engines, and a span cap below 61 keeps it on the kernel again."""
+    span = 4096 * 1152
+    assert choose("auto", 61, 61 * span) == KERNEL
+    assert choose("auto", 61, 61 * span, min_mean_span=1 << 20) == COPY_ENGINE
+    assert choose("auto", 61, 61 * span, min_mean_span=1 << 20, max_spans=60) == KERNEL
+    # a larger span cap admits the same request scattered into 4 runs a layer (244 spans of 1.1 MiB)
+    assert choose("auto", 244, 61 * span, min_mean_span=1 << 20) == KERNEL
+    assert choose("auto", 244, 61 * span, min_mean_span=1 << 20, max_spans=256) == COPY_ENGINE
+    assert choose("auto", 244, 61 * span, batched=False, min_mean_span=1 << 20, max_spans=256) == COPY_ENGINE
+    assert choose("off", 61, 61 * span, min_mean_span=1) == KERNEL  # the thresholds are auto's only
+
+
 @pytest.mark.parametrize("layout, tokens, page, scattered, want", [
     # MLA, 61 layers, page 64 (72 KiB a page and layer): contiguous 4k tokens is 61 spans of 4.5 MiB, below
     # the 16 MiB mean (across two H100s the copy engines took 0.94-1.01 of the kernel's time)

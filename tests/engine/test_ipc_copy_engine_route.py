@@ -156,6 +156,37 @@ def test_the_knob_is_read_once_and_checked(monkeypatch):
         EngineConfig.from_env()
 
 
+def test_auto_thresholds_from_the_knobs_reach_the_transport(shm):
+    """The 2-page chunk of 64-byte pages that the shipped thresholds keep on the kernel goes to the copy engines
+    with a 128-byte mean span, and back to the kernel with a cap of 2 spans (it has 3, one a region)."""
+    tr, sp, dp, sb, db, stride = _pair(shm, "auto")
+    tr.ce_min_span = 2 * ITEM
+    tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([0, 1]), np.array([3, 4]), PAGES, PAGES)
+    tr.ce_max_spans = 2
+    tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([10, 11]), np.array([12, 13]), PAGES, PAGES)
+    assert [c[0] for c in shm.calls] == ["copy_engines", "pages"]
+    _check(sp, dp, stride, [0, 1, 10, 11], [3, 4, 12, 13])
+    tr.close()
+
+
+@pytest.mark.parametrize("name, attr, raw, want", [
+    ("SGLANG_P2P_CE_MIN_SPAN_KIB", "ce_min_span_bytes", None, None),
+    ("SGLANG_P2P_CE_MIN_SPAN_KIB", "ce_min_span_bytes", "1024", 1 << 20),
+    ("SGLANG_P2P_CE_MAX_SPANS", "ce_max_spans", None, None),
+    ("SGLANG_P2P_CE_MAX_SPANS", "ce_max_spans", " 256 ", 256),
+])
+def test_the_threshold_knobs_are_read_once_unset_being_the_shipped_rule(monkeypatch, name, attr, raw, want):
+    assert getattr(config_with(monkeypatch, name, raw), attr) == want
+
+
+@pytest.mark.parametrize("name", ["SGLANG_P2P_CE_MIN_SPAN_KIB", "SGLANG_P2P_CE_MAX_SPANS"])
+@pytest.mark.parametrize("raw, why", [("0", "must be positive"), ("1.5", "is not a whole number")])
+def test_the_threshold_knobs_refuse_anything_but_a_count_naming_it(monkeypatch, name, raw, why):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ConfigError, match=re.escape(f"{name}={raw!r} {why}")):
+        EngineConfig.from_env()
+
+
 @pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("1", 1), ("132", 132), (" 66 ", 66)])
 def test_the_programs_knob_is_read_once_unset_being_the_default_grid(monkeypatch, raw, want):
     assert config_with(monkeypatch, "SGLANG_P2P_IPC_PROGRAMS", raw).ipc_programs == want

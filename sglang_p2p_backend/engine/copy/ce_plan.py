@@ -24,7 +24,7 @@ takes them from a 16 MiB mean span up, where they are at least as fast and leave
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -80,17 +80,20 @@ def page_spans(src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: S
     return coalesce(src, dst, lens) if joins.any() else (src, dst, lens)
 
 
-def choose(mode: str, spans: int, nbytes: int, batched: bool = True) -> str:
+def choose(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_span: Optional[int] = None,
+           max_spans: Optional[int] = None) -> str:
     """`KERNEL` or `COPY_ENGINE` for a chunk of `spans` spans and `nbytes` bytes. `batched`: the runtime has
-    cudaMemcpyBatchAsync (else every span is a call of its own)."""
+    cudaMemcpyBatchAsync (else every span is a call of its own). `min_mean_span` (bytes) and `max_spans`
+    replace auto's thresholds (SGLANG_P2P_CE_MIN_SPAN_KIB, SGLANG_P2P_CE_MAX_SPANS); None keeps this module's."""
     if mode == "off" or spans <= 0:
         return KERNEL
     if mode == "on":
         return COPY_ENGINE
     if mode != "auto":
         raise ValueError(f"copy engine mode {mode!r} is not one of {', '.join(MODES)}")
-    limit = CE_MAX_SPANS_BATCHED if batched else CE_MAX_SPANS_UNBATCHED
-    return COPY_ENGINE if spans <= limit and nbytes >= CE_MIN_MEAN_SPAN_BYTES * spans else KERNEL
+    limit = max_spans or (CE_MAX_SPANS_BATCHED if batched else CE_MAX_SPANS_UNBATCHED)
+    mean = min_mean_span or CE_MIN_MEAN_SPAN_BYTES
+    return COPY_ENGINE if spans <= limit and nbytes >= mean * spans else KERNEL
 
 
 def page_chunk_shape(src_ids: np.ndarray, dst_ids: np.ndarray, item_bytes: Sequence[int]) -> tuple[int, int]:

@@ -407,10 +407,15 @@ class CudaIpcTransport(OneSidedTransport):
 
     name = NAME
 
-    def __init__(self, device: torch.device, copy_engine: str = "auto", programs: Optional[int] = None):
+    def __init__(self, device: torch.device, copy_engine: str = "auto", programs: Optional[int] = None,
+                 ce_min_span: Optional[int] = None, ce_max_spans: Optional[int] = None):
         self.device = device
         #: SGLANG_P2P_COPY_ENGINE: off (the SM kernel), on (copy engines), auto (per chunk: ce_plan.choose)
         self.copy_engine = copy_engine
+        #: auto's thresholds (bytes, spans; SGLANG_P2P_CE_MIN_SPAN_KIB, SGLANG_P2P_CE_MAX_SPANS); None: ce_plan's
+        self.ce_min_span, self.ce_max_spans = ce_min_span, ce_max_spans
+        #: the route `auto` took first, logged once per route: which one a serving run used shows in its log
+        self._routes_seen: set[str] = set()
         #: SGLANG_P2P_IPC_PROGRAMS: the page kernel's grid bound, the SMs a write may take from the forward
         #: pass beside it (None: span_copy.default_programs, about 8 KiB in flight an SM)
         self.programs = programs
@@ -472,7 +477,14 @@ class CudaIpcTransport(OneSidedTransport):
     def _copy_engines_take(self, spans: int, nbytes: int) -> bool:
         """The per-chunk rule (engine/copy/ce_plan.py) for a chunk of `spans` spans and `nbytes` bytes."""
         lib = backend()
-        return choose(self.copy_engine, spans, nbytes, lib.copy_engines_batched()) == COPY_ENGINE
+        route = choose(self.copy_engine, spans, nbytes, lib.copy_engines_batched(), self.ce_min_span,
+                       self.ce_max_spans)
+        if route not in self._routes_seen:
+            self._routes_seen.add(route)
+            logger.info("p2pnccl: same-host chunks on the %s from now on where SGLANG_P2P_COPY_ENGINE=%s picks it "
+                        "(first: %d spans, %d bytes)", "copy engines" if route == COPY_ENGINE else "SM copy kernel",
+                        self.copy_engine, spans, nbytes)
+        return route == COPY_ENGINE
 
     def write_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
                     src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> int:
