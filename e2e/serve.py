@@ -179,6 +179,14 @@ def tpot_ms_p50(records: list[stats.RequestRecord]) -> Optional[float]:
     return round(1e3 * statistics.median(per), 3) if per else None
 
 
+def alone_ttfts_ms(records: list[stats.RequestRecord], conc: int) -> Optional[list[Optional[float]]]:
+    """At concurrency 1, every request's TTFT in the order sent (None: failed): a slower prefill or pair behind the
+    LB's rotation shows as a pattern the p50 of a few requests hides. None at higher concurrency."""
+    if conc != 1:
+        return None
+    return [None if r.ttft_s is None or not r.ok else round(1e3 * r.ttft_s, 1) for r in records]
+
+
 def one_run(pair: Pair, mode: str, plen: int, conc: int, seed: int, pyspy: Optional[str],
             rounds: int = 2) -> dict[str, Any]:
     prompts = client.random_prompts(requests_for(conc, rounds), plen, seed=seed)
@@ -187,7 +195,8 @@ def one_run(pair: Pair, mode: str, plen: int, conc: int, seed: int, pyspy: Optio
     s = stats.summarize_run(records, wall)
     return {"ttft_p50_ms": s["ttft_ms_p50"], "ttft_p99_ms": s["ttft_ms_p99"], "tpot_p50_ms": tpot_ms_p50(records),
             "e2e_p50_ms": s["e2e_ms_p50"], "output_tok_s": s["output_throughput"], "failed": s["num_failed"],
-            "errors": s["errors"], **probe.figures()}
+            "errors": s["errors"], **({"ttfts_ms": alone_ttfts_ms(records, conc)} if conc == 1 else {}),
+            **probe.figures()}
 
 
 def profile(pair: Pair, logs: Path, pyspy: Optional[str]) -> list[dict[str, Any]]:

@@ -193,3 +193,12 @@ def test_report_pools_repetitions_across_files_and_compares_with_nixl(tmp_path: 
     assert row["p2pnccl_over_nixl"]["output_tok_s"] == round(330.0 / 210.0, 3)
     assert row["step_ms_same_batch"] == {40: (3.3, 2.1)}
     assert "| yes | 1024 | 64 | p2pnccl | 3 | 330.0 (300.0-360.0) |" in serve_report.markdown([row])
+
+
+def test_requests_alone_keep_every_ttft_in_order_and_busier_runs_keep_none():
+    from e2e.stats import RequestRecord
+
+    recs = [RequestRecord(True, 0.1574, 0.6, 64), RequestRecord(False, None, 0.2, 0, "500"),
+            RequestRecord(True, 0.2021, 0.64, 64)]
+    assert serve.alone_ttfts_ms(recs, 1) == [157.4, None, 202.1]
+    assert serve.alone_ttfts_ms(recs, 16) is None
