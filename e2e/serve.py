@@ -50,19 +50,20 @@ BACKEND_ENV = {
     "p2pnccl": {"SGLANG_P2P_TRANSPORT": "auto"},  # auto: the CUDA IPC path for a decode on the same host
     # the same with Python's own 5 ms GIL switch interval in both schedulers (the A/B of SGLANG_P2P_GIL_SWITCH_MS)
     "p2pnccl-gil5": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_GIL_SWITCH_MS": "0"},
-    # auto's copy-engine thresholds lowered so DeepSeek-shaped chunks (61 layers, page 1: 61 spans of ~1-5 MiB when
-    # the pages run contiguously) take the copy engines and leave the prefill's SMs to its forward pass
+    # every same-host chunk on the SM copy kernel (before 2026-11-28 auto sent DeepSeek-shaped chunks, 61 spans of
+    # 1-5 MiB, there; now those of 2 MiB spans and more take the copy engines across GPUs)
+    "p2pnccl-kernel": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_COPY_ENGINE": "off"},
+    # auto's copy-engine thresholds lowered further: 1k-token DeepSeek-shaped chunks (61 spans of 1.1 MiB) and
+    # pages in up to 4 runs a layer take the copy engines too
     "p2pnccl-ce": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_CE_MIN_SPAN_KIB": "1024",
                    "SGLANG_P2P_CE_MAX_SPANS": "256"},
-    # the SM copy kernel on 16 programs (SMs) instead of its default grid: what a write takes from the forward pass
-    "p2pnccl-sm16": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_IPC_PROGRAMS": "16"},
     "nixl": {},  # SGLang's default NIXL backend: UCX, which picks cuda_ipc between two processes of one GPU
     "mooncake": {"MC_INTRANODE_NVLINK": "true", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"},
 }
-BASE_PORT = {"p2pnccl": 33000, "nixl": 33100, "mooncake": 33200, "p2pnccl-gil5": 33300, "p2pnccl-ce": 33400,
-             "p2pnccl-sm16": 33500}
+BASE_PORT = {"p2pnccl": 33000, "nixl": 33100, "mooncake": 33200, "p2pnccl-gil5": 33300, "p2pnccl-kernel": 33400,
+             "p2pnccl-ce": 33500}
 #: a variant's --disaggregation-transfer-backend
-TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl", "p2pnccl-ce": "p2pnccl", "p2pnccl-sm16": "p2pnccl"}
+TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl", "p2pnccl-kernel": "p2pnccl", "p2pnccl-ce": "p2pnccl"}
 OUTPUT_TOKENS = 64
 DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
 

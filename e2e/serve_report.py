@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 COLORS = {"p2pnccl": "tab:green", "nixl": "tab:orange", "mooncake": "tab:blue", "p2pnccl-gil5": "tab:olive",
-          "p2pnccl-ce": "tab:cyan", "p2pnccl-sm16": "tab:purple"}
+          "p2pnccl-kernel": "tab:purple", "p2pnccl-ce": "tab:cyan"}
 METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "kv_ms")
 
 

@@ -146,12 +146,12 @@ def test_a_variant_of_ours_runs_the_rendered_commands_as_p2pnccl_with_its_knobs_
     for s in ce.servers():
         assert (s.env["SGLANG_P2P_CE_MIN_SPAN_KIB"], s.env["SGLANG_P2P_CE_MAX_SPANS"]) == ("1024", "256")
         assert s.env["SGLANG_P2P_TRANSPORT"] == "auto"
-    sm = shape_serve.deployment(shape, cfg, Path("/m/deepseek-anchor"), "0.5.17", "p2pnccl-sm16", 4)
-    assert sm.decode["graph"].env["SGLANG_P2P_IPC_PROGRAMS"] == "16"
-    assert "SGLANG_P2P_IPC_PROGRAMS" not in ce.decode["graph"].env
+    sm = shape_serve.deployment(shape, cfg, Path("/m/deepseek-anchor"), "0.5.17", "p2pnccl-kernel", 4)
+    assert sm.decode["graph"].env["SGLANG_P2P_COPY_ENGINE"] == "off"
+    assert "SGLANG_P2P_COPY_ENGINE" not in ce.decode["graph"].env
     ports = [s.port for d in (ce, sm) for s in [*d.servers(), d.lb["graph"]]]
     assert len(ports) == len(set(ports))
     assert set(serve.TRANSFER_BACKEND) <= set(serve.BACKEND_ENV)
     with pytest.raises(SystemExit):
         shape_serve.main(["--models", "/m", "--out", "/tmp/x.json", "--logs", "/tmp/l", "--backends", "p2pnccl,nccl2"])
-    assert "--backends: nccl2 not one of p2pnccl, p2pnccl-gil5, p2pnccl-ce" in capsys.readouterr().err
+    assert "--backends: nccl2 not one of p2pnccl, p2pnccl-gil5, p2pnccl-kernel, p2pnccl-ce" in capsys.readouterr().err

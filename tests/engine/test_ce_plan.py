@@ -82,24 +82,38 @@ def test_auto_rule_at_its_thresholds():
 
 
 def test_auto_thresholds_given_replace_the_shipped_ones():
-    """SGLANG_P2P_CE_MIN_SPAN_KIB / SGLANG_P2P_CE_MAX_SPANS: MLA at 61 layers, page 1, a contiguous 4k-token
-    request is 61 spans of 4.5 MiB; the shipped 16 MiB mean keeps it on the kernel, a 1 MiB one sends it to the
-    copy engines, and a span cap below 61 keeps it on the kernel again."""
-    span = 4096 * 1152
+    """SGLANG_P2P_CE_MIN_SPAN_KIB / SGLANG_P2P_CE_MAX_SPANS: MLA at 61 layers, page 1, a contiguous 1k-token
+    request is 61 spans of 1.1 MiB; the shipped 2 MiB mean keeps it on the kernel, a 1 MiB one sends it to the
+    copy engines (into the prefill's own GPU too), and a span cap below 61 keeps it on the kernel again."""
+    span = 1024 * 1152
     assert choose("auto", 61, 61 * span) == KERNEL
     assert choose("auto", 61, 61 * span, min_mean_span=1 << 20) == COPY_ENGINE
+    assert choose("auto", 61, 61 * span, min_mean_span=1 << 20, same_gpu=True) == COPY_ENGINE
     assert choose("auto", 61, 61 * span, min_mean_span=1 << 20, max_spans=60) == KERNEL
-    # a larger span cap admits the same request scattered into 4 runs a layer (244 spans of 1.1 MiB)
-    assert choose("auto", 244, 61 * span, min_mean_span=1 << 20) == KERNEL
-    assert choose("auto", 244, 61 * span, min_mean_span=1 << 20, max_spans=256) == COPY_ENGINE
-    assert choose("auto", 244, 61 * span, batched=False, min_mean_span=1 << 20, max_spans=256) == COPY_ENGINE
+    # a larger span cap admits a 4k-token request scattered into 4 runs a layer (244 spans of 1.1 MiB)
+    assert choose("auto", 244, 4 * 61 * span, min_mean_span=1 << 20) == KERNEL
+    assert choose("auto", 244, 4 * 61 * span, min_mean_span=1 << 20, max_spans=256) == COPY_ENGINE
+    assert choose("auto", 244, 4 * 61 * span, batched=False, min_mean_span=1 << 20, max_spans=256) == COPY_ENGINE
     assert choose("off", 61, 61 * span, min_mean_span=1) == KERNEL  # the thresholds are auto's only
 
 
+def test_into_the_prefills_own_gpu_the_copy_engines_need_longer_spans():
+    """Across GPUs the copy engines take a chunk from a 2 MiB mean span; into the same GPU, where they were slower
+    below 32 MiB spans, from 16 MiB."""
+    across, same = ce_plan.CE_MIN_MEAN_SPAN_BYTES, ce_plan.CE_MIN_MEAN_SPAN_SAME_GPU_BYTES
+    assert (across, same) == (2 << 20, 16 << 20)
+    assert choose("auto", 61, 61 * across) == COPY_ENGINE
+    assert choose("auto", 61, 61 * across, same_gpu=True) == KERNEL
+    assert choose("auto", 61, 61 * same, same_gpu=True) == COPY_ENGINE
+    assert choose("auto", 61, 61 * same - 1, same_gpu=True) == KERNEL
+
+
 @pytest.mark.parametrize("layout, tokens, page, scattered, want", [
-    # MLA, 61 layers, page 64 (72 KiB a page and layer): contiguous 4k tokens is 61 spans of 4.5 MiB, below
-    # the 16 MiB mean (across two H100s the copy engines took 0.94-1.01 of the kernel's time)
-    ("mla", 4096, 64, False, KERNEL),
+    # MLA, 61 layers, page 64 (72 KiB a page and layer): contiguous 4k tokens is 61 spans of 4.5 MiB, above the
+    # 2 MiB mean across GPUs (where the copy engines took 0.94-1.01 of the kernel's time)
+    ("mla", 4096, 64, False, COPY_ENGINE),
+    # contiguous 1k: 61 spans of 1.1 MiB, below it (1.06-1.6x the kernel's time)
+    ("mla", 1024, 64, False, KERNEL),
     # contiguous 16k: 61 spans of 18 MiB -> copy engines (0.93-0.96 of the kernel's time across two H100s)
     ("mla", 16384, 64, False, COPY_ENGINE),
     # scattered 4k: 64 x 61 = 3,904 spans of 72 KiB, too many and too short
@@ -110,8 +124,10 @@ def test_auto_thresholds_given_replace_the_shipped_ones():
     ("mha", 16384, 16, True, KERNEL),
     # MHA page 16 contiguous 16k: 64 spans of 32 MiB -> copy engines
     ("mha", 16384, 16, False, COPY_ENGINE),
-    # contiguous 4k: 64 spans of 8 MiB, even across two H100s (0.96-1.10) -> the kernel
-    ("mha", 4096, 16, False, KERNEL),
+    # contiguous 4k: 64 spans of 8 MiB, even across two H100s (0.83-1.10) -> the copy engines, which take no SMs
+    ("mha", 4096, 16, False, COPY_ENGINE),
+    # contiguous 1k: 64 spans of 2 MiB, even too (0.98-1.08) -> the copy engines
+    ("mha", 1024, 16, False, COPY_ENGINE),
 ])
 def test_auto_on_the_benchmark_shapes(layout, tokens, page, scattered, want):
     regions, token_bytes = (61, 1152) if layout == "mla" else (64, 2048)

@@ -118,6 +118,7 @@ def test_on_joins_regions_that_lie_back_to_back_into_one_span(shm):
 
 def test_auto_takes_the_kernel_for_short_spans_and_the_copy_engines_for_long_ones(shm, monkeypatch):
     tr, sp, dp, sb, db, stride = _pair(shm, "auto")
+    tr._peers["d"].same_gpu = False  # noqa: SLF001 - the stand-in's segments all live on one "device"
     # with the shipped thresholds 64-byte pages are far below the mean span: the kernel
     tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([0, 1]), np.array([3, 4]), PAGES, PAGES)
     assert shm.calls == [("pages", 2)]
@@ -125,12 +126,17 @@ def test_auto_takes_the_kernel_for_short_spans_and_the_copy_engines_for_long_one
     monkeypatch.setattr(ce_plan, "CE_MIN_MEAN_SPAN_BYTES", 2 * ITEM)
     tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([10, 11]), np.array([12, 13]), PAGES, PAGES)
     assert [c[0] for c in shm.calls] == ["pages", "copy_engines"]
+    # the same chunk into a decode on the prefill's own GPU: that threshold is the same-GPU one, not met
+    tr._peers["d"].same_gpu = True  # noqa: SLF001
+    tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([18, 19]), np.array([18, 19]), PAGES, PAGES)
+    assert [c[0] for c in shm.calls] == ["pages", "copy_engines", "pages"]
+    tr._peers["d"].same_gpu = False  # noqa: SLF001
     # not batched (CUDA < 12.8): the span limit is CE_MAX_SPANS_UNBATCHED
     shm.batched = False
     monkeypatch.setattr(ce_plan, "CE_MAX_SPANS_UNBATCHED", 2)
     tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([14, 15]), np.array([16, 17]), PAGES, PAGES)
-    assert [c[0] for c in shm.calls] == ["pages", "copy_engines", "pages"]
-    _check(sp, dp, stride, [0, 1, 10, 11, 14, 15], [3, 4, 12, 13, 16, 17])
+    assert [c[0] for c in shm.calls] == ["pages", "copy_engines", "pages", "pages"]
+    _check(sp, dp, stride, [0, 1, 10, 11, 18, 19, 14, 15], [3, 4, 12, 13, 18, 19, 16, 17])
     tr.close()
 
 

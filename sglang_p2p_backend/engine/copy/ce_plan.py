@@ -11,15 +11,17 @@ engines only where its spans are long and few enough.
 `SGLANG_P2P_COPY_ENGINE` (engine/config.py) picks the mode: `auto` (the default: `choose`'s rule per chunk, with
 the thresholds below), `off` (the kernel for every chunk) or `on` (the copy engines for every chunk). The
 thresholds come from `bench/transfer/xfer_bench.py`:
-- across two NVLinked H100s (bench/results/xfer_nvidia-h100-x4_2026-11-27_{a,b}.json, two runs), for at most 64
-  spans a chunk, the copy engines took 0.90-0.96 of the kernel's time with spans of 18-32 MiB, and 0.94-1.10 of
-  it at 4.5-8 MiB; shorter spans lost (1.01-1.6x at 0.14-2 MiB), scattered pages by 10-100x (each span costs them
-  host time);
+- across two NVLinked H100s (bench/results/xfer_nvidia-h100-x4_2026-11-2{7_a,7_b,7_c,8}.json, four runs), for at
+  most 64 spans a chunk, the copy engines took 0.90-0.96 of the kernel's time with spans of 18-32 MiB, 0.83-1.10
+  at 4.5-8 MiB and 0.98-1.08 at 2 MiB (a 1k-token MHA request); shorter spans lost (1.06-1.6x at 1.1 MiB, a
+  1k-token MLA request), scattered pages by 10-100x (each span costs them host time);
 - with both pools on one H100 (bench/results/xfer_nvidia-h100-x1_2026-11-27.json) they only matched the kernel,
   at 32 MiB spans.
-Their case is interference: a matmul on the prefill GPU ran 3.0-4.5% slower during copy-engine writes of
-32 MiB spans across GPUs and 83-107% slower during kernel writes (1.4% against 181% on one GPU). So `auto`
-takes them from a 16 MiB mean span up, where they are at least as fast and leave the SMs to the forward pass.
+Their case is interference: a matmul on the prefill GPU ran 1.8-9% slower during copy-engine writes across GPUs
+and 83-107% slower during kernel writes (1.4% against 181% on one GPU), and in serving the prefill's forward pass
+is that matmul. So across GPUs `auto` takes them from a 2 MiB mean span up, where they cost about the kernel's
+time and none of its SMs; into the prefill's own GPU, where they are slower at every size below 32 MiB, from
+16 MiB.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src addresses, dst a
 
 KERNEL = "kernel"
 COPY_ENGINE = "copy_engine"
-#: auto: a chunk goes to the copy engines when its mean span is at least this many bytes (between the 8 MiB
-#: where the two were even across GPUs and the 18 MiB where the copy engines won both runs; shorter spans, down to
-#: MHA pages of size 1 at 2 KiB a layer, stay on the kernel)
-CE_MIN_MEAN_SPAN_BYTES = 16 << 20
+#: auto across GPUs: a chunk goes to the copy engines when its mean span is at least this many bytes (from 2 MiB
+#: the two took about the same time; shorter spans, down to MHA pages of size 1 at 2 KiB a layer, stay on the
+#: kernel). DeepSeek-shaped requests (61 layers of 1,152 bytes a token) qualify from ~1.8k contiguous tokens
+CE_MIN_MEAN_SPAN_BYTES = 2 << 20
+#: auto into the prefill's own GPU (the decode shares it): the copy engines were slower below 32 MiB spans there
+CE_MIN_MEAN_SPAN_SAME_GPU_BYTES = 16 << 20
 #: auto, with cudaMemcpyBatchAsync: at most this many spans a chunk (the batch call's host time grew by ~4 us a
 #: span; 64 is the most spans of a chunk where the copy engines kept up)
 CE_MAX_SPANS_BATCHED = 64
@@ -81,10 +85,11 @@ def page_spans(src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: S
 
 
 def choose(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_span: Optional[int] = None,
-           max_spans: Optional[int] = None) -> str:
+           max_spans: Optional[int] = None, same_gpu: bool = False) -> str:
     """`KERNEL` or `COPY_ENGINE` for a chunk of `spans` spans and `nbytes` bytes. `batched`: the runtime has
-    cudaMemcpyBatchAsync (else every span is a call of its own). `min_mean_span` (bytes) and `max_spans`
-    replace auto's thresholds (SGLANG_P2P_CE_MIN_SPAN_KIB, SGLANG_P2P_CE_MAX_SPANS); None keeps this module's."""
+    cudaMemcpyBatchAsync (else every span is a call of its own). `same_gpu`: the destination is on the source's
+    GPU. `min_mean_span` (bytes) and `max_spans` replace auto's thresholds (SGLANG_P2P_CE_MIN_SPAN_KIB,
+    SGLANG_P2P_CE_MAX_SPANS) in both cases; None keeps this module's."""
     if mode == "off" or spans <= 0:
         return KERNEL
     if mode == "on":
@@ -92,7 +97,7 @@ def choose(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_sp
     if mode != "auto":
         raise ValueError(f"copy engine mode {mode!r} is not one of {', '.join(MODES)}")
     limit = max_spans or (CE_MAX_SPANS_BATCHED if batched else CE_MAX_SPANS_UNBATCHED)
-    mean = min_mean_span or CE_MIN_MEAN_SPAN_BYTES
+    mean = min_mean_span or (CE_MIN_MEAN_SPAN_SAME_GPU_BYTES if same_gpu else CE_MIN_MEAN_SPAN_BYTES)
     return COPY_ENGINE if spans <= limit and nbytes >= mean * spans else KERNEL
 
 

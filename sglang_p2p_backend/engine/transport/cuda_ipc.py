@@ -468,17 +468,17 @@ class CudaIpcTransport(OneSidedTransport):
         src = np.asarray(src, dtype=np.int64)
         if self.copy_engine != "off":
             spans = coalesce(src, mapped, lens)
-            if self._copy_engines_take(spans[2].size, int(lens.sum())):
+            if self._copy_engines_take(spans[2].size, int(lens.sum()), m.same_gpu):
                 backend().write_copy_engines(self.device, *spans)
                 return int(lens.sum())
         backend().write(self.device, src, mapped, lens)
         return int(lens.sum())
 
-    def _copy_engines_take(self, spans: int, nbytes: int) -> bool:
+    def _copy_engines_take(self, spans: int, nbytes: int, same_gpu: bool) -> bool:
         """The per-chunk rule (engine/copy/ce_plan.py) for a chunk of `spans` spans and `nbytes` bytes."""
         lib = backend()
         route = choose(self.copy_engine, spans, nbytes, lib.copy_engines_batched(), self.ce_min_span,
-                       self.ce_max_spans)
+                       self.ce_max_spans, same_gpu)
         if route not in self._routes_seen:
             self._routes_seen.add(route)
             logger.info("p2pnccl: same-host chunks on the %s from now on where SGLANG_P2P_COPY_ENGINE=%s picks it "
@@ -493,7 +493,13 @@ class CudaIpcTransport(OneSidedTransport):
         Checked before anything moves (TransportError, nothing written): the id arrays pair up, every id is
         inside its pool, and every destination region lies wholly inside a region the decode exported."""
         plan = self.plan_pages(session, src_bases, dst_bases, item_bytes, src_ids, dst_ids, src_pages, dst_pages)
-        return self.copy_pages(plan, self._grid(session)) if plan is not None else 0
+        return self.copy_pages(plan, self._grid(session), self._same_gpu(session)) if plan is not None else 0
+
+    def _same_gpu(self, session: str) -> bool:
+        """Whether peer `session`'s pools are on this rank's GPU (False for a peer not mapped)."""
+        with self._lock:
+            m = self._peers.get(session)
+        return m is not None and m.same_gpu
 
     def _grid(self, session: str) -> Optional[int]:
         """The page kernel's grid bound for writes to `session`: SGLANG_P2P_IPC_PROGRAMS, else, where the decode
@@ -501,9 +507,7 @@ class CudaIpcTransport(OneSidedTransport):
         the kernel's one-an-SM default was measured across NVLink only), else the kernel's default (None)."""
         if self.programs:
             return self.programs
-        with self._lock:
-            m = self._peers.get(session)
-        if m is not None and m.same_gpu and self.device.type == "cuda":
+        if self._same_gpu(session) and self.device.type == "cuda":
             return SAME_GPU_PROGRAMS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
         return None
 
@@ -534,12 +538,12 @@ class CudaIpcTransport(OneSidedTransport):
         mapped = m.table.translate(np.asarray(dst_bases, dtype=np.int64), items * int(dst_pages))
         return PageWrite(np.asarray(src_bases, dtype=np.int64), mapped, items, src_ids, dst_ids)
 
-    def copy_pages(self, plan: "PageWrite", grid: Optional[int] = None) -> int:
+    def copy_pages(self, plan: "PageWrite", grid: Optional[int] = None, same_gpu: bool = False) -> int:
         """The device half of `write_pages`: copy a checked plan (the kernel, its grid bounded by `grid`, else by
-        SGLANG_P2P_IPC_PROGRAMS; or the copy engines where SGLANG_P2P_COPY_ENGINE says so for this chunk) and
-        wait; returns the bytes copied."""
-        if self.copy_engine != "off" and self._copy_engines_take(*page_chunk_shape(plan.src_ids, plan.dst_ids,
-                                                                                      plan.item_bytes)):
+        SGLANG_P2P_IPC_PROGRAMS; or the copy engines where SGLANG_P2P_COPY_ENGINE says so for this chunk, into a
+        decode on this GPU when `same_gpu`) and wait; returns the bytes copied."""
+        if self.copy_engine != "off" and self._copy_engines_take(
+                *page_chunk_shape(plan.src_ids, plan.dst_ids, plan.item_bytes), same_gpu):
             backend().write_copy_engines(self.device, *page_spans(*plan))
         else:
             backend().write_pages(self.device, *plan, max_programs=grid or self.programs)
