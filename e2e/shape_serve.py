@@ -20,6 +20,7 @@ from typing import Any
 
 from sglang_p2p_backend.launch.config import LaunchConfig
 from sglang_p2p_backend.launch.release import resolve_release
+from sglang_p2p_backend.engine.transport.cuda_ipc import ROUTE_LOG
 from sglang_p2p_backend.launch.render import SGLANG_PROGRAM, server_command
 
 from . import config, results, serve
@@ -82,6 +83,16 @@ def deployment(shape: Shape, cfg: LaunchConfig, model: Path, release: str, backe
     return Deployment(backend, prefills, decode, lb)
 
 
+def copy_routes(servers: list[Server]) -> dict[str, list[str]]:
+    """The same-host copy routes each server's log says it took (the line of each route's first use, from
+    ROUTE_LOG on), so a variant's result shows whether its knob took effect."""
+    out = {}
+    for s in servers:
+        text = s.log.read_text(errors="replace") if s.log and s.log.exists() else ""
+        out[s.name] = [line[line.index(ROUTE_LOG):] for line in text.splitlines() if ROUTE_LOG in line]
+    return out
+
+
 def run(models: Path, logs: Path, out: Path, shape_name: str, backends: list[str], cells: list[tuple[int, int]],
         reps: int, machine: str, deadline: float, rounds: int = 2) -> dict[str, Any]:
     shape = SHAPES[shape_name]
@@ -101,6 +112,8 @@ def run(models: Path, logs: Path, out: Path, shape_name: str, backends: list[str
         ready = serve.start(stack, deps, res, save)
         serve.warm_up(ready, [MODE])
         serve.measure(ready, [MODE], cells, backends, {}, reps, res, save, None, deadline, rounds)
+        res["copy_routes"] = {b: copy_routes(d.prefills) for b, d in deps.items() if b.startswith("p2pnccl")}
+        save()
     return res
 
 

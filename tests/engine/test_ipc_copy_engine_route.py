@@ -229,3 +229,20 @@ def test_a_decode_on_the_same_gpu_keeps_the_wider_grid(shm, monkeypatch, program
     assert tr._grid("nobody") == programs  # an unmapped peer: its write fails before any grid matters
     tr.device = torch.device("cpu")
     tr.close()
+
+
+def test_each_route_is_logged_at_its_first_use_only(shm, caplog):
+    """What e2e/shape_serve.py collects: one line when auto first takes the kernel, one when it first takes the
+    copy engines, none after."""
+    tr, sp, dp, sb, db, stride = _pair(shm, "auto")
+    with caplog.at_level("INFO", logger=cuda_ipc.__name__):
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([0, 1]), np.array([3, 4]), PAGES, PAGES)
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([5]), np.array([6]), PAGES, PAGES)
+        tr.ce_min_span = ITEM
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([7, 8]), np.array([9, 10]), PAGES, PAGES)
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([11]), np.array([12]), PAGES, PAGES)
+    lines = [r.getMessage() for r in caplog.records if cuda_ipc.ROUTE_LOG in r.getMessage()]
+    assert [line.split(" from now on")[0] for line in lines] == [
+        f"{cuda_ipc.ROUTE_LOG} SM copy kernel", f"{cuda_ipc.ROUTE_LOG} copy engines"]
+    assert "(first: 3 spans, 384 bytes)" in lines[1]
+    tr.close()

@@ -44,6 +44,8 @@ from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 
 logger = logging.getLogger(__name__)
+#: what the log line of a route's first use starts with (e2e/shape_serve.py collects these lines)
+ROUTE_LOG = "p2pnccl: same-host chunks on the"
 
 NAME = "cudaipc"
 _VMM_HINT = (": the KV pool is not cudaMalloc memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments, "
@@ -481,9 +483,9 @@ class CudaIpcTransport(OneSidedTransport):
                        self.ce_max_spans, same_gpu)
         if route not in self._routes_seen:
             self._routes_seen.add(route)
-            logger.info("p2pnccl: same-host chunks on the %s from now on where SGLANG_P2P_COPY_ENGINE=%s picks it "
-                        "(first: %d spans, %d bytes)", "copy engines" if route == COPY_ENGINE else "SM copy kernel",
-                        self.copy_engine, spans, nbytes)
+            logger.info("%s %s from now on where SGLANG_P2P_COPY_ENGINE=%s picks it (first: %d spans, %d bytes)",
+                        ROUTE_LOG, "copy engines" if route == COPY_ENGINE else "SM copy kernel", self.copy_engine,
+                        spans, nbytes)
         return route == COPY_ENGINE
 
     def write_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
