@@ -113,8 +113,9 @@ class EngineConfig:
     #: rule), `off` (the SM copy kernel) or `on` (the GPU's copy engines, cudaMemcpyBatchAsync)
     copy_engine: str = "auto"
     #: SGLANG_P2P_CE_MIN_SPAN_KIB / SGLANG_P2P_CE_MAX_SPANS: `auto`'s thresholds (a chunk goes to the copy engines
-    #: when its mean span is at least this long and it has at most this many spans); None: ce_plan's defaults,
-    #: measured on transfers alone. Lower them where the prefill is busy: the copy engines take no SMs from it
+    #: when its mean span is at least this long and it has at most this many spans), for any destination; None:
+    #: ce_plan's (2 MiB across GPUs, 16 MiB into the prefill's own GPU; 64 spans). Lower, the copy engines also
+    #: take chunks they copy somewhat slower than the kernel, still without the prefill's SMs
     ce_min_span_kib: Optional[int] = None
     ce_max_spans: Optional[int] = None
     #: SGLANG_P2P_IPC_PROGRAMS: the grid bound of the same-host page-copy kernel (engine/copy/span_copy.py's
