@@ -295,6 +295,11 @@ def calibrated(wp: WorkloadParams, capacity_tok_s: dict[str, float], loads: dict
 
 
 # ----------------------------------------------------------------------------- servers
+Counts = tuple[Optional[float], Optional[float], Optional[float]]  # (requests, prompt tokens, cached prompt tokens)
+#: SGLang's counters of the prompt tokens a server took and of those its prefix cache held
+TOKEN_COUNTERS = ("sglang:prompt_tokens_total", "sglang:cached_tokens_total")
+
+
 class Cluster:
     """The PD servers every LB runs in front of: addresses, kill -9, restart, flush, request counters."""
 
@@ -322,6 +327,15 @@ class Cluster:
         """The server's queue and running requests now (SGLang's gauges on /metrics, which simworker exports
         too); None when it does not answer in time or lacks them."""
         return parse_load(promparse.fetch(url, SAMPLE_TIMEOUT_S))
+
+    def tokens(self, url: str) -> tuple[Optional[float], Optional[float]]:
+        """(prompt tokens, cached prompt tokens) the server has taken so far, its own counters; None for a
+        counter it does not export or when it does not answer."""
+        return None, None
+
+    def counts(self) -> dict[str, Counts]:
+        """Every prefill's counters now: (requests, prompt tokens, cached prompt tokens)."""
+        return {u: (self.served(u), *self.tokens(u)) for u, _ in self.prefills}
 
     def flush(self) -> None:
         lb_real.flush_all([_Url(u) for u in self.urls()])
@@ -383,6 +397,12 @@ class SGLangCluster(Cluster):
     def served(self, url):
         text = promparse.fetch(url, 5)
         return None if text is None else promparse.sample_total(text, "sglang:num_requests_total") or 0.0
+
+    def tokens(self, url):
+        text = promparse.fetch(url, 5)
+        if text is None:
+            return None, None
+        return tuple(promparse.sample_total(text, name) for name in TOKEN_COUNTERS)
 
 
 class SimCluster(Cluster):
@@ -559,6 +579,24 @@ def load_evidence(prefills: dict[str, Sequence[Optional[LoadSample]]], decodes: 
     return out
 
 
+def prefill_shares(before: dict[str, Counts], after: dict[str, Counts]) -> dict[str, Any]:
+    """What each prefill took during a run, from its counters before and after (None where one is missing):
+    requests, prompt tokens and cached prompt tokens; and the largest share of the run's requests one prefill
+    took (`prefill_request_share_max`: 1/n is even, 1.0 is all on one). The routing's concentration, for
+    every LB alike, without its decision log."""
+    per = []
+    for url, b in before.items():
+        a = after.get(url) or (None, None, None)
+        row: dict[str, Any] = {"url": url}
+        for i, key in enumerate(("requests", "prompt_tokens", "cached_tokens")):
+            row[key] = None if b[i] is None or a[i] is None else max(0.0, a[i] - b[i])
+        per.append(row)
+    reqs = [r["requests"] for r in per if r["requests"] is not None]
+    total = sum(reqs)
+    share = round(max(reqs) / total, 3) if reqs and total and len(reqs) == len(per) else None
+    return {"prefill_request_share_max": share, "prefill_counts": per}
+
+
 def decode_pd_queue(decodes: Sequence[dict[str, Any]]) -> Optional[float]:
     """Requests the decodes held in their PD queues (waiting for KV memory or for their transfer), summed over
     the decodes, mean over the run: how long requests wait for a decode rather than for a prefill or the LB."""
@@ -611,7 +649,7 @@ def plan(budget_s: float, n_lbs: int, workloads: Sequence[str], reps: int, max_r
 FIGURES = ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p99", "output_throughput", "cache_hit_rate", "num_failed")
 # the servers' side (load_evidence) and the cold/warm split of TTFT (cold_warm); absent from older results
 EVIDENCE = ("prefill_imbalance", "prefill_queue_max", "decode_imbalance", "decode_pd_queue_mean",
-            "ttft_ms_p99_cold", "ttft_ms_p99_warm")
+            "ttft_ms_p99_cold", "ttft_ms_p99_warm", "prefill_request_share_max")
 #: seconds at the start of a run whose requests count as cold: every run starts on flushed caches, and with
 #: 12k-token prefixes the first miss of each one keeps the prefills busy for ~1-2 s (2026-11-28, x4 2P2D)
 COLD_S = 3.0
@@ -834,9 +872,11 @@ class Harness:
     def _run(self, url: str, reqs: Sequence[Req]) -> dict[str, Any]:
         """One open-loop run on cold caches, the servers' load sampled while it is in flight (load_evidence)."""
         self.cluster.flush()
+        before = self.cluster.counts()
         with LoadSampler(self.cluster.load, self.cluster.urls(), self.sample_s) as sampler:
             answers, wall = asyncio.run(lb_real.open_loop(url, reqs, self.client_timeout))
         s = lb_real.summarize(answers, wall)
+        s.update(prefill_shares(before, self.cluster.counts()))
         s["errors"] = s["errors"][:5]
         s.update(cold_warm(answers, self.cold_s), ttft_timeline=ttft_timeline(answers))
         s.update(load_evidence({u: sampler.samples[u] for u, _ in self.cluster.prefills},

@@ -167,6 +167,22 @@ def test_load_evidence_per_server_and_imbalance():
     assert full["decode_pd_queue_mean"] == 70.0
 
 
+def test_prefill_shares_from_each_prefills_counters_before_and_after_a_run():
+    before = {"p0": (10.0, 1000.0, 400.0), "p1": (5.0, None, 0.0), "p2": (0.0, 0.0, 0.0)}
+    after = {"p0": (16.0, 9000.0, 6400.0), "p1": (8.0, 3000.0, 100.0), "p2": (1.0, 500.0, 0.0)}
+    out = lc.prefill_shares(before, after)
+    assert out["prefill_counts"] == [
+        {"url": "p0", "requests": 6.0, "prompt_tokens": 8000.0, "cached_tokens": 6000.0},
+        {"url": "p1", "requests": 3.0, "prompt_tokens": None, "cached_tokens": 100.0},  # missing before: unknown
+        {"url": "p2", "requests": 1.0, "prompt_tokens": 500.0, "cached_tokens": 0.0}]
+    assert out["prefill_request_share_max"] == 0.6
+    # a prefill that did not answer after the run (killed): its counts and the share are unknown, not guessed
+    gone = lc.prefill_shares(before, {**after, "p2": None})
+    assert gone["prefill_counts"][2]["requests"] is None and gone["prefill_request_share_max"] is None
+    # a restarted server's counter starts again at 0: no negative count
+    assert lc.prefill_shares({"p0": (50.0, 0.0, 0.0)}, {"p0": (3.0, 0.0, 0.0)})["prefill_counts"][0]["requests"] == 0.0
+
+
 def test_aggregate_takes_the_median_of_the_servers_evidence():
     runs = [{**_run(10, 100, 500, 0.5), "prefill_imbalance": imb, "prefill_queue_max": q} for imb, q in ((1.2, 4), (1.8, 9), (1.4, 5))]
     agg = lc.aggregate(runs + [_run(10, 100, 500, 0.5)])  # a result from before the sampling has neither
@@ -280,6 +296,12 @@ def test_compare_end_to_end_against_simulated_workers(tmp_path):
                 assert [len(load["prefill"]), len(load["decode"])] == [3, 1] and load["interval_s"] == 0.5
                 assert all(x["samples"] > 0 and x["queue_max"] >= 0 and x["running_max"] >= 0 for x in load["prefill"] + load["decode"]), load
                 assert r["prefill_imbalance"] >= 1.0 and r["decode_imbalance"] == 1.0 and r["prefill_queue_max"] >= 0
+                # each sim's request counter: what every prefill took in the run adds up to what was sent there
+                counts = r["prefill_counts"]
+                assert len(counts) == 3 and len({c["url"] for c in counts}) == 3
+                assert sum(c["requests"] for c in counts) == r["num_requests"]
+                assert all(c["prompt_tokens"] is None for c in counts)  # the sims export no token counters
+                assert 1 / 3 <= r["prefill_request_share_max"] <= 1.0
             agg = doc["aggregate"][name][wl]
             assert agg["prefill_imbalance"]["median"] >= 1.0 and agg["prefill_queue_max"]["median"] >= 0
     assert any(x["running_max"] > 0 for n in lbs for r in doc["runs"][n]["bursty_mixed"]
