@@ -55,6 +55,26 @@ def histogram_totals(text: str, name: str) -> Optional[HistogramTotals]:
     return None if s is None and c is None else HistogramTotals(s or 0.0, c or 0.0)
 
 
+_LABELED = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)")
+_LABEL = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
+
+
+def histogram_totals_by(text: str, name: str, label: str) -> dict[str, HistogramTotals]:
+    """``name``'s sum and count per value of ``label``, summed over the other labels (e.g. SGLang's
+    ``sglang:per_stage_req_latency_seconds`` per ``stage``, over DP ranks); empty when the metric is absent."""
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        m = _LABELED.match(line)
+        if not m or m.group("name") not in (name + "_sum", name + "_count"):
+            continue
+        labels = {x.group("key"): x.group("value") for x in _LABEL.finditer(m.group("labels"))}
+        if label not in labels:
+            continue
+        acc = out.setdefault(labels[label], [0.0, 0.0])
+        acc[0 if m.group("name").endswith("_sum") else 1] += float(m.group("value"))
+    return {k: HistogramTotals(v[0], v[1]) for k, v in out.items()}
+
+
 def total(parts: "list[Optional[HistogramTotals]]") -> Optional[HistogramTotals]:
     """Several servers' histograms as one (None when none of them has it)."""
     seen = [p for p in parts if p is not None]

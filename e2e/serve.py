@@ -139,6 +139,28 @@ def _thread_names(pid: Optional[int], pyspy: Optional[str]) -> dict[int, str]:
     return _NAMES[pid]
 
 
+#: SGLang's time per request in each stage of its path (`stage` label: the prefill's bootstrap, forward and KV
+#: transfer, the decode's bootstrap, waiting and transferred, ...), observed with --enable-metrics
+STAGE_HISTOGRAM = "sglang:per_stage_req_latency_seconds"
+
+
+def stage_totals(texts: list[Optional[str]]) -> dict[str, promparse.HistogramTotals]:
+    """Several servers' per-stage histograms (their /metrics texts; None: no answer) summed stage by stage."""
+    out: dict[str, promparse.HistogramTotals] = {}
+    for text in texts:
+        for stage, t in (promparse.histogram_totals_by(text, STAGE_HISTOGRAM, "stage") if text else {}).items():
+            out[stage] = promparse.total([out.get(stage), t])
+    return out
+
+
+def stage_means_ms(before: dict[str, promparse.HistogramTotals],
+                   after: dict[str, promparse.HistogramTotals]) -> dict[str, float]:
+    """Each stage's mean time in ms over the requests that passed it between two snapshots (stages none passed
+    are left out): where a request's time went, the same way for every backend."""
+    means = {k: promparse.mean_between(before.get(k), v) for k, v in after.items()}
+    return {k: round(1e3 * m, 3) for k, m in sorted(means.items()) if m is not None}
+
+
 class Probe:
     """What one run measures beside the client: KV transfer time, decode step times, scheduler CPU by thread."""
 
@@ -151,8 +173,14 @@ class Probe:
     def _kv(self) -> Optional[promparse.HistogramTotals]:
         return promparse.total([perf.scrape(p.url) for p in self.pair.prefills])
 
+    def _stages(self) -> dict[str, dict[str, promparse.HistogramTotals]]:
+        """SGLang's per-stage request latency (`STAGE_HISTOGRAM`), the prefills' summed, and the decode's."""
+        return {role: stage_totals([promparse.fetch(s.url) for s in servers]) for role, servers in
+                (("prefill", self.pair.prefills), ("decode", [self.pair.decode[self.mode]]))}
+
     def __enter__(self) -> "Probe":
         self.kv0 = self._kv()
+        self.st0 = self._stages()
         self.log0 = decode_log.offset(self.pair.decode[self.mode].log)
         self.cpu0 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
         return self
@@ -160,12 +188,14 @@ class Probe:
     def __exit__(self, *exc: object) -> None:
         self.cpu1 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
         self.kv1 = self._kv()
+        self.st1 = self._stages()
         self.log_text = decode_log.read_since(self.pair.decode[self.mode].log, self.log0)
 
     def figures(self) -> dict[str, Any]:
         kv = promparse.mean_between(self.kv0, self.kv1)
         return {
             "kv_ms": None if kv is None else round(kv, 3),
+            "stages_ms": {role: stage_means_ms(self.st0[role], self.st1[role]) for role in self.st1},
             "decode_steps": decode_log.summarize(decode_log.step_times(self.log_text)),
             "cpu": {role: procstat.cpu_between(self.cpu0[role], self.cpu1[role],
                                                {**procstat.os_thread_names(pid), **self.names[role]} if pid else {})[:8]

@@ -202,3 +202,19 @@ def test_requests_alone_keep_every_ttft_in_order_and_busier_runs_keep_none():
             RequestRecord(True, 0.2021, 0.64, 64)]
     assert serve.alone_ttfts_ms(recs, 1) == [157.4, None, 202.1]
     assert serve.alone_ttfts_ms(recs, 16) is None
+
+
+def test_stage_times_are_the_runs_means_per_stage_summed_over_servers():
+    """SGLang's per-stage histogram: the prefills' texts summed stage by stage (over their DP ranks too), then the
+    mean of what a run added, in ms; a server that did not answer adds nothing, a stage nobody passed is left out."""
+    def text(wait_sum, wait_n, boot_sum, boot_n):
+        return (f'sglang:per_stage_req_latency_seconds_sum{{dp_rank="0",stage="decode_waiting"}} {wait_sum}\n'
+                f'sglang:per_stage_req_latency_seconds_count{{dp_rank="0",stage="decode_waiting"}} {wait_n}\n'
+                f'sglang:per_stage_req_latency_seconds_bucket{{dp_rank="0",stage="decode_waiting",le="0.1"}} {wait_n}\n'
+                f'sglang:per_stage_req_latency_seconds_sum{{dp_rank="1",stage="decode_bootstrap"}} {boot_sum}\n'
+                f'sglang:per_stage_req_latency_seconds_count{{dp_rank="1",stage="decode_bootstrap"}} {boot_n}\n')
+    before = serve.stage_totals([text(1.0, 10, 0.5, 10), None])
+    after = serve.stage_totals([text(1.2, 12, 0.5, 10), text(0.06, 2, 0.0, 0)])
+    assert after["decode_waiting"].count == 14
+    assert serve.stage_means_ms(before, after) == {"decode_waiting": 65.0}  # (0.2 + 0.06) s over 4 requests
+    assert serve.stage_means_ms({}, {}) == {}
