@@ -328,14 +328,10 @@ class Cluster:
         too); None when it does not answer in time or lacks them."""
         return parse_load(promparse.fetch(url, SAMPLE_TIMEOUT_S))
 
-    def tokens(self, url: str) -> tuple[Optional[float], Optional[float]]:
-        """(prompt tokens, cached prompt tokens) the server has taken so far, its own counters; None for a
-        counter it does not export or when it does not answer."""
-        return None, None
-
     def counts(self) -> dict[str, Counts]:
-        """Every prefill's counters now: (requests, prompt tokens, cached prompt tokens)."""
-        return {u: (self.served(u), *self.tokens(u)) for u, _ in self.prefills}
+        """Every prefill's counters now: (requests, prompt tokens, cached prompt tokens); None for a counter the
+        server does not export or when it does not answer (here: the request counter only)."""
+        return {u: (self.served(u), None, None) for u, _ in self.prefills}
 
     def flush(self) -> None:
         lb_real.flush_all([_Url(u) for u in self.urls()])
@@ -398,11 +394,14 @@ class SGLangCluster(Cluster):
         text = promparse.fetch(url, 5)
         return None if text is None else promparse.sample_total(text, "sglang:num_requests_total") or 0.0
 
-    def tokens(self, url):
-        text = promparse.fetch(url, 5)
-        if text is None:
-            return None, None
-        return tuple(promparse.sample_total(text, name) for name in TOKEN_COUNTERS)
+    def counts(self):
+        out = {}
+        for u, _ in self.prefills:  # one /metrics read a prefill
+            text = promparse.fetch(u, 5)
+            out[u] = (None, None, None) if text is None else (
+                promparse.sample_total(text, "sglang:num_requests_total") or 0.0,
+                *(promparse.sample_total(text, name) for name in TOKEN_COUNTERS))
+        return out
 
 
 class SimCluster(Cluster):

@@ -47,6 +47,17 @@ def steps(c: dict[str, Any]) -> dict[int, float]:
     return {n: statistics.median(v) for n, v in out.items()}
 
 
+def stages(c: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Role -> stage -> median over the repetitions of the stage's mean ms (serve.py's `stages_ms`; empty for
+    results taken before it was recorded)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for r in c["reps"]:
+        for role, per in (r.get("stages_ms") or {}).items():
+            for stage, ms in per.items():
+                out.setdefault(role, {}).setdefault(stage, []).append(ms)
+    return {role: {k: round(statistics.median(v), 3) for k, v in sorted(per.items())} for role, per in out.items()}
+
+
 def table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_key: dict[tuple, dict[str, dict]] = {}
     for c in cells:
@@ -55,7 +66,7 @@ def table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (graph, plen, conc), per in sorted(by_key.items()):
         row: dict[str, Any] = {"cuda_graph": graph, "input_len": plen, "concurrency": conc, "backends": {}}
         for b, c in sorted(per.items()):
-            row["backends"][b] = {m: med(c, m) for m in METRICS} | {"reps": len(c["reps"])}
+            row["backends"][b] = {m: med(c, m) for m in METRICS} | {"reps": len(c["reps"]), "stages_ms": stages(c)}
         p, n = per.get("p2pnccl"), per.get("nixl")
         if p and n:
             ratio = {}

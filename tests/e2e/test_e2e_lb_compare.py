@@ -183,6 +183,38 @@ def test_prefill_shares_from_each_prefills_counters_before_and_after_a_run():
     assert lc.prefill_shares({"p0": (50.0, 0.0, 0.0)}, {"p0": (3.0, 0.0, 0.0)})["prefill_counts"][0]["requests"] == 0.0
 
 
+def test_sglang_prefills_counters_read_from_their_metrics_over_http():
+    """SGLangCluster.counts: one /metrics read a prefill, SGLang's counters summed over DP ranks; a prefill that
+    does not answer gives no counts, one without the token counters gives its requests only."""
+    import http.server
+    import threading
+
+    texts = {"/a/metrics": 'sglang:num_requests_total{dp_rank="0"} 3.0\nsglang:num_requests_total{dp_rank="1"} 4.0\n'
+                           'sglang:prompt_tokens_total{dp_rank="0"} 9000.0\nsglang:cached_tokens_total{dp_rank="0"} 4000.0\n',
+             "/b/metrics": "sglang:num_requests_total 2.0\n"}
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = texts.get(self.path)
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write((body or "").encode())
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        cluster = object.__new__(lc.SGLangCluster)
+        cluster.prefills = [(base + "/a", 1), (base + "/b", 2), (base + "/gone", 3)]
+        assert cluster.counts() == {base + "/a": (7.0, 9000.0, 4000.0), base + "/b": (2.0, None, None),
+                                    base + "/gone": (None, None, None)}
+    finally:
+        srv.shutdown()
+
+
 def test_aggregate_takes_the_median_of_the_servers_evidence():
     runs = [{**_run(10, 100, 500, 0.5), "prefill_imbalance": imb, "prefill_queue_max": q} for imb, q in ((1.2, 4), (1.8, 9), (1.4, 5))]
     agg = lc.aggregate(runs + [_run(10, 100, 500, 0.5)])  # a result from before the sampling has neither

@@ -193,6 +193,16 @@ def test_report_pools_repetitions_across_files_and_compares_with_nixl(tmp_path: 
     assert row["p2pnccl_over_nixl"]["output_tok_s"] == round(330.0 / 210.0, 3)
     assert row["step_ms_same_batch"] == {40: (3.3, 2.1)}
     assert "| yes | 1024 | 64 | p2pnccl | 3 | 330.0 (300.0-360.0) |" in serve_report.markdown([row])
+    assert row["backends"]["p2pnccl"]["stages_ms"] == {}  # results from before stages were recorded
+
+
+def test_report_takes_the_median_of_each_stage_over_the_repetitions():
+    from e2e import serve_report
+
+    reps = [{"stages_ms": {"decode": {"decode_waiting": w, "decode_bootstrap": 2.0}, "prefill": {"chunked_prefill": 150.0}}}
+            for w in (10.0, 40.0, 20.0)] + [{"stages_ms": {"decode": {"decode_waiting": 99.0}}}, {}]
+    assert serve_report.stages({"reps": reps}) == {
+        "decode": {"decode_bootstrap": 2.0, "decode_waiting": 30.0}, "prefill": {"chunked_prefill": 150.0}}
 
 
 def test_requests_alone_keep_every_ttft_in_order_and_busier_runs_keep_none():
