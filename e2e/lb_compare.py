@@ -391,17 +391,19 @@ class SGLangCluster(Cluster):
         return [s.name for s in self.stack.launch(servers, timeout_s=timeout_s, lanes=len(servers))]
 
     def served(self, url):
-        text = promparse.fetch(url, 5)
-        return None if text is None else promparse.sample_total(text, "sglang:num_requests_total") or 0.0
+        return self._counts(url)[0]
 
     def counts(self):
-        out = {}
-        for u, _ in self.prefills:  # one /metrics read a prefill
-            text = promparse.fetch(u, 5)
-            out[u] = (None, None, None) if text is None else (
-                promparse.sample_total(text, "sglang:num_requests_total") or 0.0,
+        return {u: self._counts(u) for u, _ in self.prefills}
+
+    @staticmethod
+    def _counts(url: str) -> Counts:
+        """One /metrics read: (requests, prompt tokens, cached prompt tokens); all None when it does not answer."""
+        text = promparse.fetch(url, 5)
+        if text is None:
+            return None, None, None
+        return (promparse.sample_total(text, "sglang:num_requests_total") or 0.0,
                 *(promparse.sample_total(text, name) for name in TOKEN_COUNTERS))
-        return out
 
 
 class SimCluster(Cluster):

@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
-from . import client, config, decode_log, perf, procstat, promparse, results, stats
+from . import client, config, decode_log, procstat, promparse, results, stats
 from .servers import Server, Stack, exit_on_sigterm, failure_report
 
 MODEL = "llama-anchor"
@@ -170,25 +170,23 @@ class Probe:
                       for role, s in (("prefill", pair.prefill), ("decode", pair.decode[mode]))}
         self.names = {role: _thread_names(pid, pyspy) for role, pid in self.procs.items()}
 
-    def _kv(self) -> Optional[promparse.HistogramTotals]:
-        return promparse.total([perf.scrape(p.url) for p in self.pair.prefills])
-
-    def _stages(self) -> dict[str, dict[str, promparse.HistogramTotals]]:
-        """SGLang's per-stage request latency (`STAGE_HISTOGRAM`), the prefills' summed, and the decode's."""
-        return {role: stage_totals([promparse.fetch(s.url) for s in servers]) for role, servers in
-                (("prefill", self.pair.prefills), ("decode", [self.pair.decode[self.mode]]))}
+    def _snapshot(self) -> tuple[Optional[promparse.HistogramTotals], dict[str, dict[str, promparse.HistogramTotals]]]:
+        """One /metrics read of every server: the prefills' KV transfer histogram summed, and SGLang's per-stage
+        request latency (`STAGE_HISTOGRAM`), the prefills' summed and the decode's."""
+        prefills = [promparse.fetch(p.url) for p in self.pair.prefills]
+        kv = promparse.total([promparse.histogram_totals(t, promparse.KV_TRANSFER_LATENCY) for t in prefills if t])
+        return kv, {"prefill": stage_totals(prefills),
+                    "decode": stage_totals([promparse.fetch(self.pair.decode[self.mode].url)])}
 
     def __enter__(self) -> "Probe":
-        self.kv0 = self._kv()
-        self.st0 = self._stages()
+        self.kv0, self.st0 = self._snapshot()
         self.log0 = decode_log.offset(self.pair.decode[self.mode].log)
         self.cpu0 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.cpu1 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
-        self.kv1 = self._kv()
-        self.st1 = self._stages()
+        self.kv1, self.st1 = self._snapshot()
         self.log_text = decode_log.read_since(self.pair.decode[self.mode].log, self.log0)
 
     def figures(self) -> dict[str, Any]:

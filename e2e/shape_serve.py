@@ -60,7 +60,7 @@ def moved_command(cfg: LaunchConfig, node: Any, release: str, backend: str, step
 
 def deployment(shape: Shape, cfg: LaunchConfig, model: Path, release: str, backend: str, k: int) -> Deployment:
     step = k * PORT_STEP
-    env = {**config.COMMON_ENV, **SHARED_GPU_ENV, **serve.BACKEND_ENV[backend]}
+    env = {**config.COMMON_ENV, **SHARED_GPU_ENV}
     servers = []
     for node in cfg.nodes():
         if backend == "p2pnccl":  # the launcher itself, as an operator starts it

@@ -228,3 +228,47 @@ def test_stage_times_are_the_runs_means_per_stage_summed_over_servers():
     assert after["decode_waiting"].count == 14
     assert serve.stage_means_ms(before, after) == {"decode_waiting": 65.0}  # (0.2 + 0.06) s over 4 requests
     assert serve.stage_means_ms({}, {}) == {}
+
+
+def test_a_probe_snapshot_reads_each_server_once_for_kv_and_stages():
+    """Probe's snapshot over real HTTP: one /metrics request a server gives the prefills' KV transfer histogram
+    summed and the per-stage histograms of each role; a prefill that does not answer adds nothing."""
+    import http.server
+    import threading
+    from types import SimpleNamespace
+
+    texts = {
+        "/p0/metrics": ('sglang:kv_transfer_latency_ms_sum 30.0\nsglang:kv_transfer_latency_ms_count 3\n'
+                        'sglang:per_stage_req_latency_seconds_sum{stage="chunked_prefill"} 0.3\n'
+                        'sglang:per_stage_req_latency_seconds_count{stage="chunked_prefill"} 3\n'),
+        "/p1/metrics": 'sglang:kv_transfer_latency_ms_sum 10.0\nsglang:kv_transfer_latency_ms_count 1\n',
+        "/d/metrics": ('sglang:per_stage_req_latency_seconds_sum{stage="decode_waiting"} 0.2\n'
+                       'sglang:per_stage_req_latency_seconds_count{stage="decode_waiting"} 4\n')}
+    hits: list[str] = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            hits.append(self.path)
+            body = texts.get(self.path)
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write((body or "").encode())
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        probe = object.__new__(serve.Probe)
+        probe.mode = "graph"
+        probe.pair = SimpleNamespace(prefills=[SimpleNamespace(url=f"{base}/{p}") for p in ("p0", "p1", "gone")],
+                                     decode={"graph": SimpleNamespace(url=f"{base}/d")})
+        kv, stages = probe._snapshot()  # noqa: SLF001
+    finally:
+        srv.shutdown()
+    assert (kv.sum, kv.count) == (40.0, 4.0)
+    assert {k: (v.sum, v.count) for k, v in stages["prefill"].items()} == {"chunked_prefill": (0.3, 3.0)}
+    assert {k: (v.sum, v.count) for k, v in stages["decode"].items()} == {"decode_waiting": (0.2, 4.0)}
+    assert sorted(hits) == ["/d/metrics", "/gone/metrics", "/p0/metrics", "/p1/metrics"]
