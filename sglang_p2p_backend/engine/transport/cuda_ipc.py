@@ -363,9 +363,23 @@ def check_export(export: IpcExport, expected: Sequence[tuple[int, int]]) -> Opti
     return None
 
 
-#: the page kernel's grid where prefill and decode share a GPU: the bound every case of the same-GPU benchmark
-#: was measured with (0.49-0.84 of one device-to-device copy on an H100, 2026-11-27)
-SAME_GPU_PROGRAMS_PER_SM = 8
+#: bytes the page kernel keeps in flight an SM where prefill and decode share a GPU, within these programs an SM.
+#: The kernel alone (bench/transfer/page_kernel_sweep.py, two runs on H200s, 2026-11-28), against one
+#: device-to-device copy's GPU time: 2 KiB pages (MHA at page 1) took 0.73-0.80 of it at 8 programs an SM and
+#: 0.83-0.94 at 16; pages of 32 KiB and up 0.77-0.92 at 8, and within 6% of that either way at 16 or 32. Within
+#: HBM more bytes in flight pay, up to about 64 KiB an SM; over NVLink they do not (span_copy.default_programs).
+SAME_GPU_IN_FLIGHT_PER_SM = 64 << 10
+SAME_GPU_PROGRAMS_PER_SM = (8, 16)
+
+
+def same_gpu_programs_per_sm(item_bytes: Sequence[int]) -> int:
+    """Programs an SM for a page copy into the prefill's own GPU: about SAME_GPU_IN_FLIGHT_PER_SM over the
+    kernel's loop step (the largest page, rounded up to a power of two, at most 8 KiB), within
+    SAME_GPU_PROGRAMS_PER_SM."""
+    item = int(np.max(item_bytes)) if len(item_bytes) else 1  # one numpy call: this runs every chunk
+    step = min(8 << 10, 1 << (max(1, item) - 1).bit_length())
+    lo, hi = SAME_GPU_PROGRAMS_PER_SM
+    return max(lo, min(hi, SAME_GPU_IN_FLIGHT_PER_SM // step))
 
 
 class IpcMapping:
@@ -418,6 +432,8 @@ class CudaIpcTransport(OneSidedTransport):
         self.ce_min_span, self.ce_max_spans = ce_min_span, ce_max_spans
         #: the route `auto` took first, logged once per route: which one a serving run used shows in its log
         self._routes_seen: set[str] = set()
+        #: this GPU's SM count, for the same-GPU grid (read on first use: CPU-only hosts never ask)
+        self._sms: Optional[int] = None
         #: SGLANG_P2P_IPC_PROGRAMS: the page kernel's grid bound, the SMs a write may take from the forward
         #: pass beside it (None: span_copy.default_programs, about 8 KiB in flight an SM)
         self.programs = programs
@@ -495,7 +511,9 @@ class CudaIpcTransport(OneSidedTransport):
         Checked before anything moves (TransportError, nothing written): the id arrays pair up, every id is
         inside its pool, and every destination region lies wholly inside a region the decode exported."""
         plan = self.plan_pages(session, src_bases, dst_bases, item_bytes, src_ids, dst_ids, src_pages, dst_pages)
-        return self.copy_pages(plan, self._grid(session), self._same_gpu(session)) if plan is not None else 0
+        if plan is None:
+            return 0
+        return self.copy_pages(plan, self._grid(session, plan.item_bytes), self._same_gpu(session))
 
     def _same_gpu(self, session: str) -> bool:
         """Whether peer `session`'s pools are on this rank's GPU (False for a peer not mapped)."""
@@ -503,14 +521,16 @@ class CudaIpcTransport(OneSidedTransport):
             m = self._peers.get(session)
         return m is not None and m.same_gpu
 
-    def _grid(self, session: str) -> Optional[int]:
-        """The page kernel's grid bound for writes to `session`: SGLANG_P2P_IPC_PROGRAMS, else, where the decode
-        shares this GPU, 8 programs an SM (a copy within HBM needs more bytes in flight than one over NVLink, and
-        the kernel's one-an-SM default was measured across NVLink only), else the kernel's default (None)."""
+    def _grid(self, session: str, item_bytes: Sequence[int] = ()) -> Optional[int]:
+        """The page kernel's grid bound for writes of pages of `item_bytes` to `session`: SGLANG_P2P_IPC_PROGRAMS,
+        else, where the decode shares this GPU, `same_gpu_programs_per_sm` programs an SM (a copy within HBM
+        needs more bytes in flight than one over NVLink), else the kernel's default (None)."""
         if self.programs:
             return self.programs
         if self._same_gpu(session) and self.device.type == "cuda":
-            return SAME_GPU_PROGRAMS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self._sms is None:  # asked once: the properties call costs tens of microseconds every chunk
+                self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            return same_gpu_programs_per_sm(item_bytes) * self._sms
         return None
 
     def plan_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
