@@ -295,7 +295,8 @@ def calibrated(wp: WorkloadParams, capacity_tok_s: dict[str, float], loads: dict
 
 
 # ----------------------------------------------------------------------------- servers
-Counts = tuple[Optional[float], Optional[float], Optional[float]]  # (requests, prompt tokens, cached prompt tokens)
+#: (requests, prompt tokens, cached prompt tokens[, KV transfer ms summed, KV transfers, KV transfer MB summed])
+Counts = tuple[Optional[float], ...]
 #: SGLang's counters of the prompt tokens a server took and of those its prefix cache held
 TOKEN_COUNTERS = ("sglang:prompt_tokens_total", "sglang:cached_tokens_total")
 
@@ -398,12 +399,17 @@ class SGLangCluster(Cluster):
 
     @staticmethod
     def _counts(url: str) -> Counts:
-        """One /metrics read: (requests, prompt tokens, cached prompt tokens); all None when it does not answer."""
+        """One /metrics read: (requests, prompt tokens, cached prompt tokens, KV transfer ms summed, KV transfers,
+        KV transfer MB summed: the prefill's transfer-queue entry to completion, SGLang's histograms); all None
+        when it does not answer."""
         text = promparse.fetch(url, 5)
         if text is None:
-            return None, None, None
+            return None, None, None, None, None, None
+        kv = promparse.histogram_totals(text, promparse.KV_TRANSFER_LATENCY)
+        mb = promparse.histogram_totals(text, promparse.KV_TRANSFER_MB)
         return (promparse.sample_total(text, "sglang:num_requests_total") or 0.0,
-                *(promparse.sample_total(text, name) for name in TOKEN_COUNTERS))
+                *(promparse.sample_total(text, name) for name in TOKEN_COUNTERS),
+                None if kv is None else kv.sum, None if kv is None else kv.count, None if mb is None else mb.sum)
 
 
 class SimCluster(Cluster):
@@ -483,6 +489,9 @@ RUNNING_GAUGE = "sglang:num_running_reqs"
 #: KV to be sent (inflight), a decode's waiting for pages (prealloc) or for their KV to arrive (transfer)
 PD_QUEUE_GAUGES = ("sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_inflight_queue_reqs",
                    "sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs")
+#: their short names, in order, for each one's mean (`pd_queue_parts_mean`): summed, a prefill's requests waiting
+#: for their decode's pages (bootstrap) read the same as those whose KV is being sent (inflight)
+PD_QUEUE_PARTS = ("bootstrap", "inflight", "prealloc", "transfer")
 SAMPLE_S = 0.5  # sampling period during a run
 SAMPLE_TIMEOUT_S = 1.0
 
@@ -495,6 +504,8 @@ class LoadSample:
     running: float
     #: PD's queues summed (PD_QUEUE_GAUGES), None where the server exports none of them (not a missing sample)
     pd_queue: Optional[float] = None
+    #: each of PD_QUEUE_GAUGES on its own (None for one the server does not export); () where it exports none
+    pd_parts: tuple[Optional[float], ...] = ()
 
 
 def parse_load(text: Optional[str]) -> Optional[LoadSample]:
@@ -505,8 +516,9 @@ def parse_load(text: Optional[str]) -> Optional[LoadSample]:
     queue, running = promparse.sample_total(text, QUEUE_GAUGE), promparse.sample_total(text, RUNNING_GAUGE)
     if queue is None or running is None:
         return None
-    pd = [v for v in (promparse.sample_total(text, g) for g in PD_QUEUE_GAUGES) if v is not None]
-    return LoadSample(queue, running, sum(pd) if pd else None)
+    parts = tuple(promparse.sample_total(text, g) for g in PD_QUEUE_GAUGES)
+    pd = [v for v in parts if v is not None]
+    return LoadSample(queue, running, sum(pd) if pd else None, parts if pd else ())
 
 
 class LoadSampler:
@@ -555,6 +567,12 @@ def server_load(samples: Sequence[Optional[LoadSample]]) -> dict[str, Any]:
     pd = [x.pd_queue for x in ok if x.pd_queue is not None]
     out["pd_queue_mean"] = round(statistics.fmean(pd), 3) if pd else None
     out["pd_queue_max"] = max(pd) if pd else None
+    parts = {}
+    for k, name in enumerate(PD_QUEUE_PARTS):
+        xs = [x.pd_parts[k] for x in ok if len(x.pd_parts) > k and x.pd_parts[k] is not None]
+        if xs:
+            parts[name] = round(statistics.fmean(xs), 3)
+    out["pd_queue_parts_mean"] = parts or None
     return out
 
 
@@ -584,13 +602,19 @@ def prefill_shares(before: dict[str, Counts], after: dict[str, Counts]) -> dict[
     """What each prefill took during a run, from its counters before and after (None where one is missing):
     requests, prompt tokens and cached prompt tokens; and the largest share of the run's requests one prefill
     took (`prefill_request_share_max`: 1/n is even, 1.0 is all on one). The routing's concentration, for
-    every LB alike, without its decision log."""
+    every LB alike, without its decision log. Where the prefill exports SGLang's KV transfer histograms, also
+    its transfers' mean time from the transfer queue to done (`kv_transfer_ms_mean`: waiting behind its other
+    sends included) and the GB/s that makes (`kv_transfer_gb_s`): whether a prefill that got more requests
+    also sent more slowly."""
     per = []
     for url, b in before.items():
-        a = after.get(url) or (None, None, None)
-        row: dict[str, Any] = {"url": url}
-        for i, key in enumerate(("requests", "prompt_tokens", "cached_tokens")):
-            row[key] = None if b[i] is None or a[i] is None else max(0.0, a[i] - b[i])
+        a = after.get(url) or ()
+        d = [None if i >= len(b) or i >= len(a) or b[i] is None or a[i] is None else max(0.0, a[i] - b[i]) for i in range(6)]
+        row: dict[str, Any] = {"url": url, **dict(zip(("requests", "prompt_tokens", "cached_tokens"), d[:3]))}
+        ms, n, mb = d[3:]
+        if ms is not None and n:
+            row["kv_transfer_ms_mean"] = round(ms / n, 2)
+            row["kv_transfer_gb_s"] = round(mb / 1024 / (ms / 1e3), 2) if mb is not None and ms > 0 else None
         per.append(row)
     reqs = [r["requests"] for r in per if r["requests"] is not None]
     total = sum(reqs)

@@ -147,7 +147,7 @@ def test_load_evidence_per_server_and_imbalance():
                           {"d0": _samples((0, 4)), "d1": _samples((1, 3))})
     p0, p1, p2 = ev["server_load"]["prefill"]
     assert p0 == {"url": "p0", "samples": 2, "missing": 1, "queue_mean": 2.5, "queue_max": 3, "running_mean": 0.5, "running_max": 1, "load_mean": 3.0,
-                  "pd_queue_mean": None, "pd_queue_max": None}
+                  "pd_queue_mean": None, "pd_queue_max": None, "pd_queue_parts_mean": None}
     assert p1["load_mean"] == 1.0
     # only failed samples: counted missing, no figures, and left out of the imbalance
     assert (p2["samples"], p2["missing"], p2["queue_max"], p2["load_mean"]) == (0, 2, None, None)
@@ -181,6 +181,12 @@ def test_prefill_shares_from_each_prefills_counters_before_and_after_a_run():
     assert gone["prefill_counts"][2]["requests"] is None and gone["prefill_request_share_max"] is None
     # a restarted server's counter starts again at 0: no negative count
     assert lc.prefill_shares({"p0": (50.0, 0.0, 0.0)}, {"p0": (3.0, 0.0, 0.0)})["prefill_counts"][0]["requests"] == 0.0
+    # with SGLang's KV transfer histograms: each prefill's mean transfer time (its queue behind other sends
+    # included) and the GB/s it made; none where nothing was sent in the run
+    kv = lc.prefill_shares({"p0": (0.0, 0.0, 0.0, 100.0, 2.0, 1024.0), "p1": (0.0, 0.0, 0.0, 5.0, 1.0, 0.0)},
+                           {"p0": (4.0, 9.0, 0.0, 180.0, 6.0, 3072.0), "p1": (0.0, 0.0, 0.0, 5.0, 1.0, 0.0)})["prefill_counts"]
+    assert (kv[0]["kv_transfer_ms_mean"], kv[0]["kv_transfer_gb_s"]) == (20.0, 25.0)  # 2 GB in 4 transfers of 20 ms
+    assert "kv_transfer_ms_mean" not in kv[1]
 
 
 def test_sglang_prefills_counters_read_from_their_metrics_over_http():
@@ -190,7 +196,9 @@ def test_sglang_prefills_counters_read_from_their_metrics_over_http():
     import threading
 
     texts = {"/a/metrics": 'sglang:num_requests_total{dp_rank="0"} 3.0\nsglang:num_requests_total{dp_rank="1"} 4.0\n'
-                           'sglang:prompt_tokens_total{dp_rank="0"} 9000.0\nsglang:cached_tokens_total{dp_rank="0"} 4000.0\n',
+                           'sglang:prompt_tokens_total{dp_rank="0"} 9000.0\nsglang:cached_tokens_total{dp_rank="0"} 4000.0\n'
+                           'sglang:kv_transfer_latency_ms_sum 120.0\nsglang:kv_transfer_latency_ms_count 3.0\n'
+                           'sglang:kv_transfer_total_mb_sum 1500.0\nsglang:kv_transfer_total_mb_count 3.0\n',
              "/b/metrics": "sglang:num_requests_total 2.0\n"}
 
     class H(http.server.BaseHTTPRequestHandler):
@@ -209,8 +217,8 @@ def test_sglang_prefills_counters_read_from_their_metrics_over_http():
     try:
         cluster = object.__new__(lc.SGLangCluster)
         cluster.prefills = [(base + "/a", 1), (base + "/b", 2), (base + "/gone", 3)]
-        assert cluster.counts() == {base + "/a": (7.0, 9000.0, 4000.0), base + "/b": (2.0, None, None),
-                                    base + "/gone": (None, None, None)}
+        assert cluster.counts() == {base + "/a": (7.0, 9000.0, 4000.0, 120.0, 3.0, 1500.0), base + "/b": (2.0, None, None, None, None, None),
+                                    base + "/gone": (None, None, None, None, None, None)}
     finally:
         srv.shutdown()
 
@@ -237,9 +245,12 @@ def test_load_parsed_from_sglang_and_simworker_metrics():
     # PD's own queues (waiting for the decode, for pages, for the KV) summed beside them
     pd = sglang + "\n" + "\n".join(['sglang:num_prefill_bootstrap_queue_reqs{dp_rank="0"} 2.0',
                                     'sglang:num_prefill_inflight_queue_reqs{dp_rank="0"} 1.0'])
-    assert lc.parse_load(pd) == lc.LoadSample(5.0, 7.0, 3.0)
+    assert lc.parse_load(pd) == lc.LoadSample(5.0, 7.0, 3.0, (2.0, 1.0, None, None))
     load = lc.server_load([lc.LoadSample(1.0, 1.0, 3.0), lc.LoadSample(1.0, 1.0, 1.0), lc.LoadSample(0.0, 0.0)])
     assert (load["pd_queue_mean"], load["pd_queue_max"], load["load_mean"]) == (2.0, 3.0, 1.333)
+    # each PD queue's own mean beside the sum: waiting for the decode's pages (bootstrap) apart from sending (inflight)
+    parts = lc.server_load([lc.parse_load(pd), lc.LoadSample(0.0, 0.0, 4.0, (0.0, 4.0, None, None))])
+    assert parts["pd_queue_parts_mean"] == {"bootstrap": 1.0, "inflight": 2.5} and parts["pd_queue_mean"] == 3.5
     from simworker import SimConfig, SimWorker
 
     w = SimWorker(SimConfig(role="prefill", dp_size=2))
