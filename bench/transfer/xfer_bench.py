@@ -29,7 +29,8 @@ size 64; 128, 1k, 4k and 16k tokens; contiguous and scattered pages (bench/trans
 - `fixed`: where a 128-token request's time goes (MLA page 64 and MHA page 16, scattered): host planning
   (checks and address translation), descriptor upload (CUDA events), launch (host time of the queueing call),
   sync (host wait), the control message (msgspec encoding of the aux row and Status, and one way over a local
-  socket); also for the copy engines and the NCCL path.
+  socket); also for the copy engines and the NCCL path. Then a 4k-token contiguous request on each route: the
+  whole write against its copy's GPU time alone, the difference being the host time around the copy.
 - `plan`: host planning alone, no device: how the per-chunk host work grows with pages and layers.
 
 Writes one JSON (default bench/results/xfer_<machine>.json) with the machine named, and prints a table per
@@ -72,6 +73,9 @@ SESSION = "127.0.0.1:17035"
 IO_TIMEOUT = 120.0
 INTERFERENCE_CASE = ("mha_p16", 16384)
 FIXED_SHAPES = ("mla_p64", "mha_p16")
+#: `fixed` also splits a contiguous request of this many tokens (or the largest measured below it) into its copy's
+#: GPU time and the host time around it, on both routes
+LARGE_FIXED_TOKENS = 4096
 PHASE_TOKENS = (1024, 4096)  # nccl_phases: a one-chunk and a several-chunk request at the default slots
 SAME_GPU = (("mha_p16", 4096), ("mha_p16", 16384), ("mla_p64", 4096), ("mla_p64", 16384))
 #: --programs measures this shape's requests of these sizes (2 GiB at 16k: the interference case)
@@ -743,6 +747,52 @@ class Prefill:
                                 + 2 * out["control_one_way_us"]["p50"])
         return out
 
+    def fixed_large(self, shape: xc.Shape, pool: list, dst_ptrs: list, dst_pages: int) -> dict:
+        """What a 4k-token contiguous request's write spends beside the copy: on each route, the whole
+        `write_pages` (host time from call to return) against the same copy's GPU time alone (queued behind a
+        sleep, so no host time shows in it); `host_us` is the difference, where the 0.85-of-the-link target is
+        lost at 4k. With the write under cProfile. On CPU (--quick) only the writes are timed."""
+        from sglang_p2p_backend.engine.copy.ce_plan import page_spans
+        from sglang_p2p_backend.engine.transport.cuda_ipc import backend
+
+        torch = self.torch
+        src_pages = pool[0].shape[0]
+        tokens = max([t for t in self.cfg["tokens"] if t <= LARGE_FIXED_TOKENS] or [0])
+        case = xc.Case(shape, tokens, "contiguous")
+        if not tokens or shape.pages(tokens) > min(src_pages, dst_pages):
+            return {}
+        src_ids, dst_ids = xc.page_ids(case, src_pages, dst_pages)
+        bases, items = [t.data_ptr() for t in pool], [shape.item] * shape.regions
+        args = (SESSION, bases, dst_ptrs, items, src_ids, dst_ids, src_pages, dst_pages)
+        plan = self.tr.plan_pages(*args)
+        out: dict = {"case": case.name, "mib": shape.nbytes(tokens) / 2**20}
+        gpu_copies: dict[str, Callable[[], Any]] = {}
+        if self.dev.cuda:
+            _, pages, stream = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
+            engines, spans = backend().copy_engines(), page_spans(*plan)
+            grid = self.tr._grid(SESSION, plan.item_bytes)  # noqa: SLF001 - the grid write_pages passes
+            gpu_copies = {"kernel": lambda: pages.copy(*plan, stream, grid),
+                          "copy_engine": lambda: engines.copy(*spans, stream.cuda_stream)}
+        for mode in IPC_MODES:
+            self.tr.copy_engine = "off" if mode == "kernel" else "on"
+            b = self.budget()
+            row: dict = {"write_us": xc.stats_us(b.run(lambda: host_seconds(lambda: self.tr.write_pages(*args))))}
+            if mode in gpu_copies:
+                copy = gpu_copies[mode]
+
+                def gpu() -> float:
+                    with torch.cuda.stream(stream):
+                        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time ahead: the launch's host time hides
+                    with torch.cuda.device(self.dev_t):
+                        return self.dev.gpu_seconds(copy, stream)
+
+                row["gpu_us"] = xc.stats_us(b.run(gpu))
+                row["host_us"] = row["write_us"]["p50"] - row["gpu_us"]["p50"]
+                row["write_profile"] = host_profile(lambda: self.tr.write_pages(*args), calls=30)
+            out[mode] = row
+        self.tr.copy_engine = "off"
+        return out
+
     def fixed_nccl_plan(self, shape: xc.Shape) -> dict:
         from sglang_p2p_backend.engine.config import EngineConfig
         from sglang_p2p_backend.engine.copy.plan import plan_chunks
@@ -780,6 +830,8 @@ class Prefill:
                 if "fixed" in sections and shape.name in FIXED_SHAPES and self.time_left(f"fixed {shape.name}"):
                     self.out["fixed_cost"][shape.name] = self.fixed_ipc(shape, pool, dst_ptrs, dst_pages)
                     self.out["fixed_cost"][shape.name]["nccl"] = self.fixed_nccl_plan(shape)
+                    if self.time_left(f"fixed {shape.name} {LARGE_FIXED_TOKENS}"):
+                        self.out["fixed_cost"][shape.name]["large"] = self.fixed_large(shape, pool, dst_ptrs, dst_pages)
                 if "interference" in sections and shape.name == INTERFERENCE_CASE[0]:
                     tokens = max(t for t in self.cfg["tokens"] if t <= INTERFERENCE_CASE[1])
                     for dest in xc.DESTS:
@@ -1026,6 +1078,15 @@ def tables(result: dict) -> str:
         lines.append(f"  nccl plan + headers {f['nccl']['plan_and_header_us']['p50']:.1f} us")
         if f.get("write_profile"):
             lines += ["  write_pages under cProfile, by own time a call:", *render_profile(f["write_profile"])]
+        large = f.get("large") or {}
+        for mode in IPC_MODES:
+            r = large.get(mode)
+            if not r:
+                continue
+            gpu = f"GPU {r['gpu_us']['p50']:.1f} us, host around it {r['host_us']:.1f} us" if "gpu_us" in r else "no GPU"
+            lines.append(f"  {large['case']} ({large['mib']:.0f} MiB) {mode}: write {r['write_us']['p50']:.1f} us p50, {gpu}")
+            if r.get("write_profile"):
+                lines += [f"    {mode} write under cProfile, by own time a call:", *render_profile(r["write_profile"])]
         parts.append(f"== fixed cost of {f['case']} ({f['pages']} pages x {f['regions']} regions)\n" + "\n".join(lines))
     if result.get("plan"):
         tb = xc.Table([("case", 34), ("pages", 7), ("ipc plan", 10), ("ce rule", 9), ("ce spans", 10), ("#spans", 8),

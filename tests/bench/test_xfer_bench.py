@@ -173,6 +173,10 @@ def test_quick_run_of_every_section_verifies_every_page(tmp_path, capsys):
     # where the small write's host time goes, by function: the transport's checks among them
     assert all(any(r["function"].startswith("plan_pages (cuda_ipc.py") and r["calls_per_op"] == 1.0
                    for r in f["write_profile"]) for f in result["fixed_cost"].values())
+    # the larger contiguous request on both routes (on CPU: the writes only; the GPU time needs CUDA)
+    large = [f["large"] for f in result["fixed_cost"].values()]
+    assert sorted(x["case"] for x in large) == ["mha_p16_1024_contiguous", "mla_p64_1024_contiguous"]
+    assert all(x[m]["write_us"]["n"] >= 5 and "gpu_us" not in x[m] for x in large for m in ("kernel", "copy_engine"))
     assert result["skipped"] == [] and result["rule"]["winner"]
     # --programs: the kernel with each grid bound, on every destination of the (quick) request size
     rows = result["programs"]
