@@ -528,7 +528,7 @@ class CudaIpcTransport(OneSidedTransport):
         if self.programs:
             return self.programs
         if self._same_gpu(session) and self.device.type == "cuda":
-            if self._sms is None:  # asked once: the properties call costs tens of microseconds every chunk
+            if self._sms is None:  # asked once, not every chunk
                 self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             return same_gpu_programs_per_sm(item_bytes) * self._sms
         return None
