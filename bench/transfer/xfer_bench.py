@@ -130,6 +130,42 @@ def host_seconds(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def host_timeline(steps: list[tuple[str, Callable[[], Any]]], budget: xc.Budget, copier: Any = None) -> dict:
+    """Median host microseconds of each step of one write, each from the end of the step before: `steps` are
+    (name, fn) run in order, the name marking the fn's end; `copier` (a PageCopier) marks its own steps inside
+    (its `trace`). Where a write's fixed host time goes, step by step, without a profiler's overhead."""
+    marks: list[tuple[str, int]] = []
+    durations: dict[str, list[float]] = {}
+
+    def mark(name: str) -> None:
+        marks.append((name, time.perf_counter_ns()))
+
+    def one() -> float:
+        marks.clear()
+        t0 = time.perf_counter_ns()
+        if copier is not None:
+            copier.trace = mark
+        try:
+            for name, fn in steps:
+                fn()
+                mark(name)
+        finally:
+            if copier is not None:
+                copier.trace = None
+        prev = t0
+        for name, t in marks:
+            durations.setdefault(name, []).append((t - prev) / 1e3)
+            prev = t
+        return (prev - t0) / 1e9
+
+    budget.run(one)
+    return {name: round(float(np.median(v)), 1) for name, v in durations.items()}
+
+
+def _steps(steps: dict) -> str:
+    return ", ".join(f"{name} {us:.1f}" for name, us in steps.items())
+
+
 def _call_then_sync(call: Callable[[], Any], stream, calls: list, syncs: list) -> Callable[[], float]:
     """One timed round: host time of `call` (its launches) into `calls`, then of the stream's sync into `syncs`."""
     def one() -> float:
@@ -729,6 +765,7 @@ class Prefill:
             self.tr.copy_engine = "on"
             out["ce_write_us"] = xc.stats_us(b.run(lambda: host_seconds(lambda: self.tr.write_pages(*args))))
             self.tr.copy_engine = "off"
+            out["steps_us"] = self.write_timelines(args)
         aux = messages.AuxData(SESSION, 7, 3, [bytes(64)])
         status = messages.Status(SESSION, 7, 0, 2)
         out["control_encode_us"] = xc.stats_us(b.run(lambda: host_seconds(
@@ -746,6 +783,38 @@ class Prefill:
         out["end_to_end_us"] = (out["write_us"]["p50"] + out["control_encode_us"]["p50"]
                                 + 2 * out["control_one_way_us"]["p50"])
         return out
+
+    def write_timelines(self, args: tuple) -> dict:
+        """Both routes of `write_pages(*args)` as the transport takes them, step by step (`host_timeline`): the
+        checks and translation, the grid or the copy-engine spans, the wait for the forward's stream, the
+        kernel's launch (inside it: the pinned ids and table, the device and stream set, the upload queued, the
+        Triton launch) or the copy-engine call, and the wait for the copy."""
+        from sglang_p2p_backend.engine.copy.ce_plan import page_spans
+        from sglang_p2p_backend.engine.transport.cuda_ipc import backend
+
+        torch = self.torch
+        _, pages, stream = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
+        engines = backend().copy_engines()
+        box: dict = {}
+
+        def plan() -> None:
+            box["plan"] = self.tr.plan_pages(*args)
+
+        def wait() -> None:
+            stream.wait_stream(torch.cuda.current_stream(self.dev_t))
+
+        def ce_call() -> None:
+            with torch.cuda.device(self.dev_t):
+                engines.copy(*box["spans"], stream.cuda_stream)
+
+        kernel = [("planned", plan),
+                  ("routed", lambda: box.__setitem__("grid", self.tr._grid(SESSION, box["plan"].item_bytes))),  # noqa: SLF001
+                  ("waited", wait), ("returned", lambda: pages.copy(*box["plan"], stream, box["grid"])),
+                  ("synchronized", stream.synchronize)]
+        ce = [("planned", plan), ("spans", lambda: box.__setitem__("spans", page_spans(*box["plan"]))),
+              ("waited", wait), ("called", ce_call), ("synchronized", stream.synchronize)]
+        return {"kernel": host_timeline(kernel, self.budget(), copier=pages),
+                "copy_engine": host_timeline(ce, self.budget())}
 
     def fixed_large(self, shape: xc.Shape, pool: list, dst_ptrs: list, dst_pages: int) -> dict:
         """What a 4k-token contiguous request's write spends beside the copy: on each route, the whole
@@ -791,6 +860,9 @@ class Prefill:
                 row["write_profile"] = host_profile(lambda: self.tr.write_pages(*args), calls=30)
             out[mode] = row
         self.tr.copy_engine = "off"
+        if self.dev.cuda:
+            for mode, steps in self.write_timelines(args).items():
+                out[mode]["steps_us"] = steps
         return out
 
     def fixed_nccl_plan(self, shape: xc.Shape) -> dict:
@@ -1072,12 +1144,14 @@ def tables(result: dict) -> str:
     if result.get("programs"):
         parts.append(programs_table(result["programs"], result.get("programs_default")))
     for name, f in result.get("fixed_cost", {}).items():
-        keys = [k for k in f if k.endswith("_us") and isinstance(f[k], dict)]
+        keys = [k for k in f if k.endswith("_us") and isinstance(f[k], dict) and "p50" in f[k]]
         lines = [f"  {k:<30}{f[k]['p50']:>10.1f} us p50 {f[k]['p99']:>10.1f} us p99" for k in keys]
         lines.append(f"  {'end_to_end_us (write + aux + Status)':<30}{f['end_to_end_us']:>10.1f} us")
         lines.append(f"  nccl plan + headers {f['nccl']['plan_and_header_us']['p50']:.1f} us")
         if f.get("write_profile"):
             lines += ["  write_pages under cProfile, by own time a call:", *render_profile(f["write_profile"])]
+        for mode, steps in (f.get("steps_us") or {}).items():
+            lines.append(f"  {mode} write step by step (us, each from the one before): {_steps(steps)}")
         large = f.get("large") or {}
         for mode in IPC_MODES:
             r = large.get(mode)
@@ -1085,6 +1159,8 @@ def tables(result: dict) -> str:
                 continue
             gpu = f"GPU {r['gpu_us']['p50']:.1f} us, host around it {r['host_us']:.1f} us" if "gpu_us" in r else "no GPU"
             lines.append(f"  {large['case']} ({large['mib']:.0f} MiB) {mode}: write {r['write_us']['p50']:.1f} us p50, {gpu}")
+            if r.get("steps_us"):
+                lines.append(f"    step by step (us, each from the one before): {_steps(r['steps_us'])}")
             if r.get("write_profile"):
                 lines += [f"    {mode} write under cProfile, by own time a call:", *render_profile(r["write_profile"])]
         parts.append(f"== fixed cost of {f['case']} ({f['pages']} pages x {f['regions']} regions)\n" + "\n".join(lines))

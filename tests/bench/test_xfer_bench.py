@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import numpy as np
 import pytest
@@ -261,3 +262,39 @@ def test_gather_host_says_it_measured_nothing_without_cuda(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gather_host.main(["--tokens", "128"]) == 0
     assert "no CUDA device here: nothing measured" in capsys.readouterr().out
+
+
+def test_host_timeline_names_every_step_in_order_with_the_copiers_own_inside():
+    """The `fixed` section's step-by-step split of a write: each step's time from the end of the one before,
+    the copier's own marks (PageCopier.trace) between the steps around them, and its trace unset afterwards."""
+
+    class Copier:
+        trace = None
+
+        def copy(self):
+            self.trace("prepared")
+            time.sleep(0.002)
+            self.trace("launched")
+
+    copier = Copier()
+    steps = [("waited", lambda: time.sleep(0.001)), ("returned", copier.copy), ("synchronized", lambda: None)]
+    out = xfer_bench.host_timeline(steps, xc.Budget(0.0, min_reps=5, max_reps=5, warmup=0), copier=copier)
+    assert list(out) == ["waited", "prepared", "launched", "returned", "synchronized"]
+    assert out["waited"] >= 1000 and out["launched"] >= 2000 and out["returned"] < 1000
+    assert copier.trace is None
+    assert xfer_bench._steps({"a": 1.26, "b": 10.0}) == "a 1.3, b 10.0"  # noqa: SLF001
+
+
+def test_the_fixed_table_prints_a_gpu_runs_step_timelines_and_4k_split():
+    """What a GPU run adds to `fixed` (the step timelines, the 4k request's GPU and host time) reaches the
+    printed table, and a step timeline is not mistaken for a p50/p99 row."""
+    f = {"case": "mha_p16_128_scattered", "pages": 8, "regions": 64, "plan_us": {"p50": 1.0, "p99": 2.0},
+         "end_to_end_us": 3.0, "nccl": {"plan_and_header_us": {"p50": 1.0}},
+         "steps_us": {"kernel": {"planned": 3.0, "launched": 40.0}, "copy_engine": {"called": 20.0}},
+         "large": {"case": "mha_p16_4096_contiguous", "mib": 512.0,
+                   "kernel": {"write_us": {"p50": 1850.0, "p99": 1900.0}, "gpu_us": {"p50": 1543.0},
+                              "host_us": 307.0, "steps_us": {"launched": 45.0}}}}
+    text = xfer_bench.tables({"machine": "m", "fixed_cost": {"mha_p16": f}})
+    assert "kernel write step by step (us, each from the one before): planned 3.0, launched 40.0" in text
+    assert "mha_p16_4096_contiguous (512 MiB) kernel: write 1850.0 us p50, GPU 1543.0 us, host around it 307.0 us" in text
+    assert "steps_us" not in text

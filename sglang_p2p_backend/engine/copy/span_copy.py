@@ -22,7 +22,7 @@ chunk; KV pools always allow 8 (page rows are multiples of 16 bytes, and allocat
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -213,6 +213,14 @@ class PageCopier:
         self._host = torch.empty(0, dtype=torch.int64).pin_memory()
         self._dev = torch.empty(0, dtype=torch.int64, device=device)
         self._like = {w: torch.empty(1, dtype=d, device=device) for w, d in _WORD_DTYPES.items()}
+        #: told each host step of `copy` as it ends ("prepared": ids and table in pinned memory, "entered": the
+        #: device and stream set, "uploaded": the upload queued, "launched"): the transfer benchmark's timeline
+        #: of where a launch's host time goes (bench/transfer/xfer_bench.py, `fixed`); None tells nothing
+        self.trace: Optional[Callable[[str], None]] = None
+
+    def _mark(self, step: str) -> None:
+        if self.trace is not None:
+            self.trace(step)
 
     def copy(self, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
              src_ids: np.ndarray, dst_ids: np.ndarray, stream: torch.cuda.Stream,
@@ -238,9 +246,13 @@ class PageCopier:
         dev = self._dev[:n]
         words = int(table[:, 3].max())
         block = min(1024, max(16, 1 << (words - 1).bit_length()))
+        self._mark("prepared")
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            self._mark("entered")
             dev.copy_(self._host[:n], non_blocking=True)
+            self._mark("uploaded")
             bound = max_programs or self.max_programs or default_programs(self.sms, block * word)
             grid = (min(n_pages * n_regions, bound),)
             _copy_pages[grid](dev, n_pages, dev[2 * n_pages:], n_regions, self._like[word], BLOCK=block)
+            self._mark("launched")
         return n_pages * int(table[:, 2].sum())
