@@ -65,6 +65,8 @@
 #          picks (default shapes,shapes_ll) (e2e/deepep.py). Needs .bundle/deepep.tar.xz
 #          (e2e/build_bundle.sh .bundle deepep) in this call or an earlier one on the same machine
 #   unpack: only unpack what this call carries (a first call can bring extras.tar.xz, the next sglang.tar.xz)
+# .bundle/triton-cache.tar.xz, where a call carries it, fills TRITON_CACHE_DIR ($E2E_ROOT/triton-cache) before any
+#   server starts; E2E_SAVE_TRITON_CACHE=1 packs that folder into $OUT/triton-cache.tar.xz at the end (e2e/triton_cache.py)
 # --gpus 1 (or E2E_GPUS=1; default 2): every server on GPU 0. NCCL cannot put two ranks on one GPU, so p2pnccl
 #   runs on its Mooncake tcp transport (SGLANG_P2P_TRANSPORT=mooncake MC_FORCE_TCP=1) and SGLang's mooncake
 #   backend on tcp too: check and perf then need extras.tar.xz unpacked (this call or an earlier one). perf runs
@@ -124,8 +126,9 @@ unpack lb
 unpack bench
 unpack deepep
 unpack deepep-built
+unpack triton-cache
 if [ "$PHASE" = unpack ]; then
-  for part in sglang extras serve lb bench deepep deepep-built; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
+  for part in sglang extras serve lb bench deepep deepep-built triton-cache; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
   exit 0
 fi
 if [ "$PHASE" = deepep ] && [ ! -f "$E2E_ROOT/deepep/.unpacked" ]; then
@@ -159,6 +162,12 @@ if [ -d "$E2E_ROOT/extras/genai" ]; then  # genai-bench gets its own path: bench
   chmod +x "$GB_BIN/genai-bench"
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Triton's compiled kernels in one place every server and test of every call on this machine shares; carried in
+# as .bundle/triton-cache.tar.xz, a fresh machine skips the compiles (a decode's CUDA graph capture took 69 s on
+# 2 x H200, most of it the first batch size, where the kernels compile); E2E_SAVE_TRITON_CACHE=1 brings it back as
+# $OUT/triton-cache.tar.xz
+export TRITON_CACHE_DIR=$E2E_ROOT/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
 export SGLANG_HOST_IP=127.0.0.1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
 cd "$ROOT" || exit 1
@@ -384,5 +393,8 @@ python3 -m e2e.results --state "$STATE" --machine-json "$STATE/machine.json" --o
 python3 -m e2e.report "$OUTDIR/e2e_results.json" > "$OUTDIR/e2e_report.md" || STATUS=1
 [ -d "$E2E_ROOT/logs" ] && { (cd "$E2E_ROOT" && python3 -m tarfile -c "$OUTDIR/e2e_logs_$PHASE.tgz" logs) || true; }
 cat "$OUTDIR/e2e_report.md"
+if [ "${E2E_SAVE_TRITON_CACHE:-0}" = 1 ]; then
+  python3 -m e2e.triton_cache pack "$TRITON_CACHE_DIR" "$OUTDIR/triton-cache.tar.xz" || true
+fi
 say "done (status $STATUS); results in $OUTDIR"
 exit $STATUS
