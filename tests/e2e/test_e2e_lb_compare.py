@@ -15,6 +15,7 @@ from e2e import config  # noqa: E402
 from e2e import lb_compare as lc  # noqa: E402
 from e2e.lb_real import Answer  # noqa: E402
 from e2e.stats import RequestRecord  # noqa: E402
+from support import metrics_server  # noqa: E402
 
 PEERS = Path(os.environ.get("LB_PEERS_DIR", Path.home() / ".cache/sglang-p2p-lb-peers"))
 
@@ -192,35 +193,16 @@ def test_prefill_shares_from_each_prefills_counters_before_and_after_a_run():
 def test_sglang_prefills_counters_read_from_their_metrics_over_http():
     """SGLangCluster.counts: one /metrics read a prefill, SGLang's counters summed over DP ranks; a prefill that
     does not answer gives no counts, one without the token counters gives its requests only."""
-    import http.server
-    import threading
-
     texts = {"/a/metrics": 'sglang:num_requests_total{dp_rank="0"} 3.0\nsglang:num_requests_total{dp_rank="1"} 4.0\n'
                            'sglang:prompt_tokens_total{dp_rank="0"} 9000.0\nsglang:cached_tokens_total{dp_rank="0"} 4000.0\n'
                            'sglang:kv_transfer_latency_ms_sum 120.0\nsglang:kv_transfer_latency_ms_count 3.0\n'
                            'sglang:kv_transfer_total_mb_sum 1500.0\nsglang:kv_transfer_total_mb_count 3.0\n',
              "/b/metrics": "sglang:num_requests_total 2.0\n"}
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            body = texts.get(self.path)
-            self.send_response(200 if body else 404)
-            self.end_headers()
-            self.wfile.write((body or "").encode())
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{srv.server_address[1]}"
-    try:
+    with metrics_server.serving(texts) as base:
         cluster = object.__new__(lc.SGLangCluster)
         cluster.prefills = [(base + "/a", 1), (base + "/b", 2), (base + "/gone", 3)]
         assert cluster.counts() == {base + "/a": (7.0, 9000.0, 4000.0, 120.0, 3.0, 1500.0), base + "/b": (2.0, None, None, None, None, None),
                                     base + "/gone": (None, None, None, None, None, None)}
-    finally:
-        srv.shutdown()
 
 
 def test_aggregate_takes_the_median_of_the_servers_evidence():

@@ -9,6 +9,7 @@ import pytest
 from e2e import decode_log, procstat, serve
 from e2e.stats import RequestRecord
 from sglang_p2p_backend.engine.threads import set_os_name
+from support import metrics_server
 
 # two lines in SGLang 0.5.17's decode format (metrics_reporter.py), one prefill line that must be ignored
 LOG = (
@@ -233,8 +234,6 @@ def test_stage_times_are_the_runs_means_per_stage_summed_over_servers():
 def test_a_probe_snapshot_reads_each_server_once_for_kv_and_stages():
     """Probe's snapshot over real HTTP: one /metrics request a server gives the prefills' KV transfer histogram
     summed and the per-stage histograms of each role; a prefill that does not answer adds nothing."""
-    import http.server
-    import threading
     from types import SimpleNamespace
 
     texts = {
@@ -245,29 +244,12 @@ def test_a_probe_snapshot_reads_each_server_once_for_kv_and_stages():
         "/d/metrics": ('sglang:per_stage_req_latency_seconds_sum{stage="decode_waiting"} 0.2\n'
                        'sglang:per_stage_req_latency_seconds_count{stage="decode_waiting"} 4\n')}
     hits: list[str] = []
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            hits.append(self.path)
-            body = texts.get(self.path)
-            self.send_response(200 if body else 404)
-            self.end_headers()
-            self.wfile.write((body or "").encode())
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{srv.server_address[1]}"
-    try:
+    with metrics_server.serving(texts, hits) as base:
         probe = object.__new__(serve.Probe)
         probe.mode = "graph"
         probe.pair = SimpleNamespace(prefills=[SimpleNamespace(url=f"{base}/{p}") for p in ("p0", "p1", "gone")],
                                      decode={"graph": SimpleNamespace(url=f"{base}/d")})
         kv, stages = probe._snapshot()  # noqa: SLF001
-    finally:
-        srv.shutdown()
     assert (kv.sum, kv.count) == (40.0, 4.0)
     assert {k: (v.sum, v.count) for k, v in stages["prefill"].items()} == {"chunked_prefill": (0.3, 3.0)}
     assert {k: (v.sum, v.count) for k, v in stages["decode"].items()} == {"decode_waiting": (0.2, 4.0)}
