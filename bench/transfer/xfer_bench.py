@@ -807,10 +807,11 @@ class Prefill:
             with torch.cuda.device(self.dev_t):
                 engines.copy(*box["spans"], stream.cuda_stream)
 
-        kernel = [("planned", plan),
-                  ("routed", lambda: box.__setitem__("grid", self.tr._grid(SESSION, box["plan"].item_bytes))),  # noqa: SLF001
-                  ("waited", wait), ("returned", lambda: pages.copy(*box["plan"], stream, box["grid"])),
-                  ("synchronized", stream.synchronize)]
+        def route() -> None:  # what write_pages does between the plan and the copy
+            box["grid"] = self.tr._grid(self.tr._same_gpu(SESSION), box["plan"].item_bytes)  # noqa: SLF001
+
+        kernel = [("planned", plan), ("routed", route), ("waited", wait),
+                  ("returned", lambda: pages.copy(*box["plan"], stream, box["grid"])), ("synchronized", stream.synchronize)]
         ce = [("planned", plan), ("spans", lambda: box.__setitem__("spans", page_spans(*box["plan"]))),
               ("waited", wait), ("called", ce_call), ("synchronized", stream.synchronize)]
         return {"kernel": host_timeline(kernel, self.budget(), copier=pages),
@@ -839,7 +840,7 @@ class Prefill:
         if self.dev.cuda:
             _, pages, stream = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
             engines, spans = backend().copy_engines(), page_spans(*plan)
-            grid = self.tr._grid(SESSION, plan.item_bytes)  # noqa: SLF001 - the grid write_pages passes
+            grid = self.tr._grid(self.tr._same_gpu(SESSION), plan.item_bytes)  # noqa: SLF001 - the grid write_pages passes
             gpu_copies = {"kernel": lambda: pages.copy(*plan, stream, grid),
                           "copy_engine": lambda: engines.copy(*spans, stream.cuda_stream)}
         for mode in IPC_MODES:

@@ -230,8 +230,9 @@ def test_a_decode_on_the_same_gpu_keeps_the_wider_grid(shm, monkeypatch, program
     tr._peers["d"].same_gpu = same_gpu  # noqa: SLF001 - the stand-in's segments all live on one "device"
     tr.device = torch.device("cuda", 0)  # where the prefill's pool would be
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"multi_processor_count": 132}))
-    assert tr._grid("d", [item, item // 2]) == want  # noqa: SLF001 - the largest page sets the step
-    assert tr._grid("nobody", [item]) == programs  # an unmapped peer: its write fails before any grid matters
+    assert tr._grid(tr._same_gpu("d"), [item, item // 2]) == want  # noqa: SLF001 - the largest page sets the step
+    # an unmapped peer: its write fails before any grid matters
+    assert tr._grid(tr._same_gpu("nobody"), [item]) == programs  # noqa: SLF001
     tr.device = torch.device("cpu")
     tr.close()
 

@@ -513,7 +513,8 @@ class CudaIpcTransport(OneSidedTransport):
         plan = self.plan_pages(session, src_bases, dst_bases, item_bytes, src_ids, dst_ids, src_pages, dst_pages)
         if plan is None:
             return 0
-        return self.copy_pages(plan, self._grid(session, plan.item_bytes), self._same_gpu(session))
+        same_gpu = self._same_gpu(session)
+        return self.copy_pages(plan, self._grid(same_gpu, plan.item_bytes), same_gpu)
 
     def _same_gpu(self, session: str) -> bool:
         """Whether peer `session`'s pools are on this rank's GPU (False for a peer not mapped)."""
@@ -521,13 +522,14 @@ class CudaIpcTransport(OneSidedTransport):
             m = self._peers.get(session)
         return m is not None and m.same_gpu
 
-    def _grid(self, session: str, item_bytes: Sequence[int] = ()) -> Optional[int]:
-        """The page kernel's grid bound for writes of pages of `item_bytes` to `session`: SGLANG_P2P_IPC_PROGRAMS,
-        else, where the decode shares this GPU, `same_gpu_programs_per_sm` programs an SM (a copy within HBM
-        needs more bytes in flight than one over NVLink), else the kernel's default (None)."""
+    def _grid(self, same_gpu: bool, item_bytes: Sequence[int] = ()) -> Optional[int]:
+        """The page kernel's grid bound for writes of pages of `item_bytes` to a decode, on this GPU when
+        `same_gpu` (`_same_gpu`): SGLANG_P2P_IPC_PROGRAMS, else, where the decode shares this GPU,
+        `same_gpu_programs_per_sm` programs an SM (a copy within HBM needs more bytes in flight than one over
+        NVLink), else the kernel's default (None)."""
         if self.programs:
             return self.programs
-        if self._same_gpu(session) and self.device.type == "cuda":
+        if same_gpu and self.device.type == "cuda":
             if self._sms is None:  # asked once, not every chunk
                 self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             return same_gpu_programs_per_sm(item_bytes) * self._sms
