@@ -789,7 +789,8 @@ class Prefill:
         checks and translation, the grid or the copy-engine spans, the wait for the forward's stream, the
         kernel's launch (inside it: the pinned ids and table, the device and stream set, the upload queued, the
         Triton launch) or the copy-engine call, and the wait for the copy."""
-        from sglang_p2p_backend.engine.copy.ce_plan import page_spans
+        from sglang_p2p_backend.engine.copy.ce_plan import page_chunk_shape, page_spans
+        from sglang_p2p_backend.engine.copy.plan import page_runs, run_breaks
         from sglang_p2p_backend.engine.transport.cuda_ipc import backend
 
         torch = self.torch
@@ -800,6 +801,16 @@ class Prefill:
         def plan() -> None:
             box["plan"] = self.tr.plan_pages(*args)
 
+        def rule() -> None:  # what copy_pages finds of the ids for the per-chunk rule, on either route
+            p = box["plan"]
+            box["breaks"] = run_breaks(p.src_ids, p.dst_ids)
+            box["shape"] = page_chunk_shape(p.src_ids, p.dst_ids, p.item_bytes, box["breaks"])
+
+        def spans() -> None:
+            rule()
+            p = box["plan"]
+            box["spans"] = page_spans(*p, runs=page_runs(p.src_ids, p.dst_ids, box["breaks"]))
+
         def wait() -> None:
             stream.wait_stream(torch.cuda.current_stream(self.dev_t))
 
@@ -809,10 +820,11 @@ class Prefill:
 
         def route() -> None:  # what write_pages does between the plan and the copy
             box["grid"] = self.tr._grid(self.tr._same_gpu(SESSION), box["plan"].item_bytes)  # noqa: SLF001
+            rule()
 
         kernel = [("planned", plan), ("routed", route), ("waited", wait),
                   ("returned", lambda: pages.copy(*box["plan"], stream, box["grid"])), ("synchronized", stream.synchronize)]
-        ce = [("planned", plan), ("spans", lambda: box.__setitem__("spans", page_spans(*box["plan"]))),
+        ce = [("planned", plan), ("spans", spans),
               ("waited", wait), ("called", ce_call), ("synchronized", stream.synchronize)]
         return {"kernel": host_timeline(kernel, self.budget(), copier=pages),
                 "copy_engine": host_timeline(ce, self.budget())}

@@ -8,7 +8,7 @@ import pytest
 from sglang_p2p_backend.engine.copy import ce_plan
 from sglang_p2p_backend.engine.copy.ce_plan import (COPY_ENGINE, KERNEL, choose, coalesce, page_chunk_shape,
                                                    page_spans)
-from sglang_p2p_backend.engine.copy.plan import copy_descriptors
+from sglang_p2p_backend.engine.copy.plan import copy_descriptors, page_runs, run_breaks
 
 
 def _lists(d):
@@ -158,3 +158,8 @@ def test_page_spans_equal_coalescing_every_descriptor(seed, back_to_back):
     items = [item] * regions
     want = coalesce(*copy_descriptors(src_bases, dst_bases, items, src_ids, dst_ids))
     assert _lists(page_spans(src_bases, dst_bases, items, src_ids, dst_ids)) == _lists(want)
+    # the transport's way: the breaks found once, for the rule and then for the runs
+    breaks = run_breaks(np.asarray(src_ids, np.int64), np.asarray(dst_ids, np.int64))
+    runs = page_runs(src_ids, dst_ids, breaks)
+    assert _lists(page_spans(src_bases, dst_bases, items, src_ids, dst_ids, runs=runs)) == _lists(want)
+    assert page_chunk_shape(src_ids, dst_ids, items, breaks) == page_chunk_shape(src_ids, dst_ids, items)

@@ -10,7 +10,7 @@ import torch
 
 from sglang_p2p_backend.engine.copy.memory import Region
 from sglang_p2p_backend.engine.copy.plan import copy_descriptors
-from sglang_p2p_backend.engine.copy.span_copy import expand_pages, page_table
+from sglang_p2p_backend.engine.copy.span_copy import RegionTables, expand_pages, page_table
 from sglang_p2p_backend.engine.transport import cuda_ipc
 from sglang_p2p_backend.engine.transport.base import TransportError
 from support.shm_ipc import ShmBackend
@@ -106,3 +106,60 @@ def test_regions_with_their_own_item_sizes():
     src = [Region(0, 0, 16), Region(0, 0, 64)]
     s, d, n = expand_pages([r.ptr for r in src], [100, 200], [r.item_len for r in src], np.array([2]), np.array([1]))
     assert (s.tolist(), d.tolist(), n.tolist()) == ([32, 128], [116, 264], [16, 64])
+
+
+def test_a_peer_is_translated_once_and_every_chunk_still_checked(pair, monkeypatch):
+    """The pools' translation is kept per peer: later chunks reuse it, but a chunk naming other pools, or one
+    after the peer was mapped again, is checked against the export anew (and refused where it does not fit)."""
+    tr, src, dst, sb, db = pair
+    calls = []
+    translate = cuda_ipc.RegionTable.translate
+    monkeypatch.setattr(cuda_ipc.RegionTable, "translate", lambda self, d, n: calls.append(len(d)) or translate(self, d, n))
+    items = [ITEM] * REGIONS
+    for k in range(3):
+        tr.write_pages("d", list(sb), list(db), list(items), np.array([k]), np.array([k + 10]), PAGES, PAGES)
+    assert calls == [REGIONS]  # three chunks, one translation
+    plan = tr.plan_pages("d", sb, db, items, np.array([1]), np.array([2]), PAGES, PAGES)
+    assert not any(a.flags.writeable for a in (plan.src_bases, plan.dst_bases, plan.item_bytes))
+    # other pools (a pool one page longer than exported): translated again and refused, nothing moves
+    before = dst.clone()
+    with pytest.raises(TransportError, match="outside every region the decode exported"):
+        tr.write_pages("d", sb, db, items, np.array([0]), np.array([0]), PAGES, PAGES + 1)
+    assert calls == [REGIONS, REGIONS] and torch.equal(dst, before)
+    # the page ids are still checked on a chunk whose pools were translated before
+    with pytest.raises(TransportError, match=f"destination page {PAGES} is outside"):
+        tr.write_pages("d", sb, db, items, np.array([0]), np.array([PAGES]), PAGES, PAGES)
+    # mapped again (a restarted decode): the first chunk after it translates against the new mapping
+    export = tr._peers["d"].export  # noqa: SLF001
+    tr.open_peer("d", export)
+    tr.write_pages("d", sb, db, items, np.array([5]), np.array([6]), PAGES, PAGES)
+    assert calls == [REGIONS, REGIONS, REGIONS]
+    for r in range(REGIONS):
+        assert _page(dst, r, 6) == _page(src, r, 5)
+    tr.forget_peer("d")
+    assert "d" not in tr._pools  # noqa: SLF001
+
+
+def test_the_kernel_table_is_made_once_for_the_same_read_only_pools_and_anew_otherwise():
+    tables = RegionTables()
+    frozen = [np.array(v, dtype=np.int64) for v in ([1000, 5000], [9000, 13000], [32, 64])]
+    for a in frozen:
+        a.flags.writeable = False
+    first = tables.get(*frozen)
+    assert first[0] == 8 and first[1].tolist() == [[1000, 9000, 32, 4], [5000, 13000, 64, 8]]
+    assert first[2:] == (8, 96)  # widest item in words, bytes a page of every region
+    assert tables.get(*frozen) is first  # a peer's next chunk: the same arrays, the same table
+    # equal values in other arrays, a caller's lists, or a read-only view of a writable array: made anew, and
+    # a changed list gets its own table
+    assert tables.get(*[a.copy() for a in frozen]) is not first
+    lists = [[1000, 5000], [9000, 13000], [32, 64]]
+    assert tables.get(*lists)[1].tolist() == first[1].tolist()
+    lists[2][1] = 16
+    assert tables.get(*lists)[1].tolist() == [[1000, 9000, 32, 4], [5000, 13000, 16, 2]]
+    backing = np.array([1000, 5000], dtype=np.int64)
+    view = backing[:]
+    view.flags.writeable = False
+    made = tables.get(view, frozen[1], frozen[2])
+    backing[0] = 2000  # the view's values change under it: no table may be kept for it
+    assert tables.get(view, frozen[1], frozen[2]) is not made
+    assert tables.get(view, frozen[1], frozen[2])[1][0, 0] == 2000

@@ -11,6 +11,7 @@ from sglang_p2p_backend.engine.copy.plan import (
     is_contiguous,
     page_runs,
     plan_chunks,
+    run_breaks,
     staging_blocks,
 )
 
@@ -20,6 +21,11 @@ def test_page_runs_split_where_either_side_breaks():
     dst = np.array([1, 2, 8, 9, 10, 30, 31])
     assert page_runs(src, dst).tolist() == [[5, 1, 2], [7, 8, 1], [9, 9, 2], [11, 30, 2]]
     assert page_runs(np.array([], int), np.array([], int)).shape == (0, 3)
+    assert page_runs(src, dst, run_breaks(src, dst)).tolist() == page_runs(src, dst).tolist()
+    # one run (a long prompt's contiguous pages): the same row the general path gives, as int64
+    one = page_runs(np.arange(40, 48), np.arange(3, 11))
+    assert one.tolist() == [[40, 3, 8]] and one.dtype == np.int64
+    assert run_breaks(np.arange(40, 48), np.arange(3, 11)).size == 0
     with pytest.raises(PlanError, match="3 pages but decode published 2"):
         page_runs(np.array([1, 2, 3]), np.array([1, 2]))
 

@@ -69,10 +69,12 @@ def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Descriptors:
 
 
 def page_spans(src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
-               src_ids: np.ndarray, dst_ids: np.ndarray) -> Descriptors:
+               src_ids: np.ndarray, dst_ids: np.ndarray, runs: Optional[np.ndarray] = None) -> Descriptors:
     """The copy-engine spans of whole pages src_ids -> dst_ids of every region: merged page runs, region-major,
-    coalesced across regions where the pool lies back to back. Equal to `coalesce(copy_descriptors(...))`."""
-    src, dst, lens = copy_descriptors(src_bases, dst_bases, item_bytes, np.asarray(src_ids), np.asarray(dst_ids))
+    coalesced across regions where the pool lies back to back. Equal to `coalesce(copy_descriptors(...))`.
+    `runs`: `plan.page_runs` of the ids, where the caller has them."""
+    src, dst, lens = copy_descriptors(src_bases, dst_bases, item_bytes, np.asarray(src_ids), np.asarray(dst_ids),
+                                      runs=runs)
     regions = len(item_bytes)
     if regions < 2 or not lens.size:
         return src, dst, lens
@@ -101,13 +103,15 @@ def choose(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_sp
     return COPY_ENGINE if spans <= limit and nbytes >= mean * spans else KERNEL
 
 
-def page_chunk_shape(src_ids: np.ndarray, dst_ids: np.ndarray, item_bytes: Sequence[int]) -> tuple[int, int]:
+def page_chunk_shape(src_ids: np.ndarray, dst_ids: np.ndarray, item_bytes: Sequence[int],
+                     breaks: Optional[np.ndarray] = None) -> tuple[int, int]:
     """(spans, bytes) of a whole-page chunk before cross-region coalescing (an upper bound on the spans), from
-    the ids alone: what `choose` needs, without building a descriptor."""
+    the ids alone: what `choose` needs, without building a descriptor. `breaks`: `plan.run_breaks` of the ids,
+    where the caller has them (it then builds the runs from the same breaks)."""
     s = np.asarray(src_ids, dtype=np.int64).reshape(-1)
     d = np.asarray(dst_ids, dtype=np.int64).reshape(-1)
     if not s.size:
         return 0, 0
-    runs = 1 + int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1)))
+    runs = 1 + (int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) if breaks is None else int(breaks.size))
     items = np.asarray(item_bytes, dtype=np.int64)
     return runs * int(items.size), int(s.size) * int(items.sum())

@@ -52,11 +52,17 @@ class Chunk:
     nbytes: int
 
 
-def page_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+def run_breaks(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Positions where a new run of paired page ids starts (after the first): where either side is not
+    consecutive. len + 1 is the run count, which is all `ce_plan.choose` needs of a chunk."""
+    return np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+
+
+def page_runs(src: np.ndarray, dst: np.ndarray, breaks: Optional[np.ndarray] = None) -> np.ndarray:
     """Merge paired page ids into runs where both sides are consecutive.
 
     Returns an (n, 3) int64 array of (src_start, dst_start, length). Same splitting rule as SGLang's
-    `group_concurrent_contiguous`, vectorised.
+    `group_concurrent_contiguous`, vectorised. `breaks`: `run_breaks` of the same ids, where the caller has it.
     """
     src = np.asarray(src, dtype=np.int64)
     dst = np.asarray(dst, dtype=np.int64)
@@ -64,7 +70,10 @@ def page_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         raise PlanError(f"prefill sends {src.size} pages but decode published {dst.size} destinations")
     if src.size == 0:
         return np.zeros((0, 3), dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    if breaks is None:
+        breaks = run_breaks(src, dst)
+    if not breaks.size:  # one run (contiguous pages, the common case of a long prompt): no concatenation
+        return np.array([[src[0], dst[0], src.size]], dtype=np.int64)
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [src.size]))
     return np.stack([src[starts], dst[starts], ends - starts], axis=1)
@@ -190,17 +199,20 @@ def copy_descriptors(
     dst_ids: np.ndarray,
     heads: Optional[Union[PairHeads, PairSpans]] = None,
     dst_item_lens: Optional[Sequence[int]] = None,
+    runs: Optional[np.ndarray] = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One-sided writes for a group: (src_addr, dst_addr, length) per merged run per region, region-major.
     With `heads`, one write per token row of every page instead (the head range is strided), or one per span of
-    every item (`PairSpans`), `dst_item_lens` being the decode's page (item) sizes."""
+    every item (`PairSpans`), `dst_item_lens` being the decode's page (item) sizes. `runs`: `page_runs` of the
+    ids, where the caller has them (whole pages only)."""
     if len(src_ptrs) != len(dst_ptrs) or len(src_ptrs) != len(item_lens):
         raise PlanError(f"prefill has {len(src_ptrs)} regions, decode {len(dst_ptrs)}: layouts differ")
     if isinstance(heads, PairSpans):
         return _span_descriptors(src_ptrs, dst_ptrs, item_lens, dst_item_lens or item_lens, src_ids, dst_ids, heads)
     if heads is not None:
         return _head_descriptors(src_ptrs, dst_ptrs, item_lens, dst_item_lens or item_lens, src_ids, dst_ids, heads)
-    runs = page_runs(src_ids, dst_ids)
+    if runs is None:
+        runs = page_runs(src_ids, dst_ids)
     empty = np.zeros(0, dtype=np.int64)
     if not len(src_ptrs) or not len(runs):
         return empty, empty, empty

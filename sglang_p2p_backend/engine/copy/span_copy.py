@@ -199,6 +199,32 @@ def default_programs(sms: int, step_bytes: int) -> int:
     return sms * max(1, min(8, IN_FLIGHT_PER_SM // max(1, step_bytes)))
 
 
+class RegionTables:
+    """The page kernel's region table (`page_table`) with its word size, widest item in words and bytes a page
+    of every region: made once a peer, not once a chunk. A peer's chunks come with the same read-only arrays
+    (cuda_ipc's `_pool`), so the last table is given again while those very arrays come back; any other
+    sequence (a caller's list or a view, which may change) gets a table made anew. The arrays are held, so `is` cannot
+    match a new array at a recycled address."""
+
+    def __init__(self) -> None:
+        self._of: tuple = (None, None, None)
+        self._last: tuple[int, np.ndarray, int, int] = (0, np.zeros((0, 4), dtype=np.int64), 0, 0)
+
+    def get(self, src_bases: Sequence[int], dst_bases: Sequence[int],
+            item_bytes: Sequence[int]) -> tuple[int, np.ndarray, int, int]:
+        a, b, c = self._of
+        if src_bases is a and dst_bases is b and item_bytes is c:
+            return self._last
+        word = word_size(np.asarray(src_bases, dtype=np.int64), np.asarray(dst_bases, dtype=np.int64),
+                         np.asarray(item_bytes, dtype=np.int64))
+        table = page_table(src_bases, dst_bases, item_bytes, word)
+        result = (word, table, int(table[:, 3].max()), int(table[:, 2].sum()))
+        if all(isinstance(x, np.ndarray) and not x.flags.writeable and x.base is None  # no writable view behind it
+               for x in (src_bases, dst_bases, item_bytes)):
+            self._of, self._last = (src_bases, dst_bases, item_bytes), result
+        return result
+
+
 class PageCopier:
     """Copies whole pages of one pool's regions with one launch (`copy`); one per transfer thread and device
     (the pinned upload buffer is reused: a caller must not copy again before the previous copy finished)."""
@@ -213,6 +239,7 @@ class PageCopier:
         self._host = torch.empty(0, dtype=torch.int64).pin_memory()
         self._dev = torch.empty(0, dtype=torch.int64, device=device)
         self._like = {w: torch.empty(1, dtype=d, device=device) for w, d in _WORD_DTYPES.items()}
+        self._tables = RegionTables()
         #: told each host step of `copy` as it ends ("prepared": ids and table in pinned memory, "entered": the
         #: device and stream set, "uploaded": the upload queued, "launched"): the transfer benchmark's timeline
         #: of where a launch's host time goes (bench/transfer/xfer_bench.py, `fixed`); None tells nothing
@@ -232,9 +259,7 @@ class PageCopier:
         n_pages, n_regions = int(len(src_ids)), int(len(item_bytes))
         if not n_pages or not n_regions:
             return 0
-        word = word_size(np.asarray(src_bases, dtype=np.int64), np.asarray(dst_bases, dtype=np.int64),
-                         np.asarray(item_bytes, dtype=np.int64))
-        table = page_table(src_bases, dst_bases, item_bytes, word)
+        word, table, words, page_bytes = self._tables.get(src_bases, dst_bases, item_bytes)
         n = 2 * n_pages + table.size
         if self._host.numel() < n:  # grows to the largest chunk seen, then stays
             self._host = torch.empty(max(n, 2 * self._host.numel()), dtype=torch.int64).pin_memory()
@@ -244,7 +269,6 @@ class PageCopier:
         host[n_pages:2 * n_pages] = dst_ids
         host[2 * n_pages:] = table.reshape(-1)
         dev = self._dev[:n]
-        words = int(table[:, 3].max())
         block = min(1024, max(16, 1 << (words - 1).bit_length()))
         self._mark("prepared")
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
@@ -255,4 +279,4 @@ class PageCopier:
             grid = (min(n_pages * n_regions, bound),)
             _copy_pages[grid](dev, n_pages, dev[2 * n_pages:], n_regions, self._like[word], BLOCK=block)
             self._mark("launched")
-        return n_pages * int(table[:, 2].sum())
+        return n_pages * page_bytes

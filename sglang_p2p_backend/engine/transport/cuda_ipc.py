@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.engine.copy.ce_plan import COPY_ENGINE, choose, coalesce, page_chunk_shape, page_spans
+from sglang_p2p_backend.engine.copy.plan import page_runs, run_breaks
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 
@@ -303,6 +304,12 @@ def export_regions(regions: Sequence[tuple[int, int]], device: torch.device) -> 
                      alloc_sizes=sizes, regions=out)
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """`a`, no longer writable: a cached plan's arrays are shared by every chunk after it."""
+    a.flags.writeable = False
+    return a
+
+
 def reachable(export: IpcExport, device: torch.device) -> Optional[str]:
     """Why this process cannot map `export` (None: it can try): another host, or a GPU it cannot see or reach."""
     if not export.boot_id or export.boot_id != boot_id():
@@ -440,6 +447,9 @@ class CudaIpcTransport(OneSidedTransport):
         self.export: Optional[IpcExport] = None
         self.unavailable: Optional[str] = None
         self._peers: dict[str, IpcMapping] = {}
+        #: per peer, its pools as the last chunk named them, checked and translated (`_pool`): the regions are the
+        #: same for every chunk of a registration, so only the page ids are checked per chunk
+        self._pools: dict[str, tuple[IpcMapping, tuple, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._lock = threading.Lock()
 
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
@@ -472,6 +482,7 @@ class CudaIpcTransport(OneSidedTransport):
         """Unmap a peer's memory; the caller guarantees no copy of it is in flight (writes are synchronous)."""
         with self._lock:
             m = self._peers.pop(session, None)
+            self._pools.pop(session, None)
         if m is not None:
             m.close()
 
@@ -558,17 +569,35 @@ class CudaIpcTransport(OneSidedTransport):
             if lo < 0 or hi >= bound:
                 bad = lo if lo < 0 else hi
                 raise TransportError(f"{name} page {bad} is outside the pool's {bound} pages; nothing was written")
+        src, mapped, items = self._pool(session, m, src_bases, dst_bases, items, dst_pages)
+        return PageWrite(src, mapped, items, src_ids, dst_ids)
+
+    def _pool(self, session: str, m: IpcMapping, src_bases: Sequence[int], dst_bases: Sequence[int],
+              items: np.ndarray, dst_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source bases, destination bases in this process, item bytes) of peer `session`'s chunk, read-only:
+        translated once per registration and pool, not per chunk (the same values give the same result; a
+        remapped peer has a new mapping, and its first chunk translates again)."""
+        key = (tuple(src_bases), tuple(dst_bases), tuple(items.tolist()), int(dst_pages))
+        hit = self._pools.get(session)
+        if hit is not None and hit[0] is m and hit[1] == key:
+            return hit[2]
         # one span per destination region, the whole pool: inside the export, or nothing moves
         mapped = m.table.translate(np.asarray(dst_bases, dtype=np.int64), items * int(dst_pages))
-        return PageWrite(np.asarray(src_bases, dtype=np.int64), mapped, items, src_ids, dst_ids)
+        pool = tuple(_read_only(a) for a in (np.array(src_bases, dtype=np.int64), mapped, np.array(items)))
+        with self._lock:
+            if self._peers.get(session) is m:  # not forgotten meanwhile
+                self._pools[session] = (m, key, pool)
+        return pool
 
     def copy_pages(self, plan: "PageWrite", grid: Optional[int] = None, same_gpu: bool = False) -> int:
         """The device half of `write_pages`: copy a checked plan (the kernel, its grid bounded by `grid`, else by
         SGLANG_P2P_IPC_PROGRAMS; or the copy engines where SGLANG_P2P_COPY_ENGINE says so for this chunk, into a
         decode on this GPU when `same_gpu`) and wait; returns the bytes copied."""
-        if self.copy_engine != "off" and self._copy_engines_take(
-                *page_chunk_shape(plan.src_ids, plan.dst_ids, plan.item_bytes), same_gpu):
-            backend().write_copy_engines(self.device, *page_spans(*plan))
+        breaks = run_breaks(plan.src_ids, plan.dst_ids) if self.copy_engine != "off" else None
+        if breaks is not None and self._copy_engines_take(
+                *page_chunk_shape(plan.src_ids, plan.dst_ids, plan.item_bytes, breaks), same_gpu):
+            backend().write_copy_engines(self.device, *page_spans(*plan, runs=page_runs(plan.src_ids, plan.dst_ids,
+                                                                                          breaks)))
         else:
             backend().write_pages(self.device, *plan, max_programs=grid or self.programs)
         return int(plan.src_ids.size) * int(plan.item_bytes.sum())
