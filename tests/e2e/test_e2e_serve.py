@@ -231,6 +231,21 @@ def test_stage_times_are_the_runs_means_per_stage_summed_over_servers():
     assert serve.stage_means_ms({}, {}) == {}
 
 
+def test_the_waiting_queue_time_is_a_stage_of_its_own():
+    """SGLang observes a prefill's time in its waiting queue only as sglang:queue_time_seconds (its per-stage
+    histogram leaves `prefill_waiting` out): summed over the servers that have it, as the stage `queue_time`."""
+    def text(q_sum, q_n):
+        return (f'sglang:queue_time_seconds_sum{{dp_rank="0"}} {q_sum}\n'
+                f'sglang:queue_time_seconds_count{{dp_rank="0"}} {q_n}\n'
+                f'sglang:queue_time_seconds_bucket{{dp_rank="0",le="0.1"}} {q_n}\n'
+                'sglang:per_stage_req_latency_seconds_sum{stage="prefill_forward"} 1.0\n'
+                'sglang:per_stage_req_latency_seconds_count{stage="prefill_forward"} 10\n')
+    before = serve.stage_totals([text(2.0, 10), text(0.0, 0)])
+    after = serve.stage_totals([text(2.9, 13), text(0.3, 3), "sglang:other 1\n"])
+    assert after["queue_time"].sum == pytest.approx(3.2) and after["queue_time"].count == 16
+    assert serve.stage_means_ms(before, after) == {"queue_time": 200.0}  # (0.9 + 0.3) s over 6 requests
+
+
 def test_a_probe_snapshot_reads_each_server_once_for_kv_and_stages():
     """Probe's snapshot over real HTTP: one /metrics request a server gives the prefills' KV transfer histogram
     summed and the per-stage histograms of each role; a prefill that does not answer adds nothing."""
