@@ -4,8 +4,9 @@ Per attempt: the prefill and decode requests start concurrently. The client sees
 has produced its first SSE event (streaming) or its whole body; until then a failed leg cancels the other
 leg. The request is retried on a new pair with a new room, excluding the worker that failed, only where
 that is safe: the connection was refused or reset, the worker answered 503, the decode's first event
-is an abort (its KV never arrived), or health checks found a leg's worker stopped (Worker.notify_stalled:
-its legs are closed, so a resumed worker aborts them). A 4xx or any other 5xx is the worker's verdict on
+is an abort (its KV never arrived: the retry excludes that attempt's prefill, and the decode only where
+another can serve), or health checks found a leg's worker stopped (Worker.notify_stalled: its legs are
+closed, so a resumed worker aborts them). A 4xx or any other 5xx is the worker's verdict on
 this request and is returned as is: a deterministic 500 would fail on every pair. A first-byte timeout is
 not retried either (the worker answers its probes, so it may still be working on it). Bounded waits:
 `first_byte_timeout` for the prefill answer and the decode's first streamed event, `idle_stream_timeout`
@@ -77,6 +78,9 @@ class LegFailure:
     retryable: bool = False
     code: int = 502  # status of the LB's own answer when there is no upstream body to pass on
     worker_fault: bool = False  # counts against the worker's circuit breaker (transport error, timeout, 5xx)
+    # the decode aborted before its first token: its KV never came, which is the pair's prefill (or the transfer)
+    # failing more often than the decode, so the retry leaves out that prefill first (`_dispatch`)
+    kv_missing: bool = False
 
 
 def safe_to_retry(e: BaseException) -> bool:
@@ -243,9 +247,14 @@ class Dispatcher:
     async def _dispatch(self, route, request, body, stream, tokens, batch, key, t0) -> web.StreamResponse:
         exclude_p: set[str] = set()
         exclude_d: set[str] = set()
+        # decodes whose KV never came: left out where another decode can serve, kept where none other can
+        # (3P1D's one decode would otherwise leave no pair for the retry)
+        spare_d: set[str] = set()
         last: LegFailure | None = None
         for attempt in range(self.cfg.max_retries + 1):
-            choice = self.choose(exclude_p, exclude_d, tokens, key)
+            choice = self.choose(exclude_p, exclude_d | spare_d, tokens, key)
+            if isinstance(choice, str) and spare_d:
+                choice = self.choose(exclude_p, exclude_d, tokens, key)
             if isinstance(choice, str):
                 if last is not None:
                     break
@@ -260,7 +269,11 @@ class Dispatcher:
             log.warning("attempt %d: %s leg on %s failed: %s", attempt + 1, out.side, out.worker.url, out.reason)
             if not out.retryable:
                 break
-            (exclude_p if out.side == "prefill" else exclude_d).add(out.worker.url)
+            if out.kv_missing:
+                exclude_p.add(choice.prefill.url)
+                spare_d.add(out.worker.url)
+            else:
+                (exclude_p if out.side == "prefill" else exclude_d).add(out.worker.url)
             if not final:
                 self.metrics.retries.labels(out.side).inc()
         assert last is not None
@@ -411,7 +424,8 @@ class Dispatcher:
                 # an abort before the first token means the KV never arrived (a prefill or transfer
                 # failure): safe to retry on another pair, unless the worker called it the client's fault
                 code = _abort_status(ev)
-                return LegFailure("decode", w, f"decode aborted before its first token: {first[:300]!r}", 500, buf + rest, "text/event-stream", retryable=not 400 <= code < 500)
+                return LegFailure("decode", w, f"decode aborted before its first token: {first[:300]!r}", 500, buf + rest, "text/event-stream",
+                                  retryable=not 400 <= code < 500, kv_missing=True)
             return _Opened(r, buf)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             r.close()

@@ -81,6 +81,38 @@ def test_decode_failure_retried_on_other_decode():
     run(body)
 
 
+def test_kv_that_never_came_is_retried_on_another_prefill_with_the_only_decode():
+    """A decode that aborts before its first token says its KV never came: the prefill's fault (here one whose
+    request hangs, as a prefill killed just after it was picked, whose leg outlives the decode's wait). The
+    retry goes to another prefill, with the same decode where it is the only one: excluding the decode would
+    leave no pair, and the client would get the abort (3P1D's one decode)."""
+    async def body():
+        async with cluster(2, 1, sim={"bootstrap_timeout": 0.3}, policy="round_robin",
+                           proxy=ProxyConfig(request_timeout=20.0, connect_timeout=2.0, first_byte_timeout=10.0)) as c:
+            c.prefills[0].hang_next = 1
+            status, raw, _ = await c.post("/generate", {**GEN, "stream": True})
+            assert status == 200 and raw.endswith(b"data: [DONE]\n\n") and b"abort" not in raw, raw[:300]
+            assert c.decodes[0].stats.bootstrap_failures == 1 and c.prefills[1].stats.completed == 1
+            assert 'sglang_p2p_lb_retries_total{side="decode"} 1.0' in c.lb.metrics.render().decode()
+
+    run(body)
+
+
+def test_kv_that_never_came_twice_ends_with_the_decodes_abort():
+    """Bounded: where every prefill's KV fails to come, the attempts end and the client gets the decode's own
+    abort (status and body), not a hang."""
+    async def body():
+        async with cluster(2, 1, sim={"bootstrap_timeout": 0.2}, proxy=ProxyConfig(request_timeout=20.0, connect_timeout=2.0,
+                                                                                  first_byte_timeout=10.0, max_retries=3)) as c:
+            for p in c.prefills:
+                p.hang_next = 5
+            status, raw, _ = await c.post("/generate", {**GEN, "stream": True})
+            assert status == 500 and b'"type":"abort"' in raw
+            assert c.decodes[0].stats.bootstrap_failures == 2  # one attempt a prefill, then no pair was left
+
+    run(body)
+
+
 def test_ejection_and_readmission_by_health_checks():
     async def body():
         hc = HealthConfig(interval=0.05, timeout=1.0, failure_threshold=2, success_threshold=2)
