@@ -138,6 +138,10 @@ def test_a_peer_is_translated_once_and_every_chunk_still_checked(pair, monkeypat
         assert _page(dst, r, 6) == _page(src, r, 5)
     tr.forget_peer("d")
     assert "d" not in tr._pools  # noqa: SLF001
+    tr.open_peer("d", export)
+    tr.write_pages("d", sb, db, items, np.array([7]), np.array([8]), PAGES, PAGES)
+    tr.close()
+    assert tr._pools == {}  # noqa: SLF001
 
 
 def test_the_kernel_table_is_made_once_for_the_same_read_only_pools_and_anew_otherwise():

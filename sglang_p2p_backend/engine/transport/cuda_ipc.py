@@ -605,5 +605,6 @@ class CudaIpcTransport(OneSidedTransport):
     def close(self) -> None:
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
+            self._pools.clear()
         for m in peers:
             m.close()
