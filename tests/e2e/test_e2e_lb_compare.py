@@ -188,6 +188,11 @@ def test_prefill_shares_from_each_prefills_counters_before_and_after_a_run():
                            {"p0": (4.0, 9.0, 0.0, 180.0, 6.0, 3072.0), "p1": (0.0, 0.0, 0.0, 5.0, 1.0, 0.0)})["prefill_counts"]
     assert (kv[0]["kv_transfer_ms_mean"], kv[0]["kv_transfer_gb_s"]) == (20.0, 25.0)  # 2 GB in 4 transfers of 20 ms
     assert "kv_transfer_ms_mean" not in kv[1]
+    # with SGLang's waiting-queue histogram: each prefill's requests' mean wait for their first forward
+    q = lc.prefill_shares({"p0": (0.0,) * 6 + (1.5, 10.0), "p1": (0.0,) * 6 + (0.2, 4.0), "p2": (0.0,) * 6},
+                          {"p0": (4.0,) + (0.0,) * 5 + (2.3, 14.0), "p1": (0.0,) * 6 + (0.2, 4.0), "p2": (1.0,) + (0.0,) * 5})
+    assert q["prefill_counts"][0]["queue_ms_mean"] == 200.0  # 0.8 s over 4 requests
+    assert "queue_ms_mean" not in q["prefill_counts"][1] and "queue_ms_mean" not in q["prefill_counts"][2]
 
 
 def test_sglang_prefills_counters_read_from_their_metrics_over_http():
@@ -196,13 +201,14 @@ def test_sglang_prefills_counters_read_from_their_metrics_over_http():
     texts = {"/a/metrics": 'sglang:num_requests_total{dp_rank="0"} 3.0\nsglang:num_requests_total{dp_rank="1"} 4.0\n'
                            'sglang:prompt_tokens_total{dp_rank="0"} 9000.0\nsglang:cached_tokens_total{dp_rank="0"} 4000.0\n'
                            'sglang:kv_transfer_latency_ms_sum 120.0\nsglang:kv_transfer_latency_ms_count 3.0\n'
-                           'sglang:kv_transfer_total_mb_sum 1500.0\nsglang:kv_transfer_total_mb_count 3.0\n',
+                           'sglang:kv_transfer_total_mb_sum 1500.0\nsglang:kv_transfer_total_mb_count 3.0\n'
+                           'sglang:queue_time_seconds_sum{dp_rank="0"} 0.5\nsglang:queue_time_seconds_count{dp_rank="0"} 5.0\n',
              "/b/metrics": "sglang:num_requests_total 2.0\n"}
     with metrics_server.serving(texts) as base:
         cluster = object.__new__(lc.SGLangCluster)
         cluster.prefills = [(base + "/a", 1), (base + "/b", 2), (base + "/gone", 3)]
-        assert cluster.counts() == {base + "/a": (7.0, 9000.0, 4000.0, 120.0, 3.0, 1500.0), base + "/b": (2.0, None, None, None, None, None),
-                                    base + "/gone": (None, None, None, None, None, None)}
+        assert cluster.counts() == {base + "/a": (7.0, 9000.0, 4000.0, 120.0, 3.0, 1500.0, 0.5, 5.0),
+                                    base + "/b": (2.0,) + (None,) * 7, base + "/gone": (None,) * 8}
 
 
 def test_aggregate_takes_the_median_of_the_servers_evidence():
