@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from sglang_p2p_backend.engine.config import COPY_ENGINE_MODES as MODES
-from sglang_p2p_backend.engine.copy.plan import copy_descriptors
+from sglang_p2p_backend.engine.copy.plan import copy_descriptors, run_breaks
 
 Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src addresses, dst addresses, lengths), int64
 
@@ -112,6 +112,6 @@ def page_chunk_shape(src_ids: np.ndarray, dst_ids: np.ndarray, item_bytes: Seque
     d = np.asarray(dst_ids, dtype=np.int64).reshape(-1)
     if not s.size:
         return 0, 0
-    runs = 1 + (int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1))) if breaks is None else int(breaks.size))
+    runs = 1 + int((run_breaks(s, d) if breaks is None else breaks).size)
     items = np.asarray(item_bytes, dtype=np.int64)
     return runs * int(items.size), int(s.size) * int(items.sum())
