@@ -298,8 +298,6 @@ def calibrated(wp: WorkloadParams, capacity_tok_s: dict[str, float], loads: dict
 #: (requests, prompt tokens, cached prompt tokens[, KV transfer ms summed, KV transfers, KV transfer MB summed,
 #: waiting-queue seconds summed, requests that left the waiting queue])
 Counts = tuple[Optional[float], ...]
-#: a request's time in a server's waiting queue until its first forward (on a prefill: SGLang's prefill_waiting)
-QUEUE_TIME = "sglang:queue_time_seconds"
 #: SGLang's counters of the prompt tokens a server took and of those its prefix cache held
 TOKEN_COUNTERS = ("sglang:prompt_tokens_total", "sglang:cached_tokens_total")
 
@@ -404,13 +402,13 @@ class SGLangCluster(Cluster):
     def _counts(url: str) -> Counts:
         """One /metrics read: (requests, prompt tokens, cached prompt tokens, KV transfer ms summed, KV transfers,
         KV transfer MB summed: the prefill's transfer-queue entry to completion, SGLang's histograms; the waiting
-        queue's seconds summed and count, `QUEUE_TIME`); all None when it does not answer."""
+        queue's seconds summed and count, `promparse.QUEUE_TIME`); all None when it does not answer."""
         text = promparse.fetch(url, 5)
         if text is None:
             return (None,) * 8
         kv = promparse.histogram_totals(text, promparse.KV_TRANSFER_LATENCY)
         mb = promparse.histogram_totals(text, promparse.KV_TRANSFER_MB)
-        queue = promparse.histogram_totals(text, QUEUE_TIME)
+        queue = promparse.histogram_totals(text, promparse.QUEUE_TIME)
         return (promparse.sample_total(text, "sglang:num_requests_total") or 0.0,
                 *(promparse.sample_total(text, name) for name in TOKEN_COUNTERS),
                 None if kv is None else kv.sum, None if kv is None else kv.count, None if mb is None else mb.sum,
@@ -610,7 +608,7 @@ def prefill_shares(before: dict[str, Counts], after: dict[str, Counts]) -> dict[
     every LB alike, without its decision log. Where the prefill exports SGLang's KV transfer histograms, also
     its transfers' mean time from the transfer queue to done (`kv_transfer_ms_mean`: waiting behind its other
     sends included) and the GB/s that makes (`kv_transfer_gb_s`): whether a prefill that got more requests
-    also sent more slowly; and where it exports `QUEUE_TIME`, its requests' mean wait for a first forward
+    also sent more slowly; and where it exports `promparse.QUEUE_TIME`, its requests' mean wait for a first forward
     (`queue_ms_mean`): whether the routing made a prefill's queue, which its TTFT then carries."""
     per = []
     for url, b in before.items():

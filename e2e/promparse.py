@@ -13,6 +13,9 @@ from typing import Iterator, Optional
 
 KV_TRANSFER_LATENCY = "sglang:kv_transfer_latency_ms"
 KV_TRANSFER_MB = "sglang:kv_transfer_total_mb"
+#: a request's time in a scheduler's waiting queue until its first forward (SGLang observes the prefill's
+#: waiting stage only here: its per-stage histogram leaves "prefill_waiting" out)
+QUEUE_TIME = "sglang:queue_time_seconds"
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)")
 

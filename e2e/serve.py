@@ -142,19 +142,16 @@ def _thread_names(pid: Optional[int], pyspy: Optional[str]) -> dict[int, str]:
 #: SGLang's time per request in each stage of its path (`stage` label: the prefill's bootstrap, forward and KV
 #: transfer, the decode's bootstrap, waiting and transferred, ...), observed with --enable-metrics
 STAGE_HISTOGRAM = "sglang:per_stage_req_latency_seconds"
-#: a request's time in the scheduler's waiting queue (until its first forward). SGLang leaves the prefill's
-#: waiting stage out of STAGE_HISTOGRAM ("prefill_waiting": it observes this instead), so without it a prefill's
-#: queue shows nowhere; kept as the stage `queue_time` on both roles (on a decode it equals `decode_waiting`)
-QUEUE_HISTOGRAM = "sglang:queue_time_seconds"
 
 
 def stage_totals(texts: list[Optional[str]]) -> dict[str, promparse.HistogramTotals]:
-    """Several servers' per-stage histograms and waiting-queue time (`queue_time`) (their /metrics texts; None:
-    no answer) summed stage by stage."""
+    """Several servers' per-stage histograms and waiting-queue time (`queue_time`, `promparse.QUEUE_TIME`: without
+    it a prefill's queue shows nowhere; on a decode it equals `decode_waiting`) (their /metrics texts; None: no
+    answer) summed stage by stage."""
     out: dict[str, promparse.HistogramTotals] = {}
     for text in filter(None, texts):
         stages = promparse.histogram_totals_by(text, STAGE_HISTOGRAM, "stage")
-        queue = promparse.histogram_totals(text, QUEUE_HISTOGRAM)
+        queue = promparse.histogram_totals(text, promparse.QUEUE_TIME)
         if queue is not None:
             stages["queue_time"] = queue
         for stage, t in stages.items():
