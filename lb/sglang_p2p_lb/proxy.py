@@ -249,11 +249,11 @@ class Dispatcher:
         exclude_d: set[str] = set()
         # decodes whose KV never came: left out where another decode can serve, kept where none other can
         # (3P1D's one decode would otherwise leave no pair for the retry)
-        spare_d: set[str] = set()
+        avoid_d: set[str] = set()
         last: LegFailure | None = None
         for attempt in range(self.cfg.max_retries + 1):
-            choice = self.choose(exclude_p, exclude_d | spare_d, tokens, key)
-            if isinstance(choice, str) and spare_d:
+            choice = self.choose(exclude_p, exclude_d | avoid_d, tokens, key)
+            if isinstance(choice, str) and avoid_d:
                 choice = self.choose(exclude_p, exclude_d, tokens, key)
             if isinstance(choice, str):
                 if last is not None:
@@ -271,7 +271,7 @@ class Dispatcher:
                 break
             if out.kv_missing:
                 exclude_p.add(choice.prefill.url)
-                spare_d.add(out.worker.url)
+                avoid_d.add(out.worker.url)
             else:
                 (exclude_p if out.side == "prefill" else exclude_d).add(out.worker.url)
             if not final:
