@@ -1,0 +1,113 @@
+"""Host time of the same-host write path up to the copy, on any machine: `CudaIpcTransport.write_pages` with a
+backend that copies nothing, so what is timed is the checks, the translation, the route's rule and the
+copy-engine spans or the kernel's arguments, as a transfer worker runs them for each chunk.
+
+    python bench/transfer/host_plan.py [--out PATH] [--batches 5] [--calls 2000] [--engine-root DIR]
+
+Each case writes to one mapped peer again and again with the same pools, as a peer's chunks do; the figure is
+the best of `--batches` batches of `--calls` calls (a shared CPU's noise only ever adds time). `--engine-root`
+times another checkout's `sglang_p2p_backend` instead of this one (the before of a change): run both in turn.
+No GPU: the peer's export is a region table over made-up addresses, as xfer_bench's `plan` section builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import types
+from typing import Optional
+
+
+def _engine_path(argv: Optional[list[str]]) -> None:
+    """Put --engine-root (else this repository) first on sys.path, before the engine is imported."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    args = argv if argv is not None else sys.argv[1:]
+    if "--engine-root" in args:
+        root = os.path.abspath(args[args.index("--engine-root") + 1])
+    sys.path.insert(0, root)
+
+
+#: (name, regions, bytes a token of a region, tokens a page, tokens, scattered): a 4k-token request's one chunk
+CASES = (("mha_p16_4096_contiguous", 64, 2048, 16, 4096, False), ("mla_p64_4096_contiguous", 61, 1152, 64, 4096, False),
+         ("mha_p16_4096_scattered", 64, 2048, 16, 4096, True))
+POOL_TOKENS = 131072
+
+
+class NoCopy:
+    """A backend that takes every write and copies nothing (the route is still chosen as with CUDA)."""
+
+    def copy_engines_batched(self) -> bool:
+        return True
+
+    def write_pages(self, *_a, **_k) -> None:
+        pass
+
+    def write_copy_engines(self, *_a, **_k) -> None:
+        pass
+
+
+def time_case(name: str, regions: int, token_bytes: int, page: int, tokens: int, scattered: bool, batches: int,
+              calls: int) -> dict:
+    import numpy as np
+
+    from sglang_p2p_backend.engine.transport import cuda_ipc
+    from sglang_p2p_backend.engine.wire.messages import IpcRegion
+
+    item, pages, pool_pages = page * token_bytes, tokens // page, POOL_TOKENS // page
+    stride = 1 << 34  # addresses only: regions far apart, nothing is read or written
+    src_bases = [(1 << 44) + r * stride for r in range(regions)]
+    dst_bases = [(1 << 45) + r * stride for r in range(regions)]
+    if scattered:
+        rng = np.random.default_rng(0)
+        src_ids, dst_ids = rng.permutation(pool_pages)[:pages], rng.permutation(pool_pages)[:pages]
+    else:
+        src_ids, dst_ids = np.arange(100, 100 + pages), np.arange(7, 7 + pages)
+    tr = cuda_ipc.CudaIpcTransport(None)
+    exported = [IpcRegion(ptr=b, alloc=i, offset=0, length=pool_pages * item) for i, b in enumerate(dst_bases)]
+    table = cuda_ipc.RegionTable.build(exported, [(1 << 46) + i * stride for i in range(regions)])
+    tr._peers["d"] = types.SimpleNamespace(table=table, close=lambda: None, same_gpu=False)  # noqa: SLF001
+
+    def write() -> None:  # the lists a transfer worker builds for every chunk (onesided._write_kv_pages)
+        tr.write_pages("d", list(src_bases), list(dst_bases), [item] * regions, src_ids, dst_ids, pool_pages, pool_pages)
+
+    cuda_ipc.use_backend(NoCopy())
+    try:
+        for _ in range(200):
+            write()
+        best = []
+        for _ in range(batches):
+            t = time.perf_counter()
+            for _ in range(calls):
+                write()
+            best.append((time.perf_counter() - t) / calls * 1e6)
+    finally:
+        cuda_ipc.use_backend(None)
+    return {"case": name, "pages": pages, "regions": regions, "us_best": round(min(best), 2),
+            "us_batches": [round(b, 2) for b in best]}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    _engine_path(argv)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="JSON (default: print only)")
+    ap.add_argument("--batches", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--engine-root", default=None, help="another checkout whose sglang_p2p_backend is timed")
+    ns = ap.parse_args(argv)
+    rows = [time_case(*c, ns.batches, ns.calls) for c in CASES]
+    for r in rows:
+        print(f"{r['case']:28s} {r['us_best']:8.2f} us a chunk (best of {ns.batches} batches)")
+    doc = {"machine": f"cpu-{os.cpu_count()}core", "python": platform.python_version(),
+           "engine_root": ns.engine_root or "this repository", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,21 @@
+"""bench/transfer/host_plan.py on CPU: every case goes through the transport's real checks and route with a
+backend that copies nothing, and the JSON names the machine and the engine timed."""
+import json
+
+from bench.transfer import host_plan
+from sglang_p2p_backend.engine.transport import cuda_ipc
+
+
+def test_host_plan_times_every_case_through_the_transport(tmp_path, monkeypatch):
+    routes = []
+    monkeypatch.setattr(host_plan.NoCopy, "write_copy_engines", lambda self, *a, **k: routes.append("copy_engine"))
+    monkeypatch.setattr(host_plan.NoCopy, "write_pages", lambda self, *a, **k: routes.append("kernel"))
+    out = tmp_path / "hp.json"
+    assert host_plan.main(["--out", str(out), "--batches", "1", "--calls", "3"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["machine"].startswith("cpu-") and doc["engine_root"] == "this repository"
+    assert [r["case"] for r in doc["rows"]] == [c[0] for c in host_plan.CASES]
+    assert all(r["us_best"] > 0 and len(r["us_batches"]) == 1 for r in doc["rows"])
+    # 203 writes a case (200 warm-up, 3 timed): the contiguous ones on the copy engines, the scattered on the kernel
+    assert routes == ["copy_engine"] * 406 + ["kernel"] * 203
+    assert isinstance(cuda_ipc.backend(), cuda_ipc.CudaBackend)  # the stand-in is removed again
