@@ -167,6 +167,17 @@ def stage_means_ms(before: dict[str, promparse.HistogramTotals],
     return {k: round(1e3 * m, 3) for k, m in sorted(means.items()) if m is not None}
 
 
+def per_prefill(before: list[tuple[Optional[float], dict[str, promparse.HistogramTotals]]],
+                after: list[tuple[Optional[float], dict[str, promparse.HistogramTotals]]]) -> list[dict[str, Any]]:
+    """Each prefill's requests during a run and its own stage means (queue, forward, transfer): with several
+    prefills behind the LB, whether one of them made the run's queue (requests None: no counter read)."""
+    out = []
+    for (n0, st0), (n1, st1) in zip(before, after):
+        out.append({"requests": None if n0 is None or n1 is None else round(n1 - n0),
+                    "stages_ms": stage_means_ms(st0, st1)})
+    return out
+
+
 class Probe:
     """What one run measures beside the client: KV transfer time, decode step times, scheduler CPU by thread."""
 
@@ -176,23 +187,27 @@ class Probe:
                       for role, s in (("prefill", pair.prefill), ("decode", pair.decode[mode]))}
         self.names = {role: _thread_names(pid, pyspy) for role, pid in self.procs.items()}
 
-    def _snapshot(self) -> tuple[Optional[promparse.HistogramTotals], dict[str, dict[str, promparse.HistogramTotals]]]:
-        """One /metrics read of every server: the prefills' KV transfer histogram summed, and SGLang's per-stage
-        request latency (`STAGE_HISTOGRAM`), the prefills' summed and the decode's."""
+    def _snapshot(self) -> tuple[Optional[promparse.HistogramTotals], dict[str, dict[str, promparse.HistogramTotals]],
+                                 list[tuple[Optional[float], dict[str, promparse.HistogramTotals]]]]:
+        """One /metrics read of every server: the prefills' KV transfer histogram summed, SGLang's per-stage
+        request latency (`STAGE_HISTOGRAM`), the prefills' summed and the decode's, and each prefill's own
+        (requests so far, stages)."""
         prefills = [promparse.fetch(p.url) for p in self.pair.prefills]
         kv = promparse.total([promparse.histogram_totals(t, promparse.KV_TRANSFER_LATENCY) for t in prefills if t])
+        each = [(promparse.sample_total(t, "sglang:num_requests_total") if t else None, stage_totals([t]))
+                for t in prefills]
         return kv, {"prefill": stage_totals(prefills),
-                    "decode": stage_totals([promparse.fetch(self.pair.decode[self.mode].url)])}
+                    "decode": stage_totals([promparse.fetch(self.pair.decode[self.mode].url)])}, each
 
     def __enter__(self) -> "Probe":
-        self.kv0, self.st0 = self._snapshot()
+        self.kv0, self.st0, self.each0 = self._snapshot()
         self.log0 = decode_log.offset(self.pair.decode[self.mode].log)
         self.cpu0 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.cpu1 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
-        self.kv1, self.st1 = self._snapshot()
+        self.kv1, self.st1, self.each1 = self._snapshot()
         self.log_text = decode_log.read_since(self.pair.decode[self.mode].log, self.log0)
 
     def figures(self) -> dict[str, Any]:
@@ -200,6 +215,7 @@ class Probe:
         return {
             "kv_ms": None if kv is None else round(kv, 3),
             "stages_ms": {role: stage_means_ms(self.st0[role], self.st1[role]) for role in self.st1},
+            "prefills": per_prefill(self.each0, self.each1),
             "decode_steps": decode_log.summarize(decode_log.step_times(self.log_text)),
             "cpu": {role: procstat.cpu_between(self.cpu0[role], self.cpu1[role],
                                                {**procstat.os_thread_names(pid), **self.names[role]} if pid else {})[:8]

@@ -264,8 +264,25 @@ def test_a_probe_snapshot_reads_each_server_once_for_kv_and_stages():
         probe.mode = "graph"
         probe.pair = SimpleNamespace(prefills=[SimpleNamespace(url=f"{base}/{p}") for p in ("p0", "p1", "gone")],
                                      decode={"graph": SimpleNamespace(url=f"{base}/d")})
-        kv, stages = probe._snapshot()  # noqa: SLF001
+        kv, stages, each = probe._snapshot()  # noqa: SLF001
     assert (kv.sum, kv.count) == (40.0, 4.0)
     assert {k: (v.sum, v.count) for k, v in stages["prefill"].items()} == {"chunked_prefill": (0.3, 3.0)}
     assert {k: (v.sum, v.count) for k, v in stages["decode"].items()} == {"decode_waiting": (0.2, 4.0)}
     assert sorted(hits) == ["/d/metrics", "/gone/metrics", "/p0/metrics", "/p1/metrics"]
+    # each prefill on its own: p0's stage, p1 without the request counter, the silent one with nothing
+    assert [n for n, _ in each] == [None, None, None]
+    assert {k: (v.sum, v.count) for k, v in each[0][1].items()} == {"chunked_prefill": (0.3, 3.0)}
+    assert each[1][1] == {} and each[2][1] == {}
+
+
+def test_per_prefill_figures_split_a_run_by_prefill():
+    """Each prefill's requests and stage means over a run: the busier one shows its own queue, not the mean of
+    both; a prefill whose counter was not read has requests None, never 0."""
+    H = serve.promparse.HistogramTotals
+    before = [(10.0, {"queue_time": H(1.0, 10)}), (4.0, {"queue_time": H(0.0, 4)}), (None, {})]
+    after = [(22.0, {"queue_time": H(4.6, 22), "prefill_forward": H(3.0, 12)}), (6.0, {"queue_time": H(0.04, 6)}),
+             (5.0, {})]
+    rows = serve.per_prefill(before, after)
+    assert rows[0] == {"requests": 12, "stages_ms": {"prefill_forward": 250.0, "queue_time": 300.0}}
+    assert rows[1] == {"requests": 2, "stages_ms": {"queue_time": 20.0}}
+    assert rows[2] == {"requests": None, "stages_ms": {}}
