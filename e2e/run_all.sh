@@ -51,7 +51,8 @@
 #          slowdown during transfers, a 128-token request's fixed cost by phase -> $OUT/xfer_$KIND.json and
 #          $OUT/xfer_$KIND.log (E2E_XFER_ARGS adds flags, e.g. "--programs 16,32,66,132": the copy kernel's grid
 #          bounded to each count, write time against the matmul's slowdown, SGLANG_P2P_IPC_PROGRAMS's trade-off),
-#          after tests/gpu/test_copy_engine.py, tests/gpu/test_engine_pipeline_nccl.py (the NCCL pipeline,
+#          after tests/gpu/test_copy_engine.py, tests/gpu/test_cuda_ipc.py (the same-host path's bytes, a
+#          restarted peer mapped afresh), tests/gpu/test_engine_pipeline_nccl.py (the NCCL pipeline,
 #          overlap on, byte-exact) and the NCCL waits' pacing test (with the split communicator, the default, also the peer-death
 #          tests of the split communicator) -> $OUT/xfer_tests.log (E2E_XFER_TESTS=0 skips them). Needs no SGLang: carry .bundle/bench.tar.xz (msgspec) or sglang.tar.xz
 #   deepep: DeepEP as the (P3x3)D4 profile uses it: built here with nvcc for sm_90 against the image's NVSHMEM
@@ -313,7 +314,7 @@ run_transfer_bench() {  # figures to $OUT/xfer_$KIND.json, the printed tables to
     [ "${SGLANG_P2P_NCCL_SPLIT:-1}" = 1 ] && \
       split_tests=("tests/gpu/test_nccl_transport.py::test_peer_killed_mid_transfer_fails_in_time_then_a_new_communicator_works")
     step copy_engine_tests python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_copy_engine.py \
-      tests/gpu/test_engine_pipeline_nccl.py "tests/gpu/test_nccl_transport.py::test_waits_sleep_until_the_pace_the_link_showed" \
+      tests/gpu/test_cuda_ipc.py tests/gpu/test_engine_pipeline_nccl.py "tests/gpu/test_nccl_transport.py::test_waits_sleep_until_the_pace_the_link_showed" \
       "${split_tests[@]}" -rs > "$OUTDIR/xfer_tests.log" 2>&1
     tail -n 30 "$OUTDIR/xfer_tests.log"
   fi
