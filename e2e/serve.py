@@ -344,8 +344,12 @@ def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]
             extra: dict[str, list[tuple[int, int]]], reps: int, res: dict[str, Any], save: Any,
             pyspy: Optional[str], deadline: float, rounds: int = 2) -> None:
     """Every cell `reps` times, the backends of a cell in an order rotated by repetition; res["cells"] and
-    res["summary"] grow (and are saved) after every run, res["stopped"] says where a deadline cut it short."""
+    res["summary"] grow (and are saved) after every run, res["stopped"] says where a deadline cut it short.
+
+    A run starts only if the longest earlier run of its cell (any backend) still fits before `deadline`: a
+    run killed at the step's own limit would be lost whole, with the time it took."""
     table: dict[tuple, dict[str, Any]] = {}
+    took: dict[tuple, float] = {}  # (mode, prompt, concurrency) -> the longest run of that cell so far (s)
     plan = [(mode, plen, conc, backends) for mode in modes for plen, conc in cells]
     plan += [(mode, plen, conc, [b]) for b, bc in extra.items() for mode in modes for plen, conc in bc]
     for rep in range(reps):
@@ -355,8 +359,10 @@ def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]
             order = [b for b in group if b in ready]
             k = rep % max(1, len(order))
             for b in order[k:] + order[:k]:
-                if time.monotonic() > deadline:
-                    res["stopped"] = f"deadline in repetition {rep}"
+                expect = took.get((mode, plen, conc), 0.0)
+                if time.monotonic() + expect > deadline:
+                    res["stopped"] = (f"deadline in repetition {rep}: {b} {plen}x{conc} not started (its cell's runs "
+                                      f"took up to {expect:.0f} s)")
                     save()
                     return
                 key = (b, plen, conc, mode)
@@ -364,8 +370,10 @@ def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]
                                               "cuda_graph": mode == "graph", "reps": []})
                 if cell not in res["cells"]:
                     res["cells"].append(cell)
+                t0 = time.monotonic()
                 r = one_run(ready[b], mode, plen, conc, seed=1000 * plen + conc + 7919 * rep, pyspy=pyspy,
                             rounds=rounds)
+                took[(mode, plen, conc)] = max(expect, time.monotonic() - t0)
                 cell["reps"].append(r)
                 res["summary"] = summarize_cells(res["cells"])
                 save()

@@ -286,3 +286,32 @@ def test_per_prefill_figures_split_a_run_by_prefill():
     assert rows[0] == {"requests": 12, "stages_ms": {"prefill_forward": 250.0, "queue_time": 300.0}}
     assert rows[1] == {"requests": 2, "stages_ms": {"queue_time": 20.0}}
     assert rows[2] == {"requests": None, "stages_ms": {}}
+
+
+def test_a_run_that_would_end_past_the_deadline_is_not_started(monkeypatch):
+    """The second run of a cell whose first took 100 s is not started with 60 s left (the step would be killed
+    in it, losing it whole); res["stopped"] names it. A shorter cell still runs while it fits."""
+    now = [0.0]
+    monkeypatch.setattr(serve.time, "monotonic", lambda: now[0])
+    lengths = {1024: 100.0, 128: 5.0}
+    ran: list[tuple[str, int]] = []
+
+    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2):
+        ran.append((pair, plen))
+        now[0] += lengths[plen]
+        return {k: 1.0 for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "kv_ms")} | {
+            "failed": 0}
+
+    monkeypatch.setattr(serve, "one_run", fake_run)
+    res: dict = {"cells": []}
+    saved: list[int] = []
+    serve.measure({"a": "a", "b": "b"}, ["graph"], [(1024, 64)], ["a", "b"], {}, 3, res, lambda: saved.append(1),
+                  None, deadline=160.0)
+    assert ran == [("a", 1024)]  # b's run would end at 200 s
+    assert res["stopped"].startswith("deadline in repetition 0: b 1024x64 not started") and "100 s" in res["stopped"]
+    now[0], ran[:] = 0.0, []
+    res = {"cells": []}
+    serve.measure({"a": "a", "b": "b"}, ["graph"], [(128, 1)], ["a", "b"], {}, 2, res, lambda: None, None,
+                  deadline=17.0)
+    assert ran == [("a", 128), ("b", 128), ("b", 128)]  # 15 s in, a fourth 5 s run would end at 20 s
+    assert "repetition 1: a 128x1" in res["stopped"]
