@@ -175,3 +175,29 @@ def summarize_collapsed(text: str, top: int = 12) -> list[dict]:
         leaf.setdefault(thread, Counter())[frames[-1]] += int(n)
     return [{"thread": t, "samples": n, "top_self": [{"frame": f, "samples": c} for f, c in leaf[t].most_common(top)]}
             for t, n in total.most_common()]
+
+
+def samples_within(text: str, markers: tuple[str, ...], top: int = 8) -> list[dict]:
+    """Per thread of py-spy's raw stacks: samples, and how many passed through a frame naming each marker (a
+    module path such as "sglang_p2p_backend/", counted once a sample), with the inclusive frames of those
+    modules that took most: whose code a scheduler thread was in, not only where it stopped."""
+    total: Counter = Counter()
+    hits: dict[str, Counter] = {}
+    frames_in: dict[str, Counter] = {}
+    for line in text.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        thread, count = frames[0], int(n)
+        total[thread] += count
+        for m in markers:
+            inside = [f for f in frames[1:] if m in f]
+            if inside:
+                hits.setdefault(thread, Counter())[m] += count
+                for f in set(inside):
+                    frames_in.setdefault(thread, Counter())[f] += count
+    return [{"thread": t, "samples": n, "within": {m: hits.get(t, Counter())[m] for m in markers},
+             "top_inclusive": [{"frame": f, "samples": c} for f, c in frames_in.get(t, Counter()).most_common(top)]}
+            for t, n in total.most_common()]
+

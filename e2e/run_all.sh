@@ -360,7 +360,8 @@ run_shape_serve() {
   step models python3 -m e2e.make_tiny_models "$MODELS" --only deepseek-anchor
   # shellcheck disable=SC2086 # E2E_SERVE_ARGS: extra flags, word-split on purpose
   step shape_serve python3 -m e2e.shape_serve --models "$MODELS" --shape "$shape" --machine "$KIND" \
-    --out "$OUTDIR/shape_serve_${shape}_$KIND.json" --logs "$E2E_ROOT/logs/shape_serve" ${E2E_SERVE_ARGS:-}
+    --out "$OUTDIR/shape_serve_${shape}_$KIND.json" --logs "$E2E_ROOT/logs/shape_serve" \
+    --pyspy "$E2E_ROOT/serve/bin/py-spy" ${E2E_SERVE_ARGS:-}
 }
 
 run_deepep() {  # e2e/deepep.py: each step once per machine; the shape when SGLang and 4 GPUs are there

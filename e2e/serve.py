@@ -238,16 +238,33 @@ def alone_ttfts_ms(records: list[stats.RequestRecord], conc: int) -> Optional[li
     return [None if r.ttft_s is None or not r.ok else round(1e3 * r.ttft_s, 1) for r in records]
 
 
+#: whose code a scheduler thread is in, in a profile taken during a measured run (`one_run(record=...)`)
+PROFILE_MARKERS = ("sglang_p2p_backend/", "sglang/srt/disaggregation/", "nixl", "mooncake")
+#: seconds of py-spy during a measured run: the run's first seconds, where its load is (runs last 5-30 s)
+RECORD_S = 4
+
+
 def one_run(pair: Pair, mode: str, plen: int, conc: int, seed: int, pyspy: Optional[str],
-            rounds: int = 2) -> dict[str, Any]:
+            rounds: int = 2, record: Optional[Path] = None) -> dict[str, Any]:
+    """One closed-loop run through the pair's LB. `record`: where py-spy (non-blocking, 200 Hz) writes the first
+    prefill scheduler's stacks for RECORD_S seconds of the run; the row gets `pyspy_prefill` (per thread, the
+    samples within our plugin, SGLang's disaggregation code and the peers' modules)."""
     prompts = client.random_prompts(requests_for(conc, rounds), plen, seed=seed)
     with Probe(pair, mode, pyspy) as probe:
+        err = None
+        if record is not None:
+            pid = probe.procs.get("prefill")
+            err = procstat.record(pid, pyspy, RECORD_S, record) if pid else "no scheduler process found"
         records, wall = asyncio.run(client.closed_loop(pair.lb[mode].url, prompts, conc, OUTPUT_TOKENS))
     s = stats.summarize_run(records, wall)
-    return {"ttft_p50_ms": s["ttft_ms_p50"], "ttft_p99_ms": s["ttft_ms_p99"], "tpot_p50_ms": tpot_ms_p50(records),
-            "e2e_p50_ms": s["e2e_ms_p50"], "output_tok_s": s["output_throughput"], "failed": s["num_failed"],
-            "errors": s["errors"], **({"ttfts_ms": alone_ttfts_ms(records, conc)} if conc == 1 else {}),
-            **probe.figures()}
+    row = {"ttft_p50_ms": s["ttft_ms_p50"], "ttft_p99_ms": s["ttft_ms_p99"], "tpot_p50_ms": tpot_ms_p50(records),
+           "e2e_p50_ms": s["e2e_ms_p50"], "output_tok_s": s["output_throughput"], "failed": s["num_failed"],
+           "errors": s["errors"], **({"ttfts_ms": alone_ttfts_ms(records, conc)} if conc == 1 else {}),
+           **probe.figures()}
+    if record is not None:
+        err = err or procstat.wait_record(record)
+        row["pyspy_prefill"] = {"error": err} if err else procstat.samples_within(record.read_text(), PROFILE_MARKERS)[:4]
+    return row
 
 
 def profile(pair: Pair, logs: Path, pyspy: Optional[str]) -> list[dict[str, Any]]:
@@ -342,12 +359,14 @@ def warm_up(ready: dict[str, Any], modes: list[str]) -> None:
 
 def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]], backends: list[str],
             extra: dict[str, list[tuple[int, int]]], reps: int, res: dict[str, Any], save: Any,
-            pyspy: Optional[str], deadline: float, rounds: int = 2) -> None:
+            pyspy: Optional[str], deadline: float, rounds: int = 2,
+            record: tuple[Optional[Path], frozenset[tuple[int, int]]] = (None, frozenset())) -> None:
     """Every cell `reps` times, the backends of a cell in an order rotated by repetition; res["cells"] and
     res["summary"] grow (and are saved) after every run, res["stopped"] says where a deadline cut it short.
 
     A run starts only if the longest earlier run of its cell (any backend) still fits before `deadline`: a
-    run killed at the step's own limit would be lost whole, with the time it took."""
+    run killed at the step's own limit would be lost whole, with the time it took. `record`: (folder, cells):
+    the first repetition of each of those cells profiles every backend's first prefill (`one_run`)."""
     table: dict[tuple, dict[str, Any]] = {}
     took: dict[tuple, float] = {}  # (mode, prompt, concurrency) -> the longest run of that cell so far (s)
     plan = [(mode, plen, conc, backends) for mode in modes for plen, conc in cells]
@@ -371,8 +390,11 @@ def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]
                 if cell not in res["cells"]:
                     res["cells"].append(cell)
                 t0 = time.monotonic()
+                folder, profiled = record
+                path = folder / f"pyspy-{b}-prefill-{mode}-{plen}x{conc}.txt" if (
+                    folder is not None and rep == 0 and (plen, conc) in profiled) else None
                 r = one_run(ready[b], mode, plen, conc, seed=1000 * plen + conc + 7919 * rep, pyspy=pyspy,
-                            rounds=rounds)
+                            rounds=rounds, record=path)
                 took[(mode, plen, conc)] = max(expect, time.monotonic() - t0)
                 cell["reps"].append(r)
                 res["summary"] = summarize_cells(res["cells"])

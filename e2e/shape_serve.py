@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from sglang_p2p_backend.launch.config import LaunchConfig
 from sglang_p2p_backend.launch.release import resolve_release
@@ -94,7 +94,8 @@ def copy_routes(servers: list[Server]) -> dict[str, list[str]]:
 
 
 def run(models: Path, logs: Path, out: Path, shape_name: str, backends: list[str], cells: list[tuple[int, int]],
-        reps: int, machine: str, deadline: float, rounds: int = 2) -> dict[str, Any]:
+        reps: int, machine: str, deadline: float, rounds: int = 2, pyspy: Optional[str] = None,
+        profiled: frozenset[tuple[int, int]] = frozenset()) -> dict[str, Any]:
     shape = SHAPES[shape_name]
     model = models / shape.model
     cfg = load(shape, model)
@@ -111,7 +112,8 @@ def run(models: Path, logs: Path, out: Path, shape_name: str, backends: list[str
     with Stack(logs) as stack:
         ready = serve.start(stack, deps, res, save)
         serve.warm_up(ready, [MODE])
-        serve.measure(ready, [MODE], cells, backends, {}, reps, res, save, None, deadline, rounds)
+        serve.measure(ready, [MODE], cells, backends, {}, reps, res, save, pyspy, deadline, rounds,
+                      record=(logs if pyspy else None, profiled))
         res["copy_routes"] = {b: copy_routes(d.prefills) for b, d in deps.items() if b.startswith("p2pnccl")}
         save()
     return res
@@ -127,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="closed-loop rounds of users a run (requests = rounds x "
                     "concurrency): 2 is mostly the arrival burst, more steadies the medians")
     ap.add_argument("--machine", default="unknown")
+    ap.add_argument("--pyspy", default="", help="py-spy executable: thread names, and the profiles --profile-cells asks")
+    ap.add_argument("--profile-cells", default="", help="cells (e.g. 1024x16) whose first repetition profiles each "
+                    "backend's first prefill scheduler with py-spy for a few seconds (`pyspy_prefill` in the run)")
     a = ap.parse_args(argv)
     unknown = sorted(set(a.backends.split(",")) - set(serve.BACKEND_ENV))
     if unknown:
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     a.logs.mkdir(parents=True, exist_ok=True)
     res = run(a.models, a.logs, a.out, a.shape, a.backends.split(","), serve.parse_cells(a.cells), a.reps, a.machine,
-              config.deadline_from_env(), a.rounds)
+              config.deadline_from_env(), a.rounds, a.pyspy or None, frozenset(serve.parse_cells(a.profile_cells)))
     bad = [b for b, s in res["servers"].items() if s.get("status") != "ok"]
     return 1 if bad or res.get("stopped") else 0
 

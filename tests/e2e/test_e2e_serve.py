@@ -122,6 +122,45 @@ def test_pyspy_dump_and_collapsed_stacks_are_read():
     assert summary[0]["top_self"][0] == {"frame": "launch (b.py:2)", "samples": 30}
 
 
+def test_samples_within_count_a_sample_once_per_module_and_name_the_inclusive_frames():
+    """Whose code the scheduler thread was in: a sample inside our plugin counts once for it however many of its
+    frames the stack holds, SGLang's disaggregation code on its own line, and the inclusive frames rank by samples."""
+    raw = ("thread (0x1);event_loop (sglang/srt/managers/scheduler.py:1);poll (sglang_p2p_backend/adapter/conn.py:128);"
+           "_latched_poll (sglang_p2p_backend/adapter/conn.py:60) 7\n"
+           "thread (0x1);event_loop (sglang/srt/managers/scheduler.py:1);forward (model.py:9) 90\n"
+           "thread (0x1);event_loop (sglang/srt/managers/scheduler.py:1);"
+           "process_disagg (sglang/srt/disaggregation/prefill.py:5);send (sglang_p2p_backend/adapter/conn.py:105) 3\n"
+           "thread (0x2);_transfer_step (sglang_p2p_backend/adapter/transfer_workers.py:170) 4\n")
+    out = procstat.samples_within(raw, ("sglang_p2p_backend/", "sglang/srt/disaggregation/"))
+    main = out[0]
+    assert main["thread"] == "thread (0x1)" and main["samples"] == 100
+    assert main["within"] == {"sglang_p2p_backend/": 10, "sglang/srt/disaggregation/": 3}
+    top = {f["frame"]: f["samples"] for f in main["top_inclusive"]}
+    assert top == {"poll (sglang_p2p_backend/adapter/conn.py:128)": 7,
+                   "_latched_poll (sglang_p2p_backend/adapter/conn.py:60)": 7,
+                   "process_disagg (sglang/srt/disaggregation/prefill.py:5)": 3,
+                   "send (sglang_p2p_backend/adapter/conn.py:105)": 3}
+    assert out[1]["within"] == {"sglang_p2p_backend/": 4, "sglang/srt/disaggregation/": 0}
+
+
+def test_only_the_first_repetition_of_a_profiled_cell_records(monkeypatch, tmp_path: Path):
+    """`record`: every backend's first run of the named cells gets a py-spy file of its own; other cells and
+    later repetitions none."""
+    asked: list = []
+
+    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None):
+        asked.append((pair, plen, record.name if record else None))
+        return {k: 1.0 for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "kv_ms")} | {
+            "failed": 0}
+
+    monkeypatch.setattr(serve, "one_run", fake_run)
+    serve.measure({"a": "a", "b": "b"}, ["graph"], [(1024, 16), (4096, 1)], ["a", "b"], {}, 2, {"cells": []},
+                  lambda: None, "py-spy", deadline=serve.time.monotonic() + 60, record=(tmp_path, frozenset({(1024, 16)})))
+    named = [(p, n, r) for p, n, r in asked if r]
+    assert named == [("a", 1024, "pyspy-a-prefill-graph-1024x16.txt"), ("b", 1024, "pyspy-b-prefill-graph-1024x16.txt")]
+    assert len(asked) == 8
+
+
 def test_without_pyspy_the_profile_says_why():
     assert procstat.python_thread_names(1, None) == ({}, "no py-spy")
     assert procstat.record(1, None, 1, Path("/nonexistent")) == "no py-spy"
@@ -296,7 +335,7 @@ def test_a_run_that_would_end_past_the_deadline_is_not_started(monkeypatch):
     lengths = {1024: 100.0, 128: 5.0}
     ran: list[tuple[str, int]] = []
 
-    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2):
+    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None):
         ran.append((pair, plen))
         now[0] += lengths[plen]
         return {k: 1.0 for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "kv_ms")} | {
