@@ -14,7 +14,7 @@ import re
 import subprocess
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Iterator, Optional, TypeVar
 
 T = TypeVar("T")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -159,20 +159,24 @@ def wait_record(out: Path, timeout: float = 60.0) -> str:
     return "" if proc.returncode == 0 and out.exists() else f"py-spy record exit {proc.returncode}: {err[-300:]}"
 
 
+def raw_stacks(text: str) -> Iterator[tuple[list[str], int]]:
+    """(frames, samples) of each line of py-spy's raw output, the thread first; other lines are skipped."""
+    for line in text.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if stack and n.isdigit():
+            yield stack.split(";"), int(n)
+
+
 def summarize_collapsed(text: str, top: int = 12) -> list[dict]:
     """Per thread (first frame of py-spy's --threads stacks): samples, and the self frames with most samples.
 
     A raw line is 'thread (0x...);frame;frame;... COUNT'; the last frame is where the sample was taken."""
     total: Counter = Counter()
     leaf: dict[str, Counter] = {}
-    for line in text.splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not stack or not n.isdigit():
-            continue
-        frames = stack.split(";")
+    for frames, count in raw_stacks(text):
         thread = frames[0]
-        total[thread] += int(n)
-        leaf.setdefault(thread, Counter())[frames[-1]] += int(n)
+        total[thread] += count
+        leaf.setdefault(thread, Counter())[frames[-1]] += count
     return [{"thread": t, "samples": n, "top_self": [{"frame": f, "samples": c} for f, c in leaf[t].most_common(top)]}
             for t, n in total.most_common()]
 
@@ -184,12 +188,8 @@ def samples_within(text: str, markers: tuple[str, ...], top: int = 8) -> list[di
     total: Counter = Counter()
     hits: dict[str, Counter] = {}
     frames_in: dict[str, Counter] = {}
-    for line in text.splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not stack or not n.isdigit():
-            continue
-        frames = stack.split(";")
-        thread, count = frames[0], int(n)
+    for frames, count in raw_stacks(text):
+        thread = frames[0]
         total[thread] += count
         for m in markers:
             inside = [f for f in frames[1:] if m in f]
