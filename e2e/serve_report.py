@@ -4,7 +4,9 @@
 
 Several files (e.g. a no-graph and a graph run of one lease) are read as one. Per (CUDA-graph mode, prompt,
 concurrency): each backend's median of TTFT p50/p99, TPOT p50, E2E p50, output tokens/s and KV transfer time
-over its repetitions, with min-max, and p2pnccl's ratio to NIXL (tok/s higher is better; the rest lower).
+over its repetitions, with min-max, and p2pnccl's ratio to NIXL (tok/s higher is better; the rest lower); with
+several prefills, the busiest one's share of the requests and the slowest and fastest forward stage; and the
+py-spy profiles runs carry (`--profile-cells`).
 The decode's step time at a running batch size both backends reached is printed per cell too.
 """
 from __future__ import annotations
@@ -58,6 +60,38 @@ def stages(c: dict[str, Any]) -> dict[str, dict[str, float]]:
     return {role: {k: round(statistics.median(v), 3) for k, v in sorted(per.items())} for role, per in out.items()}
 
 
+def prefill_spread(c: dict[str, Any]) -> dict[str, Optional[float]]:
+    """Over the repetitions (medians): the busiest prefill's share of a run's requests, and the slowest and
+    fastest prefill's forward stage (serve.py's `prefills`; empty for results taken before it was recorded)."""
+    share, slow, fast = [], [], []
+    for r in c["reps"]:
+        per = [p for p in r.get("prefills") or [] if p.get("requests") is not None]
+        total = sum(p["requests"] for p in per)
+        if total:
+            share.append(max(p["requests"] for p in per) / total)
+        fwd = [p["stages_ms"]["prefill_forward"] for p in per if "prefill_forward" in p.get("stages_ms", {})]
+        if fwd:
+            slow.append(max(fwd))
+            fast.append(min(fwd))
+    m = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
+    return {} if not share else {"busiest_share": m(share), "forward_max_ms": m(slow), "forward_min_ms": m(fast)}
+
+
+def profiles(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every run that carries a py-spy profile of its first prefill (`pyspy_prefill`): per thread, its samples
+    and those inside each module serve.py counts (the scheduler thread's share in our plugin against a peer's)."""
+    out = []
+    for c in cells:
+        for i, r in enumerate(c["reps"]):
+            prof = r.get("pyspy_prefill")
+            if prof is None:
+                continue
+            row = {"backend": c["backend"], "input_len": c["input_len"], "concurrency": c["concurrency"], "rep": i}
+            out.append(row | ({"error": prof["error"]} if isinstance(prof, dict) else {"threads": [
+                {"thread": t["thread"], "samples": t["samples"], "within": t.get("within", {})} for t in prof]}))
+    return out
+
+
 def table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_key: dict[tuple, dict[str, dict]] = {}
     for c in cells:
@@ -66,7 +100,8 @@ def table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (graph, plen, conc), per in sorted(by_key.items()):
         row: dict[str, Any] = {"cuda_graph": graph, "input_len": plen, "concurrency": conc, "backends": {}}
         for b, c in sorted(per.items()):
-            row["backends"][b] = {m: med(c, m) for m in METRICS} | {"reps": len(c["reps"]), "stages_ms": stages(c)}
+            row["backends"][b] = {m: med(c, m) for m in METRICS} | {"reps": len(c["reps"]), "stages_ms": stages(c),
+                                                                   "prefills": prefill_spread(c)}
         p, n = per.get("p2pnccl"), per.get("nixl")
         if p and n:
             ratio = {}
@@ -146,8 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.markdown:
         print(f"Machine: {', '.join(machines)}\n")
         print(markdown(rows))
+        for p in profiles(cells):
+            print(f"\npy-spy, first prefill of {p['backend']} {p['input_len']}x{p['concurrency']} (repetition "
+                  f"{p['rep']}): " + (p.get("error") or "; ".join(
+                      f"{t['thread']} {t['samples']} samples, " + ", ".join(f"{k} {v}" for k, v in t["within"].items())
+                      for t in p["threads"])))
     else:
-        print(json.dumps({"machines": machines, "rows": rows}, indent=1))
+        print(json.dumps({"machines": machines, "rows": rows, "profiles": profiles(cells)}, indent=1))
     if a.plot:
         plot(rows, a.plot)
     return 0

@@ -245,6 +245,26 @@ def test_report_takes_the_median_of_each_stage_over_the_repetitions():
         "decode": {"decode_bootstrap": 2.0, "decode_waiting": 30.0}, "prefill": {"chunked_prefill": 150.0}}
 
 
+def test_report_names_the_busiest_prefill_and_the_profiles_runs_carry():
+    """Per cell, the busiest prefill's share and the slowest / fastest forward (medians over repetitions); a run's
+    py-spy profile is listed with its module counts, or its error; runs from before either was recorded add none."""
+    from e2e import serve_report
+
+    fwd = lambda a, b: [{"requests": 30, "stages_ms": {"prefill_forward": a}},  # noqa: E731
+                        {"requests": 10, "stages_ms": {"prefill_forward": b}}]
+    reps = [{"prefills": fwd(300.0, 250.0), "pyspy_prefill": [{"thread": "t (0x1)", "samples": 800, "top_inclusive": [],
+                                                              "within": {"sglang_p2p_backend/": 12}}]},
+            {"prefills": fwd(340.0, 260.0)}, {"prefills": [{"requests": 20, "stages_ms": {}}] * 2}, {}]
+    cell = {"backend": "p2pnccl", "input_len": 1024, "concurrency": 16, "reps": reps}
+    assert serve_report.prefill_spread(cell) == {"busiest_share": 0.75, "forward_max_ms": 320.0, "forward_min_ms": 255.0}
+    assert serve_report.prefill_spread({"reps": [{}]}) == {}
+    other = {"backend": "nixl", "input_len": 1024, "concurrency": 16, "reps": [{"pyspy_prefill": {"error": "no py-spy"}}]}
+    assert serve_report.profiles([cell, other]) == [
+        {"backend": "p2pnccl", "input_len": 1024, "concurrency": 16, "rep": 0,
+         "threads": [{"thread": "t (0x1)", "samples": 800, "within": {"sglang_p2p_backend/": 12}}]},
+        {"backend": "nixl", "input_len": 1024, "concurrency": 16, "rep": 0, "error": "no py-spy"}]
+
+
 def test_requests_alone_keep_every_ttft_in_order_and_busier_runs_keep_none():
     from e2e.stats import RequestRecord
 
