@@ -35,6 +35,7 @@ SHAPES = {s.topology: s for s in (
 BACKENDS = ("p2pnccl", "nixl", "mooncake")
 PORT_STEP = 1000  # backend k's HTTP, bootstrap, dist-init and LB ports: the topology's + k * PORT_STEP
 MODE = "graph"  # as deployed: decode CUDA graphs (the profile's flags)
+TALLY = ROUTE_LOG + " routes so far"  # engine/transport/route_tally.py's summary lines
 
 
 class Deployment:
@@ -85,11 +86,14 @@ def deployment(shape: Shape, cfg: LaunchConfig, model: Path, release: str, backe
 
 def copy_routes(servers: list[Server]) -> dict[str, list[str]]:
     """The same-host copy routes each server's log says it took (the line of each route's first use, from
-    ROUTE_LOG on), so a variant's result shows whether its knob took effect."""
+    ROUTE_LOG on, and the last of the periodic tallies of chunks and bytes a route), so a variant's result shows
+    whether its knob took effect, and on what share of the chunks."""
     out = {}
     for s in servers:
         text = s.log.read_text(errors="replace") if s.log and s.log.exists() else ""
-        out[s.name] = [line[line.index(ROUTE_LOG):] for line in text.splitlines() if ROUTE_LOG in line]
+        lines = [line[line.index(ROUTE_LOG):] for line in text.splitlines() if ROUTE_LOG in line]
+        tallies = [line for line in lines if line.startswith(TALLY)]
+        out[s.name] = [line for line in lines if not line.startswith(TALLY)] + tallies[-1:]
     return out
 
 

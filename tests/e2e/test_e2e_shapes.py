@@ -158,18 +158,21 @@ def test_a_variant_of_ours_runs_the_rendered_commands_as_p2pnccl_with_its_knobs_
 
 
 def test_each_prefills_copy_routes_come_from_its_log(tmp_path):
-    """The route lines a prefill logged (its first chunk's, and the other route's first use) land in the result;
-    a server without a log, or that logged none, has an empty list."""
+    """The route lines a prefill logged (its first chunk's, and the other route's first use) land in the result,
+    with the last of its periodic tallies; a server without a log, or that logged none, has an empty list."""
     from e2e import shape_serve
     from e2e.servers import Server
 
     log = tmp_path / "p0.log"
     log.write_text("[2026-11-28] INFO x\n[2026-11-28 TP0] p2pnccl: same-host chunks on the copy engines from now on "
-                   "where SGLANG_P2P_COPY_ENGINE=auto picks it (first: 61 spans, 288358400 bytes)\nother\n")
+                   "where SGLANG_P2P_COPY_ENGINE=auto picks it (first: 61 spans, 288358400 bytes)\nother\n"
+                   "[TP0] p2pnccl: same-host chunks on the routes so far: copy engines 3 chunks (0.80 GiB)\n"
+                   "[TP0] p2pnccl: same-host chunks on the routes so far: copy engines 9 chunks (2.41 GiB)\n")
     quiet = tmp_path / "p1.log"
     quiet.write_text("nothing here\n")
     servers = [Server("p0", 1, "prefill", log=log), Server("p1", 2, "prefill", log=quiet), Server("p2", 3, "prefill")]
     assert shape_serve.copy_routes(servers) == {
         "p0": ["p2pnccl: same-host chunks on the copy engines from now on where SGLANG_P2P_COPY_ENGINE=auto picks it "
-               "(first: 61 spans, 288358400 bytes)"],
+               "(first: 61 spans, 288358400 bytes)",
+               "p2pnccl: same-host chunks on the routes so far: copy engines 9 chunks (2.41 GiB)"],  # the last tally
         "p1": [], "p2": []}

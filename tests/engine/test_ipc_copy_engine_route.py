@@ -260,3 +260,22 @@ def test_each_route_is_logged_at_its_first_use_only(shm, caplog):
         f"{cuda_ipc.ROUTE_LOG} SM copy kernel", f"{cuda_ipc.ROUTE_LOG} copy engines"]
     assert "(first: 3 spans, 384 bytes)" in lines[1]
     tr.close()
+
+
+def test_a_route_summary_counts_the_chunks_each_route_took(shm, caplog):
+    """Beside the first-use lines, the tally's summary (here due at every chunk) says how many chunks and bytes
+    went each way, so a serving run's log shows the share, not only that a route was taken."""
+    from sglang_p2p_backend.engine.transport.route_tally import RouteTally
+
+    tr, sp, dp, sb, db, stride = _pair(shm, "auto")
+    tr._route_tally = RouteTally(cuda_ipc.ROUTE_LOG, every_s=0.0)  # noqa: SLF001
+    with caplog.at_level("INFO", logger=cuda_ipc.__name__):
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([0, 1]), np.array([3, 4]), PAGES, PAGES)
+        tr.ce_min_span = ITEM
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([7, 8]), np.array([9, 10]), PAGES, PAGES)
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([11]), np.array([12]), PAGES, PAGES)
+    lines = [r.getMessage() for r in caplog.records if "routes so far" in r.getMessage()]
+    assert lines[-1] == (f"{cuda_ipc.ROUTE_LOG} routes so far: copy engines 2 chunks (0.00 GiB), "
+                         "SM copy kernel 1 chunks (0.00 GiB)")
+    assert all(line.startswith(cuda_ipc.ROUTE_LOG) for line in lines)  # e2e/shape_serve.py keeps them
+    tr.close()

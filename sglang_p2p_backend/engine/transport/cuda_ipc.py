@@ -43,6 +43,7 @@ from sglang_p2p_backend.engine.copy.ce_plan import COPY_ENGINE, choose, coalesce
 from sglang_p2p_backend.engine.copy.plan import page_runs, run_breaks
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
+from sglang_p2p_backend.engine.transport.route_tally import ROUTE_NAMES, RouteTally
 
 logger = logging.getLogger(__name__)
 #: what the log line of a route's first use starts with (e2e/shape_serve.py collects these lines)
@@ -439,6 +440,8 @@ class CudaIpcTransport(OneSidedTransport):
         self.ce_min_span, self.ce_max_spans = ce_min_span, ce_max_spans
         #: the route `auto` took first, logged once per route: which one a serving run used shows in its log
         self._routes_seen: set[str] = set()
+        #: chunks and bytes each route took, a summary in the log at most every 30 s: what share went each way
+        self._route_tally = RouteTally(ROUTE_LOG)
         #: this GPU's SM count, for the same-GPU grid (read on first use: CPU-only hosts never ask)
         self._sms: Optional[int] = None
         #: SGLANG_P2P_IPC_PROGRAMS: the page kernel's grid bound, the SMs a write may take from the forward
@@ -511,8 +514,10 @@ class CudaIpcTransport(OneSidedTransport):
         if route not in self._routes_seen:
             self._routes_seen.add(route)
             logger.info("%s %s from now on where SGLANG_P2P_COPY_ENGINE=%s picks it (first: %d spans, %d bytes)",
-                        ROUTE_LOG, "copy engines" if route == COPY_ENGINE else "SM copy kernel", self.copy_engine,
-                        spans, nbytes)
+                        ROUTE_LOG, ROUTE_NAMES.get(route, route), self.copy_engine, spans, nbytes)
+        line = self._route_tally.add(route, nbytes)
+        if line is not None:
+            logger.info("%s", line)
         return route == COPY_ENGINE
 
     def write_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],

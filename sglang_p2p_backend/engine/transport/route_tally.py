@@ -1,0 +1,49 @@
+"""How many same-host chunks, and bytes, each copy route took: a line in the log at most every `every_s` seconds.
+
+`auto` picks the copy engines or the SM kernel chunk by chunk (engine/copy/ce_plan.py); the first use of each
+route is logged once, which says that a route was taken, not how often. The tally adds each chunk and, when the
+interval has passed, hands back one summary line for the caller to log, so a serving run's log says what share
+of its chunks and bytes went each way (e2e/shape_serve.py collects the lines). Thread-safe: the transfer workers
+of one prefill rank share a transport.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+from sglang_p2p_backend.engine.copy.ce_plan import COPY_ENGINE, KERNEL
+
+#: the routes in the order a summary names them, and their names in it
+ROUTE_NAMES = {COPY_ENGINE: "copy engines", KERNEL: "SM copy kernel"}
+
+
+class RouteTally:
+    def __init__(self, prefix: str, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.prefix, self.every_s, self._clock = prefix, every_s, clock
+        self._lock = threading.Lock()
+        self._counts: dict[str, list[int]] = {}
+        self._next = clock() + every_s
+
+    def add(self, route: str, nbytes: int) -> Optional[str]:
+        """Count one chunk of `nbytes` on `route`; a summary line when one is due, else None."""
+        with self._lock:
+            c = self._counts.setdefault(route, [0, 0])
+            c[0] += 1
+            c[1] += nbytes
+            now = self._clock()
+            if now < self._next:
+                return None
+            self._next = now + self.every_s
+            return self._line()
+
+    def summary(self) -> str:
+        with self._lock:
+            return self._line()
+
+    def _line(self) -> str:
+        order = [r for r in ROUTE_NAMES if r in self._counts] + sorted(set(self._counts) - set(ROUTE_NAMES))
+        parts = [f"{ROUTE_NAMES.get(r, r)} {self._counts[r][0]} chunks ({self._counts[r][1] / 2**30:.2f} GiB)"
+                 for r in order]
+        return f"{self.prefix} routes so far: " + ", ".join(parts)
