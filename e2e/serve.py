@@ -31,7 +31,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from . import client, config, decode_log, procstat, promparse, results, stats
 from .servers import Server, Stack, exit_on_sigterm, failure_report
@@ -318,7 +318,7 @@ def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[st
     pairs = {b: Pair(b, models, modes, decode_gpu, max_total_tokens) for b in [*backends, *extra]}
     with Stack(logs) as stack:
         ready = start(stack, pairs, res, save)
-        warm_up(ready, modes)
+        warm_up(ready, modes, cells)
         if do_profile and "nograph" in modes:
             for b in backends:
                 if b in ready:
@@ -349,12 +349,18 @@ def start(stack: Stack, pairs: dict[str, Any], res: dict[str, Any], save: Any) -
     return ready
 
 
-def warm_up(ready: dict[str, Any], modes: list[str]) -> None:
-    """Triton compiles, CUDA graphs' first replays, transfer engines' first connections."""
+def warm_up(ready: dict[str, Any], modes: list[str], cells: Sequence[tuple[int, int]] = ()) -> None:
+    """Triton compiles, CUDA graphs' first replays, transfer engines' first connections; then one short round of
+    each loaded cell to be measured (`cells`: its prompt length and concurrency, 8 tokens an answer), so the
+    batch shapes those runs form are not first met in the first repetition (on 2026-11-28 every backend's
+    figures rose from the first repetition to the last, by more than the backends differed)."""
+    loaded = sorted({(plen, conc) for plen, conc in cells if conc > 1})
     for p in ready.values():
         for mode in modes:
             asyncio.run(client.closed_loop(p.lb[mode].url, client.random_prompts(8, 4096, seed=5), 4, 8))
             asyncio.run(client.closed_loop(p.lb[mode].url, client.random_prompts(16, 1024, seed=6), 16, 8))
+            for plen, conc in loaded:
+                asyncio.run(client.closed_loop(p.lb[mode].url, client.random_prompts(conc, plen, seed=7 + conc), conc, 8))
 
 
 def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]], backends: list[str],

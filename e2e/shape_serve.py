@@ -115,7 +115,7 @@ def run(models: Path, logs: Path, out: Path, shape_name: str, backends: list[str
     res["commands"] = {b: {s.name: " ".join(s.command()) for s in [*d.servers(), d.lb[MODE]]} for b, d in deps.items()}
     with Stack(logs) as stack:
         ready = serve.start(stack, deps, res, save)
-        serve.warm_up(ready, [MODE])
+        serve.warm_up(ready, [MODE], cells)
         serve.measure(ready, [MODE], cells, backends, {}, reps, res, save, pyspy, deadline, rounds,
                       record=(logs if pyspy else None, profiled))
         res["copy_routes"] = {b: copy_routes(d.prefills) for b, d in deps.items() if b.startswith("p2pnccl")}

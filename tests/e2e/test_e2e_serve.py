@@ -374,3 +374,23 @@ def test_a_run_that_would_end_past_the_deadline_is_not_started(monkeypatch):
                   deadline=17.0)
     assert ran == [("a", 128), ("b", 128), ("b", 128)]  # 15 s in, a fourth 5 s run would end at 20 s
     assert "repetition 1: a 128x1" in res["stopped"]
+
+
+def test_the_warm_up_runs_each_loaded_cell_once_per_backend(monkeypatch):
+    """After the compile rounds, one round of each cell to be measured above concurrency 1 (its prompts, its
+    users, 8 tokens), for every backend and mode: the first repetition meets no new batch shape."""
+    from types import SimpleNamespace
+
+    sent: list[tuple[str, int, int, int, int]] = []
+
+    async def fake_loop(url, prompts, conc, tokens):
+        sent.append((url, prompts[0], len(prompts), conc, tokens))
+        return [], 0.0
+
+    monkeypatch.setattr(serve.client, "closed_loop", fake_loop)
+    monkeypatch.setattr(serve.client, "random_prompts", lambda n, plen, seed: [plen] * n)
+    ready = {b: SimpleNamespace(lb={"graph": SimpleNamespace(url=f"http://{b}")}) for b in ("p2pnccl", "nixl")}
+    serve.warm_up(ready, ["graph"], [(1024, 64), (4096, 1), (1024, 64), (4096, 16)])
+    for b in ("p2pnccl", "nixl"):
+        mine = [s[1:] for s in sent if s[0] == f"http://{b}"]
+        assert mine == [(4096, 8, 4, 8), (1024, 16, 16, 8), (1024, 64, 64, 8), (4096, 16, 16, 8)]  # each cell once
