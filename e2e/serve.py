@@ -399,8 +399,13 @@ def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]
                 folder, profiled = record
                 path = folder / f"pyspy-{b}-prefill-{mode}-{plen}x{conc}.txt" if (
                     folder is not None and rep == 0 and (plen, conc) in profiled) else None
-                r = one_run(ready[b], mode, plen, conc, seed=1000 * plen + conc + 7919 * rep, pyspy=pyspy,
-                            rounds=rounds, record=path)
+                try:
+                    r = one_run(ready[b], mode, plen, conc, seed=1000 * plen + conc + 7919 * rep, pyspy=pyspy,
+                                rounds=rounds, record=path)
+                except SystemExit as e:  # the step's SIGTERM (servers.exit_on_sigterm): the file says where
+                    res["stopped"] = f"killed (exit {e.code}) in repetition {rep} during {b} {plen}x{conc}: that run is lost"
+                    save()
+                    raise
                 took[(mode, plen, conc)] = max(expect, time.monotonic() - t0)
                 cell["reps"].append(r)
                 res["summary"] = summarize_cells(res["cells"])

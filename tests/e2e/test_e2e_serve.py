@@ -394,3 +394,22 @@ def test_the_warm_up_runs_each_loaded_cell_once_per_backend(monkeypatch):
     for b in ("p2pnccl", "nixl"):
         mine = [s[1:] for s in sent if s[0] == f"http://{b}"]
         assert mine == [(4096, 8, 4, 8), (1024, 16, 16, 8), (1024, 64, 64, 8), (4096, 16, 16, 8)]  # each cell once
+
+
+def test_a_run_killed_by_the_step_limit_is_named_in_the_saved_result(monkeypatch):
+    """The step's SIGTERM ends the run in progress (SystemExit 143): the result saved says which run was lost,
+    and the exit goes on."""
+    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None):
+        if pair == "b":
+            raise SystemExit(143)
+        return {k: 1.0 for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "kv_ms")} | {
+            "failed": 0}
+
+    monkeypatch.setattr(serve, "one_run", fake_run)
+    res: dict = {"cells": []}
+    saved: list[str] = []
+    with pytest.raises(SystemExit):
+        serve.measure({"a": "a", "b": "b"}, ["graph"], [(4096, 64)], ["a", "b"], {}, 3, res,
+                      lambda: saved.append(res.get("stopped", "")), None, deadline=serve.time.monotonic() + 60)
+    assert res["stopped"] == "killed (exit 143) in repetition 0 during b 4096x64: that run is lost"
+    assert saved[-1] == res["stopped"] and len(res["cells"][0]["reps"]) == 1
