@@ -375,6 +375,7 @@ def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]
     the first repetition of each of those cells profiles every backend's first prefill (`one_run`)."""
     table: dict[tuple, dict[str, Any]] = {}
     took: dict[tuple, float] = {}  # (mode, prompt, concurrency) -> the longest run of that cell so far (s)
+    folder, profiled = record
     plan = [(mode, plen, conc, backends) for mode in modes for plen, conc in cells]
     plan += [(mode, plen, conc, [b]) for b, bc in extra.items() for mode in modes for plen, conc in bc]
     for rep in range(reps):
@@ -396,7 +397,6 @@ def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]
                 if cell not in res["cells"]:
                     res["cells"].append(cell)
                 t0 = time.monotonic()
-                folder, profiled = record
                 path = folder / f"pyspy-{b}-prefill-{mode}-{plen}x{conc}.txt" if (
                     folder is not None and rep == 0 and (plen, conc) in profiled) else None
                 try:

@@ -122,6 +122,12 @@ def test_pyspy_dump_and_collapsed_stacks_are_read():
     assert summary[0]["top_self"][0] == {"frame": "launch (b.py:2)", "samples": 30}
 
 
+def _run_row() -> dict:
+    """What a stand-in for serve.one_run returns: every figure measure() reads."""
+    return {k: 1.0 for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "kv_ms")} | {
+        "failed": 0}
+
+
 def test_samples_within_count_a_sample_once_per_module_and_name_the_inclusive_frames():
     """Whose code the scheduler thread was in: a sample inside our plugin counts once for it however many of its
     frames the stack holds, SGLang's disaggregation code on its own line, and the inclusive frames rank by samples."""
@@ -150,8 +156,7 @@ def test_only_the_first_repetition_of_a_profiled_cell_records(monkeypatch, tmp_p
 
     def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None):
         asked.append((pair, plen, record.name if record else None))
-        return {k: 1.0 for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "kv_ms")} | {
-            "failed": 0}
+        return _run_row()
 
     monkeypatch.setattr(serve, "one_run", fake_run)
     serve.measure({"a": "a", "b": "b"}, ["graph"], [(1024, 16), (4096, 1)], ["a", "b"], {}, 2, {"cells": []},
@@ -358,8 +363,7 @@ def test_a_run_that_would_end_past_the_deadline_is_not_started(monkeypatch):
     def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None):
         ran.append((pair, plen))
         now[0] += lengths[plen]
-        return {k: 1.0 for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "kv_ms")} | {
-            "failed": 0}
+        return _run_row()
 
     monkeypatch.setattr(serve, "one_run", fake_run)
     res: dict = {"cells": []}
@@ -402,8 +406,7 @@ def test_a_run_killed_by_the_step_limit_is_named_in_the_saved_result(monkeypatch
     def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None):
         if pair == "b":
             raise SystemExit(143)
-        return {k: 1.0 for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s", "kv_ms")} | {
-            "failed": 0}
+        return _run_row()
 
     monkeypatch.setattr(serve, "one_run", fake_run)
     res: dict = {"cells": []}

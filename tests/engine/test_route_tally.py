@@ -17,4 +17,3 @@ def test_a_summary_comes_once_an_interval_and_counts_every_chunk_before_it():
     assert t.add(KERNEL, 0) is None
     now[0] = 160.0
     assert t.add("other", 0).endswith("SM copy kernel 3 chunks (1.50 GiB), other 1 chunks (0.00 GiB)")
-    assert t.summary().startswith("p2pnccl: same-host chunks on the routes so far: copy engines 1 chunks")

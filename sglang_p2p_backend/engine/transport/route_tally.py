@@ -38,10 +38,6 @@ class RouteTally:
             self._next = now + self.every_s
             return self._line()
 
-    def summary(self) -> str:
-        with self._lock:
-            return self._line()
-
     def _line(self) -> str:
         order = [r for r in ROUTE_NAMES if r in self._counts] + sorted(set(self._counts) - set(ROUTE_NAMES))
         parts = [f"{ROUTE_NAMES.get(r, r)} {self._counts[r][0]} chunks ({self._counts[r][1] / 2**30:.2f} GiB)"
