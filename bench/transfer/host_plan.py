@@ -31,9 +31,13 @@ def _engine_path(argv: Optional[list[str]]) -> None:
     sys.path.insert(0, root)
 
 
-#: (name, regions, bytes a token of a region, tokens a page, tokens, scattered): a 4k-token request's one chunk
-CASES = (("mha_p16_4096_contiguous", 64, 2048, 16, 4096, False), ("mla_p64_4096_contiguous", 61, 1152, 64, 4096, False),
-         ("mha_p16_4096_scattered", 64, 2048, 16, 4096, True))
+#: (name, regions, bytes a token of a region, tokens a page, tokens, scattered, the decode on the prefill's GPU):
+#: a request's one chunk
+CASES = (("mha_p16_4096_contiguous", 64, 2048, 16, 4096, False, False),
+         ("mla_p64_4096_contiguous", 61, 1152, 64, 4096, False, False),
+         ("mha_p16_4096_scattered", 64, 2048, 16, 4096, True, False),
+         ("mla_p64_4096_contiguous_same_gpu", 61, 1152, 64, 4096, False, True),
+         ("mla_p64_128_scattered", 61, 1152, 64, 128, True, False))
 POOL_TOKENS = 131072
 
 
@@ -50,8 +54,8 @@ class NoCopy:
         pass
 
 
-def time_case(name: str, regions: int, token_bytes: int, page: int, tokens: int, scattered: bool, batches: int,
-              calls: int) -> dict:
+def time_case(name: str, regions: int, token_bytes: int, page: int, tokens: int, scattered: bool, same_gpu: bool,
+              batches: int, calls: int) -> dict:
     import numpy as np
 
     from sglang_p2p_backend.engine.transport import cuda_ipc
@@ -66,10 +70,12 @@ def time_case(name: str, regions: int, token_bytes: int, page: int, tokens: int,
         src_ids, dst_ids = rng.permutation(pool_pages)[:pages], rng.permutation(pool_pages)[:pages]
     else:
         src_ids, dst_ids = np.arange(100, 100 + pages), np.arange(7, 7 + pages)
-    tr = cuda_ipc.CudaIpcTransport(None)
+    import torch
+
+    tr = cuda_ipc.CudaIpcTransport(torch.device("cpu"))  # a device for its grid rule: no CUDA grid here
     exported = [IpcRegion(ptr=b, alloc=i, offset=0, length=pool_pages * item) for i, b in enumerate(dst_bases)]
     table = cuda_ipc.RegionTable.build(exported, [(1 << 46) + i * stride for i in range(regions)])
-    tr._peers["d"] = types.SimpleNamespace(table=table, close=lambda: None, same_gpu=False)  # noqa: SLF001
+    tr._peers["d"] = types.SimpleNamespace(table=table, close=lambda: None, same_gpu=same_gpu)  # noqa: SLF001
 
     def write() -> None:  # the lists a transfer worker builds for every chunk (onesided._write_kv_pages)
         tr.write_pages("d", list(src_bases), list(dst_bases), [item] * regions, src_ids, dst_ids, pool_pages, pool_pages)

@@ -566,7 +566,7 @@ class Prefill:
 
             from sglang_p2p_backend.engine.copy.span_copy import default_programs
 
-            sms = backend()._copiers(self.dev_t)[1].sms  # noqa: SLF001
+            sms = backend()._copiers(self.dev_t).pages.sms  # noqa: SLF001
             # MHA page 16: 32 KiB items, 8 KiB loop steps
             self.out["programs_default"] = default_programs(sms, 8 * 1024)
         for tokens in programs_tokens(self.cfg["tokens"]):
@@ -726,11 +726,12 @@ class Prefill:
         out["write_profile"] = host_profile(lambda: self.tr.write_pages(*args))
         plan = self.tr.plan_pages(*args)
         if self.dev.cuda:
-            _, pages, stream = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
+            c = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
+            pages, stream = c.pages, c.stream
             launch, sync = [], []
 
             def one() -> None:
-                stream.wait_stream(torch.cuda.current_stream(self.dev_t))
+                backend().ordered(self.dev_t)
                 pages.copy(*plan, stream)
 
             b.run(_call_then_sync(one, stream, launch, sync))
@@ -756,8 +757,7 @@ class Prefill:
             ce_call, ce_sync = [], []
 
             def ce_one() -> None:
-                with torch.cuda.device(self.dev_t):
-                    engines.copy(*spans, stream.cuda_stream)
+                backend().queue_copy_engines(c, *spans)
 
             b.run(_call_then_sync(ce_one, stream, ce_call, ce_sync))
             out["ce_call_host_us"], out["ce_sync_host_us"] = xc.stats_us(ce_call), xc.stats_us(ce_sync)
@@ -793,9 +793,8 @@ class Prefill:
         from sglang_p2p_backend.engine.copy.plan import page_runs, run_breaks
         from sglang_p2p_backend.engine.transport.cuda_ipc import backend
 
-        torch = self.torch
-        _, pages, stream = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
-        engines = backend().copy_engines()
+        c = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
+        pages, stream = c.pages, c.stream
         box: dict = {}
 
         def plan() -> None:
@@ -812,20 +811,21 @@ class Prefill:
             box["spans"] = page_spans(*p, runs=page_runs(p.src_ids, p.dst_ids, box["breaks"]))
 
         def wait() -> None:
-            stream.wait_stream(torch.cuda.current_stream(self.dev_t))
+            backend().ordered(self.dev_t)
 
         def ce_call() -> None:
-            with torch.cuda.device(self.dev_t):
-                engines.copy(*box["spans"], stream.cuda_stream)
+            backend().queue_copy_engines(c, *box["spans"])
+
+        def sync() -> None:
+            c.ops.synchronize(stream.cuda_stream)
 
         def route() -> None:  # what write_pages does between the plan and the copy
             box["grid"] = self.tr._grid(self.tr._same_gpu(SESSION), box["plan"].item_bytes)  # noqa: SLF001
             rule()
 
         kernel = [("planned", plan), ("routed", route), ("waited", wait),
-                  ("returned", lambda: pages.copy(*box["plan"], stream, box["grid"])), ("synchronized", stream.synchronize)]
-        ce = [("planned", plan), ("spans", spans),
-              ("waited", wait), ("called", ce_call), ("synchronized", stream.synchronize)]
+                  ("returned", lambda: pages.copy(*box["plan"], stream, box["grid"])), ("synchronized", sync)]
+        ce = [("planned", plan), ("spans", spans), ("waited", wait), ("called", ce_call), ("synchronized", sync)]
         return {"kernel": host_timeline(kernel, self.budget(), copier=pages),
                 "copy_engine": host_timeline(ce, self.budget())}
 
@@ -850,8 +850,8 @@ class Prefill:
         out: dict = {"case": case.name, "mib": shape.nbytes(tokens) / 2**20}
         gpu_copies: dict[str, Callable[[], Any]] = {}
         if self.dev.cuda:
-            _, pages, stream = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
-            engines, spans = backend().copy_engines(), page_spans(*plan)
+            c = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
+            pages, stream, engines, spans = c.pages, c.stream, backend().copy_engines(), page_spans(*plan)
             grid = self.tr._grid(self.tr._same_gpu(SESSION), plan.item_bytes)  # noqa: SLF001 - the grid write_pages passes
             gpu_copies = {"kernel": lambda: pages.copy(*plan, stream, grid),
                           "copy_engine": lambda: engines.copy(*spans, stream.cuda_stream)}

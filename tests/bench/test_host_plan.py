@@ -16,6 +16,7 @@ def test_host_plan_times_every_case_through_the_transport(tmp_path, monkeypatch)
     assert doc["machine"].startswith("cpu-") and doc["engine_root"] == "this repository"
     assert [r["case"] for r in doc["rows"]] == [c[0] for c in host_plan.CASES]
     assert all(r["us_best"] > 0 and len(r["us_batches"]) == 1 for r in doc["rows"])
-    # 203 writes a case (200 warm-up, 3 timed): the contiguous ones on the copy engines, the scattered on the kernel
-    assert routes == ["copy_engine"] * 406 + ["kernel"] * 203
+    # 203 writes a case (200 warm-up, 3 timed): the contiguous ones across GPUs on the copy engines; the scattered
+    # one, the same-GPU one (under 16 MiB a region) and the 128-token one on the kernel
+    assert routes == ["copy_engine"] * 406 + ["kernel"] * 609
     assert isinstance(cuda_ipc.backend(), cuda_ipc.CudaBackend)  # the stand-in is removed again

@@ -279,3 +279,38 @@ def test_a_route_summary_counts_the_chunks_each_route_took(shm, caplog):
                          "SM copy kernel 1 chunks (0.00 GiB)")
     assert all(line.startswith(cuda_ipc.ROUTE_LOG) for line in lines)  # e2e/shape_serve.py keeps them
     tr.close()
+
+
+def test_runs_are_looked_for_only_where_the_copy_engines_could_take_the_chunk(shm, monkeypatch):
+    """A chunk has at least one span a region: where that many already leave it on the kernel, `auto` does not
+    look for its page runs (after the kernel's first use, which is logged with the exact spans), and every chunk
+    takes the route the full rule gives it (`choose` of `page_chunk_shape`), counted in the tally."""
+    from sglang_p2p_backend.engine.copy import plan
+
+    tr, sp, dp, sb, db, stride = _pair(shm, "auto")
+    tr._peers["d"].same_gpu = False  # noqa: SLF001
+    looked = []
+    real = cuda_ipc.run_breaks
+    monkeypatch.setattr(cuda_ipc, "run_breaks", lambda s, d: (looked.append(len(s)), real(s, d))[1])
+    tr.ce_min_span = 3 * ITEM  # a region's share must be 3 pages: 2-page chunks can never reach it
+    free = list(np.random.default_rng(5).permutation(np.setdiff1d(np.arange(PAGES), np.arange(10, 16))))
+    chunks = [(np.array([4, 9]), 2), (np.array([1, 2]), 2), (np.arange(6), np.arange(10, 16)), (np.array([7]), 1),
+              (np.array([3, 0, 5, 8, 1, 6]), 6), (np.array([2, 3]), 2)]
+    want, written = [], ([], [])
+    for src, dst in chunks:
+        if isinstance(dst, int):  # that many destination pages nobody else writes, in random order
+            dst, free = np.array(free[:dst]), free[dst:]
+        spans, nbytes = ce_plan.page_chunk_shape(src, dst, [ITEM] * REGIONS, plan.run_breaks(src, dst))
+        want.append("copy_engines" if ce_plan.choose("auto", spans, nbytes, True, 3 * ITEM) == ce_plan.COPY_ENGINE
+                    else "pages")
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, src, dst, PAGES, PAGES)
+        written[0].extend(src.tolist())
+        written[1].extend(dst.tolist())
+    assert [c[0] for c in shm.calls] == want
+    assert want == ["pages", "pages", "copy_engines", "pages", "pages", "pages"]
+    # runs looked for: the first chunk (the kernel's first use) and the two chunks of 3 pages or more
+    assert looked == [2, 6, 6]
+    counts = tr._route_tally._counts  # noqa: SLF001
+    assert {r: c[0] for r, c in counts.items()} == {ce_plan.KERNEL: 5, ce_plan.COPY_ENGINE: 1}
+    _check(sp, dp, stride, written[0], written[1])
+    tr.close()

@@ -47,6 +47,7 @@ from sglang_p2p_backend.engine.transport.base import TransportError  # noqa: E40
 from sglang_p2p_backend.engine.transport.cuda_ipc import (  # noqa: E402
     CudaIpcTransport,
     IpcUnavailable,
+    backend,
     check_export,
     export_regions,
     reachable,
@@ -189,6 +190,16 @@ def _prefill_one(tr: CudaIpcTransport, conn, layout: str, page_size: int, seed: 
     assert tr.mapped(SESSION, export)
 
     pool = _alloc_pool(layout, page_size, dev)
+    # one whole-page copy within this process first: the page kernel is compiled for this pool's pages, so every
+    # chunk below takes the direct launch (span_copy.PageCopier._launch_direct), the first one right behind the
+    # slow fill; each direct launch is counted
+    copier = backend()._copiers(dev).pages  # noqa: SLF001 - the copier write_pages takes
+    scratch = _alloc_pool(layout, page_size, dev)
+    backend().write_pages(dev, np.array([t.data_ptr() for t in pool]), np.array([t.data_ptr() for t in scratch]),
+                          np.array([item] * len(pool)), np.array([0]), np.array([1]))
+    del scratch
+    direct, launch = [], copier._launch_direct  # noqa: SLF001
+    copier._launch_direct = lambda *a: (direct.append(a[1][0]), launch(*a))  # noqa: SLF001 - a[1]: the grid
     for t in pool:
         _pages(t).fill_(0xA5)  # stale bytes: a copy that does not wait for the fill below ships these
     torch.cuda.synchronize(dev)
@@ -234,10 +245,12 @@ def _prefill_one(tr: CudaIpcTransport, conn, layout: str, page_size: int, seed: 
         except TransportError as e:
             refused[name] = (type(e).__name__, str(e), str(max(s_ids[0], d_ids[0])))
     torch.cuda.synchronize(dev)
+    del copier._launch_direct  # noqa: SLF001 - the class's again
     if forget:
         tr.forget_peer(SESSION)
     conn.send(("written", src, dst, seed))
-    return {"spans": spans, "merged_spans": merged, "page_chunks": page_chunks, "refused": refused, "export": export}
+    return {"spans": spans, "merged_spans": merged, "page_chunks": page_chunks, "direct_launches": len(direct),
+            "refused": refused, "export": export}
 
 
 def _prefill_cases(conn, cases, copy_engine: str = "off"):
@@ -322,6 +335,8 @@ def test_scattered_chunks_land_byte_exact_and_nothing_else_changes(transfers, la
           f"({prefill['merged_spans']} merged runs); {decode['untouched']} pages untouched")
     assert prefill["spans"] >= LAYOUTS[layout][0]  # the span kernel's chunks (their merging is a CPU test)
     assert prefill["page_chunks"] >= 2  # half the chunks went through the page-table kernel
+    # ... each by the direct launch (the kernel compiled before the slow fill the first one waits for)
+    assert prefill["direct_launches"] == prefill["page_chunks"]
     assert not decode["bad_written"], f"destination pages differ from their source: {decode['bad_written']}"
     assert not decode["nonzero_other"], f"pages nobody wrote changed: {decode['nonzero_other']}"
 

@@ -34,16 +34,20 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
-from sglang_p2p_backend.engine.copy.ce_plan import COPY_ENGINE, choose, coalesce, page_chunk_shape, page_spans
+from sglang_p2p_backend.engine.copy.ce_plan import COPY_ENGINE, KERNEL, choose, coalesce, page_chunk_shape, page_spans
 from sglang_p2p_backend.engine.copy.plan import page_runs, run_breaks
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 from sglang_p2p_backend.engine.transport.route_tally import ROUTE_NAMES, RouteTally
+
+if TYPE_CHECKING:
+    from sglang_p2p_backend.engine.copy.span_copy import PageCopier, SpanCopier
+    from sglang_p2p_backend.engine.copy.stream_ops import StreamOps
 
 logger = logging.getLogger(__name__)
 #: what the log line of a route's first use starts with (e2e/shape_serve.py collects these lines)
@@ -208,29 +212,45 @@ class CudaBackend(IpcBackend):
         with torch.cuda.device(device):
             self.rt.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr))
 
-    def _copiers(self, device: torch.device):
-        """(span copier, page copier, stream) of this thread on `device`."""
+    def _copiers(self, device: torch.device) -> "Copiers":
+        """This thread's copiers, stream and runtime calls on `device`."""
         mine = self._local.__dict__.setdefault("copiers", {})
         if device not in mine:
             from sglang_p2p_backend.engine.copy.span_copy import PageCopier, SpanCopier  # Triton: imported by the first copy, not at start
+            from sglang_p2p_backend.engine.copy.stream_ops import StreamOps
 
+            ops = StreamOps(self.rt, device, drv=self.drv)
             # priority 0 is CUDA's lowest: the forward passes of this process go first where both are ready
-            mine[device] = (SpanCopier(device), PageCopier(device), torch.cuda.Stream(device=device, priority=0))
+            mine[device] = Copiers(SpanCopier(device), PageCopier(device, ops=ops),
+                                   torch.cuda.Stream(device=device, priority=0), ops)
         return mine[device]
 
+    def ordered(self, device: torch.device) -> "Copiers":
+        """This thread's copiers on `device`, their stream ordered after the work queued so far on the current
+        stream (SGLang's forward pass wrote the sources there)."""
+        c = self._copiers(device)
+        c.ops.after_current(c.stream.cuda_stream)
+        return c
+
+    def _write_ordered(self, device: torch.device, queue: Callable[["Copiers"], None]) -> None:
+        """One write: this thread's copy stream ordered after the current one, the copy queued (`queue`), the
+        wait for it; `device` current throughout (a launch needs it)."""
+        c = self._copiers(device)
+        prev = c.ops.enter()
+        try:
+            c.ops.after_current(c.stream.cuda_stream)
+            queue(c)
+            c.ops.synchronize(c.stream.cuda_stream)
+        finally:
+            c.ops.leave(prev)
+
     def write(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
-        spans, _, stream = self._copiers(device)
-        # the sources were written by SGLang's forward pass: order the copy after the work queued so far
-        stream.wait_stream(torch.cuda.current_stream(device))
-        spans.copy(src, dst, lens, stream)
-        stream.synchronize()
+        self._write_ordered(device, lambda c: c.spans.copy(src, dst, lens, c.stream))
 
     def write_pages(self, device: torch.device, src_bases: np.ndarray, dst_bases: np.ndarray, item_bytes: np.ndarray,
                     src_ids: np.ndarray, dst_ids: np.ndarray, max_programs: Optional[int] = None) -> None:
-        _, pages, stream = self._copiers(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        pages.copy(src_bases, dst_bases, item_bytes, src_ids, dst_ids, stream, max_programs)
-        stream.synchronize()
+        self._write_ordered(device, lambda c: c.pages.copy(src_bases, dst_bases, item_bytes, src_ids, dst_ids,
+                                                           c.stream, max_programs))
 
     def copy_engines(self):
         """The copy-engine binding over this backend's libcudart (engine/copy/copy_engine.py), made once."""
@@ -244,18 +264,36 @@ class CudaBackend(IpcBackend):
     def copy_engines_batched(self) -> bool:
         return self.copy_engines().batched
 
+    def queue_copy_engines(self, c: "Copiers", src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        """Queue the spans on the copy engines behind `c`'s stream (its device current meanwhile)."""
+        prev = c.ops.enter()
+        try:
+            self.copy_engines().copy(src, dst, lens, c.stream.cuda_stream)
+        finally:
+            c.ops.leave(prev)
+
     def write_copy_engines(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
         from sglang_p2p_backend.engine.copy.copy_engine import CopyEngineError
 
-        _, _, stream = self._copiers(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        try:
-            with torch.cuda.device(device):
-                self.copy_engines().copy(src, dst, lens, stream.cuda_stream)
-        except CopyEngineError as e:
-            stream.synchronize()  # what was queued before the refused call lands or fails now: nothing stays in flight
-            raise TransportError(str(e)) from e
-        stream.synchronize()
+        def queue(c: Copiers) -> None:
+            try:
+                self.queue_copy_engines(c, src, dst, lens)
+            except CopyEngineError as e:
+                c.ops.synchronize(c.stream.cuda_stream)  # what was queued before the refused call lands or fails now
+                raise TransportError(str(e)) from e
+
+        self._write_ordered(device, queue)
+
+
+class Copiers(NamedTuple):
+    """One thread's same-host copy machinery on one device (CudaBackend._copiers)."""
+
+    spans: "SpanCopier"
+    pages: "PageCopier"
+    #: the copies' own stream (lowest priority)
+    stream: torch.cuda.Stream
+    #: ordering, upload and wait by runtime calls on the stream's handle
+    ops: "StreamOps"
 
 
 _backend: Optional[IpcBackend] = None
@@ -507,10 +545,18 @@ class CudaIpcTransport(OneSidedTransport):
         return int(lens.sum())
 
     def _copy_engines_take(self, spans: int, nbytes: int, same_gpu: bool) -> bool:
-        """The per-chunk rule (engine/copy/ce_plan.py) for a chunk of `spans` spans and `nbytes` bytes."""
-        lib = backend()
-        route = choose(self.copy_engine, spans, nbytes, lib.copy_engines_batched(), self.ce_min_span,
-                       self.ce_max_spans, same_gpu)
+        """The per-chunk rule (engine/copy/ce_plan.py) for a chunk of `spans` spans and `nbytes` bytes, the
+        chunk counted on the route it takes."""
+        route = self._rule(spans, nbytes, same_gpu)
+        self._count(route, spans, nbytes)
+        return route == COPY_ENGINE
+
+    def _rule(self, spans: int, nbytes: int, same_gpu: bool) -> str:
+        return choose(self.copy_engine, spans, nbytes, backend().copy_engines_batched(), self.ce_min_span,
+                      self.ce_max_spans, same_gpu)
+
+    def _count(self, route: str, spans: int, nbytes: int) -> None:
+        """A chunk on `route`: its first use logged, the tally added to (and its summary logged when due)."""
         if route not in self._routes_seen:
             self._routes_seen.add(route)
             logger.info("%s %s from now on where SGLANG_P2P_COPY_ENGINE=%s picks it (first: %d spans, %d bytes)",
@@ -518,7 +564,6 @@ class CudaIpcTransport(OneSidedTransport):
         line = self._route_tally.add(route, nbytes)
         if line is not None:
             logger.info("%s", line)
-        return route == COPY_ENGINE
 
     def write_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
                     src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> int:
@@ -598,14 +643,32 @@ class CudaIpcTransport(OneSidedTransport):
         """The device half of `write_pages`: copy a checked plan (the kernel, its grid bounded by `grid`, else by
         SGLANG_P2P_IPC_PROGRAMS; or the copy engines where SGLANG_P2P_COPY_ENGINE says so for this chunk, into a
         decode on this GPU when `same_gpu`) and wait; returns the bytes copied."""
-        breaks = run_breaks(plan.src_ids, plan.dst_ids) if self.copy_engine != "off" else None
-        if breaks is not None and self._copy_engines_take(
-                *page_chunk_shape(plan.src_ids, plan.dst_ids, plan.item_bytes, breaks), same_gpu):
+        nbytes = int(plan.src_ids.size) * int(plan.item_bytes.sum())
+        breaks = self._copy_engine_runs(plan, nbytes, same_gpu)
+        if breaks is not None:
             backend().write_copy_engines(self.device, *page_spans(*plan, runs=page_runs(plan.src_ids, plan.dst_ids,
                                                                                           breaks)))
         else:
             backend().write_pages(self.device, *plan, max_programs=grid or self.programs)
-        return int(plan.src_ids.size) * int(plan.item_bytes.sum())
+        return nbytes
+
+    def _copy_engine_runs(self, plan: "PageWrite", nbytes: int, same_gpu: bool) -> Optional[np.ndarray]:
+        """The page runs' breaks (plan.run_breaks) where the rule sends this whole-page chunk to the copy engines,
+        else None (the chunk counted on its route either way). A chunk has at least one span a region and the
+        rule refuses more spans and shorter ones, so where that many already leave a chunk on the kernel (every
+        128-token request; into the prefill's own GPU, anything under 16 MiB a region) its runs are not looked
+        for: that took 16 us of a 4k-token MLA write's host time on H200s. The kernel's first use is still
+        logged with the chunk's exact spans."""
+        if self.copy_engine == "off":
+            return None
+        regions = int(plan.item_bytes.size)
+        if KERNEL in self._routes_seen and self._rule(regions, nbytes, same_gpu) == KERNEL:
+            self._count(KERNEL, regions, nbytes)
+            return None
+        breaks = run_breaks(plan.src_ids, plan.dst_ids)
+        take = self._copy_engines_take(*page_chunk_shape(plan.src_ids, plan.dst_ids, plan.item_bytes, breaks),
+                                       same_gpu)
+        return breaks if take else None
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,112 @@
+"""The CUDA runtime calls the same-host write path makes around each copy, on the libcudart torch loaded.
+
+A same-host write (transport/cuda_ipc.py) orders its copy stream after the caller's current stream (the forward
+pass wrote the pages there), queues the page ids' upload and the copy, and waits for the stream. `StreamOps`
+does the ordering, the upload and the wait with one runtime call each, on stream handles, for one thread and
+device (its event must not be shared: a second thread's record could come between this one's record and wait).
+
+Why by hand: torch's `Stream.wait_stream`, `copy_(non_blocking=True)` under `torch.cuda.stream(...)` and
+`Stream.synchronize` each set and restore the current device around the call; a 4k-token write spent 14-40 us
+in the ordering alone and 18-35 us in the device and stream context managers on 4 x H200 hosts (docs/bench.md),
+where these calls take a microsecond or two. The current stream's raw handle is torch's own
+(`torch._C._cuda_getCurrentRawStream`, what torch's compiler-generated code calls).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable, Optional
+
+import torch
+
+#: cudaEventDisableTiming: an event that only orders (recording it costs less)
+EVENT_DISABLE_TIMING = 2
+#: cudaMemcpyHostToDevice
+MEMCPY_HOST_TO_DEVICE = 1
+
+_P = ctypes.c_void_p
+
+
+class CudaCallError(RuntimeError):
+    """A runtime call failed (the message names the call and CUDA's error)."""
+
+
+class StreamOps:
+    """Ordering, upload and wait on one device through `rt` (a ctypes CDLL of libcudart, or a stand-in with the
+    same functions); one per thread and device."""
+
+    def __init__(self, rt: Any, device: torch.device, current_stream: Optional[Callable[[int], int]] = None,
+                 drv: Any = None):
+        self.rt = rt
+        #: libcuda (ctypes), to ask whether a device has a context before making it current again (`leave`);
+        #: None: always restore
+        self.drv = drv
+        self.index = device.index or 0
+        #: the raw handle of the calling thread's current stream on a device (torch's; a stand-in in CPU tests)
+        self.current_stream = current_stream or torch._C._cuda_getCurrentRawStream
+        rt.cudaEventRecord.argtypes = [_P, _P]
+        rt.cudaStreamWaitEvent.argtypes = [_P, _P, ctypes.c_uint]
+        rt.cudaMemcpyAsync.argtypes = [_P, _P, ctypes.c_size_t, ctypes.c_int, _P]
+        rt.cudaStreamSynchronize.argtypes = [_P]
+        rt.cudaSetDevice.argtypes = [ctypes.c_int]
+        for fn in (rt.cudaEventRecord, rt.cudaStreamWaitEvent, rt.cudaMemcpyAsync, rt.cudaStreamSynchronize,
+                   rt.cudaSetDevice, rt.cudaGetDevice, rt.cudaEventCreateWithFlags):
+            fn.restype = ctypes.c_int
+        event = _P()
+        prev = self.enter()
+        try:
+            self._check(rt.cudaEventCreateWithFlags(ctypes.byref(event), EVENT_DISABLE_TIMING),
+                        "cudaEventCreateWithFlags")
+        finally:
+            self.leave(prev)
+        self.event = event  # lives as long as the thread's copiers (the process, in practice)
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            try:
+                self.rt.cudaGetErrorString.restype = ctypes.c_char_p
+                why = f"{self.rt.cudaGetErrorString(code).decode()} (error {code})"
+            except Exception:  # noqa: BLE001 - a stand-in runtime may lack it; the code is what matters
+                why = f"error {code}"
+            raise CudaCallError(f"{what} on cuda:{self.index} failed: {why}")
+
+    def enter(self) -> int:
+        """Make this device the calling thread's current one (a launch needs it); returns the device that was,
+        for `leave`. Nothing is set where it already is (the transfer threads' case)."""
+        cur = ctypes.c_int(-1)
+        self._check(self.rt.cudaGetDevice(ctypes.byref(cur)), "cudaGetDevice")
+        if cur.value != self.index:
+            self._check(self.rt.cudaSetDevice(self.index), "cudaSetDevice")
+        return cur.value
+
+    def leave(self, prev: int) -> None:
+        """Make `prev` current again, where it has a context: a thread that never used it (a fresh thread's
+        device is 0) keeps this one, as torch's device guard does, since setting it would make a context on a
+        GPU this process does not use. So a transfer thread sets its device once, on its first write."""
+        if prev != self.index and prev >= 0 and self._has_context(prev):
+            self._check(self.rt.cudaSetDevice(prev), "cudaSetDevice")
+
+    def _has_context(self, index: int) -> bool:
+        if self.drv is None:
+            return True
+        dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        if self.drv.cuDeviceGet(ctypes.byref(dev), index) != 0:
+            return False
+        if self.drv.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) != 0:
+            return False
+        return bool(active.value)
+
+    def after_current(self, stream: int) -> None:
+        """Order work queued next on `stream` after everything queued so far on this thread's current stream."""
+        current = self.current_stream(self.index)
+        self._check(self.rt.cudaEventRecord(self.event, _P(current)), "cudaEventRecord")
+        self._check(self.rt.cudaStreamWaitEvent(_P(stream), self.event, 0), "cudaStreamWaitEvent")
+
+    def upload(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy of `nbytes` from pinned host memory at `src` to device memory at `dst` on `stream`."""
+        self._check(self.rt.cudaMemcpyAsync(_P(dst), _P(src), nbytes, MEMCPY_HOST_TO_DEVICE, _P(stream)),
+                    "cudaMemcpyAsync (upload)")
+
+    def synchronize(self, stream: int) -> None:
+        """Wait until everything queued on `stream` has run (the GIL is released meanwhile: ctypes drops it)."""
+        self._check(self.rt.cudaStreamSynchronize(_P(stream)), "cudaStreamSynchronize")

@@ -1,0 +1,155 @@
+"""The same-host path's runtime calls (engine/copy/stream_ops.py) against a stand-in CUDA runtime on CPU: the
+ordering records the event on the caller's current stream and makes the copy stream wait on that very event;
+the device is set only where another one is current and given back afterwards; the upload is one host-to-device
+copy on the copy stream; a refused call raises, naming the call, the device and CUDA's error."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from sglang_p2p_backend.engine.copy.stream_ops import (EVENT_DISABLE_TIMING, MEMCPY_HOST_TO_DEVICE, CudaCallError,
+                                                       StreamOps)
+
+EVENT = 0xE7
+CURRENT = {1: 0x5100, 0: 0x5000}  # the caller's current stream on each device
+OURS = 0xC0DE
+
+
+def _value(x):
+    return x.value if isinstance(x, (ctypes.c_void_p, ctypes.c_int)) else x
+
+
+class FakeRuntime:
+    """The runtime calls StreamOps makes, recorded as plain values; `device` is the thread's current device and
+    `fail` maps a function's name to the error code it returns."""
+
+    def __init__(self, device: int = 1, fail: dict | None = None):
+        self.device, self.fail, self.calls = device, fail or {}, []
+        for name in ("cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpyAsync", "cudaStreamSynchronize"):
+            setattr(self, name, self._recorder(name))
+        self.cudaGetErrorString = lambda code: b"an illegal memory access was encountered"
+        # plain functions, as a CDLL's are attribute holders: StreamOps sets argtypes / restype on them
+        self.cudaGetDevice = lambda out: self._get_device(out)
+        self.cudaSetDevice = lambda index: self._set_device(index)
+        self.cudaEventCreateWithFlags = lambda out, flags: self._create_event(out, flags)
+
+    def _recorder(self, name):
+        def call(*args) -> int:
+            self.calls.append((name, *(_value(a) for a in args)))
+            return self.fail.get(name, 0)
+        return call
+
+    def _get_device(self, out) -> int:
+        out._obj.value = self.device
+        return self.fail.get("cudaGetDevice", 0)
+
+    def _set_device(self, index) -> int:
+        self.calls.append(("cudaSetDevice", _value(index)))
+        if "cudaSetDevice" in self.fail:
+            return self.fail["cudaSetDevice"]
+        self.device = _value(index)
+        return 0
+
+    def _create_event(self, out, flags) -> int:
+        self.calls.append(("cudaEventCreateWithFlags", self.device, flags))
+        out._obj.value = EVENT
+        return 0
+
+
+def ops_on(rt: FakeRuntime, index: int = 1) -> StreamOps:
+    return StreamOps(rt, torch.device("cuda", index), current_stream=CURRENT.__getitem__)
+
+
+def test_the_event_is_made_on_the_copies_device_and_the_callers_device_comes_back():
+    rt = FakeRuntime(device=0)
+    ops_on(rt, 1)
+    assert rt.calls == [("cudaSetDevice", 1), ("cudaEventCreateWithFlags", 1, EVENT_DISABLE_TIMING),
+                        ("cudaSetDevice", 0)]
+    assert rt.device == 0
+
+
+def test_ordering_records_on_the_callers_current_stream_and_the_copy_stream_waits_on_that_event():
+    rt = FakeRuntime(device=1)
+    ops = ops_on(rt, 1)
+    rt.calls.clear()
+    ops.after_current(OURS)
+    assert rt.calls == [("cudaEventRecord", EVENT, CURRENT[1]), ("cudaStreamWaitEvent", OURS, EVENT, 0)]
+
+
+def test_the_device_is_set_only_where_another_is_current_and_restored():
+    rt = FakeRuntime(device=1)
+    ops = ops_on(rt, 1)
+    rt.calls.clear()
+    prev = ops.enter()
+    ops.leave(prev)
+    assert rt.calls == [] and rt.device == 1  # already current: nothing set
+    rt.device = 0
+    prev = ops.enter()
+    assert rt.device == 1 and prev == 0
+    ops.leave(prev)
+    assert rt.device == 0 and rt.calls == [("cudaSetDevice", 1), ("cudaSetDevice", 0)]
+
+
+def test_the_upload_is_one_host_to_device_copy_on_the_copy_stream_and_sync_waits_on_it():
+    rt = FakeRuntime()
+    ops = ops_on(rt)
+    rt.calls.clear()
+    ops.upload(0xD000, 0xF000, 4096, OURS)
+    ops.synchronize(OURS)
+    assert rt.calls == [("cudaMemcpyAsync", 0xD000, 0xF000, 4096, MEMCPY_HOST_TO_DEVICE, OURS),
+                        ("cudaStreamSynchronize", OURS)]
+
+
+@pytest.mark.parametrize("name,call", [
+    ("cudaStreamSynchronize", lambda ops: ops.synchronize(OURS)),
+    ("cudaStreamWaitEvent", lambda ops: ops.after_current(OURS)),
+    ("cudaMemcpyAsync", lambda ops: ops.upload(1, 2, 3, OURS)),
+])
+def test_a_refused_call_raises_naming_the_call_the_device_and_the_error(name, call):
+    rt = FakeRuntime()
+    ops = ops_on(rt)
+    rt.fail[name] = 700
+    with pytest.raises(CudaCallError) as e:
+        call(ops)
+    assert name in str(e.value) and "cuda:1" in str(e.value)
+    assert "illegal memory access" in str(e.value) and "error 700" in str(e.value)
+
+
+def test_a_refused_device_switch_raises_and_sets_nothing():
+    rt = FakeRuntime(device=0)
+    ops = ops_on(rt, 0)
+    rt.fail["cudaSetDevice"] = 101
+    rt.device = 2
+    with pytest.raises(CudaCallError, match="cudaSetDevice on cuda:0"):
+        ops.enter()
+    assert rt.device == 2
+
+
+class FakeDriver:
+    """cuDeviceGet and cuDevicePrimaryCtxGetState: the devices in `active` have a context."""
+
+    def __init__(self, active: set[int]):
+        self.active = active
+
+    def cuDeviceGet(self, out, ordinal) -> int:
+        out._obj.value = ordinal
+        return 0
+
+    def cuDevicePrimaryCtxGetState(self, dev, flags, active) -> int:
+        active._obj.value = int(dev.value in self.active)
+        return 0
+
+
+@pytest.mark.parametrize("contexts,restored", [({0, 1}, True), ({1}, False)])
+def test_the_callers_device_comes_back_only_where_it_has_a_context(contexts, restored):
+    """A fresh thread's device is 0; making it current again would make a context on GPU 0 in a process that
+    uses GPU 1 only: it stays on GPU 1 then, as torch's device guard does."""
+    rt = FakeRuntime(device=1)
+    ops = StreamOps(rt, torch.device("cuda", 1), current_stream=CURRENT.__getitem__, drv=FakeDriver(contexts))
+    rt.device = 0
+    rt.calls.clear()
+    ops.leave(ops.enter())
+    assert rt.device == (0 if restored else 1)
+    assert rt.calls == [("cudaSetDevice", 1)] + ([("cudaSetDevice", 0)] if restored else [])
