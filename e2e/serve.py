@@ -57,13 +57,18 @@ BACKEND_ENV = {
     # pages in up to 4 runs a layer take the copy engines too
     "p2pnccl-ce": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_CE_MIN_SPAN_KIB": "1024",
                    "SGLANG_P2P_CE_MAX_SPANS": "256"},
+    # the page kernel's grid bounded to one program an SM of an H100/H200 (132): at page size 1 the default runs 4 an
+    # SM, and on 2 x H200 the prefill's forward stage ran 2-5% longer at 16k prompts than with NIXL while the
+    # kernel wrote the previous chunk's KV (docs/serving.md); one an SM slowed a matmul 24-42% instead of 90-102%
+    "p2pnccl-grid132": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_IPC_PROGRAMS": "132"},
     "nixl": {},  # SGLang's default NIXL backend: UCX, which picks cuda_ipc between two processes of one GPU
     "mooncake": {"MC_INTRANODE_NVLINK": "true", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"},
 }
 BASE_PORT = {"p2pnccl": 33000, "nixl": 33100, "mooncake": 33200, "p2pnccl-gil5": 33300, "p2pnccl-kernel": 33400,
-             "p2pnccl-ce": 33500}
+             "p2pnccl-ce": 33500, "p2pnccl-grid132": 33600}
 #: a variant's --disaggregation-transfer-backend
-TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl", "p2pnccl-kernel": "p2pnccl", "p2pnccl-ce": "p2pnccl"}
+TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl", "p2pnccl-kernel": "p2pnccl", "p2pnccl-ce": "p2pnccl",
+                    "p2pnccl-grid132": "p2pnccl"}
 OUTPUT_TOKENS = 64
 DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
 

@@ -7,18 +7,20 @@ concurrency): each backend's median of TTFT p50/p99, TPOT p50, E2E p50, output t
 over its repetitions, with min-max, and p2pnccl's ratio to NIXL (tok/s higher is better; the rest lower); with
 several prefills, the busiest one's share of the requests and the slowest and fastest forward stage; and the
 py-spy profiles runs carry (`--profile-cells`).
-The decode's step time at a running batch size both backends reached is printed per cell too.
+The decode's step time at a running batch size both backends reached is printed per cell too, and
+p2pnccl's step time over each other backend's at equal running batch over every size both logged (`step_ratio`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any, Optional
 
 COLORS = {"p2pnccl": "tab:green", "nixl": "tab:orange", "mooncake": "tab:blue", "p2pnccl-gil5": "tab:olive",
-          "p2pnccl-kernel": "tab:purple", "p2pnccl-ce": "tab:cyan"}
+          "p2pnccl-kernel": "tab:purple", "p2pnccl-ce": "tab:cyan", "p2pnccl-grid132": "tab:brown"}
 METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "kv_ms")
 
 
@@ -42,11 +44,38 @@ def med(c: dict[str, Any], key: str) -> tuple[Optional[float], Optional[float], 
 
 def steps(c: dict[str, Any]) -> dict[int, float]:
     """Running batch size -> median step time (ms) over every repetition's logged intervals."""
+    return {n: statistics.median(v) for n, v in _intervals(c).items()}
+
+
+#: a batch size where one backend's median step is this many times the other's (either way) is a wait in a log
+#: (the decode idle between requests, or its last request waiting for KV), not a step: left out of `step_ratio`.
+#: At equal batch the steps of the 2 x H200 runs differed by 0-25% where both logged several intervals
+IDLE_GAP_RATIO = 2.0
+
+
+def step_ratio(c: dict[str, Any], other: dict[str, Any]) -> Optional[dict[str, float]]:
+    """The decode's step time of `c` over `other`'s at equal running batch: the geometric mean over every batch
+    size both logged, each weighted by the fewer of its intervals (sizes where an idle gap shows are left out,
+    IDLE_GAP_RATIO); with the sizes and intervals it rests on. None where they share no size."""
+    mine, theirs = _intervals(c), _intervals(other)
+    logs, weights = [], []
+    for n in sorted(set(mine) & set(theirs)):
+        r = statistics.median(mine[n]) / statistics.median(theirs[n])
+        if 1 / IDLE_GAP_RATIO < r < IDLE_GAP_RATIO:
+            logs.append(math.log(r))
+            weights.append(min(len(mine[n]), len(theirs[n])))
+    if not weights:
+        return None
+    mean = sum(x * w for x, w in zip(logs, weights)) / sum(weights)
+    return {"ratio": round(math.exp(mean), 3), "sizes": len(weights), "intervals": sum(weights)}
+
+
+def _intervals(c: dict[str, Any]) -> dict[int, list[float]]:
     out: dict[int, list[float]] = {}
     for r in c["reps"]:
         for s in r.get("decode_steps", []):
             out.setdefault(s["running"], []).extend([s["step_ms_p50"]] * s["intervals"])
-    return {n: statistics.median(v) for n, v in out.items()}
+    return out
 
 
 def stages(c: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -112,6 +141,8 @@ def table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
             sp, sn = steps(p), steps(n)
             common = sorted(set(sp) & set(sn))
             row["step_ms_same_batch"] = {k: (round(sp[k], 2), round(sn[k], 2)) for k in common[-3:]}
+        if p:
+            row["p2pnccl_step_ratio"] = {b: step_ratio(p, c) for b, c in sorted(per.items()) if b != "p2pnccl"}
         rows.append(row)
     return rows
 

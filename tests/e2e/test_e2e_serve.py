@@ -1,5 +1,6 @@
 """The serve phase's own parts on CPU: SGLang decode-log parsing, per-thread CPU from /proc, py-spy output
 parsing, TPOT and the median/spread summary, and the OS thread names the backend gives its threads."""
+import math
 import threading
 import time
 from pathlib import Path
@@ -416,3 +417,21 @@ def test_a_run_killed_by_the_step_limit_is_named_in_the_saved_result(monkeypatch
                       lambda: saved.append(res.get("stopped", "")), None, deadline=serve.time.monotonic() + 60)
     assert res["stopped"] == "killed (exit 143) in repetition 0 during b 4096x64: that run is lost"
     assert saved[-1] == res["stopped"] and len(res["cells"][0]["reps"]) == 1
+
+
+def test_step_ratio_weighs_every_shared_batch_size_and_leaves_out_idle_gaps():
+    """p2pnccl's decode step over a peer's at equal running batch: a geometric mean over the batch sizes both
+    logged, each weighted by the fewer intervals; a size where one log shows a wait (2x or more) is left out,
+    and sizes only one backend reached do not count."""
+    from e2e import serve_report
+
+    def cell(steps):
+        return {"reps": [{"decode_steps": [{"running": n, "step_ms_p50": ms, "intervals": k} for n, ms, k in steps]}]}
+
+    mine = cell([(8, 1.5, 4), (16, 4.4, 1), (3, 10.0, 1), (40, 9.0, 5)])
+    theirs = cell([(8, 1.0, 2), (16, 4.0, 3), (3, 5.0, 2), (24, 6.0, 9)])
+    got = serve_report.step_ratio(mine, theirs)
+    # sizes 8 (ratio 1.5, weight 2) and 16 (ratio 1.1, weight 1); 3 (2x) is a wait, 24 and 40 are not shared
+    want = round(math.exp((2 * math.log(1.5) + math.log(1.1)) / 3), 3)
+    assert got == {"ratio": want, "sizes": 2, "intervals": 3}
+    assert serve_report.step_ratio(mine, cell([(24, 6.0, 9)])) is None

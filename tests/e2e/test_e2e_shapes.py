@@ -154,7 +154,7 @@ def test_a_variant_of_ours_runs_the_rendered_commands_as_p2pnccl_with_its_knobs_
     assert set(serve.TRANSFER_BACKEND) <= set(serve.BACKEND_ENV)
     with pytest.raises(SystemExit):
         shape_serve.main(["--models", "/m", "--out", "/tmp/x.json", "--logs", "/tmp/l", "--backends", "p2pnccl,nccl2"])
-    assert "--backends: nccl2 not one of p2pnccl, p2pnccl-gil5, p2pnccl-kernel, p2pnccl-ce" in capsys.readouterr().err
+    assert "--backends: nccl2 not one of p2pnccl, p2pnccl-gil5, p2pnccl-kernel, p2pnccl-ce, p2pnccl-grid132" in capsys.readouterr().err
 
 
 def test_each_prefills_copy_routes_come_from_its_log(tmp_path):
