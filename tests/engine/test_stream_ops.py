@@ -27,7 +27,8 @@ class FakeRuntime:
 
     def __init__(self, device: int = 1, fail: dict | None = None):
         self.device, self.fail, self.calls = device, fail or {}, []
-        for name in ("cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpyAsync", "cudaStreamSynchronize"):
+        for name in ("cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpyAsync", "cudaStreamSynchronize",
+                     "cudaEventDestroy"):
             setattr(self, name, self._recorder(name))
         self.cudaGetErrorString = lambda code: b"an illegal memory access was encountered"
         # plain functions, as a CDLL's are attribute holders: StreamOps sets argtypes / restype on them
@@ -64,8 +65,8 @@ def ops_on(rt: FakeRuntime, index: int = 1) -> StreamOps:
 
 def test_the_event_is_made_on_the_copies_device_and_the_callers_device_comes_back():
     rt = FakeRuntime(device=0)
-    ops_on(rt, 1)
-    assert rt.calls == [("cudaSetDevice", 1), ("cudaEventCreateWithFlags", 1, EVENT_DISABLE_TIMING),
+    ops = ops_on(rt, 1)
+    assert ops.event.value == EVENT and rt.calls == [("cudaSetDevice", 1), ("cudaEventCreateWithFlags", 1, EVENT_DISABLE_TIMING),
                         ("cudaSetDevice", 0)]
     assert rt.device == 0
 
@@ -153,3 +154,12 @@ def test_the_callers_device_comes_back_only_where_it_has_a_context(contexts, res
     ops.leave(ops.enter())
     assert rt.device == (0 if restored else 1)
     assert rt.calls == [("cudaSetDevice", 1)] + ([("cudaSetDevice", 0)] if restored else [])
+
+
+def test_the_event_is_destroyed_with_the_ops():
+    """A thread's copiers go when the thread does: its event with them, not left to the process."""
+    rt = FakeRuntime()
+    ops = ops_on(rt)
+    rt.calls.clear()
+    del ops
+    assert rt.calls == [("cudaEventDestroy", EVENT)]

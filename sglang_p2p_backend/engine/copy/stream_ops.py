@@ -59,7 +59,15 @@ class StreamOps:
                         "cudaEventCreateWithFlags")
         finally:
             self.leave(prev)
-        self.event = event  # lives as long as the thread's copiers (the process, in practice)
+        self.event = event  # destroyed with this object (the thread's copiers go when the thread does)
+
+    def __del__(self) -> None:
+        event, self.event = getattr(self, "event", None), None
+        if event is not None and event.value:
+            try:
+                self.rt.cudaEventDestroy(event)
+            except Exception:  # noqa: BLE001 - at interpreter exit the runtime may be gone; nothing is left to free
+                pass
 
     def _check(self, code: int, what: str) -> None:
         if code != 0:
