@@ -155,12 +155,15 @@ def _fmt(t: tuple) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    out = ["| graphs | prompt | conc. | backend | reps | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | E2E p50 ms | KV ms |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| graphs | prompt | conc. | backend | reps | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | E2E p50 ms | KV ms "
+           "| p2pnccl's decode step over this one's at equal batch (intervals) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         for b, v in r["backends"].items():
+            step = (r.get("p2pnccl_step_ratio") or {}).get(b)
             out.append(f"| {'yes' if r['cuda_graph'] else 'no'} | {r['input_len']} | {r['concurrency']} | {b} | {v['reps']} | "
-                       + " | ".join(_fmt(v[m]) for m in METRICS) + " |")
+                       + " | ".join(_fmt(v[m]) for m in METRICS)
+                       + (f" | {step['ratio']:.3f} ({step['intervals']}) |" if step else " | - |"))
     return "\n".join(out)
 
 

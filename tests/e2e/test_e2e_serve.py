@@ -238,7 +238,12 @@ def test_report_pools_repetitions_across_files_and_compares_with_nixl(tmp_path: 
     assert row["backends"]["p2pnccl"]["output_tok_s"] == (330.0, 300.0, 360.0)
     assert row["p2pnccl_over_nixl"]["output_tok_s"] == round(330.0 / 210.0, 3)
     assert row["step_ms_same_batch"] == {40: (3.3, 2.1)}
-    assert "| yes | 1024 | 64 | p2pnccl | 3 | 330.0 (300.0-360.0) |" in serve_report.markdown([row])
+    md = serve_report.markdown([row])
+    assert "| yes | 1024 | 64 | p2pnccl | 3 | 330.0 (300.0-360.0) |" in md
+    # the last column: p2pnccl's step over NIXL's at batch 40 (3.3 against 2.1 ms), six intervals each
+    assert row["p2pnccl_step_ratio"] == {"nixl": {"ratio": round(3.3 / 2.1, 3), "sizes": 1, "intervals": 6}}
+    last = [line.rsplit("|", 2)[-2].strip() for line in md.splitlines()[2:]]
+    assert last == [f"{3.3 / 2.1:.3f} (6)", "-"]  # nixl's row, p2pnccl's
     assert row["backends"]["p2pnccl"]["stages_ms"] == {}  # results from before stages were recorded
 
 

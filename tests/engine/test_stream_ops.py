@@ -66,7 +66,8 @@ def ops_on(rt: FakeRuntime, index: int = 1) -> StreamOps:
 def test_the_event_is_made_on_the_copies_device_and_the_callers_device_comes_back():
     rt = FakeRuntime(device=0)
     ops = ops_on(rt, 1)
-    assert ops.event.value == EVENT and rt.calls == [("cudaSetDevice", 1), ("cudaEventCreateWithFlags", 1, EVENT_DISABLE_TIMING),
+    assert ops.event.value == EVENT
+    assert rt.calls == [("cudaSetDevice", 1), ("cudaEventCreateWithFlags", 1, EVENT_DISABLE_TIMING),
                         ("cudaSetDevice", 0)]
     assert rt.device == 0
 
