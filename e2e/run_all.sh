@@ -294,7 +294,7 @@ run_lb_overhead() {  # CPU only: simulated workers, every LB of lb.tar.xz and di
 }
 
 run_ipc() {  # pytest output goes to $OUT/ipc_tests.log; figures to $OUT/ipc_$KIND.json
-  step ipc_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ipc.py -rs \
+  step ipc_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_page_kernel.py tests/gpu/test_cuda_ipc.py -rs \
     > "$OUTDIR/ipc_tests.log" 2>&1
   # shellcheck disable=SC2086 # E2E_IPC_BENCH_ARGS: extra flags, e.g. "--reps 10 --timeout 90"
   step ipc_bench python3 bench/transfer/ipc_bench.py --machine "$KIND" --out "$OUTDIR/ipc_$KIND.json" ${E2E_IPC_BENCH_ARGS:-}
@@ -314,7 +314,7 @@ run_transfer_bench() {  # figures to $OUT/xfer_$KIND.json, the printed tables to
     [ "${SGLANG_P2P_NCCL_SPLIT:-1}" = 1 ] && \
       split_tests=("tests/gpu/test_nccl_transport.py::test_peer_killed_mid_transfer_fails_in_time_then_a_new_communicator_works")
     step copy_engine_tests python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_copy_engine.py \
-      tests/gpu/test_cuda_ipc.py tests/gpu/test_engine_pipeline_nccl.py "tests/gpu/test_nccl_transport.py::test_waits_sleep_until_the_pace_the_link_showed" \
+      tests/gpu/test_page_kernel.py tests/gpu/test_cuda_ipc.py tests/gpu/test_engine_pipeline_nccl.py "tests/gpu/test_nccl_transport.py::test_waits_sleep_until_the_pace_the_link_showed" \
       "${split_tests[@]}" -rs > "$OUTDIR/xfer_tests.log" 2>&1
     tail -n 30 "$OUTDIR/xfer_tests.log"
   fi

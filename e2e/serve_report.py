@@ -13,6 +13,7 @@ p2pnccl's step time over each other backend's at equal running batch over every 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import statistics
@@ -29,7 +30,8 @@ def load(paths: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
     machines: list[str] = []
     cells: dict[tuple, dict[str, Any]] = {}
     for p in paths:
-        doc = json.loads(p.read_text())
+        # results kept gzipped in the repository (a device call carries the tree within 64 MiB) read the same
+        doc = json.loads(gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_text())
         machines.append(doc.get("machine", "?"))
         for c in doc.get("cells", []):
             key = (c["backend"], c["cuda_graph"], c["input_len"], c["concurrency"])

@@ -72,7 +72,9 @@ def time_case(name: str, regions: int, token_bytes: int, page: int, tokens: int,
         src_ids, dst_ids = np.arange(100, 100 + pages), np.arange(7, 7 + pages)
     import torch
 
-    tr = cuda_ipc.CudaIpcTransport(torch.device("cpu"))  # a device for its grid rule: no CUDA grid here
+    tr = cuda_ipc.CudaIpcTransport(torch.device("cpu"))
+    if same_gpu:  # the same-GPU grid is worked out for a CUDA device: name one, with an H100's SM count
+        tr.device, tr._sms = torch.device("cuda", 0), 132  # noqa: SLF001 - nothing is launched here
     exported = [IpcRegion(ptr=b, alloc=i, offset=0, length=pool_pages * item) for i, b in enumerate(dst_bases)]
     table = cuda_ipc.RegionTable.build(exported, [(1 << 46) + i * stride for i in range(regions)])
     tr._peers["d"] = types.SimpleNamespace(table=table, close=lambda: None, same_gpu=same_gpu)  # noqa: SLF001

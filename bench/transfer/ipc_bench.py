@@ -20,6 +20,8 @@ same process. ratio = torch / write (target >= 0.8); latency target: mla_128 wri
 case the decode checks its destination pages byte for byte against the prefill's seeded contents (after the
 page path and again after the span path). Last, `interference`: a bf16 matmul loop in the prefill process timed
 alone and while the 16k MHA request is written back to back (target: at most 5% slower).
+`--copy-engine off` sends every chunk to the kernel (`on`: to the copy engines), where `auto` (the default, as
+served) sends the 16k contiguous request's 32 MiB spans into the same GPU to the copy engines.
 Writes JSON to --out (default bench/results/ipc_<machine>.json) and prints a table.
 """
 
@@ -161,7 +163,7 @@ class Prefill:
         if problem:
             raise RuntimeError(f"the decode's export cannot be used: {problem}")
         self.peers = {lay: _peer(messages, lay, export, ptrs[lay]) for lay in LAYOUTS}
-        self.tr = CudaIpcTransport(dev)
+        self.tr = CudaIpcTransport(dev, copy_engine=cfg.get("copy_engine", "auto"))
         t0 = time.perf_counter()
         self.tr.open_peer(SESSION, export)
         self.open_ms = (time.perf_counter() - t0) * 1e3
@@ -328,6 +330,7 @@ def _prefill(conn, cfg):
     except ImportError:
         triton_version = None
     meta = {"gpu": torch.cuda.get_device_name(p.dev), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "copy_engine": cfg.get("copy_engine", "auto"),
             "triton": triton_version, "python": platform.python_version(), "open_peer_ms": p.open_ms,
             "allocations": p.allocations}
     return {"cases": rows, "latency": latency, "interference": interference, "meta": meta}
@@ -376,6 +379,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--latency-reps", type=int, default=1000, help="timed writes of the 128-token request")
     ap.add_argument("--timeout", type=float, default=480.0, help="seconds before both processes are killed")
+    ap.add_argument("--copy-engine", choices=("auto", "off", "on"), default="auto",
+                    help="the transport's route rule (SGLANG_P2P_COPY_ENGINE): auto as served, off for the kernel on "
+                         "every chunk, on for the copy engines")
     ns = ap.parse_args(argv)
     if ns.reps < 20:
         ap.error("--reps must be at least 20")
@@ -384,7 +390,8 @@ def main(argv=None) -> int:
 
     import multiprocessing as mp
 
-    cfg = {"reps": ns.reps, "warmup": ns.warmup, "latency_reps": ns.latency_reps, "timeout": ns.timeout}
+    cfg = {"reps": ns.reps, "warmup": ns.warmup, "latency_reps": ns.latency_reps, "timeout": ns.timeout,
+           "copy_engine": ns.copy_engine}
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     results = ctx.Queue()

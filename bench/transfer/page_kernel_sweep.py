@@ -13,12 +13,27 @@ cuda:1 (`peer`, through peer access as the CUDA IPC mapping gives it), against o
 between two contiguous buffers (the `ref` rows). Every combination's destination pages are compared with the
 source pages after its timed runs, so a fast wrong variant shows as `bad`. What the default grid and block are
 set from; `xfer_bench.py` then measures the whole write with them.
+
+Beside the transport's launch (`default`), in turn twice for every case, a candidate kept here, not in the
+transport: `blocks`, programs striding over (page, 8 KiB block) units instead of whole pages, and `blocks_vec16`,
+the same told that every address is 16-byte aligned (`tl.multiple_of`: 16-byte loads and stores, where pointers
+computed from loaded integers otherwise get one 8-byte access per word). Into the prefill's own GPU on 1 x H200
+(2026-11-29, two calls) neither won: `blocks` within 0-3% of `default` from 4k tokens up, and at 128 tokens the
+two calls disagreed (a 128-token MLA request 20-37 us either way, against 10-13 us for one copy of its 9 MB: the 61
+regions' scattered pages, not the grid, bound it); `blocks_vec16` 2-5% slower than `blocks` from 4k up. Across
+NVLink they are still to be measured.
+
+`--host-ids` measures instead (a process of its own): the upload of a launch's page ids and region table (one
+`cudaMemcpyAsync` from pinned memory) and the kernel, against the kernel reading the same ids and table straight
+from the pinned buffer (mapped into the device's address space), for 128-token and 4k-token requests: whether
+the upload is worth dropping from the write path (`host_ids` in the JSON; pages compared as above).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +49,8 @@ except ImportError:  # run as a script from bench/transfer
 
 @dataclass(frozen=True)
 class Variant:
-    """One launch configuration: `block` words a loop step, `warps` a program, `per_sm` programs an SM."""
+    """One launch configuration of the transport's kernel: `block` words a loop step, `warps` a program, `per_sm`
+    programs an SM."""
 
     block: int
     warps: int
@@ -45,13 +61,50 @@ class Variant:
         return f"b{self.block}w{self.warps}x{self.per_sm}"
 
 
+def access_forms(ptx: str) -> list[str]:
+    """The global load and store instructions of a compiled kernel (`ld.global.v2.b64`: 16-byte vectors)."""
+    return sorted(set(re.findall(r"\b(?:ld|st)\.global[.\w]*", ptx)))
+
+
 def variants(blocks=(1024, 2048, 4096), warps=(4, 8, 16), per_sm=(1, 2, 4, 8, 16)) -> list[Variant]:
     """Every combination in which each thread moves at least one 16-byte vector a step (block words of 8 bytes
     over warps x 32 threads)."""
     return [Variant(b, w, p) for b in blocks for w in warps for p in per_sm if b * 8 >= w * 32 * 16]
 
 
-SWEEP_CASES = (("mha_p16", 4096), ("mha_p16", 16384), ("mha_p1", 4096), ("mla_p64", 4096), ("mla_p64", 16384))
+SWEEP_CASES = (("mla_p64", 128), ("mha_p16", 128), ("mha_p16", 4096), ("mha_p16", 16384), ("mha_p1", 4096),
+               ("mla_p64", 4096), ("mla_p64", 16384))
+
+try:  # a candidate measured against the transport's kernel, not used by it (see the module docstring)
+    import triton
+    import triton.language as tl
+
+    from sglang_p2p_backend.engine.copy.span_copy import _page_item
+
+    @triton.jit(do_not_specialize=["n_pages", "n_regions", "n_blocks"])
+    def _copy_page_blocks(ids, n_pages, table, n_regions, n_blocks, like, BLOCK: tl.constexpr, VEC: tl.constexpr):
+        """`span_copy._copy_pages` with programs striding over (item, block) units instead of whole items, and
+        with VEC > 1 the promise that every address and item length is a multiple of 16 bytes (16-byte
+        accesses; the sweep passes it only where the pools allow it)."""
+        pid = tl.program_id(0)
+        step = tl.num_programs(0)
+        for unit in range(pid, n_pages * n_regions * n_blocks, step):
+            item = unit // n_blocks
+            w0 = (unit - item * n_blocks) * BLOCK
+            src, dst, words = _page_item(ids, n_pages, table, item, like, VEC)
+            offs = w0 + tl.arange(0, BLOCK)
+            m = offs < words
+            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+except ImportError:  # CPU-only installs: nothing is launched
+    triton = None
+
+
+def vector_words(word: int, *arrays) -> int:
+    """Words in one 16-byte vector where every value of `arrays` is a multiple of 16, else 1 (the candidate's VEC)."""
+    bits = 16
+    for a in arrays:
+        bits |= int(np.bitwise_or.reduce(np.asarray(a, dtype=np.int64).reshape(-1)))
+    return 16 // word if bits % 16 == 0 and word < 16 else 1
 
 
 def sweep_cases(shapes=SHAPES) -> list[Case]:
@@ -59,16 +112,21 @@ def sweep_cases(shapes=SHAPES) -> list[Case]:
     return [Case(by_name[n], t, d) for n, t in SWEEP_CASES for d in ("contiguous", "scattered")]
 
 
+#: rows timed twice in turn for every case: the transport's launch and the candidate kernel's two forms
+CANDIDATES = ("default", "blocks", "blocks_vec16")
+
+
 def best(rows: list[dict]) -> dict[str, dict]:
     """Per (target, case): the fastest variant that copied every byte right, and the reference time."""
     out: dict[str, dict] = {}
     for r in rows:
         key = f"{r['target']}:{r['case']}"
-        slot = out.setdefault(key, {"ref_us": None, "best": None, "default": None})
+        slot = out.setdefault(key, {"ref_us": None, "best": None, **{c: None for c in CANDIDATES}})
         if r["variant"] == "ref":
             slot["ref_us"] = r["us"]
-        elif r["variant"] == "default":
-            slot["default"] = r
+        elif r["variant"] in CANDIDATES:  # each timed twice: the faster of the two
+            if slot.get(r["variant"]) is None or r["us"] < slot[r["variant"]]["us"]:
+                slot[r["variant"]] = r
         elif not r["bad"] and (slot["best"] is None or r["us"] < slot["best"]["us"]):
             slot["best"] = r
     return out
@@ -82,32 +140,11 @@ def _pools(torch, shape: Shape, src_pages: int, dst_pages: int, src_dev, dst_dev
     return src, dst
 
 
-def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4, 8, 16)) -> dict:
-    import torch
-
-    from sglang_p2p_backend.engine.copy import span_copy
-
-    dev0 = torch.device("cuda:0")
-    targets = [("same", dev0)]
-    if torch.cuda.device_count() > 1:
-        targets.append(("peer", torch.device("cuda:1")))
-        # torch enables peer access on its first copy between the devices; both ways, so the kernel on cuda:0
-        # can write cuda:1's memory as through the CUDA IPC mapping
-        one0, one1 = torch.ones(1, device=dev0), torch.ones(1, device="cuda:1")
-        with torch.cuda.device(dev0):
-            one1.copy_(one0)
-        with torch.cuda.device(1):
-            one0.copy_(one1)
-        torch.cuda.synchronize()
-    sms = torch.cuda.get_device_properties(dev0).multi_processor_count
-    stream = torch.cuda.Stream(dev0)
+def gpu_timer(torch, stream, case_s: float):
+    """fn -> the median GPU time in us of fn() on `stream`, repeated for about case_s (at least 5 times)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t_end = time.monotonic() + budget_s
-    rows: list[dict] = []
-    skipped: list[str] = []
 
     def timed(fn) -> float:
-        """Median GPU time in us of fn() on `stream`, repeated for about case_s (at least 5 times)."""
         with torch.cuda.stream(stream):
             fn()
             fn()
@@ -123,6 +160,36 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
                 spent += ms / 1e3
         return float(np.median(times))
 
+    return timed
+
+
+def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4, 8, 16)) -> dict:
+    import torch
+
+    from sglang_p2p_backend.engine.copy import span_copy
+    from sglang_p2p_backend.engine.transport.cuda_ipc import same_gpu_programs_per_sm
+
+    dev0 = torch.device("cuda:0")
+    targets = [("same", dev0)]
+    if torch.cuda.device_count() > 1:
+        targets.append(("peer", torch.device("cuda:1")))
+        # torch enables peer access on its first copy between the devices; both ways, so the kernel on cuda:0
+        # can write cuda:1's memory as through the CUDA IPC mapping
+        one0, one1 = torch.ones(1, device=dev0), torch.ones(1, device="cuda:1")
+        with torch.cuda.device(dev0):
+            one1.copy_(one0)
+        with torch.cuda.device(1):
+            one0.copy_(one1)
+        torch.cuda.synchronize()
+    sms = torch.cuda.get_device_properties(dev0).multi_processor_count
+    stream = torch.cuda.Stream(dev0)
+    t_end = time.monotonic() + budget_s
+    rows: list[dict] = []
+    skipped: list[str] = []
+    #: the global accesses the candidate compiled to, by VEC (the device's Triton decides)
+    forms: dict[int, list[str]] = {}
+
+    timed = gpu_timer(torch, stream, case_s)
     for target, dst_dev in targets:
         by_shape: dict[str, list[Case]] = {}
         for c in sweep_cases():
@@ -161,18 +228,38 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
                     dst.zero_()
                     return ok
 
+                vec = vector_words(word, table[:, 0], table[:, 1], table[:, 2])
+
                 def launch(block: int, warps: int, grid: int):
                     return lambda: span_copy._copy_pages[(grid,)](dev, n, dev[2 * n:], shape.regions, like,
                                                                    BLOCK=block, num_warps=warps)
 
+                def blocks(block: int, grid: int, vec: int):
+                    units = -(-words // block)
+                    return lambda: _copy_page_blocks[(grid,)](dev, n, dev[2 * n:], shape.regions, units, like,
+                                                              BLOCK=block, VEC=vec, num_warps=4)
+
                 default_block = min(1024, max(16, 1 << (words - 1).bit_length()))
-                default_grid = min(n * shape.regions, span_copy.default_programs(sms, default_block * word))
-                if target == "same":
-                    default_grid = min(n * shape.regions, 8 * sms)  # the transport's bound into its own GPU
-                dst.zero_()
-                us = timed(launch(default_block, 4, default_grid))
-                rows.append({"target": target, "case": case.name, "variant": "default", "block": default_block,
-                             "warps": 4, "grid": default_grid, "us": us, "bytes": nbytes, "bad": not check()})
+                bound = span_copy.default_programs(sms, default_block * word)
+                if target == "same":  # the transport's bound into its own GPU
+                    bound = same_gpu_programs_per_sm([shape.item]) * sms
+                default_grid = min(n * shape.regions, bound)
+                unit_grid = min(n * shape.regions * -(-words // default_block), bound)
+                # the transport's launch and the candidate (8-byte, then 16-byte accesses), in turn twice so a drift
+                # of the clocks shows
+                turns = (("default", launch(default_block, 4, default_grid), default_grid, 1),
+                         ("blocks", blocks(default_block, unit_grid, 1), unit_grid, 1),
+                         ("blocks_vec16", blocks(default_block, unit_grid, vec), unit_grid, vec))
+                for variant, fn, grid, v in turns * 2:
+                    dst.zero_()
+                    us = timed(fn)
+                    rows.append({"target": target, "case": case.name, "variant": variant, "block": default_block,
+                                 "warps": 4, "grid": grid, "vec": v, "us": us, "bytes": nbytes, "bad": not check()})
+                if vec not in forms:
+                    for v in sorted({1, vec}):
+                        compiled = _copy_page_blocks[(1,)](dev, 0, dev[2 * n:], shape.regions, 1, like,
+                                                           BLOCK=default_block, VEC=v, num_warps=4)
+                        forms[v] = access_forms(compiled.asm.get("ptx", ""))
                 done: set[tuple[int, int, int]] = set()
                 for v in variants(per_sm=per_sm):
                     # a page smaller than the block runs with the page's block (the kernel's own rule)
@@ -189,22 +276,94 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
                                  "warps": v.warps, "grid": grid, "us": us, "bytes": nbytes, "bad": not check()})
             del src, dst
             torch.cuda.empty_cache()
-    result = {"machine": machine, "sms": sms, "gpus": torch.cuda.device_count(),
-              "torch": torch.__version__, "rows": rows, "best": best(rows), "skipped": skipped}
+    result = {"machine": machine, "sms": sms, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+              "triton": triton.__version__, "access_forms": {str(k): v for k, v in forms.items()}, "rows": rows,
+              "best": best(rows), "skipped": skipped}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result
 
 
+class _Pinned:
+    """A pinned host buffer handed to a Triton kernel as a pointer (its launcher maps it to the device's view)."""
+
+    def __init__(self, t):
+        self.t, self.dtype = t, t.dtype
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+HOST_IDS_CASES = (("mla_p64", 128), ("mha_p16", 128), ("mla_p64", 4096), ("mha_p1", 4096))
+
+
+def host_ids(torch, span_copy, timed_pair, sms: int, shapes=SHAPES) -> list[dict]:
+    """Upload + kernel against the kernel reading its ids and table from pinned host memory, on cuda:0 into
+    cuda:0 (GPU time between events, `timed_pair(fn)` -> median us)."""
+    dev0 = torch.device("cuda:0")
+    by_name = {s.name: s for s in shapes}
+    out = []
+    for name, tokens in HOST_IDS_CASES:
+        shape = by_name[name]
+        case = Case(shape, tokens, "scattered")
+        n_max = shape.pages(tokens)
+        src, dst = _pools(torch, shape, n_max, 2 * n_max, dev0, dev0)
+        s_ids, d_ids = page_ids(case, n_max, 2 * n_max)
+        n = len(s_ids)
+        rb_s, rb_d = src[0].numel(), dst[0].numel()
+        _, table, words, _ = span_copy.RegionTables().get(
+            np.array([src.data_ptr() + r * rb_s for r in range(shape.regions)]),
+            np.array([dst.data_ptr() + r * rb_d for r in range(shape.regions)]), np.array([shape.item] * shape.regions))
+        host = torch.from_numpy(np.concatenate([s_ids, d_ids, table.reshape(-1)]).astype(np.int64)).pin_memory()
+        dev = torch.empty_like(host, device=dev0)
+        like = torch.empty(1, dtype=torch.int64, device=dev0)
+        block = min(1024, max(16, 1 << (words - 1).bit_length()))
+        grid = (min(n * shape.regions, 8 * sms),)
+        pinned = _Pinned(host)
+
+        def uploaded():
+            dev.copy_(host, non_blocking=True)
+            span_copy._copy_pages[grid](dev, n, dev[2 * n:], shape.regions, like, BLOCK=block)
+
+        def from_host():
+            span_copy._copy_pages[grid](pinned, n, _Pinned(host[2 * n:]), shape.regions, like, BLOCK=block)
+
+        row = {"case": f"{name}_{tokens}", "bytes": n * shape.item * shape.regions, "grid": grid[0]}
+        for label, fn in (("upload_kernel_us", uploaded), ("host_ids_us", from_host),
+                          ("upload_kernel_us_2", uploaded), ("host_ids_us_2", from_host)):
+            dst.zero_()
+            try:
+                row[label] = timed_pair(fn)
+                ok = bool(torch.equal(dst.index_select(1, torch.from_numpy(d_ids).to(dev0)),
+                                      src.index_select(1, torch.from_numpy(s_ids).to(dev0))))
+                row[label.replace("_us", "_ok")] = ok
+            except Exception as e:  # noqa: BLE001 - a device that cannot read pinned memory: recorded, not fatal
+                row[label] = None
+                row[label.replace("_us", "_error")] = f"{type(e).__name__}: {e}"
+                break
+        out.append(row)
+        del src, dst
+        torch.cuda.empty_cache()
+    return out
+
+
 def report(result: dict) -> str:
-    t = Table([("target:case", 34), ("ref us", 9), ("default us", 11), ("ratio", 7), ("best", 14), ("best us", 9),
-               ("ratio", 7)])
+    t = Table([("target:case", 34), ("ref us", 9), ("default", 9), ("ratio", 7), ("blocks", 9), ("ratio", 7),
+               ("vec16", 9), ("ratio", 7), ("best", 14), ("best us", 9), ("ratio", 7)])
     for key, b in result["best"].items():
-        ref, d, top = b["ref_us"], b["default"], b["best"]
-        t.add(key, ref, d and d["us"], d and ref and ref / d["us"], top and top["variant"], top and top["us"],
-              top and ref and ref / top["us"])
+        ref, top = b["ref_us"], b["best"]
+        cells = []
+        for name in CANDIDATES:
+            r = b.get(name)
+            cells += [r and r["us"], r and ref and ref / r["us"]]
+        t.add(key, ref, *cells, top and top["variant"], top and top["us"], top and ref and ref / top["us"])
     bad = [f"{r['target']}:{r['case']}:{r['variant']}" for r in result["rows"] if r["bad"]]
-    return t.render() + f"\nwrong bytes: {bad or 'none'}\nskipped: {result['skipped'] or 'none'}"
+    forms = "; ".join(f"VEC={k}: {' '.join(v)}" for k, v in result.get("access_forms", {}).items())
+    text = (t.render() + f"\naccesses: {forms or 'not recorded'}\nwrong bytes: {bad or 'none'}"
+            f"\nskipped: {result['skipped'] or 'none'}")
+    for r in result.get("host_ids", []):
+        text += "\nhost ids " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
+    return text
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -214,6 +373,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--case-s", type=float, default=0.1)
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--per-sm", default="1,2,4,8,16", help="programs an SM to try, comma-separated")
+    ap.add_argument("--host-ids", action="store_true",
+                    help="instead of the sweep, time the kernel reading its ids from pinned memory (a process of its "
+                         "own: a device that cannot read it may fail the context)")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -223,6 +385,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("page_kernel_sweep: no CUDA device, nothing measured")
         return 0
     per_sm = tuple(int(x) for x in args.per_sm.split(",") if x.strip())
+    if args.host_ids:
+        from sglang_p2p_backend.engine.copy import span_copy
+
+        dev0 = torch.device("cuda:0")
+        sms = torch.cuda.get_device_properties(dev0).multi_processor_count
+        rows = host_ids(torch, span_copy, gpu_timer(torch, torch.cuda.Stream(dev0), args.case_s), sms)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"machine": args.machine, "host_ids": rows}, indent=1))
+        print(report({"best": {}, "rows": [], "skipped": [], "host_ids": rows}))
+        return 1 if any(v is False for r in rows for k, v in r.items() if k.endswith("_ok")) else 0
     result = run(args.out, args.machine, args.case_s, args.budget_s, per_sm)
     print(report(result))
     return 1 if any(r["bad"] for r in result["rows"]) else 0

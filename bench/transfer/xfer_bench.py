@@ -819,9 +819,15 @@ class Prefill:
         def sync() -> None:
             c.ops.synchronize(stream.cuda_stream)
 
-        def route() -> None:  # what write_pages does between the plan and the copy
-            box["grid"] = self.tr._grid(self.tr._same_gpu(SESSION), box["plan"].item_bytes)  # noqa: SLF001
-            rule()
+        def route() -> None:  # what write_pages does between the plan and the copy, with auto's rule
+            p, same = box["plan"], self.tr._same_gpu(SESSION)  # noqa: SLF001
+            box["grid"] = self.tr._grid(same, p.item_bytes)  # noqa: SLF001
+            mode, self.tr.copy_engine = self.tr.copy_engine, "auto"
+            try:
+                nbytes = int(p.src_ids.size) * self.tr._per_pool(p.item_bytes)[0]  # noqa: SLF001
+                box["breaks"] = self.tr._copy_engine_runs(p, nbytes, same)  # noqa: SLF001
+            finally:
+                self.tr.copy_engine = mode
 
         kernel = [("planned", plan), ("routed", route), ("waited", wait),
                   ("returned", lambda: pages.copy(*box["plan"], stream, box["grid"])), ("synchronized", sync)]

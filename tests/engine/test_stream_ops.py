@@ -164,3 +164,20 @@ def test_the_event_is_destroyed_with_the_ops():
     rt.calls.clear()
     del ops
     assert rt.calls == [("cudaEventDestroy", EVENT)]
+
+
+def test_a_nested_enter_asks_nothing_and_only_the_outermost_leave_gives_the_device_back():
+    rt = FakeRuntime(device=0)
+    ops = ops_on(rt, 1)
+    rt.calls.clear()
+    asked = []
+    rt.cudaGetDevice = lambda out: (asked.append(1), rt._get_device(out))[1]
+    outer = ops.enter()  # the write: device 1 set, 0 to come back to
+    inner = ops.enter()  # the kernel's launch inside it: nothing asked or set
+    assert (outer, inner, len(asked)) == (0, 1, 1) and rt.calls == [("cudaSetDevice", 1)]
+    ops.leave(inner)
+    assert rt.device == 1 and rt.calls == [("cudaSetDevice", 1)]
+    ops.leave(outer)
+    assert rt.device == 0 and rt.calls == [("cudaSetDevice", 1), ("cudaSetDevice", 0)]
+    ops.enter()  # a later write asks again
+    assert len(asked) == 2

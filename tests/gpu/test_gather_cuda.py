@@ -81,3 +81,39 @@ def test_out_of_range_ids_are_refused_before_any_copy():
         fused.copy(0, np.array([0, 8]), staging, scatter=True)
     with pytest.raises(IndexError):
         fused.copy(0, np.array([0]), staging, scatter=False, region_lo=1, region_hi=3)
+
+
+def test_a_variant_once_compiled_is_launched_directly_and_moves_the_same_bytes():
+    """After the warmup (and after the JIT's first launch of any other variant) the kernel is called compiled
+    (`FusedGather._launch_direct`). A variant is the constants, the word type and each pointer's 16-byte
+    alignment: a staging slot 8 or 4 bytes off a 16-byte boundary is its own variant (4: 4-byte words). Every
+    gather matches index_select and every scatter puts the pages back where they belong."""
+    regions, token_bytes = LAYOUTS["mla"]
+    item = 16 * token_bytes
+    src, dst = _pool(regions, 64, item, 5), _pool(regions, 64, item, 6)
+    gather, scatter = FusedGather([src]), FusedGather([dst])
+    launched: list[bool] = []
+    for f in (gather, scatter):
+        direct = f._launch_direct  # noqa: SLF001
+        f._launch_direct = lambda *a, _d=direct: (launched.append(True), _d(*a))  # noqa: SLF001
+    rng = np.random.default_rng(9)
+    n = 11
+    nbytes = n * item * regions
+    big = torch.empty(nbytes + 64, dtype=torch.uint8, device="cuda")
+    offsets = [0, 8, 16, 4, 0, 8, 4]
+    for k, off in enumerate(offsets):
+        src_ids, dst_ids = rng.permutation(64)[:n], rng.permutation(64)[:n]
+        staging = big[off:off + nbytes]
+        staging.fill_(0xCD)
+        before = len(launched)
+        gather.copy(0, src_ids, staging, scatter=False)
+        ref = torch.cat([s.index_select(0, torch.from_numpy(src_ids).cuda()).flatten() for s in src])
+        assert torch.equal(staging, ref), (k, off)
+        want = [d.clone() for d in dst]
+        scatter.copy(0, dst_ids, staging, scatter=True)
+        for s, d, w in zip(src, dst, want):
+            w[torch.from_numpy(dst_ids).cuda()] = s[torch.from_numpy(src_ids).cuda()]
+            assert torch.equal(d, w), (k, off)
+        # 16-byte aligned slots: the warmup's variant; 8 and 4 off: the JIT on their first use, direct after it
+        first_of_its_kind = off in (8, 4) and off not in offsets[:k]
+        assert len(launched) - before == (0 if first_of_its_kind else 2), (k, off)

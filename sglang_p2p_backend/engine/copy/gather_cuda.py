@@ -12,13 +12,14 @@ on the caller's current stream. Ids are the transfer's per-group id arrays; they
 region sizes on the host (out-of-range ids would corrupt memory in a raw-address kernel).
 
 The kernel moves 8-byte words when every base address, item length and the staging buffer allow it (KV
-pools always do), else the widest word that divides them all.
+pools always do), else the widest word that divides them all. After a variant's first launch through Triton's JIT
+(the warmup's, for whole-group chunks), later launches call its compiled kernel directly (`_launch_direct`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -153,6 +154,9 @@ class FusedGather:
         self.groups = [_GroupTable(regions, self.device) for regions in views]
         self.num_warps = num_warps
         self.max_programs = max_programs
+        #: each variant's compiled kernel, kept from its launch through Triton's JIT (the warmup's, mostly), which
+        #: later launches call directly (`_launch`)
+        self._compiled: dict[tuple, Any] = {}
         if warmup:
             self.warmup()
 
@@ -225,7 +229,19 @@ class FusedGather:
         persistent = self.max_programs is not None
         if persistent:
             grid = (max(1, min(self.max_programs, grid[0] * grid[1])),)
-        _copy_pages[grid](
+        # the pointers as the kernel gets them (bases and item words from region lo on: 8-byte entries), without
+        # making the tensor views the JIT takes (a few us each), which only its path below needs
+        ptrs = (table.bases.data_ptr() + 8 * lo, words_t.data_ptr() + 8 * lo, prefix.data_ptr(), dev_ids.data_ptr(),
+                stage_words.data_ptr())
+        # what Triton compiles a variant for: the constants, the word type, and (where it specialises on them)
+        # whether each pointer is 16-byte aligned; the sizes are not specialised on (`_jit_options`)
+        key = (stage_words.dtype, bool(scatter), block_p, block_w, persistent, self.num_warps,
+               tuple(p % 16 == 0 for p in ptrs))
+        kernel = self._compiled.get(key)
+        if kernel is not None and torch.cuda.current_device() == self.device.index:
+            self._launch_direct(kernel, grid, ptrs, n, hi - lo, scatter, block_p, block_w, persistent)
+            return
+        kernel = _copy_pages[grid](
             table.bases[lo:hi],
             words_t[lo:hi],
             prefix,
@@ -239,6 +255,18 @@ class FusedGather:
             PERSISTENT=persistent,
             num_warps=self.num_warps,
         )
+        if callable(getattr(kernel, "__getitem__", None)):  # a CompiledKernel (Triton 3): callable directly
+            self._compiled[key] = kernel
+
+    def _launch_direct(self, kernel: Any, grid: tuple, ptrs: tuple, n: int, n_regions: int, scatter: bool,
+                       block_p: int, block_w: int, persistent: bool) -> None:
+        """The compiled variant called on the current stream's handle, without Triton's JIT, which binds and
+        specialises the arguments anew at every launch (33 of a gather's 131 us of host time on an H100 host,
+        bench/results/gather_host_nvidia-h100_2026-11-28.log); what the JIT itself ends with. The device is this
+        gather's (checked by the caller: the kernel was loaded there)."""
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, 1)
+        kernel[grid3](*ptrs, n, n_regions, scatter, block_p, block_w, persistent,
+                      stream=torch._C._cuda_getCurrentRawStream(self.device.index))
 
     def _chunk(self, chunk, ids: Sequence, staging: torch.Tensor, scatter: bool) -> int:
         off = 0

@@ -52,6 +52,9 @@ class StreamOps:
         for fn in (rt.cudaEventRecord, rt.cudaStreamWaitEvent, rt.cudaMemcpyAsync, rt.cudaStreamSynchronize,
                    rt.cudaSetDevice, rt.cudaGetDevice, rt.cudaEventCreateWithFlags):
             fn.restype = ctypes.c_int
+        #: how many `enter`s of this thread are open: a nested one (the kernel's launch inside a write) asks
+        #: nothing of the runtime (a ctypes call is 2-4 us on the GPU hosts' CPUs)
+        self._depth = 0
         event = _P()
         prev = self.enter()
         try:
@@ -81,16 +84,24 @@ class StreamOps:
     def enter(self) -> int:
         """Make this device the calling thread's current one (a launch needs it); returns the device that was,
         for `leave`. Nothing is set where it already is (the transfer threads' case)."""
+        if self._depth:
+            self._depth += 1
+            return self.index
         cur = ctypes.c_int(-1)
         self._check(self.rt.cudaGetDevice(ctypes.byref(cur)), "cudaGetDevice")
         if cur.value != self.index:
             self._check(self.rt.cudaSetDevice(self.index), "cudaSetDevice")
+        self._depth = 1
         return cur.value
 
     def leave(self, prev: int) -> None:
         """Make `prev` current again, where it has a context: a thread that never used it (a fresh thread's
         device is 0) keeps this one, as torch's device guard does, since setting it would make a context on a
-        GPU this process does not use. So a transfer thread sets its device once, on its first write."""
+        GPU this process does not use. So a transfer thread sets its device once, on its first write. Every
+        `enter` is paired with one `leave` (try/finally); only the outermost one restores."""
+        self._depth = max(0, self._depth - 1)
+        if self._depth:
+            return
         if prev != self.index and prev >= 0 and self._has_context(prev):
             self._check(self.rt.cudaSetDevice(prev), "cudaSetDevice")
 

@@ -491,6 +491,8 @@ class CudaIpcTransport(OneSidedTransport):
         #: per peer, its pools as the last chunk named them, checked and translated (`_pool`): the regions are the
         #: same for every chunk of a registration, so only the page ids are checked per chunk
         self._pools: dict[str, tuple[IpcMapping, tuple, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        #: the last read-only item-size array `_per_pool` saw, with what it derived from it
+        self._pool_items: Optional[tuple[np.ndarray, tuple[int, int]]] = None
         self._lock = threading.Lock()
 
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
@@ -593,8 +595,21 @@ class CudaIpcTransport(OneSidedTransport):
         if same_gpu and self.device.type == "cuda":
             if self._sms is None:  # asked once, not every chunk
                 self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            return same_gpu_programs_per_sm(item_bytes) * self._sms
+            return self._per_pool(item_bytes)[1] * self._sms
         return None
+
+    def _per_pool(self, item_bytes: Sequence[int]) -> tuple[int, int]:
+        """(bytes a page of every region, same-GPU programs an SM) of a pool's item sizes: kept for the last
+        read-only array (`_pool`'s, the same object for every chunk of a peer), else computed (3 us a chunk on
+        the dev VM for the two numpy reductions)."""
+        last = self._pool_items
+        if last is not None and item_bytes is last[0]:
+            return last[1]
+        items = np.asarray(item_bytes, dtype=np.int64)
+        derived = (int(items.sum()), same_gpu_programs_per_sm(items))
+        if isinstance(item_bytes, np.ndarray) and not item_bytes.flags.writeable and item_bytes.base is None:
+            self._pool_items = (item_bytes, derived)
+        return derived
 
     def plan_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
                    src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> Optional["PageWrite"]:
@@ -615,19 +630,22 @@ class CudaIpcTransport(OneSidedTransport):
         if not src_ids.size or not items.size:
             return None
         for name, ids, bound in (("destination", dst_ids, dst_pages), ("source", src_ids, src_pages)):
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= bound:
+            # one pass: a negative id is past every bound as unsigned; the exact culprit only on the way out
+            if int(ids.view(np.uint64).max()) >= bound:
+                lo, hi = int(ids.min()), int(ids.max())
                 bad = lo if lo < 0 else hi
                 raise TransportError(f"{name} page {bad} is outside the pool's {bound} pages; nothing was written")
-        src, mapped, items = self._pool(session, m, src_bases, dst_bases, items, dst_pages)
+        src, mapped, items = self._pool(session, m, src_bases, dst_bases, item_bytes, items, dst_pages)
         return PageWrite(src, mapped, items, src_ids, dst_ids)
 
     def _pool(self, session: str, m: IpcMapping, src_bases: Sequence[int], dst_bases: Sequence[int],
-              items: np.ndarray, dst_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              item_bytes: Sequence[int], items: np.ndarray,
+              dst_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(source bases, destination bases in this process, item bytes) of peer `session`'s chunk, read-only:
         translated once per registration and pool, not per chunk (the same values give the same result; a
-        remapped peer has a new mapping, and its first chunk translates again)."""
-        key = (tuple(src_bases), tuple(dst_bases), tuple(items.tolist()), int(dst_pages))
+        remapped peer has a new mapping, and its first chunk translates again). `items`: `item_bytes` as int64."""
+        key = (tuple(src_bases), tuple(dst_bases),
+               tuple(item_bytes) if isinstance(item_bytes, (list, tuple)) else tuple(items.tolist()), int(dst_pages))
         hit = self._pools.get(session)
         if hit is not None and hit[0] is m and hit[1] == key:
             return hit[2]
@@ -643,7 +661,7 @@ class CudaIpcTransport(OneSidedTransport):
         """The device half of `write_pages`: copy a checked plan (the kernel, its grid bounded by `grid`, else by
         SGLANG_P2P_IPC_PROGRAMS; or the copy engines where SGLANG_P2P_COPY_ENGINE says so for this chunk, into a
         decode on this GPU when `same_gpu`) and wait; returns the bytes copied."""
-        nbytes = int(plan.src_ids.size) * int(plan.item_bytes.sum())
+        nbytes = int(plan.src_ids.size) * self._per_pool(plan.item_bytes)[0]
         breaks = self._copy_engine_runs(plan, nbytes, same_gpu)
         if breaks is not None:
             backend().write_copy_engines(self.device, *page_spans(*plan, runs=page_runs(plan.src_ids, plan.dst_ids,
