@@ -99,14 +99,6 @@ except ImportError:  # CPU-only installs: nothing is launched
     triton = None
 
 
-def vector_words(word: int, *arrays) -> int:
-    """Words in one 16-byte vector where every value of `arrays` is a multiple of 16, else 1 (the candidate's VEC)."""
-    bits = 16
-    for a in arrays:
-        bits |= int(np.bitwise_or.reduce(np.asarray(a, dtype=np.int64).reshape(-1)))
-    return 16 // word if bits % 16 == 0 and word < 16 else 1
-
-
 def sweep_cases(shapes=SHAPES) -> list[Case]:
     by_name = {s.name: s for s in shapes}
     return [Case(by_name[n], t, d) for n, t in SWEEP_CASES for d in ("contiguous", "scattered")]
@@ -228,7 +220,8 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
                     dst.zero_()
                     return ok
 
-                vec = vector_words(word, table[:, 0], table[:, 1], table[:, 2])
+                # the candidate's VEC: 16-byte vectors where every base and item size is a multiple of 16
+                vec = 16 // word if span_copy.word_size(table[:, 0], table[:, 1], table[:, 2], cap=16) == 16 else 1
 
                 def launch(block: int, warps: int, grid: int):
                     return lambda: span_copy._copy_pages[(grid,)](dev, n, dev[2 * n:], shape.regions, like,

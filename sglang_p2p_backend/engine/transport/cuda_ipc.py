@@ -644,8 +644,8 @@ class CudaIpcTransport(OneSidedTransport):
         """(source bases, destination bases in this process, item bytes) of peer `session`'s chunk, read-only:
         translated once per registration and pool, not per chunk (the same values give the same result; a
         remapped peer has a new mapping, and its first chunk translates again). `items`: `item_bytes` as int64."""
-        key = (tuple(src_bases), tuple(dst_bases),
-               tuple(item_bytes) if isinstance(item_bytes, (list, tuple)) else tuple(items.tolist()), int(dst_pages))
+        # the caller's sequences as they are (an int and a numpy int of one value compare equal), not `items`
+        key = (tuple(src_bases), tuple(dst_bases), tuple(item_bytes), int(dst_pages))
         hit = self._pools.get(session)
         if hit is not None and hit[0] is m and hit[1] == key:
             return hit[2]
