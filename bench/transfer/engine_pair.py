@@ -182,9 +182,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="engine pipeline figures: send() to the decode's last scatter")
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--tokens", default="128,1024,4096,16384", help="request sizes, comma-separated")
     ns = ap.parse_args()
     cases = [Case(layout, ps, tokens, reps=ns.reps) for layout in ("mla", "mha") for ps in (1, 64)
-             for tokens in (128, 1024, 4096, 16384)]
+             for tokens in map(int, ns.tokens.split(","))]
     cases = [c for c in cases if not (c.page_size == 1 and c.tokens > 4096)]
     times, verdicts = run_cases(cases)
     rows = []

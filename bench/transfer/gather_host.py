@@ -96,9 +96,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         pinned.numpy()[:] = src
         dev_buf.copy_(pinned, non_blocking=True)
 
+    readied = copier.prepare_scatter(chunk, [src], staging)
     pieces = {
         "gather_chunk (whole enqueue)": lambda: copier.gather(chunk, [src], staging),
         "scatter_chunk (whole enqueue)": lambda: copier.scatter(chunk, [src], staging),
+        # the receiver's split: readied when the receive is posted, launched when the chunk landed
+        "  prepare_scatter (at the post)": lambda: copier.prepare_scatter(chunk, [src], staging),
+        "  its launch (at landing)": readied,
         "_ids: numpy -> pin_memory() -> device": lambda: fused._ids(table, src, 0, shape.regions),
         "  np.asarray + min/max (range check)": lambda: (lambda p: (p.min(), p.max()))(np.asarray(src, dtype=np.int64)),
         "  torch.from_numpy().pin_memory()": lambda: torch.from_numpy(src).pin_memory(),
@@ -114,7 +118,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, fn in pieces.items():
         result["host_us"][name] = host_us(fn, ns.reps)
         print(f"{name:44s} p50 {result['host_us'][name]['p50']:8.1f} us  p90 {result['host_us'][name]['p90']:8.1f} us")
-    for name in ("gather_chunk (whole enqueue)", "_launch (Triton, ids on the device)"):
+    for name in ("gather_chunk (whole enqueue)", "_launch (Triton, ids on the device)", "  its launch (at landing)"):
         # back to back, the GPU busy: what a chunk after the first sees
         result["unsynced_host_us"][name] = host_us(pieces[name], ns.reps, sync=False)
         print(f"{name:44s} back to back p50 {result['unsynced_host_us'][name]['p50']:8.1f} us")

@@ -79,6 +79,8 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         #: per decode rank with a different attention TP: its spans of every state component's items
         self.peer_state: Dict[str, tuple] = {}
         self.rejected_peers: Dict[str, str] = Bounded(self.config.max_peers)
+        #: why a decode rank stopped being live here (declared dead, released): a chunk that finds it gone names it
+        self.departed_peers: Dict[str, str] = Bounded(self.config.max_peers)
         self.slots = PeerSlots(self.config.max_peers)
         #: registrations answered but not yet confirmed by their decode, and the secrets issued to them
         self.pending: Dict[str, wire.PeerRegister] = Bounded(_PENDING)
@@ -115,6 +117,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             destinations=self.transfer_infos,
             peers=self.decode_peers,
             rejected=self.rejected_peers,
+            departed=self.departed_peers,
             heads=self.peer_heads,
             state=self.peer_state,
             route=self._route,
@@ -341,6 +344,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         self.answers.forget(session)
         self.control.set_secret(session, reg.secret)
         self.rejected_peers.pop(session, None)
+        self.departed_peers.pop(session, None)
         self.peer_heads[session] = self._heads_for(reg)
         self.peer_state[session] = self._state_for(reg)
         self.decode_peers[session] = reg
@@ -411,6 +415,10 @@ class PrefillKVManager(P2pNcclKVManagerBase):
 
     # ------------------------------------------------------------------ peers
     def _peer_dead(self, session: str, reason: str) -> None:
+        if session not in self.decode_peers:
+            return
+        # recorded before the peer leaves the table: a worker that finds it gone in between names this reason
+        self.departed_peers[session] = reason
         if self.decode_peers.pop(session, None) is None:
             return
         logger.error("p2pnccl: %s", reason)
@@ -421,6 +429,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         self._forget_peer(session, reason)
 
     def _forget_peer(self, session: str, reason: str) -> None:
+        self.departed_peers[session] = reason
         self.decode_peers.pop(session, None)
         self.peer_heads.pop(session, None)
         self.peer_state.pop(session, None)

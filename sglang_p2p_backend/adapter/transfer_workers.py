@@ -90,11 +90,11 @@ class TransferWorkers:
     """The prefill's transfer queues (one per worker thread, peers sharded over them) and what a worker does
     with a task. What it reads of the prefill role comes in through the constructor: SGLang's room states
     (`request_status`) and each room's destinations (`destinations`); the live decode registrations (`peers`),
-    why a decode rank was refused (`rejected`), the heads each takes (`heads`) and its spans of every state
-    component's items (`state`, empty: whole items); which transport serves a
-    peer now (`route`) and the transports themselves; `fail_room(room, reason)` and `succeed(room)` (this rank's
-    state, then Status to the decode ranks). `spawn(step, name)` runs `step` on a thread until the manager
-    closes."""
+    why a decode rank was refused (`rejected`) or stopped being live (`departed`), the heads each takes
+    (`heads`) and its spans of every state component's items (`state`, empty: whole items); which transport
+    serves a peer now (`route`) and the transports themselves; `fail_room(room, reason)` and `succeed(room)`
+    (this rank's state, then Status to the decode ranks). `spawn(step, name)` runs `step` on a thread until the
+    manager closes."""
 
     def __init__(
         self,
@@ -105,6 +105,7 @@ class TransferWorkers:
         destinations: Mapping[int, Dict[str, TransferInfo]],
         peers: Mapping[str, wire.PeerRegister],
         rejected: Mapping[str, str],
+        departed: Mapping[str, str],
         heads: Mapping[str, Optional[PairHeads]],
         state: Mapping[str, Sequence[Optional[StatePlan]]],
         route: Callable[[str], str],
@@ -123,6 +124,7 @@ class TransferWorkers:
         self.destinations = destinations
         self.peers = peers
         self.rejected = rejected
+        self.departed = departed
         self.heads = heads
         self.state = state
         self.route = route
@@ -195,8 +197,7 @@ class TransferWorkers:
             if not alive():
                 return
             if session not in self.peers:
-                reason = self.rejected.get(session, "it is not registered (or was declared dead)")
-                self.fail_room(room, f"decode rank {session} cannot receive: {reason}")
+                self.fail_room(room, f"decode rank {session} cannot receive: {self._why_gone(session)}")
                 return
             heads = self.heads.get(session)
             if heads is not None and not heads.src.count:
@@ -219,6 +220,11 @@ class TransferWorkers:
         if task.is_last and alive():
             self.succeed(room)
 
+    def _why_gone(self, session: str) -> str:
+        """Why a decode rank is not live here: refused, declared dead or released (recorded before it left the
+        live table, so a worker racing its departure names the cause), else never registered."""
+        return self.rejected.get(session) or self.departed.get(session) or "it is not registered"
+
     def _deliver(self, info: TransferInfo, src: list, dst: list, aux: Optional[tuple], alive: Callable[[], bool],
                  heads: Optional[PairHeads] = None, state: Sequence[Optional[StatePlan]] = ()) -> None:
         """One chunk to one decode rank over the transport `auto` picks now (`heads`: only that head range of
@@ -230,7 +236,7 @@ class TransferWorkers:
         while alive():
             peer = self.peers.get(session)
             if peer is None:
-                raise TransportError(f"decode rank {session} was declared dead")
+                raise TransportError(self._why_gone(session))
             route = self.route(session)
             if route == "cudaipc":
                 if not self.same_host.send(peer, src, dst, heads, unsettled, state):

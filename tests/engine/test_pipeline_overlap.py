@@ -118,9 +118,16 @@ class LoggingCopier(PageCopier):
         super().__init__(views)
         self.log = log
 
-    def scatter(self, chunk, ids, staging):
-        self.log.append(("scatter", staging.data_ptr()))
-        return super().scatter(chunk, ids, staging)
+    def prepare_scatter(self, chunk, ids, staging):
+        """Logs when a scatter is readied ("prepared") and when it runs ("scatter")."""
+        self.log.append(("prepared", staging.data_ptr()))
+        run = super().prepare_scatter(chunk, ids, staging)
+
+        def logged():
+            self.log.append(("scatter", staging.data_ptr()))
+            return run()
+
+        return logged
 
 
 @pytest.fixture
@@ -207,10 +214,11 @@ def test_overlapped_chunks_land_exactly_and_each_receive_is_posted_before_the_pr
         p.drain()
         assert p.landed[1:] == [(5, None)] * 7  # 3 pages a 1 KiB slot: 7 chunks, all reported, in order
         assert p.pages_equal(src, dst)
-        events = [e[0] for e in p.log if e[0] in ("posted", "scatter")]
-        # receive-ahead: chunk i+1's receive is posted before chunk i is scattered
-        assert events[:3] == ["posted", "posted", "scatter"], events
-        assert events.count("posted") == events.count("scatter") == 7
+        events = [e[0] for e in p.log if e[0] in ("posted", "prepared", "scatter")]
+        # receive-ahead: chunk i+1's receive is posted before chunk i is scattered; each chunk's scatter is readied
+        # (its ids on the device) right after its receive is posted, so landing it is only the launch
+        assert events[:5] == ["posted", "prepared", "posted", "prepared", "scatter"], events
+        assert events.count("posted") == events.count("prepared") == events.count("scatter") == 7
         # the sender filled two slots in turn, each refilled only after waiting for its previous send
         slots = [e[1] for e in p.log if e[0] == "sent from slot"]
         assert len(set(slots)) == 2 and slots[:2] * 3 == slots[:6]
@@ -248,6 +256,46 @@ def test_a_room_abandoned_while_its_chunk_is_in_flight_is_not_scattered(cpu_stre
         assert all(bool((t[50:52] == 0xA5).all()) for t in p.dst_t)  # nothing written into them
         assert not any(e[0] == "scatter" for e in p.log)
         assert p.landed[-1] == (5, None) and p.recv_pool.in_use == 0
+    finally:
+        p.close()
+
+
+def test_a_room_given_up_before_its_receive_is_posted_is_neither_readied_nor_scattered(cpu_streams):
+    p = OverlapPair()
+    try:
+        _open(p)
+        p.wanted.discard(5)
+        src, dst = _ids(9, 3)
+        p.sender.send(5, 0, [src], [dst])
+        p.drain()
+        assert [e[0] for e in p.log if e[0] in ("posted", "prepared", "scatter")] == ["posted"] * 3
+        assert all(bool((t[torch.from_numpy(dst.astype(np.int64))] == 0xA5).all()) for t in p.dst_t)
+        assert p.landed[1:] == [(5, None)] * 3 and p.recv_pool.in_use == 0
+    finally:
+        p.close()
+
+
+def test_a_scatter_that_cannot_be_readied_is_done_at_landing_and_its_error_fails_the_chunk(cpu_streams):
+    p = OverlapPair()
+    fails = []
+
+    def broken(chunk, ids, staging):
+        fails.append(len(fails))
+        if len(fails) > 1:  # readied once (chunk 0), then the ids cannot go to the device: at post and at landing
+            raise RuntimeError("CUDA error: out of memory (test)")
+        return PageCopier.prepare_scatter(p.receiver.copier, chunk, ids, staging)
+
+    try:
+        _open(p)
+        p.receiver.copier.prepare_scatter = broken
+        src, dst = _ids(6, 4)
+        _send_quietly(p, [src], [dst])
+        p.drain()
+        reports = p.landed[1:]
+        assert reports[0] == (5, None) and p.pages_equal(src[:3], dst[:3])
+        assert "out of memory (test)" in reports[1][1] and p.receiver.comm is None
+        assert all(bool((t[torch.from_numpy(dst[3:].astype(np.int64))] == 0xA5).all()) for t in p.dst_t)
+        assert p.recv_pool.in_use == 0
     finally:
         p.close()
 
@@ -442,10 +490,7 @@ def test_a_failing_header_check_fails_that_chunk_and_the_channel_and_reports_eve
 
         p.receiver.check = check
         src, dst = _ids(20, 8)
-        try:
-            p.sender.send(5, 0, [src], [dst])
-        except TransportError:
-            pass  # the decode dropped the channel under the sender
+        _send_quietly(p, [src], [dst])
         p.drain()
         reports = p.landed[1:]
         assert len(reports) == len(checked)  # every announced chunk reported once, in order

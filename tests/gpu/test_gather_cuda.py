@@ -117,3 +117,38 @@ def test_a_variant_once_compiled_is_launched_directly_and_moves_the_same_bytes()
         # 16-byte aligned slots: the warmup's variant; 8 and 4 off: the JIT on their first use, direct after it
         first_of_its_kind = off in (8, 4) and off not in offsets[:k]
         assert len(launched) - before == (0 if first_of_its_kind else 2), (k, off)
+
+
+def test_a_scatter_readied_on_its_stream_and_launched_after_its_bytes_land_writes_them_exactly():
+    """The receiver's split (`FusedGather.prepare_chunk`): the ids go to the device on the scatter's stream while
+    the staging is still being filled on another stream (the receive); the launch comes after that stream's
+    event. The pages get the staging's final bytes; a readied scatter never launched writes nothing."""
+    regions, token_bytes = LAYOUTS["mha"]
+    item = token_bytes
+    src, dst = _pool(regions, 256, item, 7), _pool(regions, 256, item, 8)
+    fused = FusedGather([dst])
+    rng = np.random.default_rng(11)
+    n = 100
+    src_ids, dst_ids, unused_ids = rng.permutation(256)[:n], rng.permutation(256)[:n], rng.permutation(256)[:n]
+    chunk = SimpleNamespace(segments=(SimpleNamespace(group=0, region_lo=0, region_hi=regions, lo=0, hi=n),))
+    staging = torch.full((n * item * regions,), 0xEE, dtype=torch.uint8, device="cuda")
+    want = [d.clone() for d in dst]
+    receive, side = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(receive):
+        torch.cuda._sleep(20_000_000)  # the bytes take a while to land (~10 ms)
+        landed_bytes = torch.cat([s.index_select(0, torch.from_numpy(src_ids).cuda()).flatten() for s in src])
+        staging.copy_(landed_bytes)
+        landed = torch.cuda.Event()
+        landed.record()
+    with torch.cuda.stream(side):
+        run = fused.prepare_chunk(chunk, [dst_ids], staging, scatter=True)
+        never = fused.prepare_chunk(chunk, [unused_ids], staging, scatter=True)  # its room given up: not launched
+    landed.synchronize()  # the receiver's host wait for the receive
+    with torch.cuda.stream(side):
+        assert run() == staging.numel()
+    side.synchronize()
+    del never
+    for s, d, w in zip(src, dst, want):
+        w[torch.from_numpy(dst_ids).cuda()] = s[torch.from_numpy(src_ids).cuda()]
+        assert torch.equal(d, w)

@@ -18,7 +18,8 @@ they order with the channel's send/recv.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -146,8 +147,13 @@ class PageCopier:
             copy_chunk(chunk, self.views, ids, staging, scatter=False)
 
     def scatter(self, chunk: Chunk, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
+        self.prepare_scatter(chunk, ids, staging)()
+
+    def prepare_scatter(self, chunk: Chunk, ids: Sequence[np.ndarray], staging: torch.Tensor) -> Callable[[], object]:
+        """`scatter` in two steps: with the fused kernel its checks and the page ids to the device now, on the
+        current stream, and the returned call only launches (on this stream or one ordered after it); torch's
+        copies do all their work in the call."""
         fused = self._fused_for(chunk)
         if fused is not None:
-            fused.scatter_chunk(chunk, ids, staging)
-        else:
-            copy_chunk(chunk, self.views, ids, staging, scatter=True)
+            return fused.prepare_chunk(chunk, ids, staging, scatter=True)
+        return functools.partial(copy_chunk, chunk, self.views, ids, staging, scatter=True)

@@ -8,8 +8,9 @@ and one kernel over (page block, region) copies every page of every region betwe
 Use: `FusedGather(views)` once per registration (views as in `copier.py`: `[group][region]` ->
 (num_items, item_len) uint8 tensors on one CUDA device), then `gather_chunk(chunk, ids, staging)` /
 `scatter_chunk(chunk, ids, staging)`: one launch per segment of the chunk (one segment for a plain KV chunk),
-on the caller's current stream. Ids are the transfer's per-group id arrays; they are checked against the
-region sizes on the host (out-of-range ids would corrupt memory in a raw-address kernel).
+on the caller's current stream (`prepare_chunk` splits it: checks and ids to the device now, the launch later).
+Ids are the transfer's per-group id arrays; they are checked against the region sizes on the host (out-of-range
+ids would corrupt memory in a raw-address kernel).
 
 The kernel moves 8-byte words when every base address, item length and the staging buffer allow it (KV
 pools always do), else the widest word that divides them all. After a variant's first launch through Triton's JIT
@@ -19,7 +20,7 @@ pools always do), else the widest word that divides them all. After a variant's 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +37,10 @@ _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 #: words per (page-block x column-block) tile of one program: 4096 x 8 B = 32 KiB in flight per iteration
 _TILE_WORDS = 4096
 _MAX_BLOCK_W = 512
+
+
+def _nothing() -> None:
+    """The launch of a copy that moves nothing."""
 
 def _jit_options() -> dict:
     """Compile one variant per tile shape and direction, whatever the ids count and pointer alignments: a new
@@ -187,7 +192,15 @@ class FusedGather:
         # pinned: from pageable memory the copy would first wait for all work queued on the stream
         return torch.from_numpy(part).pin_memory().to(self.device, non_blocking=True)
 
-    def copy(
+    def copy(self, group: int, ids: np.ndarray | torch.Tensor, staging: torch.Tensor, **kw: Any) -> int:
+        """Gather (scatter=False) pages `ids` of regions [region_lo, region_hi) of `group` into `staging`, or
+        scatter them back; staging holds region by region, pages in order. Returns the bytes moved. Keywords:
+        `scatter` (required), `region_lo`, `region_hi`, as `prepare` takes them."""
+        nbytes, launch = self.prepare(group, ids, staging, **kw)
+        launch()
+        return nbytes
+
+    def prepare(
         self,
         group: int,
         ids: np.ndarray | torch.Tensor,
@@ -196,9 +209,10 @@ class FusedGather:
         scatter: bool,
         region_lo: int = 0,
         region_hi: Optional[int] = None,
-    ) -> int:
-        """Gather (scatter=False) pages `ids` of regions [region_lo, region_hi) of `group` into `staging`, or
-        scatter them back; staging holds region by region, pages in order. Returns the bytes moved."""
+    ) -> tuple[int, Callable[[], None]]:
+        """`copy` in two steps: its checks, and the ids to the device on the current stream, now; the launch
+        (returned with the bytes it moves) later, on this stream or one ordered after it. A receiver readies a
+        chunk's scatter this way while the chunk's bytes are still on their way."""
         table = self.groups[group]
         hi = len(table.ptrs) if region_hi is None else region_hi
         if not 0 <= region_lo <= hi <= len(table.ptrs):
@@ -206,18 +220,23 @@ class FusedGather:
         n = int(ids.numel() if isinstance(ids, torch.Tensor) else len(ids))
         nbytes = n * sum(table.item_lens[region_lo:hi])
         if n == 0 or hi <= region_lo:
-            return 0
+            return 0, _nothing
         if staging.device != self.device or staging.dtype != torch.uint8 or staging.numel() < nbytes:
             raise ValueError(f"staging must be uint8 on {self.device} with >= {nbytes} bytes")
         word = table.word
         while word > 1 and staging.data_ptr() % word:
             word //= 2
         dev_ids = self._ids(table, ids, region_lo, hi)
-        self._launch(table, region_lo, hi, word, staging[:nbytes].view(_WORD_DTYPES[word]), dev_ids, n, scatter)
-        return nbytes
+        return nbytes, self._launcher(table, region_lo, hi, word, staging[:nbytes].view(_WORD_DTYPES[word]), dev_ids,
+                                      n, scatter)
 
     def _launch(self, table: _GroupTable, lo: int, hi: int, word: int, stage_words: torch.Tensor,
                 dev_ids: torch.Tensor, n: int, scatter: bool) -> None:
+        self._launcher(table, lo, hi, word, stage_words, dev_ids, n, scatter)()
+
+    def _launcher(self, table: _GroupTable, lo: int, hi: int, word: int, stage_words: torch.Tensor,
+                  dev_ids: torch.Tensor, n: int, scatter: bool) -> Callable[[], None]:
+        """The launch of one copy, its arguments worked out now (it keeps `dev_ids` and `stage_words` alive)."""
         words_t, prefix = table.item_words, table.prefix(lo, hi)
         block_p, block_w = table.blocks(lo, hi)
         if word != table.word:  # staging less aligned than the pool: the same copy in smaller words
@@ -237,26 +256,30 @@ class FusedGather:
         # whether each pointer is 16-byte aligned; the sizes are not specialised on (`_jit_options`)
         key = (stage_words.dtype, bool(scatter), block_p, block_w, persistent, self.num_warps,
                tuple(p % 16 == 0 for p in ptrs))
-        kernel = self._compiled.get(key)
-        if kernel is not None and torch.cuda.current_device() == self.device.index:
-            self._launch_direct(kernel, grid, ptrs, n, hi - lo, scatter, block_p, block_w, persistent)
-            return
-        kernel = _copy_pages[grid](
-            table.bases[lo:hi],
-            words_t[lo:hi],
-            prefix,
-            dev_ids,
-            stage_words,
-            n,
-            hi - lo,
-            SCATTER=scatter,
-            BLOCK_P=block_p,
-            BLOCK_W=block_w,
-            PERSISTENT=persistent,
-            num_warps=self.num_warps,
-        )
-        if callable(getattr(kernel, "__getitem__", None)):  # a CompiledKernel (Triton 3): callable directly
-            self._compiled[key] = kernel
+
+        def launch() -> None:
+            kernel = self._compiled.get(key)
+            if kernel is not None and torch.cuda.current_device() == self.device.index:
+                self._launch_direct(kernel, grid, ptrs, n, hi - lo, scatter, block_p, block_w, persistent)
+                return
+            kernel = _copy_pages[grid](
+                table.bases[lo:hi],
+                words_t[lo:hi],
+                prefix,
+                dev_ids,
+                stage_words,
+                n,
+                hi - lo,
+                SCATTER=scatter,
+                BLOCK_P=block_p,
+                BLOCK_W=block_w,
+                PERSISTENT=persistent,
+                num_warps=self.num_warps,
+            )
+            if callable(getattr(kernel, "__getitem__", None)):  # a CompiledKernel (Triton 3): callable directly
+                self._compiled[key] = kernel
+
+        return launch
 
     def _launch_direct(self, kernel: Any, grid: tuple, ptrs: tuple, n: int, n_regions: int, scatter: bool,
                        block_p: int, block_w: int, persistent: bool) -> None:
@@ -268,23 +291,27 @@ class FusedGather:
         kernel[grid3](*ptrs, n, n_regions, scatter, block_p, block_w, persistent,
                       stream=torch._C._cuda_getCurrentRawStream(self.device.index))
 
-    def _chunk(self, chunk, ids: Sequence, staging: torch.Tensor, scatter: bool) -> int:
-        off = 0
+    def prepare_chunk(self, chunk, ids: Sequence, staging: torch.Tensor, scatter: bool) -> Callable[[], int]:
+        """`gather_chunk` / `scatter_chunk` in two steps (`prepare`): the returned call launches every segment's
+        copy and returns the chunk's bytes."""
+        launches, off = [], 0
         for seg in chunk.segments:
-            off += self.copy(
-                seg.group,
-                ids[seg.group][seg.lo : seg.hi],
-                staging[off:],
-                scatter=scatter,
-                region_lo=seg.region_lo,
-                region_hi=seg.region_hi,
-            )
-        return off
+            nbytes, launch = self.prepare(seg.group, ids[seg.group][seg.lo : seg.hi], staging[off:], scatter=scatter,
+                                          region_lo=seg.region_lo, region_hi=seg.region_hi)
+            launches.append(launch)
+            off += nbytes
+
+        def run() -> int:
+            for launch in launches:
+                launch()
+            return off
+
+        return run
 
     def gather_chunk(self, chunk, ids: Sequence, staging: torch.Tensor) -> int:
         """`copier.copy_chunk(chunk, views, ids, staging, scatter=False)` with the views bound at init."""
-        return self._chunk(chunk, ids, staging, scatter=False)
+        return self.prepare_chunk(chunk, ids, staging, scatter=False)()
 
     def scatter_chunk(self, chunk, ids: Sequence, staging: torch.Tensor) -> int:
         """`copier.copy_chunk(chunk, views, ids, staging, scatter=True)` with the views bound at init."""
-        return self._chunk(chunk, ids, staging, scatter=True)
+        return self.prepare_chunk(chunk, ids, staging, scatter=True)()

@@ -79,7 +79,8 @@ def _settled(comm: PairComm, timeout: float) -> bool:
 
 
 class _Posted(NamedTuple):
-    """A chunk whose receive is posted: what landing it needs."""
+    """A chunk whose receive is posted: what landing it needs (`scatter`: the stream its scatter runs on, None
+    without one; `prepared`: the scatter readied while the bytes move, None when the room was not wanted then)."""
 
     header: ChunkHeader
     verdict: ChunkVerdict
@@ -87,6 +88,8 @@ class _Posted(NamedTuple):
     done: Completion
     comm: PairComm
     deadline: float
+    scatter: Optional["torch.cuda.Stream"] = None
+    prepared: Optional[Callable[[], object]] = None
 
 
 def _landing_wait(posted: _Posted) -> Deadline:
@@ -459,21 +462,39 @@ class PairReceiver(_PairEnd):
             self._broken(f"pair channel with prefill {self.peer_session} broke: {e}")
             self.on_chunk(header.room, header.prefill_rank, self.broken_reason)
             return
+        overlaps = self._overlappable(comm, verdict)
+        stream = comm.side_stream if overlaps else comm.stream
         earlier, self._posted = self._posted, _Posted(header, verdict, buf, done, comm,
-                                                       time.monotonic() + self.io_timeout)
+                                                       time.monotonic() + self.io_timeout, stream,
+                                                       self._prepare(header, verdict, buf, stream))
         self._posted_header = header
         if earlier is not None:
             self._land(earlier)
-        if self._posted is not None and not self._overlappable(self._posted):
+        if self._posted is not None and not overlaps:
             self._land_posted()  # nothing overlaps (CPU, SGLANG_P2P_OVERLAP=0, a scatter that may load a kernel)
 
-    def _overlappable(self, p: _Posted) -> bool:
+    def _overlappable(self, comm: PairComm, verdict: ChunkVerdict) -> bool:
         """Whether the next chunk's receive may run while this one is scattered: on a channel with a side stream,
         and only for a scatter whose kernels are loaded already (loading a CUDA module can wait for the kernels
         running on the device, here the next receive, i.e. on the peer: docs/nccl.md, hazards)."""
-        if not self.overlap or p.comm.side_stream is None:
+        if not self.overlap or comm.side_stream is None:
             return False
-        return p.verdict.chunk is None or self.copier.loaded_for(p.verdict.chunk)
+        return verdict.chunk is None or self.copier.loaded_for(verdict.chunk)
+
+    def _prepare(self, header: ChunkHeader, verdict: ChunkVerdict, buf: torch.Tensor,
+                 stream: Optional["torch.cuda.Stream"]) -> Optional[Callable[[], object]]:
+        """The chunk's scatter readied while its bytes move (its checks, its page ids to the device on the stream
+        it will run on), so that landing it is only the launch; None when the room is not wanted now or the
+        readying failed (landing then scatters the whole way, and reports what fails)."""
+        if verdict.chunk is None or not self.wanted(header.room):
+            return None
+        try:
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                return self.copier.prepare_scatter(verdict.chunk, verdict.ids, buf)
+        except Exception:  # noqa: BLE001 - landing repeats it and fails the chunk with the reason
+            logger.debug("p2p receiver for %s: readying the scatter of room %d failed", self.peer_session,
+                         header.room, exc_info=True)
+            return None
 
     def _slot(self) -> torch.Tensor:
         """A staging slot for the next receive: a spare one, else the posted chunk's once it landed, else one
@@ -498,10 +519,12 @@ class PairReceiver(_PairEnd):
             p.done.wait(max(0.0, p.deadline - time.monotonic()))
             self._mark("landed", p.header.room)
             if p.verdict.chunk is not None and self.wanted(p.header.room):
-                stream = p.comm.side_stream if self._overlappable(p) else p.comm.stream
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    self.copier.scatter(p.verdict.chunk, p.verdict.ids, p.buf)
-                _wait_on(stream, self.io_timeout)
+                with torch.cuda.stream(p.scatter) if p.scatter is not None else nullcontext():
+                    if p.prepared is not None:
+                        p.prepared()
+                    else:
+                        self.copier.scatter(p.verdict.chunk, p.verdict.ids, p.buf)
+                _wait_on(p.scatter, self.io_timeout)
                 self._mark("scattered", p.header.room)
         except Exception as e:  # noqa: BLE001 - TransportError, or a bug / CUDA error: the chunk fails either way
             if not isinstance(e, TransportError):
