@@ -208,6 +208,10 @@ def test_overlapped_chunks_land_exactly_and_each_receive_is_posted_before_the_pr
     try:
         comm = _open(p)
         comm.hold.clear()  # receives finish only once the sender queued every chunk: the order is then fixed
+        steps: list = []
+        p.receiver.trace = lambda step, room: steps.append(step)  # the benchmark's probe (nccl_phases)
+        sent: list = []
+        p.sender.trace = lambda step, room: sent.append(step)
         src, dst = _ids(20, 1)
         assert p.sender.send(5, 0, [src], [dst]) == 20 * 6 * 48
         comm.hold.set()
@@ -219,6 +223,9 @@ def test_overlapped_chunks_land_exactly_and_each_receive_is_posted_before_the_pr
         # (its ids on the device) right after its receive is posted, so landing it is only the launch
         assert events[:5] == ["posted", "prepared", "posted", "prepared", "scatter"], events
         assert events.count("posted") == events.count("prepared") == events.count("scatter") == 7
+        chunk = ["header", "checked", "slot", "post", "readied"]
+        assert steps[:14] == chunk * 2 + ["landed", "launched", "scattered", "reported"], steps
+        assert sent == ["start"] + ["header", "handed", "gather", "post"] * 7 + ["sent"], sent
         # the sender filled two slots in turn, each refilled only after waiting for its previous send
         slots = [e[1] for e in p.log if e[0] == "sent from slot"]
         assert len(set(slots)) == 2 and slots[:2] * 3 == slots[:6]

@@ -238,6 +238,7 @@ class PairSender(_PairEnd):
                             ChunkHeader(self.local_session, self.generation, room, prefill_rank, next_seq(),
                                         chunk.nbytes, segments)
                         )
+                        self._mark("handed", room)
                         self.copier.gather(chunk, src_ids, bufs[j])
                         self._mark("gather", room)
                         last = sends[j] = comm.send(bufs[j][: chunk.nbytes])
@@ -420,6 +421,7 @@ class PairReceiver(_PairEnd):
         self._mark("header", header.room)
         try:
             verdict = self.check(header)
+            self._mark("checked", header.room)
             self._receive(header, verdict)
         except Exception as e:  # noqa: BLE001 - a bug or a CUDA error: the channel's order is not known any more
             logger.exception("p2p receiver for %s: chunk of room %d", self.peer_session, header.room)
@@ -449,6 +451,7 @@ class PairReceiver(_PairEnd):
         comm = self.comm
         try:
             buf = self._slot()
+            self._mark("slot", header.room)
             try:
                 with _stream_ctx(comm):
                     done = comm.recv(buf[: header.nbytes])
@@ -490,7 +493,9 @@ class PairReceiver(_PairEnd):
             return None
         try:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                return self.copier.prepare_scatter(verdict.chunk, verdict.ids, buf)
+                run = self.copier.prepare_scatter(verdict.chunk, verdict.ids, buf)
+            self._mark("readied", header.room)
+            return run
         except Exception:  # noqa: BLE001 - landing repeats it and fails the chunk with the reason
             logger.debug("p2p receiver for %s: readying the scatter of room %d failed", self.peer_session,
                          header.room, exc_info=True)
@@ -524,6 +529,7 @@ class PairReceiver(_PairEnd):
                         p.prepared()
                     else:
                         self.copier.scatter(p.verdict.chunk, p.verdict.ids, p.buf)
+                self._mark("launched", p.header.room)
                 _wait_on(p.scatter, self.io_timeout)
                 self._mark("scattered", p.header.room)
         except Exception as e:  # noqa: BLE001 - TransportError, or a bug / CUDA error: the chunk fails either way
