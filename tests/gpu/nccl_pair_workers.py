@@ -185,9 +185,9 @@ def paced_ops(rank: int, conn) -> dict:
     buf = torch.empty(PACE_BYTES, dtype=torch.uint8, device=comm.device)
     out = {"expected": [], "late_s": [], "equal": True, "rate": None}
     for i in range(PACE_OPS):
-        if rank == 0:
-            buf.fill_(i + 1)
-        with torch.cuda.stream(comm.stream):
+        with torch.cuda.stream(comm.stream):  # the fill on the stream the send is ordered after (the caller's)
+            if rank == 0:
+                buf.fill_(i + 1)
             done = comm.send(buf) if rank == 0 else comm.recv(buf)
         out["expected"].append(done.expected_end is not None)
         done.wait(IO_TIMEOUT)
