@@ -1,6 +1,7 @@
 """Host time of the same-host write path up to the copy, on any machine: `CudaIpcTransport.write_pages` with a
 backend that copies nothing, so what is timed is the checks, the translation, the route's rule and the
-copy-engine spans or the kernel's arguments, as a transfer worker runs them for each chunk.
+copy-engine spans or the kernel's arguments, as a transfer worker runs them for each chunk. Then the NCCL path's
+host steps around a chunk header: the sender's before it and the decode's checks of it (`NCCL_CASES`).
 
     python bench/transfer/host_plan.py [--out PATH] [--batches 5] [--calls 2000] [--engine-root DIR]
 
@@ -39,6 +40,9 @@ CASES = (("mha_p16_4096_contiguous", 64, 2048, 16, 4096, False, False),
          ("mla_p64_4096_contiguous_same_gpu", 61, 1152, 64, 4096, False, True),
          ("mla_p64_128_scattered", 61, 1152, 64, 128, True, False))
 POOL_TOKENS = 131072
+#: (name, regions, bytes a token of a region, tokens a page, tokens): the NCCL path's first chunk of a request
+NCCL_CASES = (("nccl_mha_p1_1024", 64, 2048, 1, 1024), ("nccl_mla_p64_4096", 61, 1152, 64, 4096),
+              ("nccl_mha_p1_16384", 64, 2048, 1, 16384))
 
 
 class NoCopy:
@@ -84,18 +88,85 @@ def time_case(name: str, regions: int, token_bytes: int, page: int, tokens: int,
 
     cuda_ipc.use_backend(NoCopy())
     try:
-        for _ in range(200):
-            write()
-        best = []
-        for _ in range(batches):
-            t = time.perf_counter()
-            for _ in range(calls):
-                write()
-            best.append((time.perf_counter() - t) / calls * 1e6)
+        best = _best_us(write, batches, calls)
     finally:
         cuda_ipc.use_backend(None)
     return {"case": name, "pages": pages, "regions": regions, "us_best": round(min(best), 2),
             "us_batches": [round(b, 2) for b in best]}
+
+
+def _best_us(fn, batches: int, calls: int) -> list[float]:
+    """Per batch of `calls` calls after a warm-up, the microseconds a call."""
+    for _ in range(200):
+        fn()
+    best = []
+    for _ in range(batches):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best.append((time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
+def time_nccl_case(name: str, regions: int, token_bytes: int, page: int, tokens: int, batches: int,
+                   calls: int) -> list[dict]:
+    """The NCCL path's host steps around a request's first chunk header (one 256 MiB staging slot), scattered
+    pages: the sender's before the header (`bad_ids`, `plan_chunks`, the segments' wire form, as
+    `PairSender.send` runs them), the decode's checks of the header (`checks.chunk_header`) for a room's first
+    chunk (its published pages not yet looked at) and for the same chunk again (a room's later chunk), and the
+    decode's count of arrived pages when the prefill's Success comes (`_pages_missing`)."""
+    import numpy as np
+    import torch
+
+    from sglang_p2p_backend.engine.copy.copier import PageCopier
+    from sglang_p2p_backend.engine.copy.plan import plan_chunks
+    from sglang_p2p_backend.engine.pair.pipeline import _segment_msg
+    from sglang_p2p_backend.engine.wire import checks
+    from sglang_p2p_backend.engine.wire.messages import ChunkHeader
+
+    item, pages, pool_pages = page * token_bytes, tokens // page, POOL_TOKENS // page
+    pool = torch.empty(pool_pages, 1, dtype=torch.uint8).expand(pool_pages, item)  # shapes only, a byte a page
+    copier = PageCopier([[pool] * regions])
+    rng = np.random.default_rng(0)
+    src_ids, dst_ids = rng.permutation(pool_pages)[:pages], rng.permutation(pool_pages)[:pages].astype(np.int32)
+    slot = 256 << 20
+
+    def prepare() -> list:
+        assert copier.bad_ids([src_ids]) is None
+        chunks = plan_chunks(copier.item_lens, [pages], slot, [None])
+        return [_segment_msg(seg, [dst_ids]) for seg in chunks[0].segments]
+
+    segments = prepare()
+    header = ChunkHeader("p:1", 1, 9, 0, 0, sum(len(s.dst_ids) // 4 for s in segments) * item * regions, segments)
+    # a room for every call, made before the timing (each first chunk meets a room's pages unlooked at)
+    rooms = iter([checks.Published(dst_ids, 0, [], frozenset({"p:1"})) for _ in range(200 + batches * calls)])
+
+    def first_check() -> None:
+        assert checks.chunk_header(header, copier.item_lens, slot, next(rooms)).problem is None
+
+    later = checks.Published(dst_ids, 0, [], frozenset({"p:1"}))
+
+    def later_check() -> None:
+        later.next_seq.clear()
+        getattr(later, "next_kv", {}).clear()
+        assert checks.chunk_header(header, copier.item_lens, slot, later).problem is None
+
+    from sglang_p2p_backend.adapter.decode import DecodeKVManager
+
+    done = checks.Published(dst_ids, 0, [], frozenset({"p:1"}))
+    done.received.extend(np.array_split(dst_ids, max(1, header.nbytes // slot)))  # the request's chunks, in order
+    decode = types.SimpleNamespace(live_rooms={9: done}, two_sided_only=True)
+
+    def all_arrived() -> None:  # at the prefill's Success: every published page landed
+        assert DecodeKVManager._pages_missing(decode, 9) is None
+
+    out = []
+    for step, fn in (("sender_before_header", prepare), ("decode_check_first", first_check),
+                     ("decode_check_later", later_check), ("decode_all_arrived", all_arrived)):
+        best = _best_us(fn, batches, calls)
+        out.append({"case": f"{name}_{step}", "pages": pages, "regions": regions, "us_best": round(min(best), 2),
+                    "us_batches": [round(b, 2) for b in best]})
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -107,6 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--engine-root", default=None, help="another checkout whose sglang_p2p_backend is timed")
     ns = ap.parse_args(argv)
     rows = [time_case(*c, ns.batches, ns.calls) for c in CASES]
+    rows += [r for c in NCCL_CASES for r in time_nccl_case(*c, ns.batches, ns.calls)]
     for r in rows:
         print(f"{r['case']:28s} {r['us_best']:8.2f} us a chunk (best of {ns.batches} batches)")
     doc = {"machine": f"cpu-{os.cpu_count()}core", "python": platform.python_version(),

@@ -542,7 +542,9 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         if not self.two_sided_only or published is None or not published.kv_ids.size or not published.prefills:
             return None
         got = np.concatenate(published.received) if published.received else np.zeros(0, dtype=np.int32)
-        missing = np.setdiff1d(published.kv_ids, got)
+        if np.array_equal(got, published.kv_ids):  # one prefill rank's chunks in published order: all there
+            return None
+        missing = np.setdiff1d(published.kv_ids, got)  # sorts both: 0.14 ms for 1k pages, 10 ms for 16k (dev VM)
         if not missing.size:
             return None
         return (f"prefill reported Success for room {room}, but {missing.size} of its {np.unique(published.kv_ids).size} "

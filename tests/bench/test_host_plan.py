@@ -1,5 +1,6 @@
 """bench/transfer/host_plan.py on CPU: every case goes through the transport's real checks and route with a
-backend that copies nothing, and the JSON names the machine and the engine timed."""
+backend that copies nothing, the NCCL path's cases through the real checks of a header (each asserts its chunk
+passes them), and the JSON names the machine and the engine timed."""
 import json
 
 from bench.transfer import host_plan
@@ -14,7 +15,9 @@ def test_host_plan_times_every_case_through_the_transport(tmp_path, monkeypatch)
     assert host_plan.main(["--out", str(out), "--batches", "1", "--calls", "3"]) == 0
     doc = json.loads(out.read_text())
     assert doc["machine"].startswith("cpu-") and doc["engine_root"] == "this repository"
-    assert [r["case"] for r in doc["rows"]] == [c[0] for c in host_plan.CASES]
+    nccl = [f"{c[0]}_{step}" for c in host_plan.NCCL_CASES
+            for step in ("sender_before_header", "decode_check_first", "decode_check_later", "decode_all_arrived")]
+    assert [r["case"] for r in doc["rows"]] == [c[0] for c in host_plan.CASES] + nccl
     assert all(r["us_best"] > 0 and len(r["us_batches"]) == 1 for r in doc["rows"])
     # 203 writes a case (200 warm-up, 3 timed): the contiguous ones across GPUs on the copy engines; the scattered
     # one, the same-GPU one (under 16 MiB a region) and the 128-token one on the kernel

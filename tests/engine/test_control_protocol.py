@@ -152,6 +152,25 @@ def test_a_chunk_lands_only_in_its_rooms_pages_in_sequence_and_exact_size():
     assert not big.in_step and "exceeds this decode rank's staging slot of 64" in big.problem
 
 
+def test_published_pages_are_checked_run_by_run_in_order_and_looked_up_otherwise():
+    # a prefill rank sends the published pages in order: each chunk is compared with the run after the last one,
+    # without sorting the room's pages; anything else is looked up among all of them, as strictly
+    pub, lens = published(range(10, 20)), [[4, 4]]
+    pub.prefills = frozenset({"p:1", "p:2"})
+    assert checks.chunk_header(header([10, 11, 12]), lens, 64, pub).problem is None
+    assert checks.chunk_header(header([13, 14], seq=1), lens, 64, pub).problem is None
+    assert pub._sorted == [] and pub.next_kv == {0: 5}
+    two = wire.ChunkHeader("p:2", 1, 9, 1, 0, 16, [wire.ChunkSegment(0, 0, 2, np.array([10, 11], np.int32).tobytes())])
+    assert checks.chunk_header(two, lens, 64, pub).problem is None  # prefill rank 1's own run starts at 0
+    assert pub.next_kv == {0: 5, 1: 2}
+    assert checks.chunk_header(header([19, 15], seq=2), lens, 64, pub).problem is None  # published, not the run
+    assert pub._sorted and pub.next_kv[0] == 7
+    refused = checks.chunk_header(header([17, 99], seq=3), lens, 64, pub)  # 17 is the run's next; 99 is not ours
+    assert "not pages this room published" in refused.problem and pub.next_kv[0] == 7
+    assert "not pages this room published" in checks.chunk_header(header([18, 20], seq=4), lens, 64, pub).problem
+    assert checks.chunk_header(header([17, 18], seq=5), lens, 64, pub).problem is None and pub.next_kv[0] == 9
+
+
 def test_aux_rows_go_only_to_the_rooms_row():
     pub = published()
     checks.aux_data(wire.AuxData("p:1", 9, 3, [b"x" * 8]), [8], pub)

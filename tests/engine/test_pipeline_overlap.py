@@ -344,8 +344,10 @@ def test_a_channel_breaking_with_a_chunk_in_flight_fails_both_chunks_in_order_an
         src, dst = _ids(20, 5)
         sender = threading.Thread(target=p.sender.send, args=(5, 0, [src], [dst]))
         sender.start()
-        # two receives posted (both slots), the receiver waiting for the first
+        # two receives posted (both slots), the receiver waiting for the first; every chunk already sent (into the
+        # socket's buffer: a sender still writing when the channel dies would stop short of announcing them all)
         _until(lambda: sum(1 for e in p.log if e[0] == "posted") == 2, "two posted receives")
+        _until(lambda: sum(1 for e in p.log if e[0] == "sent from slot") == 7, "every chunk sent")
         comm.inner.abort()  # the channel dies with both in flight
         comm.hold.set()
         sender.join(15)

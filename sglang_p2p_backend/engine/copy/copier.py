@@ -108,6 +108,8 @@ class PageCopier:
     def __init__(self, views: GroupViews):
         self.views = views
         self.item_lens = item_lens(views)
+        #: pages every region of a group has (the bound of its ids), worked out once: `bad_ids` runs every send()
+        self._pages = [min(int(v.shape[0]) for v in regions) if regions else 0 for regions in views]
         on_cuda = any(v.is_cuda for regions in views for v in regions)
         self._fused = None
         if on_cuda:
@@ -129,7 +131,7 @@ class PageCopier:
                 return f"page ids for group {g}, which this rank's pools do not have"
             if len(part) == 0 or not self.views[g]:
                 continue
-            problem = ids_out_of_range(part, min(int(v.shape[0]) for v in self.views[g]))
+            problem = ids_out_of_range(part, self._pages[g])
             if problem:
                 return f"group {g} {problem}"
         return None

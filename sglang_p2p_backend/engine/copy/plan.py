@@ -114,14 +114,14 @@ def plan_chunks(
     `heads[g]` (when given and not None) moves only that head range (or those spans) of group g's pages (every
     segment of the group carries it).
     """
+    if not any(h is not None for h in heads):  # whole pages: the lengths as they are, no call per layer
+        return plan_chunks_whole(group_item_lens, group_counts, budget)
     planned = plan_chunks_whole(
         [[moved_len(x, heads[g] if g < len(heads) else None, r) for r, x in enumerate(lens)]
          for g, lens in enumerate(group_item_lens)],
         group_counts,
         budget,
     )
-    if not any(h is not None for h in heads):
-        return planned
     return [
         Chunk(tuple(Segment(s.group, s.region_lo, s.region_hi, s.lo, s.hi, heads[s.group] if s.group < len(heads) else None)
                     for s in c.segments), c.nbytes)

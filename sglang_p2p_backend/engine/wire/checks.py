@@ -65,12 +65,25 @@ class Published:
     prefills: frozenset  # sessions of the prefill ranks that serve the room
     next_seq: dict = field(default_factory=dict)  # prefill_rank -> index of its next chunk
     received: list = field(default_factory=list)  # KV destination ids of the chunks that passed their checks
+    #: prefill_rank -> how many KV destination ids its accepted chunks carried: where its next run starts
+    next_kv: dict = field(default_factory=dict)
     _sorted: list = field(default_factory=list)
 
     def allowed(self, group: int) -> np.ndarray:
         if not self._sorted:
             self._sorted = [np.unique(self.kv_ids)] + [np.unique(s) for s in self.state_ids]
         return self._sorted[group] if group < len(self._sorted) else np.zeros(0, dtype=np.int32)
+
+    def publishes(self, group: int, ids: np.ndarray, prefill_rank: int) -> bool:
+        """Whether every id of `ids` is a page (group 0) or state item of group `group` this room published. A
+        prefill rank sends the room's KV destinations in their published order, chunk after chunk, so the run
+        after its earlier chunks' is compared first (one comparison of n ids); anything else is looked up among
+        all of them, sorted once a room (a sort and a search of the room's ids were on each chunk's path)."""
+        if group == 0:
+            start = self.next_kv.get(prefill_rank, 0)
+            if np.array_equal(self.kv_ids[start : start + ids.size], ids):
+                return True
+        return _subset(ids, self.allowed(group))
 
 
 @dataclass(frozen=True)
@@ -115,12 +128,13 @@ def chunk_layout(
     header: ChunkHeader,
     item_lens: Sequence[Sequence[int]],
     slot_bytes: int,
-    allowed: Optional[Callable[[int], np.ndarray]] = None,
+    published: Optional[Callable[[int, np.ndarray], bool]] = None,
     kv_heads: Optional[Heads] = None,
     state_spans: Sequence[Slice] = (),
 ) -> ChunkVerdict:
     """Check a chunk against the receiver's layout and staging: exact byte count, at most one slot, groups and
-    regions it has; with `allowed` (group -> sorted ids), every destination id among those; KV segments write
+    regions it has; with `published` ((group, ids) -> whether the room published them all), every destination
+    id a published one; KV segments write
     exactly the head range `kv_heads` (None: whole pages), state segments exactly `state_spans` of their
     component (None: whole items)."""
     if header.nbytes > slot_bytes:
@@ -137,12 +151,15 @@ def chunk_layout(
             if len(s.dst_ids) % 4:
                 raise WireError(f"group {s.group} destinations are not whole int32 ids")
             d = np.frombuffer(s.dst_ids, dtype=np.int32)
-            if allowed is not None and not _subset(d, allowed(s.group)):
+            if published is not None and not published(s.group, d):
                 raise WireError(f"group {s.group} destinations are not pages this room published")
             heads = _segment_heads(s, kv_heads, state_spans)
             segs.append(Segment(s.group, s.region_lo, s.region_hi, 0, d.size, heads))
             out[s.group] = d
-            nbytes += d.size * sum(moved_len(item_lens[s.group][r], heads, r) for r in range(s.region_lo, s.region_hi))
+            lens = item_lens[s.group]
+            per_item = (sum(lens[s.region_lo : s.region_hi]) if heads is None  # whole items: no loop over layers
+                        else sum(moved_len(lens[r], heads, r) for r in range(s.region_lo, s.region_hi)))
+            nbytes += d.size * per_item
         if nbytes != header.nbytes:
             raise WireError(f"chunk of {header.nbytes} bytes does not match this decode rank's layout ({nbytes} "
                             f"bytes): prefill and decode KV layouts differ")
@@ -175,7 +192,12 @@ def chunk_header(
     if problem is not None:
         verdict = chunk_layout(header, item_lens, slot_bytes)  # can its bytes still be received in step?
         return ChunkVerdict(None, [], f"room {header.room}: {problem}", verdict.in_step)
-    return chunk_layout(header, item_lens, slot_bytes, published.allowed, kv_heads, state_spans)
+    rank = header.prefill_rank
+    verdict = chunk_layout(header, item_lens, slot_bytes, lambda g, ids: published.publishes(g, ids, rank), kv_heads,
+                           state_spans)
+    if verdict.chunk is not None and verdict.ids:
+        published.next_kv[rank] = published.next_kv.get(rank, 0) + verdict.ids[0].size
+    return verdict
 
 
 def aux_data(msg: AuxData, item_lens: Sequence[int], published: Optional[Published]) -> None:
