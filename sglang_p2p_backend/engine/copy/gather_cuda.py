@@ -42,6 +42,7 @@ _MAX_BLOCK_W = 512
 def _nothing() -> None:
     """The launch of a copy that moves nothing."""
 
+
 def _jit_options() -> dict:
     """Compile one variant per tile shape and direction, whatever the ids count and pointer alignments: a new
     variant would be compiled and loaded in the middle of a transfer, and loading a CUDA module can wait for the

@@ -77,8 +77,9 @@ class Published:
     def publishes(self, group: int, ids: np.ndarray, prefill_rank: int) -> bool:
         """Whether every id of `ids` is a page (group 0) or state item of group `group` this room published. A
         prefill rank sends the room's KV destinations in their published order, chunk after chunk, so the run
-        after its earlier chunks' is compared first (one comparison of n ids); anything else is looked up among
-        all of them, sorted once a room (a sort and a search of the room's ids were on each chunk's path)."""
+        after its earlier chunks' is compared first (one pass over n ids, where a sort of the room's ids and a
+        search of every id were on each chunk's path); anything else is looked up among all of them, sorted once
+        a room."""
         if group == 0:
             start = self.next_kv.get(prefill_rank, 0)
             if np.array_equal(self.kv_ids[start : start + ids.size], ids):
@@ -134,9 +135,8 @@ def chunk_layout(
 ) -> ChunkVerdict:
     """Check a chunk against the receiver's layout and staging: exact byte count, at most one slot, groups and
     regions it has; with `published` ((group, ids) -> whether the room published them all), every destination
-    id a published one; KV segments write
-    exactly the head range `kv_heads` (None: whole pages), state segments exactly `state_spans` of their
-    component (None: whole items)."""
+    id a published one; KV segments write exactly the head range `kv_heads` (None: whole pages), state segments
+    exactly `state_spans` of their component (None: whole items)."""
     if header.nbytes > slot_bytes:
         return ChunkVerdict(None, [], f"room {header.room}: chunk of {header.nbytes} bytes exceeds this decode rank's "
                             f"staging slot of {slot_bytes} bytes", in_step=False)
