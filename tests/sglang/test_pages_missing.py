@@ -10,6 +10,8 @@ import pytest
 from sglang_p2p_backend.adapter.decode import DecodeKVManager
 from sglang_p2p_backend.engine.wire import checks
 
+pytestmark = pytest.mark.sglang
+
 ROOM = 12
 
 

@@ -15,6 +15,8 @@ from sglang_p2p_backend.adapter.bounded import Bounded
 from sglang_p2p_backend.adapter.prefill import PrefillKVManager
 from sglang_p2p_backend.adapter.transfer_workers import TransferTask, TransferWorkers
 
+pytestmark = pytest.mark.sglang
+
 ROOM, PEER = 91, "127.0.0.1:46693"
 REASON = f"peer {PEER} stopped answering: no message for 8.1s (SGLANG_P2P_PEER_TIMEOUT=8)"
 

@@ -6,10 +6,13 @@ The interleaving is forced: the table the check reads runs the other thread's st
 
 import types
 
+import pytest
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_p2p_backend.adapter.bounded import Bounded
 from sglang_p2p_backend.adapter.prefill import PrefillKVManager
+
+pytestmark = pytest.mark.sglang
 
 ROOM = 71
 
