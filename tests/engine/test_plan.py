@@ -8,6 +8,7 @@ from sglang_p2p_backend.engine.copy.plan import (
     PlanError,
     Segment,
     copy_descriptors,
+    ids_out_of_range,
     is_contiguous,
     page_runs,
     plan_chunks,
@@ -34,6 +35,26 @@ def test_is_contiguous():
     assert is_contiguous(np.array([4, 5, 6]))
     assert not is_contiguous(np.array([4, 6, 5]))
     assert not is_contiguous(np.array([], dtype=int))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.int16, np.uint32, np.float64])
+def test_ids_out_of_range_names_the_bad_ids_whatever_their_type(dtype):
+    assert ids_out_of_range(np.array([0, 5, 63], dtype=dtype), 64) is None
+    assert ids_out_of_range(np.array([], dtype=dtype), 64) is None
+    assert ids_out_of_range(np.array([1, 64], dtype=dtype), 64) == "page id out of range [0, 64): min 1, max 64"
+    if np.dtype(dtype).kind != "u":
+        assert ids_out_of_range(np.array([-1, 3], dtype=dtype), 64) == "page id out of range [0, 64): min -1, max 3"
+        most = np.iinfo(dtype).min if np.dtype(dtype).kind == "i" else -1e30
+        assert ids_out_of_range(np.array([5, most], dtype=dtype), 64) is not None
+
+
+def test_ids_out_of_range_for_lists_non_contiguous_views_and_bounds_past_the_signed_range():
+    assert ids_out_of_range([3, -2], 8) == "page id out of range [0, 8): min -2, max 3"
+    strided = np.array([1, -7, 2, 100], dtype=np.int32)[::2]  # a view: every other id
+    assert ids_out_of_range(strided, 8) is None and ids_out_of_range(strided[::-1], 2) is not None
+    # a bound no unsigned reading can honour (int16 ids, 40,000 pages): min and max decide
+    assert ids_out_of_range(np.array([-1], dtype=np.int16), 40_000) == "page id out of range [0, 40000): min -1, max -1"
+    assert ids_out_of_range(np.array([30_000], dtype=np.int16), 40_000) is None
 
 
 def covered(chunks, item_lens, counts):

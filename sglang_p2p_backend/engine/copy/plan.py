@@ -84,11 +84,23 @@ def is_contiguous(ids: np.ndarray) -> bool:
     return ids.size > 0 and int(ids[-1]) - int(ids[0]) == ids.size - 1 and bool(np.all(np.diff(ids) == 1))
 
 
+#: native signed id types -> (the unsigned type of their width, the bounds below which a negative id, read as
+#: that type, is past the bound)
+_UNSIGNED = {np.dtype(t): (np.dtype(u), 1 << (8 * np.dtype(t).itemsize - 1))
+             for t, u in ((np.int8, np.uint8), (np.int16, np.uint16), (np.int32, np.uint32), (np.int64, np.uint64))}
+
+
 def ids_out_of_range(ids: np.ndarray, limit: int) -> Optional[str]:
-    """What is wrong with page ids that must lie in [0, limit), None if nothing (or no ids)."""
+    """What is wrong with page ids that must lie in [0, limit), None if nothing (or no ids). Checked in one pass
+    over the ids (they are on every chunk's path): read as unsigned of their width a negative id is past any
+    bound below 2**(bits-1); min and max, for the message, only when something is wrong."""
     if len(ids) == 0:
         return None
-    lo, hi = int(np.min(ids)), int(np.max(ids))
+    a = np.asarray(ids)
+    unsigned = _UNSIGNED.get(a.dtype)
+    if unsigned is not None and limit <= unsigned[1] and int(a.view(unsigned[0]).max()) < limit:
+        return None
+    lo, hi = int(np.min(a)), int(np.max(a))
     return f"page id out of range [0, {limit}): min {lo}, max {hi}" if lo < 0 or hi >= limit else None
 
 
