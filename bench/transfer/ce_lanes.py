@@ -1,0 +1,234 @@
+"""Copy engines on one stream against several, and the other ways to move a chunk's long spans, into the prefill's
+own GPU (and into a second GPU where the host has one).
+
+    python -m bench.transfer.ce_lanes [--out PATH] [--machine NAME] [--case-s 0.2] [--lanes 1,2,4,8]
+
+The same-host path sends a chunk of few long spans (contiguous pages: one span a layer) to the copy engines with
+one `cudaMemcpyBatchAsync` on one stream (engine/copy/copy_engine.py). Into the prefill's own GPU that took
+0.62-0.75 of one `copy_` of the same bytes on H200, where the page kernel took 0.84-0.90 but slowed a matmul
+beside it by ~120%. This asks why, on the regions SGLang allocates (one tensor a layer, the chunk the first
+pages of each):
+- `copy`: ONE `copy_` of a contiguous tensor of the chunk's bytes (the reference: a device-to-device
+  `cudaMemcpyAsync`);
+- `ce xK`: the batch call with `cudaMemcpyFlagPreferOverlapWithCompute` (as the transport makes it), the spans
+  dealt over K streams in contiguous runs, each lane ordered after the caller's stream and the caller's stream
+  after every lane: whether one stream's batch uses one copy engine and several go faster;
+- `plain xK`: the batch call without the flag (the driver chooses how to copy);
+- `memcpy xK`: one `cudaMemcpyAsync` a span;
+- `kernel`: the transport's span kernel (engine/copy/span_copy.py `SpanCopier`).
+Each is timed two ways: `gpu` (CUDA events, every call queued behind a GPU sleep, so host work is not counted) and
+`wall` (the call to the stream's synchronise, host included, as a write pays it). Then `interference`: a bf16
+4096^3 matmul loop on its own stream, alone and while one method copies the largest case back to back: whether it
+takes SMs. Every method's destination is zeroed and compared with the source after its timed calls (`ok`).
+Without CUDA it prints that it measured nothing and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+try:
+    from bench.transfer.interference import during_writes
+except ImportError:  # run as a script from bench/transfer
+    from interference import during_writes  # type: ignore[no-redef]
+
+MIB = 1 << 20
+#: (name, regions, bytes a region): the contiguous requests of xfer_cases/ipc_bench, one span a region
+CASES = [("mla_1k", 61, 1024 * 1152), ("mha_1k", 64, 1024 * 2048), ("mla_4k", 61, 4096 * 1152),
+         ("mha_4k", 64, 4096 * 2048), ("mla_16k", 61, 16384 * 1152), ("mha_16k", 64, 16384 * 2048)]
+#: the case the interference loop runs beside, and the methods it times there
+INTERFERENCE_CASE = "mha_16k"
+INTERFERENCE_METHODS = ("copy", "kernel", "ce x1", "ce x4", "plain x1", "memcpy x1")
+#: the GPU sleep every `gpu` timing is queued behind (~4 ms at 2 GHz): longer than the host's queueing of any method
+SLEEP_CYCLES = 8_000_000
+
+
+def deal(n: int, lanes: int) -> list[tuple[int, int]]:
+    """[start, end) runs of n spans over at most `lanes` lanes, as even as they go, none empty."""
+    lanes = max(1, min(lanes, n))
+    cuts = [(i * n) // lanes for i in range(lanes + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+class Methods:
+    """The ways to queue one case's spans (src, dst, lens: uint64 arrays) on the caller's stream `main`."""
+
+    def __init__(self, torch, device, lanes: int):
+        from sglang_p2p_backend.engine.copy.copy_engine import CopyEngines
+        from sglang_p2p_backend.engine.copy.span_copy import SpanCopier
+        from sglang_p2p_backend.engine.transport.cuda_ipc import backend
+
+        rt = backend().rt
+        self.torch = torch
+        self.ce = CopyEngines(rt)
+        self.plain = CopyEngines(rt)
+        self.plain._attrs.flags = 0
+        self.spans = SpanCopier(device)
+        self.streams = [torch.cuda.Stream(device=device) for _ in range(lanes)]
+        self.forks = [torch.cuda.Event() for _ in range(lanes)]
+        self.joins = [torch.cuda.Event() for _ in range(lanes)]
+
+    def lanes(self, engines, per_span: bool, k: int, src, dst, lens, main) -> None:
+        for i, (a, b) in enumerate(deal(lens.size, k)):
+            s = self.streams[i]
+            self.forks[i].record(main)
+            s.wait_event(self.forks[i])
+            if per_span:
+                engines._each(src[a:b], dst[a:b], lens[a:b], s.cuda_stream)
+            else:
+                code = engines._batch(src[a:b], dst[a:b], lens[a:b], s.cuda_stream)
+                if code:
+                    raise RuntimeError(f"cudaMemcpyBatchAsync failed: {engines._error(code)}")
+            self.joins[i].record(s)
+            main.wait_event(self.joins[i])
+
+    def table(self, lanes: tuple[int, ...]) -> dict[str, Callable]:
+        out = {"kernel": lambda src, dst, lens, main: self.spans.copy(src, dst, lens, main)}
+        for k in lanes:
+            out[f"ce x{k}"] = lambda *a, k=k: self.lanes(self.ce, False, k, *a)
+            out[f"plain x{k}"] = lambda *a, k=k: self.lanes(self.plain, False, k, *a)
+            out[f"memcpy x{k}"] = lambda *a, k=k: self.lanes(self.ce, True, k, *a)
+        return out
+
+
+def run(machine: str, case_s: float, lanes: tuple[int, ...], budget_s: float) -> dict:
+    import torch
+
+    t_start = time.monotonic()
+    src_dev = torch.device("cuda:0")
+    targets = [("same", src_dev)] + ([("peer", torch.device("cuda:1"))] if torch.cuda.device_count() > 1 else [])
+    main = torch.cuda.Stream(device=src_dev)
+    methods = Methods(torch, src_dev, max(lanes))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rows, skipped, interference = [], [], []
+    for target, dst_dev in targets:
+        for name, regions, per in CASES:
+            if time.monotonic() - t_start > budget_s:
+                skipped.append(f"{target}:{name}")
+                continue
+            srcs = [torch.randint(-128, 127, (per,), dtype=torch.int8, device=src_dev) for _ in range(regions)]
+            dsts = [torch.zeros(per, dtype=torch.int8, device=dst_dev) for _ in range(regions)]
+            ref_src = torch.empty(per * regions, dtype=torch.int8, device=src_dev)
+            ref_dst = torch.empty(per * regions, dtype=torch.int8, device=dst_dev)
+            src = np.array([t.data_ptr() for t in srcs], dtype=np.uint64)
+            dst = np.array([t.data_ptr() for t in dsts], dtype=np.uint64)
+            lens = np.full(regions, per, dtype=np.uint64)
+            queue = {"copy": lambda *a: ref_dst.copy_(ref_src, non_blocking=True), **methods.table(lanes)}
+            for method, fn in queue.items():
+                for t in dsts:
+                    t.zero_()
+                torch.cuda.synchronize(src_dev)
+
+                def once(behind_sleep: bool) -> float:
+                    with torch.cuda.stream(main):
+                        if behind_sleep:
+                            torch.cuda._sleep(SLEEP_CYCLES)
+                        start.record(main)
+                        t0 = time.perf_counter()
+                        fn(src, dst, lens, main)
+                        end.record(main)
+                        main.synchronize()
+                        wall = (time.perf_counter() - t0) * 1e6
+                    return start.elapsed_time(end) * 1e3 if behind_sleep else wall
+
+                once(False)
+                once(True)
+                gpu, wall, spent = [], [], 0.0
+                while len(gpu) < 5 or (spent < case_s and len(gpu) < 100):
+                    gpu.append(once(True))
+                    wall.append(once(False))
+                    spent += (gpu[-1] + wall[-1]) / 1e6
+                ok = method == "copy" or all(torch.equal(a, b.to(src_dev)) for a, b in zip(srcs, dsts))
+                rows.append({"target": target, "case": name, "regions": regions, "span_bytes": per,
+                             "method": method, "gpu_us": float(np.median(gpu)), "wall_us": float(np.median(wall)),
+                             "reps": len(gpu), "ok": bool(ok)})
+            if name == INTERFERENCE_CASE and target == "same":
+                interference = interfere(torch, src_dev, queue, src, dst, lens, main)
+            srcs = dsts = ref_src = ref_dst = queue = None  # freed before the next case allocates
+            torch.cuda.empty_cache()
+    return {"machine": machine, "lanes": list(lanes), "rows": rows, "interference": interference,
+            "skipped": skipped}
+
+
+def interfere(torch, device, queue: dict, src, dst, lens, main) -> list[dict]:
+    """The matmul loop alone and beside each of INTERFERENCE_METHODS, back to back."""
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
+    s = torch.cuda.Stream(device=device)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def loop() -> float:
+        with torch.cuda.stream(s):
+            e0.record(s)
+            for _ in range(50):
+                torch.mm(a, a)
+            e1.record(s)
+        e1.synchronize()
+        return e0.elapsed_time(e1)
+
+    out = []
+    for method in INTERFERENCE_METHODS:
+        fn = queue.get(method)
+        if fn is None:
+            continue
+
+        def write(fn=fn) -> None:
+            with torch.cuda.stream(main):
+                fn(src, dst, lens, main)
+            main.synchronize()
+
+        r = during_writes(loop, write, reps=8, join_timeout=30)
+        alone, busy = float(np.median(r.alone)), float(np.median(r.busy))
+        out.append({"method": method, "alone_ms": alone, "busy_ms": busy, "slowdown": busy / alone - 1,
+                    "writes": r.writes, "error": r.error})
+    return out
+
+
+def report(result: dict) -> str:
+    lines = [f"{'target:case':18} {'method':11} {'gpu us':>9} {'wall us':>9} {'copy/gpu':>9} {'copy/wall':>9} ok"]
+    ref = {(r["target"], r["case"]): r for r in result["rows"] if r["method"] == "copy"}
+    for r in result["rows"]:
+        c = ref.get((r["target"], r["case"]))
+        g = c["gpu_us"] / r["gpu_us"] if c else float("nan")
+        w = c["gpu_us"] / r["wall_us"] if c else float("nan")
+        lines.append(f"{r['target'] + ':' + r['case']:18} {r['method']:11} {r['gpu_us']:9.1f} {r['wall_us']:9.1f} "
+                     f"{g:9.2f} {w:9.2f} {'yes' if r['ok'] else 'BAD'}")
+    for i in result["interference"]:
+        lines.append(f"interference {INTERFERENCE_CASE} {i['method']:11} alone {i['alone_ms']:.2f} ms, beside "
+                     f"{i['busy_ms']:.2f} ms: {100 * i['slowdown']:+.1f}% ({i['writes']} writes)"
+                     + (f" ERROR {i['error']}" if i["error"] else ""))
+    lines.append(f"skipped: {result['skipped'] or 'none'}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/ce_lanes.json"))
+    ap.add_argument("--machine", default="unknown")
+    ap.add_argument("--case-s", type=float, default=0.2)
+    ap.add_argument("--budget-s", type=float, default=200.0)
+    ap.add_argument("--lanes", default="1,2,4,8", help="stream counts to deal the spans over, comma-separated")
+    args = ap.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        print("ce_lanes: no CUDA device, nothing measured")
+        return 0
+    lanes = tuple(int(x) for x in args.lanes.split(",") if x.strip())
+    result = run(args.machine, args.case_s, lanes, args.budget_s)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(report(result))
+    bad = [r for r in result["rows"] if not r["ok"]] + [i for i in result["interference"] if i["error"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
