@@ -15,7 +15,11 @@ pages of each):
   after every lane: whether one stream's batch uses one copy engine and several go faster;
 - `plain xK`: the batch call without the flag (the driver chooses how to copy);
 - `memcpy xK`: one `cudaMemcpyAsync` a span;
-- `kernel`: the transport's span kernel (engine/copy/span_copy.py `SpanCopier`).
+- `kernel`: the transport's span kernel (engine/copy/span_copy.py `SpanCopier`);
+- `2d`: ONE `cudaMemcpy2DAsync` for every region (a region a row: the regions here lie at one stride from each
+  other on both sides, a pad apart): whether the copy engines' cost is a setup per copy, paid once here.
+`layout` then allocates pools as SGLang does (one `torch.zeros` a layer, K then V) and reports the strides
+between consecutive regions: whether real pools are evenly strided, as the `2d` method needs.
 Each is timed two ways: `gpu` (CUDA events, every call queued behind a GPU sleep, so host work is not counted) and
 `wall` (the call to the stream's synchronise, host included, as a write pays it). Then `interference`: a bf16
 4096^3 matmul loop on its own stream, alone and while one method copies the largest case back to back: whether it
@@ -26,6 +30,7 @@ Without CUDA it prints that it measured nothing and exits 0.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import time
 from pathlib import Path
@@ -42,9 +47,12 @@ MIB = 1 << 20
 #: (name, regions, bytes a region): the contiguous requests of xfer_cases/ipc_bench, one span a region
 CASES = [("mla_1k", 61, 1024 * 1152), ("mha_1k", 64, 1024 * 2048), ("mla_4k", 61, 4096 * 1152),
          ("mha_4k", 64, 4096 * 2048), ("mla_16k", 61, 16384 * 1152), ("mha_16k", 64, 16384 * 2048)]
+#: bytes between one region's chunk and the next region's start (both sides): the regions are evenly strided
+#: but never back to back, as separately allocated layers
+PAD = 2 * MIB
 #: the case the interference loop runs beside, and the methods it times there
 INTERFERENCE_CASE = "mha_16k"
-INTERFERENCE_METHODS = ("copy", "kernel", "ce x1", "ce x4", "plain x1", "memcpy x1")
+INTERFERENCE_METHODS = ("copy", "kernel", "ce x1", "2d", "memcpy x1")
 #: the GPU sleep every `gpu` timing is queued behind (~4 ms at 2 GHz): longer than the host's queueing of any method
 SLEEP_CYCLES = 8_000_000
 
@@ -70,6 +78,10 @@ class Methods:
         self.plain = CopyEngines(rt)
         self.plain._attrs.flags = 0
         self.spans = SpanCopier(device)
+        self.rt = rt
+        rt.cudaMemcpy2DAsync.restype = ctypes.c_int
+        rt.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         self.streams = [torch.cuda.Stream(device=device) for _ in range(lanes)]
         self.forks = [torch.cuda.Event() for _ in range(lanes)]
         self.joins = [torch.cuda.Event() for _ in range(lanes)]
@@ -88,8 +100,17 @@ class Methods:
             self.joins[i].record(s)
             main.wait_event(self.joins[i])
 
+    def two_d(self, src, dst, lens, main) -> None:
+        """One 2D copy: row r = span r; the spans must share a length and a stride on each side."""
+        n = lens.size
+        sp = int(src[1]) - int(src[0]) if n > 1 else int(lens[0])
+        dp = int(dst[1]) - int(dst[0]) if n > 1 else int(lens[0])
+        code = self.rt.cudaMemcpy2DAsync(int(dst[0]), dp, int(src[0]), sp, int(lens[0]), n, 4, main.cuda_stream)
+        if code:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed: {self.ce._error(code)}")
+
     def table(self, lanes: tuple[int, ...]) -> dict[str, Callable]:
-        out = {"kernel": lambda src, dst, lens, main: self.spans.copy(src, dst, lens, main)}
+        out = {"kernel": lambda src, dst, lens, main: self.spans.copy(src, dst, lens, main), "2d": self.two_d}
         for k in lanes:
             out[f"ce x{k}"] = lambda *a, k=k: self.lanes(self.ce, False, k, *a)
             out[f"plain x{k}"] = lambda *a, k=k: self.lanes(self.plain, False, k, *a)
@@ -112,8 +133,9 @@ def run(machine: str, case_s: float, lanes: tuple[int, ...], budget_s: float) ->
             if time.monotonic() - t_start > budget_s:
                 skipped.append(f"{target}:{name}")
                 continue
-            srcs = [torch.randint(-128, 127, (per,), dtype=torch.int8, device=src_dev) for _ in range(regions)]
-            dsts = [torch.zeros(per, dtype=torch.int8, device=dst_dev) for _ in range(regions)]
+            src_all = torch.randint(-128, 127, (regions, per + PAD), dtype=torch.int8, device=src_dev)
+            dst_all = torch.zeros((regions, per + PAD), dtype=torch.int8, device=dst_dev)
+            srcs, dsts = [src_all[r, :per] for r in range(regions)], [dst_all[r, :per] for r in range(regions)]
             ref_src = torch.empty(per * regions, dtype=torch.int8, device=src_dev)
             ref_dst = torch.empty(per * regions, dtype=torch.int8, device=dst_dev)
             src = np.array([t.data_ptr() for t in srcs], dtype=np.uint64)
@@ -121,8 +143,7 @@ def run(machine: str, case_s: float, lanes: tuple[int, ...], budget_s: float) ->
             lens = np.full(regions, per, dtype=np.uint64)
             queue = {"copy": lambda *a: ref_dst.copy_(ref_src, non_blocking=True), **methods.table(lanes)}
             for method, fn in queue.items():
-                for t in dsts:
-                    t.zero_()
+                dst_all.zero_()
                 torch.cuda.synchronize(src_dev)
 
                 def once(behind_sleep: bool) -> float:
@@ -144,16 +165,36 @@ def run(machine: str, case_s: float, lanes: tuple[int, ...], budget_s: float) ->
                     gpu.append(once(True))
                     wall.append(once(False))
                     spent += (gpu[-1] + wall[-1]) / 1e6
-                ok = method == "copy" or all(torch.equal(a, b.to(src_dev)) for a, b in zip(srcs, dsts))
+                ok = method == "copy" or (all(torch.equal(a, b.to(src_dev)) for a, b in zip(srcs, dsts))
+                                          and not bool(dst_all[:, per:].any()))  # and nothing in the pads
                 rows.append({"target": target, "case": name, "regions": regions, "span_bytes": per,
                              "method": method, "gpu_us": float(np.median(gpu)), "wall_us": float(np.median(wall)),
                              "reps": len(gpu), "ok": bool(ok)})
             if name == INTERFERENCE_CASE and target == "same":
                 interference = interfere(torch, src_dev, queue, src, dst, lens, main)
-            srcs = dsts = ref_src = ref_dst = queue = None  # freed before the next case allocates
+            src_all = dst_all = srcs = dsts = ref_src = ref_dst = queue = None  # freed before the next case
             torch.cuda.empty_cache()
     return {"machine": machine, "lanes": list(lanes), "rows": rows, "interference": interference,
-            "skipped": skipped}
+            "skipped": skipped, "layout": layout(torch, src_dev)}
+
+
+def layout(torch, device) -> list[dict]:
+    """Pools allocated as SGLang's are (a fresh process's caching allocator; one tensor a layer, K then V): the
+    distinct strides between consecutive regions of each kind."""
+    out = []
+    for name, layers, token_bytes, tokens in (("mla_200k", 61, 1152, 200_000), ("mha_200k", 32, 2048, 200_000),
+                                              ("mla_1m", 61, 1152, 1_000_000), ("mha_500k", 32, 2048, 500_000)):
+        kinds = ("kv",) if name.startswith("mla") else ("k", "v")
+        bufs = {k: [torch.zeros(tokens * token_bytes + 64 * token_bytes, dtype=torch.int8, device=device)
+                    for _ in range(layers)] for k in kinds}
+        for k, ts in bufs.items():
+            ptrs = np.array([t.data_ptr() for t in ts], dtype=np.int64)
+            strides = sorted(set(np.diff(ptrs).tolist()))
+            out.append({"pool": name, "kind": k, "region_bytes": ts[0].numel(), "strides": strides[:8],
+                        "distinct": len(strides)})
+        bufs = None
+        torch.cuda.empty_cache()
+    return out
 
 
 def interfere(torch, device, queue: dict, src, dst, lens, main) -> list[dict]:
@@ -202,6 +243,9 @@ def report(result: dict) -> str:
         lines.append(f"interference {INTERFERENCE_CASE} {i['method']:11} alone {i['alone_ms']:.2f} ms, beside "
                      f"{i['busy_ms']:.2f} ms: {100 * i['slowdown']:+.1f}% ({i['writes']} writes)"
                      + (f" ERROR {i['error']}" if i["error"] else ""))
+    for p in result.get("layout", []):
+        lines.append(f"layout {p['pool']} {p['kind']}: regions of {p['region_bytes']} bytes, {p['distinct']} distinct "
+                     f"strides {p['strides']}")
     lines.append(f"skipped: {result['skipped'] or 'none'}")
     return "\n".join(lines)
 
