@@ -15,6 +15,9 @@ pages of each):
   after every lane: whether one stream's batch uses one copy engine and several go faster;
 - `plain xK`: the batch call without the flag (the driver chooses how to copy);
 - `memcpy xK`: one `cudaMemcpyAsync` a span;
+- `ce headN`: the batch call on one stream, split: the first N spans in a call of their own, then the rest,
+  whether the copy engines start on the first spans while the host hands over the others (the batch call's host
+  time grows with the spans);
 - `kernel`: the transport's span kernel (engine/copy/span_copy.py `SpanCopier`);
 - `2d`: ONE `cudaMemcpy2DAsync` for every region (a region a row: the regions here lie at one stride from each
   other on both sides, a pad apart): whether the copy engines' cost is a setup per copy, paid once here.
@@ -50,6 +53,8 @@ CASES = [("mla_1k", 61, 1024 * 1152), ("mha_1k", 64, 1024 * 2048), ("mla_4k", 61
 #: bytes between one region's chunk and the next region's start (both sides): the regions are evenly strided
 #: but never back to back, as separately allocated layers
 PAD = 2 * MIB
+#: the first call's span counts of the `ce headN` methods
+HEADS = (1, 4, 16)
 #: the case the interference loop runs beside, and the methods it times there
 INTERFERENCE_CASE = "mha_16k"
 INTERFERENCE_METHODS = ("copy", "kernel", "ce x1", "2d", "memcpy x1")
@@ -100,6 +105,13 @@ class Methods:
             self.joins[i].record(s)
             main.wait_event(self.joins[i])
 
+    def head(self, k: int, src, dst, lens, main) -> None:
+        for a, b in ((0, k), (k, lens.size)):
+            if b > a:
+                code = self.ce._batch(src[a:b], dst[a:b], lens[a:b], main.cuda_stream)
+                if code:
+                    raise RuntimeError(f"cudaMemcpyBatchAsync failed: {self.ce._error(code)}")
+
     def two_d(self, src, dst, lens, main) -> None:
         """One 2D copy: row r = span r; the spans must share a length and a stride on each side."""
         n = lens.size
@@ -111,6 +123,8 @@ class Methods:
 
     def table(self, lanes: tuple[int, ...]) -> dict[str, Callable]:
         out = {"kernel": lambda src, dst, lens, main: self.spans.copy(src, dst, lens, main), "2d": self.two_d}
+        for k in HEADS:
+            out[f"ce head{k}"] = lambda *a, k=k: self.head(k, *a)
         for k in lanes:
             out[f"ce x{k}"] = lambda *a, k=k: self.lanes(self.ce, False, k, *a)
             out[f"plain x{k}"] = lambda *a, k=k: self.lanes(self.plain, False, k, *a)
