@@ -21,6 +21,8 @@ pages of each):
 - `kernel`: the transport's span kernel (engine/copy/span_copy.py `SpanCopier`);
 - `2d`: ONE `cudaMemcpy2DAsync` for every region (a region a row: the regions here lie at one stride from each
   other on both sides, a pad apart): whether the copy engines' cost is a setup per copy, paid once here.
+- `3d`: ONE `cudaMemcpy3DBatchAsync` op with the copy-engine hint (CUDA 12.8+), every region a row as in `2d`:
+  whether the hint keeps a strided copy on the copy engines, at one setup for every region.
 `layout` then allocates pools as SGLang does (one `torch.zeros` a layer, K then V) and reports the strides
 between consecutive regions: whether real pools are evenly strided, as the `2d` method needs.
 Each is timed two ways: `gpu` (CUDA events, every call queued behind a GPU sleep, so host work is not counted) and
@@ -57,7 +59,7 @@ PAD = 2 * MIB
 HEADS = (1, 4, 16)
 #: the case the interference loop runs beside, and the methods it times there
 INTERFERENCE_CASE = "mha_16k"
-INTERFERENCE_METHODS = ("copy", "kernel", "ce x1", "2d", "memcpy x1")
+INTERFERENCE_METHODS = ("copy", "kernel", "ce x1", "3d")
 #: the GPU sleep every `gpu` timing is queued behind (~4 ms at 2 GHz): longer than the host's queueing of any method
 SLEEP_CYCLES = 8_000_000
 
@@ -69,10 +71,28 @@ def deal(n: int, lanes: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
+class _Loc(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Operand(ctypes.Structure):
+    """cudaMemcpy3DOperand with its pointer member (type cudaMemcpyOperandTypePointer = 1); the union's other
+    member (an array handle and a 3D offset) is as long, 32 bytes."""
+    _fields_ = [("type", ctypes.c_int), ("ptr", ctypes.c_void_p), ("rowLength", ctypes.c_size_t),
+                ("layerHeight", ctypes.c_size_t), ("locHint", _Loc)]
+
+
+class _Op(ctypes.Structure):
+    """cudaMemcpy3DBatchOp: src, dst, extent (width, height, depth), srcAccessOrder, flags."""
+    _fields_ = [("src", _Operand), ("dst", _Operand), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t),
+                ("depth", ctypes.c_size_t), ("srcAccessOrder", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+
 class Methods:
     """The ways to queue one case's spans (src, dst, lens: uint64 arrays) on the caller's stream `main`."""
 
-    def __init__(self, torch, device, lanes: int):
+    def __init__(self, torch, device, lanes: int, all_methods: bool = True, heads: tuple[int, ...] = HEADS):
+        self.all_methods, self.heads = all_methods, heads
         from sglang_p2p_backend.engine.copy.copy_engine import CopyEngines
         from sglang_p2p_backend.engine.copy.span_copy import SpanCopier
         from sglang_p2p_backend.engine.transport.cuda_ipc import backend
@@ -121,25 +141,47 @@ class Methods:
         if code:
             raise RuntimeError(f"cudaMemcpy2DAsync failed: {self.ce._error(code)}")
 
+    def three_d(self, src, dst, lens, main) -> None:
+        """One cudaMemcpy3DBatchAsync op (CUDA 13 ABI: numOps, ops, flags, stream), rows as in `two_d`."""
+        n = lens.size
+        op = _Op()
+        for side, base, nxt in ((op.src, src[0], src[1] if n > 1 else src[0] + lens[0]),
+                                (op.dst, dst[0], dst[1] if n > 1 else dst[0] + lens[0])):
+            side.type = 1
+            side.ptr = int(base)
+            side.rowLength = int(nxt) - int(base)
+            side.layerHeight = n
+        op.width, op.height, op.depth = int(lens[0]), n, 1
+        op.srcAccessOrder = 1  # stream order
+        op.flags = 1  # cudaMemcpyFlagPreferOverlapWithCompute
+        fn = self.rt.cudaMemcpy3DBatchAsync
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_size_t, ctypes.POINTER(_Op), ctypes.c_ulonglong, ctypes.c_void_p]
+        code = fn(1, ctypes.byref(op), 0, main.cuda_stream)
+        if code:
+            raise RuntimeError(f"cudaMemcpy3DBatchAsync failed: {self.ce._error(code)}")
+
     def table(self, lanes: tuple[int, ...]) -> dict[str, Callable]:
-        out = {"kernel": lambda src, dst, lens, main: self.spans.copy(src, dst, lens, main), "2d": self.two_d}
-        for k in HEADS:
+        out = {"kernel": lambda src, dst, lens, main: self.spans.copy(src, dst, lens, main), "2d": self.two_d, "3d": self.three_d}
+        for k in self.heads:
             out[f"ce head{k}"] = lambda *a, k=k: self.head(k, *a)
         for k in lanes:
             out[f"ce x{k}"] = lambda *a, k=k: self.lanes(self.ce, False, k, *a)
-            out[f"plain x{k}"] = lambda *a, k=k: self.lanes(self.plain, False, k, *a)
-            out[f"memcpy x{k}"] = lambda *a, k=k: self.lanes(self.ce, True, k, *a)
+            if self.all_methods:
+                out[f"plain x{k}"] = lambda *a, k=k: self.lanes(self.plain, False, k, *a)
+                out[f"memcpy x{k}"] = lambda *a, k=k: self.lanes(self.ce, True, k, *a)
         return out
 
 
-def run(machine: str, case_s: float, lanes: tuple[int, ...], budget_s: float) -> dict:
+def run(machine: str, case_s: float, lanes: tuple[int, ...], budget_s: float, all_methods: bool = True,
+        heads: tuple[int, ...] = HEADS) -> dict:
     import torch
 
     t_start = time.monotonic()
     src_dev = torch.device("cuda:0")
     targets = [("same", src_dev)] + ([("peer", torch.device("cuda:1"))] if torch.cuda.device_count() > 1 else [])
     main = torch.cuda.Stream(device=src_dev)
-    methods = Methods(torch, src_dev, max(lanes))
+    methods = Methods(torch, src_dev, max(lanes), all_methods, heads)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows, skipped, interference = [], [], []
     for target, dst_dev in targets:
@@ -271,6 +313,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--case-s", type=float, default=0.2)
     ap.add_argument("--budget-s", type=float, default=200.0)
     ap.add_argument("--lanes", default="1,2,4,8", help="stream counts to deal the spans over, comma-separated")
+    ap.add_argument("--heads", default=",".join(map(str, HEADS)), help="first-call span counts of `ce headN`")
+    ap.add_argument("--few", action="store_true", help="leave out the batch call without its hint and memcpy")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -280,7 +324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("ce_lanes: no CUDA device, nothing measured")
         return 0
     lanes = tuple(int(x) for x in args.lanes.split(",") if x.strip())
-    result = run(args.machine, args.case_s, lanes, args.budget_s)
+    heads = tuple(int(x) for x in args.heads.split(",") if x.strip())
+    result = run(args.machine, args.case_s, lanes, args.budget_s, not args.few, heads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(report(result))
