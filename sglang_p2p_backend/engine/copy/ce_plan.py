@@ -16,7 +16,9 @@ thresholds come from `bench/transfer/xfer_bench.py`:
   at 4.5-8 MiB and 0.98-1.08 at 2 MiB (a 1k-token MHA request); shorter spans lost (1.06-1.6x at 1.1 MiB, a
   1k-token MLA request), scattered pages by 10-100x (each span costs them host time);
 - with both pools on one H100 (bench/results/xfer_nvidia-h100-x1_2026-11-27.json) they only matched the kernel,
-  at 32 MiB spans.
+  at 32 MiB spans. Why (1 x H200, bench/results/ce_lanes_nvidia-h200_2026-11-29_*): the engines take 2.6-2.7 us
+  of GPU time a span on top of the bytes at about the copy's rate, so short spans lose however they are queued
+  (one batch, a call a span, several streams alike), and a strided copy of every region at once runs on SMs there.
 Their case is interference: a matmul on the prefill GPU ran 1.8-9% slower during copy-engine writes across GPUs
 and 83-107% slower during kernel writes (1.4% against 181% on one GPU), and in serving the prefill's forward pass
 is that matmul. So across GPUs `auto` takes them from a 2 MiB mean span up, where they cost about the kernel's
