@@ -44,8 +44,10 @@ from typing import Callable, Optional
 import numpy as np
 
 try:
+    from bench.transfer.gpu_names import cuda_torch
     from bench.transfer.interference import during_writes
 except ImportError:  # run as a script from bench/transfer
+    from gpu_names import cuda_torch  # type: ignore[no-redef]
     from interference import during_writes  # type: ignore[no-redef]
 
 MIB = 1 << 20
@@ -316,12 +318,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--heads", default=",".join(map(str, HEADS)), help="first-call span counts of `ce headN`")
     ap.add_argument("--few", action="store_true", help="leave out the batch call without its hint and memcpy")
     args = ap.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        print("ce_lanes: no CUDA device, nothing measured")
+    torch = cuda_torch("ce_lanes")
+    if torch is None:
         return 0
     lanes = tuple(int(x) for x in args.lanes.split(",") if x.strip())
     heads = tuple(int(x) for x in args.heads.split(",") if x.strip())

@@ -42,8 +42,10 @@ from typing import Optional
 import numpy as np
 
 try:
+    from bench.transfer.gpu_names import cuda_torch
     from bench.transfer.xfer_cases import SHAPES, Case, Shape, Table, page_ids
 except ImportError:  # run as a script from bench/transfer
+    from gpu_names import cuda_torch  # type: ignore[no-redef]
     from xfer_cases import SHAPES, Case, Shape, Table, page_ids  # type: ignore[no-redef]
 
 
@@ -370,12 +372,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="instead of the sweep, time the kernel reading its ids from pinned memory (a process of its "
                          "own: a device that cannot read it may fail the context)")
     args = ap.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        print("page_kernel_sweep: no CUDA device, nothing measured")
+    torch = cuda_torch("page_kernel_sweep")
+    if torch is None:
         return 0
     per_sm = tuple(int(x) for x in args.per_sm.split(",") if x.strip())
     if args.host_ids:
