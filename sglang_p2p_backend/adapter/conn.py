@@ -96,6 +96,11 @@ def _raise_failure(obj, mgr: P2pNcclKVManagerBase) -> None:
 
 
 class P2pNcclKVSender(CommonKVSender):
+    #: SGLang 0.5.23+: send() may get the chunk's page ids as a pinned host tensor still being copied from the
+    #: device, with `indices_event` marking the copy's end; the transfer worker waits for it, so the scheduler
+    #: does not block on the forward pass in flight (older releases never pass it)
+    supports_host_tensor_indices = True
+
     def __init__(self, mgr: PrefillKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any, **kwargs: Any):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
         if getattr(self, "init_time", None) is None:
@@ -118,6 +123,7 @@ class P2pNcclKVSender(CommonKVSender):
             state_indices=state_indices if is_last else None,
             num_kv_tokens=num_kv_tokens,
             wait_event=wait_event,
+            indices_event=kwargs.get("indices_event"),
         )
         self._record_transfer_indices(kv_indices, state_indices)
 

@@ -145,19 +145,27 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         num_kv_tokens: Optional[int] = None,
         *,
         wait_event: Any = None,
+        indices_event: Any = None,
         **_: Any,
     ) -> None:
-        """Queue one chunk of `bootstrap_room` (P2pNcclKVSender.send); dropped when the room is not live."""
+        """Queue one chunk of `bootstrap_room` (P2pNcclKVSender.send); dropped when the room is not live.
+        `indices_event`: `kv_indices` is a host tensor whose values land when the event completes (SGLang's
+        copy from the device): the worker reads them after waiting for it, unless the test-only digest, which
+        records them here, is on."""
+        if indices_event is not None and self.kv_digest is not None:
+            indices_event.synchronize()
+            indices_event = None
         if self.kv_digest is not None:
             self.kv_digest.sent(bootstrap_room, kv_indices)
         self.workers.add(TransferTask(
             bootstrap_room,
-            np.array(kv_indices, dtype=np.int32, copy=True),
+            kv_indices if indices_event is not None else np.array(kv_indices, dtype=np.int32, copy=True),
             index_slice,
             is_last_chunk,
             aux_index,
             state_indices,
             wait_event,
+            indices_event,
         ))
 
     # ------------------------------------------------------------------ routes

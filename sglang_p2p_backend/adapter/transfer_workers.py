@@ -77,6 +77,8 @@ class TransferTask:
     aux_index: Optional[int]
     state_indices: Optional[list]
     wait_event: Any = None
+    #: set: `kv_indices` is a host tensor whose values are valid once this event completed (read in `_process`)
+    indices_event: Any = None
 
 
 @dataclass
@@ -190,6 +192,10 @@ class TransferWorkers:
         infos = self.destinations.get(room)
         if infos is None or self.request_status.get(room) in (None, KVPoll.Failed):
             return
+        if task.indices_event is not None:  # the page ids' copy from the device: read them once it ended
+            task.indices_event.synchronize()
+            task.indices_event = None
+            task.kv_indices = np.array(task.kv_indices, dtype=np.int32, copy=True)
         alive = lambda: self.request_status.get(room) not in (None, KVPoll.Failed)  # noqa: E731
         for session, info in list(infos.items()):
             if info.is_dummy:

@@ -25,6 +25,21 @@ from sglang_p2p_backend.testing.plan import Req, first_token, touch, wait_for
 from sglang_p2p_backend.testing.role import Role
 
 
+class _IdsLanding:
+    """Stands for the CUDA event after SGLang's device-to-host copy of a chunk's page ids: `synchronize()`
+    lands the ids (the copy ends) and records which thread waited."""
+
+    def __init__(self, ids: Any, pages: np.ndarray):
+        self.ids, self.pages, self.waited_by = ids, pages, None
+
+    def synchronize(self) -> None:
+        if self.waited_by is None:
+            import torch
+
+            self.ids.copy_(torch.from_numpy(np.asarray(self.pages, dtype=np.int64)))
+            self.waited_by = threading.current_thread().name
+
+
 def _serve_bootstrap(host: str, port: int, parent: int) -> None:
     from sglang.srt.plugins import load_plugins
 
@@ -212,6 +227,22 @@ class PrefillRole(Role):
             req.result["checksum_row"] = row
         req.handle.init(len(req.pages), req.aux)
 
+    def send_as_host_tensor(self, req: Req, pages: np.ndarray, state: Any) -> None:
+        """send() as SGLang 0.5.23's prefill calls it for a sender with `supports_host_tensor_indices`: the page
+        ids in a host tensor whose copy from the device is still running, `indices_event` marking its end. Here
+        the tensor holds -1 until a thread of the sender waits on the event (`_IdsLanding`): a sender that read
+        the ids before waiting would send page -1."""
+        import torch
+
+        req.result["host_tensor_indices"] = bool(getattr(req.handle, "supports_host_tensor_indices", False))
+        if not req.result["host_tensor_indices"]:
+            req.handle.send(pages, state)
+            return
+        ids = torch.full((len(pages),), -1, dtype=torch.int64)
+        landing = _IdsLanding(ids, pages)
+        req.handle.send(ids, state, indices_event=landing)
+        self.__dict__.setdefault("landings", {}).setdefault(req.key, []).append(landing)
+
     def send(self, req: Req) -> None:
         """One send() of the request's next chunk (with the state slot on the last one)."""
         n = min(req.chunk_pages, len(req.pages) - req.sent)
@@ -219,7 +250,11 @@ class PrefillRole(Role):
         state = req.state_ids if last and req.state_ids else None
         if req.sent == 0:
             req.result["first_send_at"] = time.monotonic()
-        req.handle.send(req.pages[req.sent : req.sent + n], state)
+        pages = req.pages[req.sent : req.sent + n]
+        if self.plan.get("host_tensor_indices"):
+            self.send_as_host_tensor(req, pages, state)
+        else:
+            req.handle.send(pages, state)
         req.sent += n
         if faults.prefill_after_send(self.faults, self.plan, req, last):
             req.phase = "inflight"
@@ -238,6 +273,9 @@ class PrefillRole(Role):
             req.result["sent_bytes"] = self.sent_bytes.get(req.room, 0)
         if req.room in self.ack_sent_at:
             req.result["ack_sent_at"] = self.ack_sent_at[req.room]
+        landings = self.__dict__.get("landings", {}).get(req.key)
+        if landings:  # which thread waited for each chunk's ids (None: nobody did)
+            req.result["indices_waited_by"] = [x.waited_by for x in landings]
 
     def role_leftovers(self) -> dict:
         m = self.mgr

@@ -401,3 +401,34 @@ def test_the_kv_digest_flags_the_rooms_the_test_only_fault_corrupted(tmp_path):
     got = kv_digests.compare_run(result)
     assert got["control_rooms"] == got["controls_flagged_by_digest"] == 2 and got["controls_not_flagged"] == [], got
     assert got["rooms_compared"] == got["rooms_equal"] == 1, got  # room 81
+
+
+
+@pytest.mark.parametrize("digest", [False, True], ids=["plain", "kv-digest"])
+def test_page_ids_handed_over_as_a_host_tensor_still_being_copied_are_read_after_its_event(digest):
+    """SGLang 0.5.23 hands a sender with `supports_host_tensor_indices` each chunk's page ids as a host tensor
+    whose copy from the device may still run, with the event that ends it, so its scheduler never waits for the
+    forward pass in flight. The driver's stand-in holds -1 in the tensor until the event is waited on: every page
+    must land exactly, and the wait must be a transfer worker's, not the scheduler's; with the test-only KV digest,
+    which records the ids as they are queued, the scheduler waits (and the digests still match)."""
+    plan = {
+        "pool": {"layout": "mha", "num_layers": 3, "page_size": 4, "num_pages": 200, "state_slots": 4},
+        "requests": [
+            {"room": 21, "tokens": 33 * 4 + 3, "chunk_pages": 8},
+            {"room": 22, "tokens": 12 * 4, "chunk_pages": 1 << 30},
+            {"room": 23, "tokens": 20 * 4, "chunk_pages": 6, "prefix": 6 * 4},
+        ],
+        "host_tensor_indices": True,
+        "deadline_s": 60,
+    }
+    result = run_pair(plan, env=kv_digests.ENV if digest else None)
+    assert_all_landed(result, [21, 22, 23])
+    for room in ("21", "22", "23"):
+        r = result["prefill"]["requests"][room]
+        assert r["host_tensor_indices"] is True, r
+        waited = r["indices_waited_by"]
+        assert waited and all(name is not None for name in waited), waited
+        assert all((name == "MainThread") == digest for name in waited), waited
+    if digest:
+        got = kv_digests.compare_run(result)
+        assert got["rooms_compared"] == got["rooms_equal"] == 3 and got["mismatches"] == [], got
