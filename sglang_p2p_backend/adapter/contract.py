@@ -36,13 +36,28 @@ _SETTINGS: tuple[tuple[str, tuple[str, ...], Callable[[Any], bool], str], ...] =
     ("enable_pd_role_switch", _BOTH, bool, "p2pnccl has no teardown() (supports_role_switch is False)"),
     ("disaggregation_decode_allocation_policy", _BOTH, lambda v: v == "prefill_complete",
      "p2pnccl does not defer the decode's bootstrap until the prefill completes (mark_prefill_complete)"),
+    ("attn_cp_size", _BOTH, lambda v: int(v) > 1,
+     "with attention context parallelism SGLang's own backends send from one elected CP rank, or filter each "
+     "rank's pages and send CP-replicated state once (is_dummy_cp_rank, enable_all_cp_ranks_for_transfer); "
+     "p2pnccl does neither"),
 )
-#: environment settings (variable, refused when the server's settings make SGLang read it, why)
-_ENV: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+def _truthy(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+#: environment settings (variable, refused when its value and the server's settings make SGLang act on it, why)
+_ENV: tuple[tuple[str, Callable[[str, Any], bool], str], ...] = (
     # Common registers prefill ranks with the Rust registry only under DP attention (0.5.23 attn_dp_size)
-    ("SGLANG_RUST_SERVER", lambda sargs: int(getattr(sargs, "attn_dp_size", 1) or 1) > 1,
+    ("SGLANG_RUST_SERVER", lambda v, sargs: _truthy(v) and int(getattr(sargs, "attn_dp_size", 1) or 1) > 1,
      "with DP attention SGLang registers prefill ranks with the Rust /route registry (KVArgs.rust_http_port), "
      "and p2pnccl's ranks use SGLang's Python bootstrap server (signed, checked)"),
+    # any value: SGLang then allocates the KV pools through Mooncake's allocator (mem_cache/utils.py) and, with
+    # INTRA_NODE_NVLINK, the metadata buffers on the GPU (disaggregation/utils.py MetadataBuffers), whose rows
+    # p2pnccl reads and writes as host memory: the first transfer would crash instead of starting refused
+    ("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", lambda v, sargs: bool(v.strip()),
+     "a setting of SGLang's mooncake backend: SGLang then allocates the KV pools through Mooncake's allocator "
+     "(and, for INTRA_NODE_NVLINK, the aux rows on the GPU), which p2pnccl does not register or read; unset it "
+     "(p2pnccl reaches GPUs of its host through CUDA IPC or NCCL)"),
 )
 
 
@@ -59,9 +74,10 @@ def _setting_refusals(server_args: Any, role: str) -> Iterable[str]:
 
 
 def _env_refusals(env: Mapping[str, str], server_args: Any) -> Iterable[str]:
-    for name, applies, why in _ENV:
-        if env.get(name, "").strip().lower() in ("1", "true", "yes", "on") and applies(server_args):
-            yield f"{name}={env[name]}: {why}"
+    for name, refused, why in _ENV:
+        value = env.get(name)
+        if value is not None and refused(value, server_args):
+            yield f"{name}={value}: {why}"
 
 
 def _state_type_name(state_type: Any) -> str:

@@ -22,6 +22,13 @@ PREFILL_COMPLETE = ("--disaggregation-decode-allocation-policy prefill_complete:
                     "bootstrap until the prefill completes (mark_prefill_complete)")
 RUST = ("SGLANG_RUST_SERVER=1: with DP attention SGLang registers prefill ranks with the Rust /route registry "
         "(KVArgs.rust_http_port), and p2pnccl's ranks use SGLang's Python bootstrap server (signed, checked)")
+CP = ("--attn-cp-size 2: with attention context parallelism SGLang's own backends send from one elected CP rank, or "
+      "filter each rank's pages and send CP-replicated state once (is_dummy_cp_rank, "
+      "enable_all_cp_ranks_for_transfer); p2pnccl does neither")
+CUSTOM_POOL = ("SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK: a setting of SGLang's mooncake backend: SGLang then "
+               "allocates the KV pools through Mooncake's allocator (and, for INTRA_NODE_NVLINK, the aux rows on the "
+               "GPU), which p2pnccl does not register or read; unset it (p2pnccl reaches GPUs of its host through "
+               "CUDA IPC or NCCL)")
 DSA_TAIL = ("state component 1 is dsa_tail (KVArgs.state_types): its indices name the live slots inside one ring "
             "row per request, not whole items, and p2pnccl copies whole items")
 
@@ -60,6 +67,7 @@ def build_manager(role: str, sargs, state_types=()):
     ("prefill", {"enable_pd_role_switch": True}, ROLE_SWITCH),
     ("decode", {"disaggregation_decode_allocation_policy": "prefill_complete"}, PREFILL_COMPLETE),
     ("decode", {"pp_size": 2, "enable_pd_role_switch": True}, f"{PP}; {ROLE_SWITCH}"),
+    ("prefill", {"attn_cp_size": 2, "tp_size": 2}, CP),
 ])
 def test_a_setting_p2pnccl_cannot_serve_fails_the_manager_naming_the_flag(role, flags, why):
     sargs = server_args(role, **flags)
@@ -79,6 +87,21 @@ def test_the_rust_bootstrap_registry_under_dp_attention_fails_the_manager(monkey
     from sglang_p2p_backend.adapter.contract import refusals
 
     assert refusals(KVArgs(), server_args("prefill"), "prefill") == []  # without DP attention it is not read
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_mooncakes_custom_memory_pool_fails_the_manager_whatever_its_value(monkeypatch, role):
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    from sglang_p2p_backend.adapter.contract import refusals
+
+    monkeypatch.setenv("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "INTRA_NODE_NVLINK")
+    with pytest.raises(ValueError) as e:
+        build_manager(role, server_args(role))
+    assert str(e.value) == f"p2pnccl cannot serve this {role} server: {CUSTOM_POOL}"
+    got = refusals(KVArgs(), server_args(role), role, env={"SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "NVLINK"})
+    assert got == [CUSTOM_POOL.replace("=INTRA_NODE_NVLINK:", "=NVLINK:")]
+    assert refusals(KVArgs(), server_args(role), role, env={"SGLANG_MOONCAKE_CUSTOM_MEM_POOL": ""}) == []
 
 
 def test_a_state_component_of_an_unsupported_type_fails_the_manager():
