@@ -18,7 +18,8 @@ success_threshold x recovery_interval of answering.
 The last worker of a role that could take a request is never ejected (health, liveness or a request's
 transport errors, proxy.py): it is marked degraded and still tried, since ejecting it is a certain outage
 while it may only be busy. It is ejected at its next failure once another worker of its role is back.
-When a worker answers for the first time its `/get_server_info` is read for its DP size.
+When a worker answers for the first time its `/get_server_info` is read for its DP size (at most
+MAX_DP_SIZE; a larger or malformed one is logged and the worker routed as DP size 1).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 from dataclasses import dataclass
 
 import aiohttp
+import orjson
 
 from .workers import Worker, WorkerPool
 
@@ -94,23 +96,34 @@ def record_success(w: Worker, threshold: int) -> bool:
     return True
 
 
+#: largest DP size taken from a worker's /get_server_info. The LB keeps per-rank lists of that length and
+#: looks at every rank for each request; DP attention spans one rank per GPU, far below this.
+MAX_DP_SIZE = 1024
+
+
 async def fetch_server_info(session: aiohttp.ClientSession, w: Worker, timeout: float) -> dict | None:
     try:
         async with session.get(w.url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status != 200:
                 return None
-            info = await r.json(content_type=None)
+            # orjson, not r.json(): the json module raises RecursionError on deeply nested answers
+            info = orjson.loads(await r.read())
             return info if isinstance(info, dict) else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
 
 
 def dp_size_from_info(info: dict) -> int:
-    """DP-attention ranks of a server: SGLang reports `dp_size` and `enable_dp_attention`."""
+    """DP-attention ranks of a server: SGLang reports `dp_size` and `enable_dp_attention`. ValueError
+    naming the value when `dp_size` is not an integer in [1, MAX_DP_SIZE]."""
     if not info.get("enable_dp_attention"):
         return 1
-    n = info.get("dp_size") or 1
-    return int(n) if isinstance(n, int) and n > 0 else 1
+    n = info.get("dp_size")
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_DP_SIZE:
+        raise ValueError(f"dp_size {n!r} is not an integer in [1, {MAX_DP_SIZE}]")
+    return n
 
 
 def _suspect(w: Worker) -> bool:
@@ -121,8 +134,9 @@ def _suspect(w: Worker) -> bool:
 class HealthChecker:
     def __init__(self, pool: WorkerPool, session: aiohttp.ClientSession, cfg: HealthConfig, metrics=None, dp_aware: bool = True) -> None:
         self.pool, self.session, self.cfg, self.metrics, self.dp_aware = pool, session, cfg, metrics, dp_aware
-        self._info_done: set[int] = set()
-        self._probing: dict[tuple[int, str], asyncio.Task] = {}
+        # keyed by the Worker itself (hashed by identity), not id(w): a removed worker's probe still in
+        # flight would otherwise hold back the probes of a new worker that got its id
+        self._probing: dict[tuple[Worker, str], asyncio.Task] = {}
 
     async def check(self, w: Worker) -> bool:
         try:
@@ -134,7 +148,7 @@ class HealthChecker:
             self.metrics.health_checks.labels(w.role, "ok" if ok else "fail").inc()
         if ok:
             record_success(w, self.cfg.success_threshold)
-            if id(w) not in self._info_done:
+            if not w.info_read:
                 await self.discover(w)
         elif record_failure(w, reason, self.cfg.failure_threshold, self.pool.has_spare(w)):
             self._ejected(w)
@@ -168,9 +182,15 @@ class HealthChecker:
         info = await fetch_server_info(self.session, w, self.cfg.timeout)
         if info is None:
             return
-        self._info_done.add(id(w))
+        w.info_read = True  # also when its DP size is refused: read once, said once
         if self.dp_aware:
-            w.set_dp_size(dp_size_from_info(info))
+            try:
+                w.set_dp_size(dp_size_from_info(info))
+            except ValueError as e:
+                # DP size 1 is what mini_lb routes with: the room alone picks the rank (SGLang's default
+                # follow_bootstrap_room), which is right for any real DP size. Ejecting the worker instead
+                # would only last until its next good health check.
+                log.warning("%s worker %s: %s; routed as DP size 1", w.role, w.url, e)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.pool))
@@ -181,13 +201,13 @@ class HealthChecker:
             if suspects_only and not _suspect(w):
                 continue
             for kind, probe in (("health", self.check), ("live", self.live)):
-                key = (id(w), kind)
+                key = (w, kind)
                 if key not in self._probing:
                     task = asyncio.create_task(probe(w))
                     self._probing[key] = task
                     task.add_done_callback(lambda t, k=key: self._done_probe(k, t))
 
-    def _done_probe(self, key: tuple[int, str], task: asyncio.Task) -> None:
+    def _done_probe(self, key: tuple[Worker, str], task: asyncio.Task) -> None:
         self._probing.pop(key, None)
         if not task.cancelled() and task.exception() is not None:  # never let one bad probe stop checking
             log.error("health check failed unexpectedly", exc_info=task.exception())

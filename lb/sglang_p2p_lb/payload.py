@@ -23,12 +23,17 @@ BYTES_PER_TOKEN = 4
 CHAT_TOKENS_PER_MESSAGE = 4
 
 
+# orjson reads JSON nested up to 1024 levels but writes at most 254, and the LB re-encodes every body it
+# forwards: anything deeper is refused when read, the client's 400 rather than the LB's 500 at dispatch.
+MAX_NESTING = 254
+
+
 class BadRequest(ValueError):
     """A client error: the message is returned to the client as the 4xx reason."""
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """Decode a request body that must be a JSON object."""
+    """Decode a request body that must be a JSON object, nested at most MAX_NESTING levels."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     try:
@@ -37,6 +42,12 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    # fewer opening brackets than the limit cannot nest beyond it: most bodies skip the trial encoding
+    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING:
+        try:
+            orjson.dumps(body)
+        except orjson.JSONEncodeError as e:
+            raise BadRequest(f"request body is nested too deeply: at most {MAX_NESTING} levels of arrays and objects ({e})") from None
     return body
 
 

@@ -75,6 +75,10 @@ class Worker:
     consecutive_successes: int = 0
     consecutive_timeouts: int = 0
     last_error: str = ""
+    # its /get_server_info was read (DP size). Kept here, not in a set of id(worker): CPython gives a new
+    # Worker the id of a removed one, which then skipped the reading
+    info_read: bool = False
+    load_error: str = ""  # why its last load answer was unusable ("" when usable), so that it is logged once
     # local load per DP rank
     inflight_reqs: list[int] = field(default_factory=lambda: [0])
     inflight_tokens: list[int] = field(default_factory=lambda: [0])
