@@ -11,7 +11,9 @@ rows and statuses of anyone else are dropped without a thread, socket or table e
 before its bytes are scattered (engine/wire/checks.py): exact size, in sequence, and only into pages the room
 published (with a different attention TP, only the heads of this rank that prefill rank owns: engine/copy/heads.py);
 a chunk that fails fails its room and never lands elsewhere. A room's Success counts only from the prefill ranks
-it was published to, and on a rank that receives only two-sided, only once every published page has landed. A prefill silent for
+it was published to, and on a rank that receives only two-sided, only once every published page has landed; the
+aux rows and chunks of a prefill rank that does not serve a room are dropped, and an ABORT_ACK counts only for the
+sender's own rank of a room it was sent. A prefill silent for
 SGLANG_P2P_PEER_TIMEOUT is dead: its rooms fail with the reason, its receiver's channel is aborted and its
 thread, budget and socket are released; the next request registers again. Without SGLang's deferred release, a
 failure this rank starts of a room a prefill may write one-sided is held until those prefill ranks answered that
@@ -24,9 +26,11 @@ import ctypes
 import functools
 import logging
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
+import msgspec
 import numpy as np
 
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -56,6 +60,9 @@ logger = logging.getLogger(__name__)
 _RETRY_REFUSED_S = 5.0
 #: frame lists held for one prefill rank while its answer is awaited (rooms published meanwhile, aborts)
 _HELD_MAX = 4096
+#: the prefill rank a chunk of a room its sender does not serve is received under: outside every wire Rank, so
+#: nothing its receiver reports of it (refused, channel lost) reaches a room's arrivals
+_NOT_SERVING = 1 << 16
 
 
 @dataclass
@@ -84,6 +91,9 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         self.live_rooms: Dict[int, checks.Published] = {}
         #: the RoomMetadata each live room sent each prefill rank: sent again when that rank released us
         self._room_frames: Dict[int, Dict[str, List[bytes]]] = {}
+        #: every prefill rank each room's destinations went to (dummies too: each ACKs an abort), the only ranks
+        #: whose ABORT_ACK counts for it; kept past forget_room while SGLang holds the room (`forget_room`)
+        self._room_servers: Dict[int, frozenset] = {}
         #: bootstrap address -> (why SGLang's check refused that prefill server, when): retried after a while
         self.incompatible_prefills: Dict[str, tuple[str, float]] = {}
         #: rooms of a refused prefill server its ranks were told of, and those ranks (per bootstrap address)
@@ -167,6 +177,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         """Publish `room`'s destinations to prefill rank `endpoint` (kept while the room lives). Raises
         ControlError."""
         self._room_frames.setdefault(room, {})[endpoint] = frames
+        self._room_servers[room] = self._room_servers.get(room, frozenset()) | {endpoint}
         self.send_to_prefill(endpoint, frames)
 
     def _released(self, endpoint: str, reason: str) -> None:
@@ -259,6 +270,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
 
     def publish(self, room: int, published: checks.Published) -> None:
         self.live_rooms[room] = published
+        self._room_servers[room] = frozenset()  # this attempt's: send_room adds each rank it goes to
 
     def refusal(self, endpoint: str) -> Optional[str]:
         """Why prefill rank `endpoint` refused this decode rank, if it did (rooms to it fail at once)."""
@@ -273,6 +285,10 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         self.live_rooms.pop(room, None)
         self._room_frames.pop(room, None)
         self.arrivals.forget(room)
+        # SGLang's abort forgets the room before it arms its deferred release and sends ABORT, so the ACKs come
+        # after: who may ACK stays known while SGLang holds the room (its status, an armed hold) until clear()
+        if room not in self.request_status and room not in getattr(self, "_deferred_abort_ack_tracker", {}):
+            self._room_servers.pop(room, None)
 
     def _fail_rooms_served_by(self, session: str, reason: str) -> None:
         for room, pub in list(self.live_rooms.items()):
@@ -320,12 +336,21 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             self.drop("unexpected", session, f"{type(msg).__name__} is not for a decode rank")
 
     def _on_chunk(self, msg: wire.ChunkHeader, peer: PrefillPeer) -> None:
-        if msg.room in self.live_rooms and msg.prefill_rank == peer.prefill_rank:
+        published = self.live_rooms.get(msg.room)
+        if published is not None and msg.session not in published.prefills:
+            self.drop("not-owner", msg.session, f"chunk of room {msg.room}, which it does not serve")
+            # its bytes follow on its channel: received in step and dropped, under a rank no room waits on
+            msg = msgspec.structs.replace(msg, prefill_rank=_NOT_SERVING)
+        elif published is not None and msg.prefill_rank == peer.prefill_rank:
             self.arrivals.announce(msg.room, msg.prefill_rank, msg.session)
         self.channels.chunk(msg)
 
     def _check_chunk(self, header: wire.ChunkHeader) -> checks.ChunkVerdict:
         """The receiver's checks of a chunk (its thread, arrival order): the room's published pages and sequence."""
+        if header.prefill_rank == _NOT_SERVING:  # logged by _on_chunk
+            in_step = checks.chunk_header(header, self.copier.item_lens, self.staging.slot_bytes, None).in_step
+            return checks.ChunkVerdict(None, [], f"room {header.room}: prefill {header.session} does not serve this "
+                                                 f"room", in_step)
         peer = self.prefills.get(header.session)
         rank_ok = peer is not None and header.prefill_rank == peer.prefill_rank
         published = self.live_rooms.get(header.room) if rank_ok else None
@@ -342,13 +367,16 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         published = self.live_rooms.get(msg.room)
         if published is None:
             return  # a late row of a concluded room
+        if msg.session not in published.prefills:  # a stranger to the room may not fail it
+            self.drop("not-owner", msg.session, f"AuxData of room {msg.room}, which it does not serve")
+            return
         try:
             checks.aux_data(msg, self.kv_args.aux_item_lens, published)
         except wire.WireError as e:
             self.drop("bounds", msg.session, f"AuxData of room {msg.room}: {e}")
             reason = f"prefill {msg.session} sent an invalid aux row: {e}"
             self.room_failed(msg.room, reason)
-            if msg.session in published.prefills and not self.holds.held(msg.room):  # it stops sending the room
+            if not self.holds.held(msg.room):  # it stops sending the room
                 self._control_send(msg.session, wire.RoomFailed(self.session, msg.room, reason), block=False)
             return
         if not self.room_wanted(msg.room):
@@ -371,19 +399,38 @@ class DecodeKVManager(P2pNcclKVManagerBase):
 
     def _on_sglang_frames(self, frames: List[bytes], sender: Optional[str]) -> None:
         if ABORT_ACK_TAG is not None and frames and frames[0] == ABORT_ACK_TAG and sender is not None:
-            self._on_abort_ack(frames)
-        else:
-            self.drop("unexpected", sender or "?", f"frames {frames[:1]!r} are not for a decode rank")
+            self._on_abort_ack(frames, sender)
+        else:  # a junk frame may be many MiB: summarised only if the rate-limited line is logged
+            self.drop("unexpected", sender or "?", checks.Unparsed(frames, "frames not for a decode rank"))
 
-    def _on_abort_ack(self, frames: List[bytes]) -> None:
+    def _on_abort_ack(self, frames: List[bytes], sender: str) -> None:
         """A prefill rank's writes into an aborted room drained (SGLang 0.5.23+ deferred release). Chunks of a
         two-sided channel are scattered into the pages by this rank's receiver thread of that prefill, so the
-        ACK counts only once that thread finished every chunk queued before it; otherwise at once."""
+        ACK counts only once that thread finished every chunk queued before it; otherwise at once. Only the
+        sender's own rank of a room it was sent counts: SGLang frees the pages once it holds one ACK per rank."""
         ack = AbortAck.from_zmq(frames) if self.enable_deferred_decode_kv_release else None
+        if ack is not None and not self._acks_for_itself(ack, sender):
+            return
         peers = self.arrivals.peers(ack.room, ack.prefill_rank) if ack is not None else []
         done = functools.partial(self.handle_abort_ack_message, frames)  # note_abort_ack for the armed generation
         if self.channels is None or not self.channels.after_queued(peers, done):
             done()
+
+    def _acks_for_itself(self, ack: AbortAck, sender: str) -> bool:
+        """Whether `sender` may ACK `ack` (dropped, logged, if not): its registered rank, a room it was sent. Another
+        rank's ACK would let SGLang hand the pages on while that rank's one-sided write may still land."""
+        peer = self.prefills.get(sender)
+        if peer is None or peer.state != "accepted":
+            self.drop("unregistered", sender, f"ABORT_ACK of room {ack.room} from a prefill rank this decode rank is "
+                                              f"not registered with")
+        elif ack.prefill_rank != peer.prefill_rank:
+            self.drop("impersonation", sender, f"ABORT_ACK of room {ack.room} for prefill rank {ack.prefill_rank}, "
+                                               f"but it is prefill rank {peer.prefill_rank}")
+        elif sender not in self._room_servers.get(ack.room, ()):
+            self.drop("not-owner", sender, f"ABORT_ACK of room {ack.room}, which it does not serve")
+        else:
+            return True
+        return False
 
     # ------------------------------------------------------------------ liveness
     def _peer_dead(self, session: str, reason: str) -> None:
@@ -434,7 +481,9 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         if not success:
             self.room_failed(room, reason or "Failed to get kvcache from prefill instance, it might be dead", senders)
             return
-        done = self.prefill_response_tracker[room]
+        done = self._response_ranks(room)
+        if done is None:
+            return
         done.add(prefill_rank)
         if len(done) >= self.required_prefill_response_num_table.get(room, 1):
             missing = self._pages_missing(room)
@@ -447,6 +496,21 @@ class DecodeKVManager(P2pNcclKVManagerBase):
                 if self.kv_digest is not None:  # after the fault: its corruption must show as a digest mismatch
                     self.kv_digest.log_held(room, published.kv_ids)
             self.update_status(room, KVPoll.Success)
+
+    def _response_ranks(self, room: int) -> Optional[set]:
+        """SGLang's set of prefill ranks that reported `room` Success, or None once its clear() (on the scheduler
+        thread: the status, then this set) took the room since the caller read its status: never created again
+        then (0.5.17's defaultdict would leak it, 0.5.23's dict raise KeyError into the receiver thread)."""
+        tracker = self.prefill_response_tracker
+        done = tracker.get(room)
+        if done is not None or not isinstance(tracker, defaultdict):
+            return done  # 0.5.23 created it with the room's receiver
+        done = tracker.setdefault(room, set())  # 0.5.17 creates it on first use
+        if room not in self.request_status:  # cleared meanwhile: clear() popped the status before the set
+            if tracker.get(room) is done:
+                tracker.pop(room, None)
+            return None
+        return done
 
     # ------------------------------------------------------------------ failures held (failure_hold.py)
     def update_status(self, bootstrap_room: int, status: int) -> None:

@@ -418,8 +418,8 @@ class PrefillKVManager(P2pNcclKVManagerBase):
     def _on_sglang_frames(self, frames: List[bytes], sender: Optional[str]) -> None:
         if frames and frames[0] == b"ABORT":
             self.release.on_abort(frames, sender)
-        else:
-            self.drop("unexpected", sender or "?", f"frames {frames[:1]!r} are not for a prefill rank")
+        else:  # a junk frame may be many MiB: summarised only if the rate-limited line is logged
+            self.drop("unexpected", sender or "?", checks.Unparsed(frames, "frames not for a prefill rank"))
 
     # ------------------------------------------------------------------ peers
     def _peer_dead(self, session: str, reason: str) -> None:

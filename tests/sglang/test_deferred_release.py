@@ -18,7 +18,7 @@ common = pytest.importorskip("sglang.srt.disaggregation.common.conn")
 if not hasattr(common, "AbortAck"):
     pytest.skip("this SGLang release has no deferred decode KV release (added in 0.5.23)", allow_module_level=True)
 
-from sglang_p2p_backend.adapter.decode import DecodeKVManager  # noqa: E402
+from sglang_p2p_backend.adapter.decode import DecodeKVManager, PrefillPeer  # noqa: E402
 from sglang_p2p_backend.engine.config import EngineConfig  # noqa: E402
 from sglang_p2p_backend.engine.pair.arrivals import ArrivalTracker  # noqa: E402
 from sglang_p2p_backend.engine.pair.channels import PairReceivers  # noqa: E402
@@ -44,6 +44,8 @@ def decode_manager():
                                  send=lambda *a: True, wanted=lambda room: False, on_chunk=lambda *a: None,
                                  check=lambda header: None)
     mgr.dropped = Counter()
+    mgr.prefills = {PEER: PrefillPeer("accepted", 0.0, prefill_rank=RANK)}  # an ACK counts only from the rank it
+    mgr._room_servers = {ROOM: frozenset({PEER})}  # names, for a room that rank was sent (test_abort_ack_sender.py)
     return mgr
 
 

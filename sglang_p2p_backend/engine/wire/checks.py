@@ -200,18 +200,38 @@ def chunk_header(
 
 
 def aux_data(msg: AuxData, item_lens: Sequence[int], published: Optional[Published]) -> None:
-    """The aux rows go to the row the decode published for the room, each at most that buffer's row size."""
+    """The aux rows go to the row the decode published for the room: one per aux buffer, each exactly that
+    buffer's row size (both sides agreed on them at registration), so no byte of the slot's previous request
+    stays behind."""
     if published is None:
         raise WireError("room is not waiting for KV on this decode rank")
     if msg.session not in published.prefills:
         raise WireError(f"prefill {msg.session} does not serve this room")
     if msg.aux_index != published.aux_index or msg.aux_index < 0:
         raise WireError(f"aux_index {msg.aux_index} is not the room's row {published.aux_index}")
-    if len(msg.rows) > len(item_lens):
+    if len(msg.rows) != len(item_lens):
         raise WireError(f"{len(msg.rows)} aux rows for {len(item_lens)} aux buffers")
     for i, (row, n) in enumerate(zip(msg.rows, item_lens)):
         if len(row) > n:
             raise WireError(f"aux row {i} of {len(row)} bytes exceeds the buffer's {n}-byte rows")
+        if len(row) < n:
+            raise WireError(f"aux row {i} of {len(row)} bytes falls short of the buffer's {n}-byte rows")
+
+
+class Unparsed:
+    """What a log line shows of frames no decoder took (a peer's junk may be a frame of many MiB): their count,
+    the first lengths and the first 64 bytes, formatted only when the line is logged (`%s`)."""
+
+    __slots__ = ("frames", "what")
+
+    def __init__(self, frames: Sequence[bytes], what: str):
+        self.frames, self.what = frames, what
+
+    def __str__(self) -> str:
+        frames = self.frames
+        lens = ", ".join(str(len(f)) for f in frames[:8]) + (", ..." if len(frames) > 8 else "")
+        head = bytes(frames[0][:64]) if frames else b""
+        return f"{self.what}: {len(frames)} frames of [{lens}] bytes, the first starting {head!r}"
 
 
 def status(value: int) -> bool:

@@ -1,0 +1,54 @@
+"""Frames a rank drops unparsed (not SGLang's, not ours) cost only their count: the drop's log line, rate-limited,
+shows the frame count, their lengths and the first 64 bytes, and is formatted only when it is logged. A repr of a
+64 MiB frame, made for every dropped one, held the control thread (and the GIL) for over a second."""
+
+import logging
+from collections import Counter
+
+import pytest
+
+from sglang_p2p_backend.adapter.decode import DecodeKVManager
+from sglang_p2p_backend.adapter.prefill import PrefillKVManager
+
+pytestmark = pytest.mark.sglang
+
+SIZE = 4 << 20
+
+
+class Junk(bytes):
+    """A peer's junk frame that records what a drop reads of it; a repr of all of it fails the test."""
+
+    read: list = []
+
+    def __repr__(self):
+        raise AssertionError(f"repr of a whole {len(self)}-byte frame")
+
+    def __getitem__(self, key):
+        Junk.read.append(key)
+        return super().__getitem__(key)
+
+
+def manager(cls):
+    mgr = cls.__new__(cls)
+    mgr.dropped = Counter()
+    return mgr
+
+
+@pytest.mark.parametrize("cls", [DecodeKVManager, PrefillKVManager])
+def test_a_dropped_junk_frame_is_logged_by_its_size_and_first_bytes(cls, caplog):
+    mgr, frame = manager(cls), Junk(b"J" * 100 + b"\0" * (SIZE - 100))
+    with caplog.at_level(logging.WARNING):
+        mgr._on_sglang_frames([frame, b"xy"], "10.0.0.1:5000")
+    assert mgr.dropped["unexpected"] == 1
+    [line] = [r.getMessage() for r in caplog.records]
+    assert f"2 frames of [{SIZE}, 2] bytes, the first starting {b'J' * 64!r}" in line and len(line) < 400, line
+
+
+@pytest.mark.parametrize("cls", [DecodeKVManager, PrefillKVManager])
+def test_a_junk_frame_past_the_log_limit_is_not_formatted(cls, caplog):
+    mgr, frame = manager(cls), Junk(b"\0" * SIZE)
+    mgr.dropped["unexpected"] = 20  # the first 20 are logged one by one, then every 1,000th
+    Junk.read.clear()
+    with caplog.at_level(logging.WARNING):
+        mgr._on_sglang_frames([frame], "10.0.0.1:5000")
+    assert mgr.dropped["unexpected"] == 21 and not caplog.records and Junk.read == []
