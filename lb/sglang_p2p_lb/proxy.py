@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 # 503 is SGLang's "not ready / overloaded, try elsewhere"; every other status is the worker's answer
 RETRYABLE_STATUS = frozenset({503})
 JSON_HEADERS = {"Content-Type": "application/json"}
+# A decode answer the logprob merge cannot use comes back with every such request: each cause is logged
+# at most once per this many seconds, with a count of the ones not logged.
+UNMERGED_LOG_INTERVAL = 60.0
+UNENCODABLE = f"the merged answer cannot be encoded: nested deeper than the {payload.MAX_NESTING} levels orjson writes"
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,7 @@ class Dispatcher:
         self.inflight = 0
         self.admission = Admission(cfg.max_concurrent, cfg.queue_size, cfg.queue_timeout)
         self._background: set[asyncio.Task] = set()
+        self._unmerged_log: dict[str, tuple[float, int]] = {}  # cause -> (when last logged, not logged since)
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, route: str, request: web.Request) -> web.StreamResponse:
@@ -323,7 +328,7 @@ class Dispatcher:
             p.stall_watchers.discard(on_stall)  # the decode has its KV; the prefill no longer matters
             if stream:
                 return await self._stream(route, request, p_task, opened.resp, opened.first, lease, want_prefill_body, t0)
-            data = await self._merge_logprobs(p_task, opened.first) if want_prefill_body else opened.first
+            data = await self._merge_logprobs(p_task, opened.first, lease) if want_prefill_body else opened.first
             self.metrics.ttfb.labels(route).observe(time.perf_counter() - t0)
             return web.Response(status=opened.resp.status, body=data, headers={"Content-Type": opened.resp.headers.get("Content-Type", "application/json")})
         finally:
@@ -444,7 +449,7 @@ class Dispatcher:
         if record_failure(w, reason, self.cfg.passive_failure_threshold, self.pool.has_spare(w)):
             self.metrics.ejections.labels(w.role).inc()
 
-    async def _prefill_answer(self, p_task: asyncio.Task) -> Any:
+    async def _prefill_answer(self, p_task: asyncio.Task, lease: Lease) -> Any:
         try:
             raw = await asyncio.wait_for(asyncio.shield(p_task), self.cfg.request_timeout)
         except asyncio.TimeoutError:
@@ -453,17 +458,42 @@ class Dispatcher:
             return None
         try:
             return parse_prefill_answer(raw)
-        except orjson.JSONDecodeError:
+        except (ValueError, TypeError) as e:  # not JSON, or events whose "index" is a list or of mixed types
+            self._unmerged(lease.p, "the prefill answer is unusable", e)
             return None
 
-    async def _merge_logprobs(self, p_task: asyncio.Task, data: bytes) -> bytes:
-        pre = await self._prefill_answer(p_task)
+    # The merge decodes the decode's answer, adds the prefill's input logprobs and encodes it again. When it
+    # cannot (not JSON, an odd shape, or nested deeper than orjson writes: it reads 1024 levels but writes
+    # 254), the decode's answer is forwarded unchanged rather than answered with a 502: it is the whole
+    # generation, status and all, and lacks only the prompt's logprobs, which a client can ask again for;
+    # a 502 would throw away tokens the decode already generated (and a stream cannot be given one anyway).
+    async def _merge_logprobs(self, p_task: asyncio.Task, data: bytes, lease: Lease) -> bytes:
+        pre = await self._prefill_answer(p_task, lease)
+        d = lease.d
         if pre is None:
             return data
         try:
-            return orjson.dumps(logprobs.merge(pre, orjson.loads(data)))
-        except orjson.JSONDecodeError:
+            merged = logprobs.merge(pre, orjson.loads(data))
+        except orjson.JSONDecodeError as e:
+            self._unmerged(d, "the decode answer is not JSON", e)
             return data
+        try:
+            return orjson.dumps(merged)
+        except orjson.JSONEncodeError as e:
+            self._unmerged(d, UNENCODABLE, e)
+            return data
+
+    def _unmerged(self, w: Worker, cause: str, e: BaseException) -> None:
+        """An answer goes out without the prefill's input logprobs: logged once per cause and interval."""
+        now = time.monotonic()
+        last, skipped = self._unmerged_log.get(cause, (None, 0))
+        if last is not None and now - last < UNMERGED_LOG_INTERVAL:
+            self._unmerged_log[cause] = (last, skipped + 1)
+            return
+        self._unmerged_log[cause] = (now, 0)
+        more = f"; {skipped} more since it was last logged" if skipped else ""
+        log.warning("return_logprob: %s (%s %s); the decode answer is forwarded without the prefill's input logprobs: %s: %s%s",
+                    cause, w.role, w.url, type(e).__name__, str(e)[:200], more)
 
     async def _stream(self, route, request, p_task, d_resp: aiohttp.ClientResponse, first: bytes, lease: Lease, merge: bool, t0: float) -> web.StreamResponse:
         out = web.StreamResponse(status=d_resp.status, headers={"Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
@@ -477,8 +507,8 @@ class Dispatcher:
         try:
             await out.prepare(request)
             if merge:
-                pre = logprobs.prefill_items_by_index(await self._prefill_answer(p_task))
-                await self._stream_merged(out, d_resp, first, pre)
+                pre = logprobs.prefill_items_by_index(await self._prefill_answer(p_task, lease))
+                await self._stream_merged(out, d_resp, first, pre, lease.d)
             else:
                 await out.write(first)
                 self.metrics.ttfb.labels(route).observe(time.perf_counter() - t0)
@@ -512,26 +542,35 @@ class Dispatcher:
                 return
             yield chunk
 
-    async def _stream_merged(self, out: web.StreamResponse, d_resp, first: bytes, pre: dict[int, Any]) -> None:
+    async def _stream_merged(self, out: web.StreamResponse, d_resp, first: bytes, pre: dict[int, Any], d: Worker) -> None:
         buf = first
         async for chunk in self._chunks(d_resp):
             buf += chunk
             events, buf = sse.split_events(buf)
             for ev in events:
-                await out.write(self._merge_event(ev, pre))
+                await out.write(self._merge_event(ev, pre, d))
         events, rest = sse.split_events(buf)
         for ev in events:
-            await out.write(self._merge_event(ev, pre))
+            await out.write(self._merge_event(ev, pre, d))
         if rest:
             await out.write(rest)
 
-    @staticmethod
-    def _merge_event(ev: bytes, pre: dict[int, Any]) -> bytes:
+    def _merge_event(self, ev: bytes, pre: dict[int, Any], d: Worker) -> bytes:
+        """One streamed event with the prefill's input logprobs merged in, or as it came (`_merge_logprobs`)."""
         obj = sse.event_payload(ev)
         if not isinstance(obj, dict) or not pre:
             return ev + sse.EVENT_SEP
-        logprobs.merge_item(pre.get(obj.get("index", 0)), obj)
-        return sse.event(obj)
+        try:
+            item = pre.get(obj.get("index", 0))
+        except TypeError as e:  # an "index" that is a list or an object
+            self._unmerged(d, "a decode event's \"index\" is not a number", e)
+            return ev + sse.EVENT_SEP
+        logprobs.merge_item(item, obj)
+        try:
+            return sse.event(obj)
+        except orjson.JSONEncodeError as e:
+            self._unmerged(d, UNENCODABLE, e)
+            return ev + sse.EVENT_SEP
 
     async def close(self) -> None:
         for t in list(self._background):

@@ -6,7 +6,8 @@ its writes guarded. Routes and answers are SGLang's; in front of them one middle
   `X-P2P-Signature` header: `<unix time>:<hex HMAC-SHA256(key, method, path, time, body)>`, within five minutes
   of the server's clock. The prefill's own writes are signed (`signed_writes`); the key never travels;
 - with or without the key, never lets `PUT /route` move a rank whose registered address still accepts
-  connections (its prefill is alive) to another address (409), nor register a rank outside the server's sizes.
+  connections (its prefill is alive) to another address (409), nor register a rank outside the server's sizes;
+  a rank registered again counts once towards the server's readiness.
 
 Without the key anyone who reaches the port can still register a rank nobody has registered yet, or re-point a
 rank whose prefill is gone (the README's threat model says so).
@@ -109,8 +110,16 @@ def route_put(data: dict) -> dict:
     sizes = {n: _int(data, n, 1, 1 << 16) for n in ("attn_tp_size", "attn_cp_size", "attn_dp_size", "pp_size", "system_dp_size")}
     for rank, size in (("attn_tp_rank", "attn_tp_size"), ("attn_cp_rank", "attn_cp_size"), ("pp_rank", "pp_size")):
         _int(data, rank, 0, sizes[size] - 1)
-    for rank in ("attn_dp_rank", "system_dp_rank"):  # SGLang sends a DP rank with system_dp_size 1 too
-        _int(data, rank, 0, (1 << 16) - 1)
+    # the DP rank SGLang's server files the rank under (its "DP group") lies within the DP size it counts, as
+    # every other rank lies within its size: a group outside it is never looked up, and the server would count
+    # it towards readiness in place of a real one. The other DP rank is not bounded by its size: SGLang sends a
+    # system DP rank with system_dp_size 1 under DP attention, and its server reads only the group
+    group, size = ("attn_dp_rank", "attn_dp_size") if sizes["system_dp_size"] == 1 else ("system_dp_rank", "system_dp_size")
+    value = _int(data, group, 0, (1 << 16) - 1)
+    if value >= sizes[size]:
+        raise BadRequest(f"field {group!r} = {value} is outside 0..{sizes[size] - 1} ({size} {sizes[size]})")
+    other = "system_dp_rank" if group == "attn_dp_rank" else "attn_dp_rank"
+    _int(data, other, 0, (1 << 16) - 1)
     _host(_str(data, "rank_ip"))
     _int(data, "rank_port", 1, 65535)
     _int(data, "page_size", 1, 1 << 20)
@@ -170,7 +179,23 @@ def _bad(status: int, text: str) -> web.Response:
     return web.Response(status=status, text=text)
 
 
+def _leaves(table: Any) -> int:
+    """Ranks in SGLang's nested dp -> cp -> tp -> pp table."""
+    return sum(_leaves(v) for v in table.values()) if isinstance(table, dict) else 1
+
+
 class P2pNcclKVBootstrapServer(CommonKVBootstrapServer):
+    @property
+    def _registered_count(self) -> int:
+        """The ranks registered, each once. SGLang's server adds one per `PUT /route`, so a rank registering twice
+        (a retry, a restart, anyone without the key) would make it report ready with a real rank missing; here
+        the count is what its table holds, and its own assignments are ignored."""
+        return _leaves(getattr(self, "prefill_port_table", None) or {})
+
+    @_registered_count.setter
+    def _registered_count(self, _value: int) -> None:
+        pass
+
     def __init__(self, host: str, port: int, *args: Any, **kwargs: Any):
         self._key = key_from_env()  # before the server starts answering
         self.rejected: dict[str, int] = {}  # why requests were refused, by status (tests, logs)

@@ -41,7 +41,7 @@ from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.wire.agreement import local_agreement
 from sglang_p2p_backend.engine.wire.auth import AUTH_MAGIC, AuthError, Authenticator, key_from_env
 from sglang_p2p_backend.engine.config import EngineConfig
-from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
+from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError, limit_inbound, max_frame_bytes
 from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.pair.liveness import PeerWatch
 from sglang_p2p_backend.engine.copy.memory import page_views, regions_from_lists
@@ -112,6 +112,7 @@ class P2pNcclKVManagerBase(CommonKVManager):
         #: signs this rank's writes to a keyed bootstrap server (bootstrap.py)
         self.bootstrap_key = key
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self._limit_inbound()  # a decode rank: before it registers anywhere (a prefill did in register_to_bootstrap)
         self.session = f"{self.local_ip}:{self.rank_port}"
         #: this process's start: a peer tells a restarted process at the same session by a new value
         self.incarnation = time.time_ns()
@@ -220,8 +221,25 @@ class P2pNcclKVManagerBase(CommonKVManager):
     kv_digest: Optional[KVDigest] = None
 
     def register_to_bootstrap(self) -> None:
+        self._limit_inbound()  # before the endpoint is announced: the listener is bound again
         with signed_writes(self.bootstrap_key):  # a keyed bootstrap server takes signed writes only
             super().register_to_bootstrap()
+
+    def _limit_inbound(self) -> None:
+        """ZMQ drops a control frame larger than any this rank's pools allow before it is read
+        (engine/wire/control.py `max_frame_bytes`): a stranger's frame of GiBs never reaches memory."""
+        if getattr(self, "_inbound_limited", False):
+            return
+        self._inbound_limited = True
+        a = self.kv_args
+
+        def pages(lens: Any, items: Any) -> int:
+            return max([int(n) // int(i) for n, i in zip(lens or [], items or []) if int(i) > 0] or [0])
+
+        states = [pages(n, i) for n, i in zip(getattr(a, "state_data_lens", None) or [],
+                                              getattr(a, "state_item_lens", None) or [])]
+        aux = sum(int(i) for i in (getattr(a, "aux_item_lens", None) or []))
+        limit_inbound(self.server_socket, max_frame_bytes(pages(a.kv_data_lens, a.kv_item_lens), states, aux))
 
     def _init_role(self) -> None:
         raise NotImplementedError

@@ -427,18 +427,21 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             return
         # recorded before the peer leaves the table: a worker that finds it gone in between names this reason
         self.departed_peers[session] = reason
-        if self.decode_peers.pop(session, None) is None:
+        reg = self.decode_peers.pop(session, None)
+        if reg is None:
             return
         logger.error("p2pnccl: %s", reason)
         for room, infos in list(self.transfer_infos.items()):
             info = infos.get(session)
             if info is not None and not info.is_dummy:
                 self._fail_room(room, f"KV transfer to decode rank {session} failed: {reason}", block=False)
-        self._forget_peer(session, reason)
+        self._forget_peer(session, reason, reg)
 
-    def _forget_peer(self, session: str, reason: str) -> None:
+    def _forget_peer(self, session: str, reason: str, reg: Optional[wire.PeerRegister] = None) -> None:
         self.departed_peers[session] = reason
-        self.decode_peers.pop(session, None)
+        reg = self.decode_peers.pop(session, None) or reg
+        if reg is not None and reg.mooncake_session and self.one_sided is not None:
+            self.one_sided.forget_peer(reg.mooncake_session)  # a restarted decode comes back under a new session
         self.peer_heads.pop(session, None)
         self.peer_state.pop(session, None)
         self.same_host.forget(session)

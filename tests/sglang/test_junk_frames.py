@@ -52,3 +52,40 @@ def test_a_junk_frame_past_the_log_limit_is_not_formatted(cls, caplog):
     with caplog.at_level(logging.WARNING):
         mgr._on_sglang_frames([frame], "10.0.0.1:5000")
     assert mgr.dropped["unexpected"] == 21 and not caplog.records and Junk.read == []
+
+
+@pytest.mark.parametrize("cls", [DecodeKVManager, PrefillKVManager])
+def test_the_control_socket_drops_frames_past_what_the_ranks_pools_allow_at_the_same_endpoint(cls):
+    """Both roles cap SGLang's control socket (bound by SGLang before p2pnccl sees it) at the largest frame their
+    pools allow, bound again at the endpoint SGLang announced, once."""
+    import types
+
+    import zmq
+
+    from sglang_p2p_backend.engine.wire.control import max_frame_bytes
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        mgr = manager(cls)
+        mgr.server_socket = sock
+        mgr.kv_args = types.SimpleNamespace(kv_data_lens=[64 * 1000, 64 * 900], kv_item_lens=[64, 64],
+                                            state_data_lens=[[8 * 10]], state_item_lens=[[8]], aux_item_lens=[16, 32])
+        mgr._limit_inbound()
+        limit = max_frame_bytes(1000, [10], 48)
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == limit
+        assert sock.getsockopt(zmq.LAST_ENDPOINT).decode() == f"tcp://127.0.0.1:{port}"
+        mgr.kv_args.kv_data_lens = [64 * 5000, 64 * 900]
+        mgr._limit_inbound()  # once: the endpoint is announced by then
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == limit
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send(b"x" * (limit + 1))
+        push.send(b"ok")
+        assert sock.poll(3000) and sock.recv() == b"ok"  # the oversized frame never arrived
+        push.close()
+    finally:
+        sock.close()

@@ -64,7 +64,7 @@ def test_a_chunk_that_finds_its_dead_peer_gone_names_why(worker_sees):
     peers = Interleaved("pop" if worker_sees == "gone" else "in", **{PEER: object()})
     manager = types.SimpleNamespace(  # the prefill's liveness step on tables of its own (no sockets, no threads)
         decode_peers=peers, departed_peers=Bounded(4), transfer_infos=destinations,
-        _fail_room=lambda room, reason, **kw: failed.append((room, reason)), _forget_peer=lambda session, why: None)
+        _fail_room=lambda room, reason, **kw: failed.append((room, reason)), _forget_peer=lambda *a: None)
     pool = workers(peers, manager.departed_peers, destinations, failed)
     if worker_sees == "gone":
         peers.step = lambda: pool._process(chunk())
@@ -82,3 +82,21 @@ def test_a_chunk_for_a_peer_that_never_registered_says_so():
     destinations = {ROOM: {PEER: types.SimpleNamespace(is_dummy=False)}}
     workers({}, Bounded(4), destinations, failed)._process(chunk())
     assert failed == [(ROOM, f"decode rank {PEER} cannot receive: it is not registered")], failed
+
+
+@pytest.mark.parametrize("how", ["declared dead", "forgotten"])
+def test_a_departed_decode_ranks_mooncake_session_is_forgotten_by_the_transport(how):
+    """The one-sided transport keeps a failure mark per Mooncake session, which a restarted decode rank never
+    reuses: the prefill tells it when the rank leaves, both when liveness removed the registration first and when
+    the rank is forgotten directly (released, re-registered)."""
+    from unittest import mock
+
+    reg = types.SimpleNamespace(mooncake_session="10.0.0.7:17777")
+    manager = mock.MagicMock(decode_peers={PEER: reg}, departed_peers={}, transfer_infos={})
+    manager._forget_peer = lambda *a: PrefillKVManager._forget_peer(manager, *a)
+    if how == "declared dead":
+        PrefillKVManager._peer_dead(manager, PEER, REASON)
+    else:
+        PrefillKVManager._forget_peer(manager, PEER, REASON)
+    manager.one_sided.forget_peer.assert_called_once_with("10.0.0.7:17777")
+    assert PEER not in manager.decode_peers and manager.departed_peers[PEER] == REASON

@@ -37,6 +37,31 @@ logger = logging.getLogger(__name__)
 Send = Callable[[str, wire.Message, bool], bool]
 
 
+class _Offer:
+    """A pair-channel offer waiting for its answer: whom it was made to and the cap offered (wire form), so an
+    answer from anyone else, or one above what this rank's budget admitted, is never acted on."""
+
+    __slots__ = ("session", "cap", "answers")
+
+    def __init__(self, session: str, cap: int):
+        self.session = session
+        self.cap = cap
+        #: one answer at most: a duplicate is dropped (put_nowait), never blocks the control thread
+        self.answers: "queue.Queue[wire.CommAnswer]" = queue.Queue(1)
+
+
+def answer_problem(offered: int, answered: int) -> Optional[str]:
+    """Why an answer's cap (wire form: -1 no room, 0 NCCL's default) cannot be used for an offer of `offered`,
+    or None. A decode may only lower the cap: 0 (NCCL's default buffers, the most memory) only answers an offer
+    of 0; anything else lies in 1..offered."""
+    if answered < 0:
+        return None  # no room: the caller reads the reason
+    if offered == 0 or 1 <= answered <= offered:
+        return None
+    what = "0 (NCCL's default channels)" if answered == 0 else str(answered)
+    return f"answered cap {what} to an offer of cap {offered}; a decode may only answer a cap in 1..{offered}"
+
+
 class PairChannels:
     """Prefill side: the senders of this rank's pair channels, one per decode rank."""
 
@@ -57,8 +82,11 @@ class PairChannels:
         self.config = config
         self.senders: Dict[str, PairSender] = {}
         self.budget = CommBudget.from_config(config, "prefill", self._evict)
-        self._offers: Dict[int, "queue.Queue[wire.CommAnswer]"] = {}
+        #: pending offers by id: one per worker opening a channel now, removed when its wait ends
+        self._offers: Dict[int, _Offer] = {}
         self._offer_ids = itertools.count(1)
+        #: answers dropped (unknown or finished offer, another decode's offer, a duplicate), for logs and tests
+        self.dropped_answers = 0
         #: after a "no room" answer, a peer is not offered a channel again until then (auto picks Mooncake)
         self.no_room_until: Dict[str, float] = {}
 
@@ -67,9 +95,24 @@ class PairChannels:
         return time.monotonic() >= self.no_room_until.get(session, 0.0) and self.budget.fits(session)
 
     def answered(self, msg: wire.CommAnswer) -> None:
-        answer = self._offers.get(msg.offer)
-        if answer is not None:
-            answer.put(msg)
+        """On the control thread: hand an answer to the worker waiting on its offer. Offer ids are sequential,
+        so one decode could guess another's: an answer counts only from the session the offer was made to, and
+        only once; anything else is dropped (the real answer, or the worker's timeout, still ends the wait)."""
+        offer = self._offers.get(msg.offer)
+        if offer is None:
+            problem = f"CommAnswer to offer {msg.offer}, which is unknown or already answered"
+        elif msg.session != offer.session:
+            problem = f"CommAnswer to offer {msg.offer}, which was made to decode rank {offer.session}"
+        else:
+            try:
+                offer.answers.put_nowait(msg)
+                return
+            except queue.Full:
+                problem = f"second CommAnswer to offer {msg.offer}"
+        self.dropped_answers += 1
+        if self.dropped_answers <= 20 or self.dropped_answers % 1000 == 0:
+            logger.warning("p2pnccl: dropped an answer of decode rank %s (#%d): %s", msg.session,
+                           self.dropped_answers, problem)
 
     def released(self, session: str) -> None:
         """The decode is short of communicator memory: close our channel to it if idle."""
@@ -122,21 +165,24 @@ class PairChannels:
         Raises NoRoom when either side has no room now, TransportError when it cannot be opened."""
         decision = self.budget.admit(session)
         try:
-            offer = next(self._offer_ids)
-            answers: "queue.Queue[wire.CommAnswer]" = queue.Queue(1)
-            self._offers[offer] = answers
+            offer_id, offer = next(self._offer_ids), _Offer(session, cap_to_wire(decision.cap))
+            self._offers[offer_id] = offer
             try:
-                self.control.send(session, wire.CommOffer(self.session, offer, cap_to_wire(decision.cap)))
-                answer = answers.get(timeout=self.config.connect_timeout)
+                self.control.send(session, wire.CommOffer(self.session, offer_id, offer.cap))
+                answer = offer.answers.get(timeout=self.config.connect_timeout)
             except queue.Empty:
                 raise TransportError(
                     f"decode rank {session} did not answer the pair-channel offer within "
                     f"{self.config.connect_timeout:.0f}s (SGLANG_P2P_CONNECT_TIMEOUT)"
                 ) from None
             finally:
-                self._offers.pop(offer, None)
+                self._offers.pop(offer_id, None)
             if answer.cap < 0:
                 raise NoRoom(f"decode rank {session}: {answer.reason}")
+            # a cap above the offer (or NCCL's default) would take more memory than this rank's budget admitted
+            problem = answer_problem(offer.cap, answer.cap)
+            if problem is not None:
+                raise TransportError(f"decode rank {session} {problem}")
             cap = cap_from_wire(answer.cap)
             sender.open(cap)
             self.budget.opened(session, cap)

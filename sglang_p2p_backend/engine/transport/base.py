@@ -110,5 +110,8 @@ class OneSidedTransport(ABC):
         """Write `lengths[i]` bytes from local `src[i]` to the peer's `dst[i]` as one batch; blocks until
         done and raises TransportError on failure."""
 
+    def forget_peer(self, session: str) -> None:
+        """The peer at `session` is gone: drop what this transport keeps for it (nothing, by default)."""
+
     def close(self) -> None:
         """Deregister memory and release the engine."""

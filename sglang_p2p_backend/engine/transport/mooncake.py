@@ -12,7 +12,10 @@ One `MooncakeTransport` per process side (prefill or decode rank) owns one Moonc
   Mooncake's TCP transport rejects more than 1024 queued transfers per peer, and large RDMA batches time out;
   writes to one peer are serialised so concurrent chunks cannot overflow that queue together;
 - a failed write marks the peer's session failed: later writes to it fail at once (no timeout per chunk)
-  until `peer_registered(session)` says the peer registered again.
+  until `peer_registered(session)` says the peer registered again. Sessions are named by the peers (a restarted
+  decode has a new one), so this bookkeeping is bounded: a peer's lock lives only while writes to it run or
+  wait, its failure mark goes when `forget_peer(session)` says the peer is gone, and only the
+  `MAX_FAILED_SESSIONS` most recent marks are kept.
 Page runs become (src, dst, len) descriptors in `engine/copy/plan.py` (`copy_descriptors`); this module only moves them.
 """
 
@@ -24,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from typing import Iterator, Mapping, Optional, Sequence
 
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
@@ -36,6 +40,9 @@ PROTOCOLS = ("tcp", "rdma")
 MAX_BATCH_DESCRIPTORS = 1024
 #: Mooncake clamps its transfer timeout to at least 5 s
 MIN_TRANSFER_TIMEOUT_S = 5
+#: failure marks kept at most (twice SGLANG_P2P_MAX_PEERS' default): a mark pushed out only costs its peer one
+#: more failing write (within the transfer timeout) before it is marked again
+MAX_FAILED_SESSIONS = 1024
 # Mooncake reads MC_* variables from the process environment at construction/initialisation; this lock keeps
 # two engines being built at once from seeing each other's temporary settings.
 _ENV_LOCK = threading.Lock()
@@ -138,6 +145,7 @@ class MooncakeTransport(OneSidedTransport):
         gpu_id: int = 0,
         transfer_timeout_s: int = 30,
         max_batch: int = MAX_BATCH_DESCRIPTORS,
+        max_failed: int = MAX_FAILED_SESSIONS,
     ) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"Mooncake protocol must be one of {PROTOCOLS}, got {protocol!r}")
@@ -145,8 +153,11 @@ class MooncakeTransport(OneSidedTransport):
         self.max_batch = max_batch
         self.transfer_timeout_s = max(MIN_TRANSFER_TIMEOUT_S, int(transfer_timeout_s))
         self._lock = threading.Lock()
-        self._peer_locks: dict[str, threading.Lock] = {}
-        self._failed: dict[str, str] = {}
+        #: session -> [its lock, writers holding or waiting for it]: removed when the last one leaves
+        self._peer_locks: dict[str, list] = {}
+        #: session -> why writes to it failed, oldest first, at most `max_failed`
+        self._failed: "OrderedDict[str, str]" = OrderedDict()
+        self._max_failed = max(1, int(max_failed))
         self._registered: dict[int, int] = {}
         self._closed = False
         self.device_name = self._device_name(protocol, ib_device, gpu_id)
@@ -225,8 +236,7 @@ class MooncakeTransport(OneSidedTransport):
                         f"({b - a} descriptors, {sum(lengths[a:b])} B): peer dead or unreachable, destination not "
                         f"registered there, or timeout ({self.transfer_timeout_s}s)"
                     )
-                    with self._lock:
-                        self._failed[session] = cause
+                    self._mark_failed(session, cause)
                     raise TransportError(f"Mooncake write to {session} failed: {cause}")
 
     def close(self) -> None:
@@ -250,6 +260,12 @@ class MooncakeTransport(OneSidedTransport):
             if self._failed.pop(session, None) is not None:
                 logger.info("Mooncake session %s registered again; writes to it resume", session)
 
+    def forget_peer(self, session: str) -> None:
+        """The peer at Mooncake `session` is gone (dead, released, replaced): drop its failure mark. A restarted
+        peer registers under a new session, so without this every restart would leave one behind."""
+        with self._lock:
+            self._failed.pop(session, None)
+
     def failed_sessions(self) -> dict[str, str]:
         """Sessions currently skipped, with the cause of their failure."""
         with self._lock:
@@ -268,12 +284,30 @@ class MooncakeTransport(OneSidedTransport):
             raise TransportError("Mooncake transport is closed")
         return engine
 
-    def _peer_lock(self, session: str) -> threading.Lock:
+    @contextlib.contextmanager
+    def _peer_lock(self, session: str) -> Iterator[None]:
+        """Hold the peer's write lock. It is counted while held or waited for and dropped with its last user,
+        so the table holds only peers written to now (at most one per writing thread)."""
         with self._lock:
-            lock = self._peer_locks.get(session)
-            if lock is None:
-                lock = self._peer_locks[session] = threading.Lock()
-            return lock
+            entry = self._peer_locks.get(session)
+            if entry is None:
+                entry = self._peer_locks[session] = [threading.Lock(), 0]
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if entry[1] == 0 and self._peer_locks.get(session) is entry:
+                    del self._peer_locks[session]
+
+    def _mark_failed(self, session: str, cause: str) -> None:
+        with self._lock:
+            self._failed[session] = cause
+            self._failed.move_to_end(session)
+            while len(self._failed) > self._max_failed:
+                self._failed.popitem(last=False)
 
     def __enter__(self) -> "MooncakeTransport":
         return self

@@ -7,13 +7,19 @@ one is closed when a new endpoint would exceed `max_sockets` (ZMQ's own limit is
 no stream of peers can exhaust file descriptors. With an `Authenticator` every frame list is sealed with the
 endpoint's next counter, under the endpoint's lock, so counters reach the peer in order. Every frame list to a
 peer that issued this rank a pair secret carries it (pair_secret.py), inside the authenticated envelope.
+
+Inbound, `limit_inbound` caps the size of one frame the receiving socket reads (ZMQ_MAXMSGSIZE, at
+`max_frame_bytes` of the rank's pools): ZMQ drops a larger frame and disconnects its sender before anything of it
+reaches the control thread, where msgspec's static bounds (up to 1 GiB of page ids in one RoomMetadata) would
+only refuse it after it was read into memory.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from typing import Optional
+from typing import Optional, Sequence
 
 import zmq
 
@@ -24,6 +30,50 @@ from sglang_p2p_backend.engine.wire.pair_secret import seal
 
 class ControlError(RuntimeError):
     pass
+
+
+#: page ids travel as int32 (messages.Ids)
+ID_BYTES = 4
+#: a frame's bytes besides page ids and aux rows, at most, with room to spare: sessions and reasons (4 KiB each),
+#: a registration's pointer lists (64 x 4,096 pointers: 2.4 MB at their static bounds), its agreement and CUDA IPC
+#: export (4,096 handles: 0.3 MB), msgpack's headers. A real registration is a few kB
+FRAME_OVERHEAD_BYTES = 8 << 20
+
+
+def max_frame_bytes(kv_pages: int, state_slots: Sequence[int] = (), aux_row_bytes: int = 0) -> int:
+    """The largest frame a legitimate control message to a rank with these pools can be, twice over.
+
+    Page-id lists are the only part of a control message that grows with the deployment: a RoomMetadata (to the
+    prefill) carries the destination ids of one room, a ChunkHeader (to the decode) those of one chunk, which is
+    part of one room, each group at most once. A room fits the pools of both its ranks, so each id list holds at
+    most the receiver's largest pool (`kv_pages`, or a state component's `state_slots`) ids, and a message one
+    list per group (KV, then each state component). AuxData carries one row per aux buffer (`aux_row_bytes`:
+    their sum, the same on both sides, compared at registration). Everything else is `FRAME_OVERHEAD_BYTES`."""
+    largest = max([int(kv_pages), *map(int, state_slots), 0])
+    ids = (1 + len(state_slots)) * largest
+    return FRAME_OVERHEAD_BYTES + max(0, int(aux_row_bytes)) + 2 * ID_BYTES * ids
+
+
+def limit_inbound(sock: zmq.Socket, max_bytes: int) -> None:
+    """Make the receiving socket `sock` drop frames over `max_bytes` (ZMQ_MAXMSGSIZE; its sender is disconnected,
+    and reconnects). libzmq copies a socket's options into the listener when it binds, so a socket already bound
+    (SGLang's manager binds its PULL socket in its own constructor) is bound again at the same endpoint: call this
+    before the endpoint is announced, since connections accepted before are dropped with the old listener."""
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    endpoint = endpoint.decode() if isinstance(endpoint, bytes) else endpoint
+    if not endpoint:
+        return  # not bound yet: the option holds for the bind to come
+    sock.unbind(endpoint)
+    deadline = time.monotonic() + 5.0
+    while True:  # the old listener closes on ZMQ's I/O thread: its port may stay taken for a moment
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 class _Endpoint:

@@ -1,0 +1,97 @@
+"""What the Mooncake transport keeps per peer session (engine/transport/mooncake.py) stays bounded: sessions are
+named by the peers and a restarted decode comes back under a new one, so per-session locks and failure marks
+must not grow by one per restart. Runs without Mooncake: a stand-in engine takes the transport's calls."""
+
+import threading
+import time
+
+import pytest
+
+from sglang_p2p_backend.engine.transport import mooncake
+from sglang_p2p_backend.engine.transport.base import TransportError
+
+
+class Engine:
+    """Stands for Mooncake's TransferEngine: writes to `dead` sessions fail; records how many writes to one
+    session overlap (the transport serialises them)."""
+
+    dead: set = set()
+
+    def __init__(self):
+        self.calls, self.active, self.overlap = [], {}, 0
+        self._lock = threading.Lock()
+
+    def initialize(self, host, metadata, protocol, devices):
+        return 0
+
+    def get_rpc_port(self):
+        return 17000
+
+    def batch_transfer_sync_write(self, session, src, dst, lengths):
+        with self._lock:
+            self.calls.append(session)
+            self.active[session] = self.active.get(session, 0) + 1
+            self.overlap = max(self.overlap, self.active[session])
+        time.sleep(0.002)
+        with self._lock:
+            self.active[session] -= 1
+        return -1 if session in self.dead else 0
+
+
+@pytest.fixture
+def transport(monkeypatch):
+    monkeypatch.setattr(mooncake, "_import_engine_class", lambda: Engine)
+    monkeypatch.setattr(Engine, "dead", set())
+    t = mooncake.MooncakeTransport("tcp", "127.0.0.1")
+    yield t
+    t.close()
+
+
+def write(t, session):
+    t.write(session, [4096], [8192], [64])
+
+
+def test_a_forgotten_peer_leaves_no_failure_mark(transport):
+    Engine.dead.add("10.0.0.2:17001")
+    with pytest.raises(TransportError, match="10.0.0.2:17001 failed"):
+        write(transport, "10.0.0.2:17001")
+    assert list(transport.failed_sessions()) == ["10.0.0.2:17001"]
+    transport.forget_peer("10.0.0.2:17001")  # its decode died: the mark goes with it
+    assert transport.failed_sessions() == {}
+    with pytest.raises(TransportError, match="batch write returned -1"):  # tried again, not skipped
+        write(transport, "10.0.0.2:17001")
+    assert transport._engine.calls == ["10.0.0.2:17001"] * 2
+
+
+def test_failure_marks_stay_bounded_across_decode_restarts(transport):
+    # each restart of a decode is a new Mooncake session whose writes fail once its process is gone
+    restarts = mooncake.MAX_FAILED_SESSIONS + 50
+    Engine.dead.update(f"10.0.0.2:{20000 + i}" for i in range(restarts))
+    for i in range(restarts):
+        with pytest.raises(TransportError):
+            write(transport, f"10.0.0.2:{20000 + i}")
+    failed = transport.failed_sessions()
+    assert len(failed) == mooncake.MAX_FAILED_SESSIONS
+    assert f"10.0.0.2:{20000 + restarts - 1}" in failed and "10.0.0.2:20000" not in failed  # the oldest go first
+
+
+def test_peer_locks_live_only_while_writes_run_and_still_serialise_a_peer(transport):
+    sessions = [f"10.0.0.{i}:17001" for i in range(2, 6)]
+    barrier = threading.Barrier(8)
+
+    def writer(session):
+        barrier.wait()
+        for _ in range(10):
+            write(transport, session)
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in sessions * 2]  # two writers a peer
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert transport._engine.overlap == 1  # never two writes to one peer at once
+    assert len(transport._engine.calls) == 80
+    assert transport._peer_locks == {}  # nothing left behind for peers nobody writes to
+    for i in range(100):  # a stream of sessions written once each
+        write(transport, f"10.0.1.{i}:17001")
+    assert transport._peer_locks == {}
