@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from lb_harness import serve_local
 
 
 @dataclass
@@ -43,11 +44,7 @@ class ApiStandin:
         app = web.Application()
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self.pods_route)
         # a watch whose client went away ends at once, as the API server's does
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_local(app, access_log=None, shutdown_timeout=1.0)
         return self.url
 
     async def stop(self) -> None:

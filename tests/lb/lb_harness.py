@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import aiohttp
 import orjson
+from aiohttp import web
 
 from sglang_p2p_lb.health import HealthConfig
 from sglang_p2p_lb.proxy import ProxyConfig
@@ -105,6 +106,14 @@ async def cluster(
         await lb.stop()
         for w in prefills + decodes:
             await w.stop()
+
+
+async def serve_local(app: web.Application, **runner_kwargs: Any) -> tuple[web.AppRunner, str]:
+    """`app` served on 127.0.0.1 at a free port: its runner (cleanup() stops it) and its base URL."""
+    runner = web.AppRunner(app, handler_cancellation=True, **runner_kwargs)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 async def wait_until(pred: Callable[[], bool], timeout: float = 5.0, step: float = 0.02) -> bool:

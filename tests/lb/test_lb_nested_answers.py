@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from lb_harness import run
+from lb_harness import run, serve_local
 from sglang_p2p_lb.health import HealthConfig
 from sglang_p2p_lb.proxy import ProxyConfig
 from sglang_p2p_lb.server import LBConfig, LoadBalancer
@@ -61,11 +61,7 @@ class Worker:
         app = web.Application()
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", lambda r: web.Response())
-        self._runner = web.AppRunner(app, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_local(app)
         return self
 
     async def stop(self) -> None:

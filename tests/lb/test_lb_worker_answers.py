@@ -12,7 +12,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from lb_harness import ADMIN, ADMIN_KEY, cluster, run
+from lb_harness import ADMIN, ADMIN_KEY, cluster, run, serve_local
 from sglang_p2p_lb import health, loads
 from sglang_p2p_lb.auth import AuthConfig
 
@@ -53,11 +53,7 @@ class StandIn:
         app.router.add_get("/get_server_info", lambda r: self._answer(orjson.dumps(self.info)))
         app.router.add_get("/v1/loads", lambda r: self._answer(self.loads))
         app.router.add_get("/get_load", lambda r: self._answer(self.legacy))
-        self._runner = web.AppRunner(app, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_local(app)
         return self
 
     async def stop(self) -> None:
