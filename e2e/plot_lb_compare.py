@@ -9,11 +9,15 @@ repetitions of each second's p99, by when the requests were sent), where a run's
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
 from typing import Any, Optional
+
+try:
+    from e2e.results import load as load_result
+except ImportError:  # run as a script from e2e/
+    from results import load as load_result  # type: ignore[no-redef]
 
 PANELS = (("ttft_ms_p50", "TTFT p50 (ms)"), ("ttft_ms_p99", "TTFT p99 (ms)"), ("e2e_ms_p99", "E2E p99 (ms)"), ("output_throughput", "output tok/s"),
           ("prefill_imbalance", "prefill imbalance (max/mean)"), ("prefill_queue_max", "max prefill queue"),
@@ -105,8 +109,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(__doc__)
         return 2
     src = Path(argv[0])
-    out = Path(argv[1]) if len(argv) > 1 else src.with_suffix(".png")
-    plot(json.loads(src.read_text()), out)
+    out = Path(argv[1]) if len(argv) > 1 else Path(str(src).removesuffix(".gz")).with_suffix(".png")
+    plot(load_result(src), out)
     print(f"wrote {out}")
     return 0
 

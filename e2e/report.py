@@ -5,12 +5,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from .config import SINGLE_GPU_NOTE
+from .results import load as load_result
 
 
 def fmt(x: Any, digits: int = 1) -> str:
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", type=Path)
     a = ap.parse_args(argv)
-    print(render(json.loads(a.results.read_text())))
+    print(render(load_result(a.results)))
     return 0
 
 

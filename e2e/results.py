@@ -9,6 +9,7 @@ back from the second call holds both phases.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -16,6 +17,13 @@ from typing import Any
 
 SCHEMA = 1
 STEPS = ("check", "sglang_tests", "perf")
+
+
+def load(path: Path) -> Any:
+    """A result file, `.json` or `.json.gz` (larger results are kept gzipped in the repository: a device call
+    carries the tree and the SGLang bundle within 64 MiB)."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
 
 
 def merge(machine: dict[str, Any], steps: dict[str, Any], run_gpus: int | None = None) -> dict[str, Any]:

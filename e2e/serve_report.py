@@ -13,12 +13,13 @@ p2pnccl's step time over each other backend's at equal running batch over every 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any, Optional
+
+from .results import load as load_result
 
 COLORS = {"p2pnccl": "tab:green", "nixl": "tab:orange", "mooncake": "tab:blue", "p2pnccl-gil5": "tab:olive",
           "p2pnccl-kernel": "tab:purple", "p2pnccl-ce": "tab:cyan", "p2pnccl-grid132": "tab:brown"}
@@ -30,8 +31,7 @@ def load(paths: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
     machines: list[str] = []
     cells: dict[tuple, dict[str, Any]] = {}
     for p in paths:
-        # results kept gzipped in the repository (a device call carries the tree within 64 MiB) read the same
-        doc = json.loads(gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_text())
+        doc = load_result(p)
         machines.append(doc.get("machine", "?"))
         for c in doc.get("cells", []):
             key = (c["backend"], c["cuda_graph"], c["input_len"], c["concurrency"])
