@@ -11,7 +11,7 @@ engines only where its spans are long and few enough.
 `SGLANG_P2P_COPY_ENGINE` (engine/config.py) picks the mode: `auto` (the default: `choose`'s rule per chunk, with
 the thresholds below), `off` (the kernel for every chunk) or `on` (the copy engines for every chunk). The
 thresholds come from `bench/transfer/xfer_bench.py`:
-- across two NVLinked H100s (bench/results/xfer_nvidia-h100-x4_2026-11-2{7_a,7_b,7_c,8}.json, four runs), for at
+- across two NVLinked H100s (bench/results/xfer_nvidia-h100-x4_2026-11-2{7_a,7_b,7_c,8}.json.gz, four runs), for at
   most 64 spans a chunk, the copy engines took 0.90-0.96 of the kernel's time with spans of 18-32 MiB, 0.83-1.10
   at 4.5-8 MiB and 0.98-1.08 at 2 MiB (a 1k-token MHA request); shorter spans lost (1.06-1.6x at 1.1 MiB, a
   1k-token MLA request), scattered pages by 10-100x (each span costs them host time);
