@@ -244,7 +244,7 @@ class P2pNcclKVReceiver(CommonKVReceiver):
 
     def clear(self) -> None:
         super().clear()
-        self.kv_mgr.forget_room(self.bootstrap_room)
+        self.kv_mgr.forget_room(self.bootstrap_room, succeeded=self.conclude_state == KVPoll.Success)
 
     def abort(self):
         # Without SGLang's deferred release (0.5.17, or turned off) SGLang frees an aborted room's pages once its

@@ -49,6 +49,7 @@ from sglang_p2p_backend.engine.copy.state_slices import StateSliceError
 from sglang_p2p_backend.engine.pair.channels import PairReceivers
 from sglang_p2p_backend.engine.wire.control import ControlError
 from sglang_p2p_backend.engine.transport.base import TransportError
+from sglang_p2p_backend.adapter.bounded import Bounded
 from sglang_p2p_backend.adapter.failure_hold import FailureHolds, process_gone
 from sglang_p2p_backend.adapter.kv_fault import KVCorruption
 from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
@@ -63,6 +64,9 @@ _HELD_MAX = 4096
 #: the prefill rank a chunk of a room its sender does not serve is received under: outside every wire Rank, so
 #: nothing its receiver reports of it (refused, channel lost) reaches a room's arrivals
 _NOT_SERVING = 1 << 16
+#: rooms whose ABORT_ACK senders are kept at most: failed rooms SGLang may still hold (their pages wait for the
+#: ACKs or SGLang's release timeout); far more than a decode rank runs at once
+_ROOM_SERVERS_MAX = 65536
 
 
 @dataclass
@@ -92,8 +96,10 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         #: the RoomMetadata each live room sent each prefill rank: sent again when that rank released us
         self._room_frames: Dict[int, Dict[str, List[bytes]]] = {}
         #: every prefill rank each room's destinations went to (dummies too: each ACKs an abort), the only ranks
-        #: whose ABORT_ACK counts for it; kept past forget_room while SGLang holds the room (`forget_room`)
-        self._room_servers: Dict[int, frozenset] = {}
+        #: whose ABORT_ACK counts for it (SGLang 0.5.23's deferred release). A failed room's entry outlives its
+        #: receiver's clear(): SGLang reads the failure (failure_exception, which clears) before it arms the hold
+        #: and sends ABORT, so the ACKs come after; it goes with clear_deferred_abort_state, or as the oldest
+        self._room_servers: Bounded = Bounded(_ROOM_SERVERS_MAX)
         #: bootstrap address -> (why SGLang's check refused that prefill server, when): retried after a while
         self.incompatible_prefills: Dict[str, tuple[str, float]] = {}
         #: rooms of a refused prefill server its ranks were told of, and those ranks (per bootstrap address)
@@ -177,7 +183,8 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         """Publish `room`'s destinations to prefill rank `endpoint` (kept while the room lives). Raises
         ControlError."""
         self._room_frames.setdefault(room, {})[endpoint] = frames
-        self._room_servers[room] = self._room_servers.get(room, frozenset()) | {endpoint}
+        if getattr(self, "enable_deferred_decode_kv_release", False):  # only ABORT_ACKs read it (0.5.23+)
+            self._room_servers[room] = self._room_servers.get(room, frozenset()) | {endpoint}
         self.send_to_prefill(endpoint, frames)
 
     def _released(self, endpoint: str, reason: str) -> None:
@@ -270,7 +277,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
 
     def publish(self, room: int, published: checks.Published) -> None:
         self.live_rooms[room] = published
-        self._room_servers[room] = frozenset()  # this attempt's: send_room adds each rank it goes to
+        self._room_servers.pop(room, None)  # this attempt's: send_room adds each rank it goes to
 
     def refusal(self, endpoint: str) -> Optional[str]:
         """Why prefill rank `endpoint` refused this decode rank, if it did (rooms to it fail at once)."""
@@ -280,15 +287,22 @@ class DecodeKVManager(P2pNcclKVManagerBase):
     def room_wanted(self, room: int) -> bool:
         return room in self.live_rooms and self.request_status.get(room) not in (None, KVPoll.Failed)
 
-    def forget_room(self, room: int) -> None:
-        self.holds.forget(room)  # SGLang has the room's pages now (cleared or aborted)
+    def forget_room(self, room: int, succeeded: bool = False) -> None:
+        """SGLang has the room's pages now (cleared or aborted). `succeeded`: it concluded Success, so no abort
+        of it can follow and nobody ACKs it."""
+        self.holds.forget(room)
         self.live_rooms.pop(room, None)
         self._room_frames.pop(room, None)
         self.arrivals.forget(room)
-        # SGLang's abort forgets the room before it arms its deferred release and sends ABORT, so the ACKs come
-        # after: who may ACK stays known while SGLang holds the room (its status, an armed hold) until clear()
-        if room not in self.request_status and room not in getattr(self, "_deferred_abort_ack_tracker", {}):
+        if succeeded:
             self._room_servers.pop(room, None)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """SGLang released a held room's pages (decode.py `_do_release`): its ACKs count no more."""
+        clear = getattr(super(), "clear_deferred_abort_state", None)  # SGLang 0.5.23+
+        if clear is not None:
+            clear(bootstrap_room)
+        self._room_servers.pop(bootstrap_room, None)
 
     def _fail_rooms_served_by(self, session: str, reason: str) -> None:
         for room, pub in list(self.live_rooms.items()):

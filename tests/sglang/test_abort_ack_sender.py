@@ -110,3 +110,36 @@ def test_who_may_ack_a_room_is_forgotten_when_sglang_releases_it():
     mgr._on_sglang_frames(ack(0, generation), session(P0))
     assert not mgr.is_abort_release_safe(ROOM, 1) and mgr.dropped["not-owner"] == 1
     assert ROOM not in mgr._room_servers and ROOM not in mgr.request_status  # nothing of the room left behind
+
+
+def test_a_room_failed_on_the_decode_counts_its_acks_after_sglang_read_the_failure():
+    """A transfer failure SGLang did not start by aborting: its decode reads the failure first (failure_exception,
+    which clears the receiver), then arms the hold and sends ABORT (ensure_abort_notified(force_arm=True)); the
+    ACKs come after the clear and must still count, or the pages wait for SGLang's release timeout."""
+    sent: list = []
+    mgr = decode_manager(sent)
+    r = receiver(mgr)
+    r.send_metadata(np.arange(8, dtype=np.int32), aux_index=3)
+    mgr.room_failed(ROOM, "the decode's own check failed the room")
+    with pytest.raises(Exception, match="own check failed"):
+        r.failure_exception()  # SGLang's pop_transferred reads the reason; the receiver is cleared
+    assert ROOM not in mgr.request_status
+    r.ensure_abort_notified(force_arm=True)
+    generation = r._abort_generation
+    mgr._on_sglang_frames(ack(0, generation), session(P0))
+    mgr._on_sglang_frames(ack(1, generation), session(P1))
+    assert mgr.is_abort_release_safe(ROOM, 2) and not mgr.dropped, mgr.dropped
+    mgr.clear_deferred_abort_state(ROOM)
+    assert ROOM not in mgr._room_servers
+
+
+def test_a_room_that_succeeded_leaves_no_ack_senders_behind():
+    sent: list = []
+    mgr = decode_manager(sent)
+    r = receiver(mgr)
+    r.send_metadata(np.arange(8, dtype=np.int32), aux_index=3)
+    assert mgr._room_servers[ROOM] == {session(P0), session(P1)}
+    mgr.request_status[ROOM] = KVPoll.Success
+    r.conclude_state = KVPoll.Success
+    r.clear()
+    assert ROOM not in mgr._room_servers
