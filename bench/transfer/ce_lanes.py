@@ -38,16 +38,15 @@ import argparse
 import ctypes
 import json
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
 try:
-    from bench.transfer.gpu_names import cuda_torch
+    from bench.transfer.gpu_names import common_args, cuda_torch
     from bench.transfer.interference import during_writes
 except ImportError:  # run as a script from bench/transfer
-    from gpu_names import cuda_torch  # type: ignore[no-redef]
+    from gpu_names import common_args, cuda_torch  # type: ignore[no-redef]
     from interference import during_writes  # type: ignore[no-redef]
 
 MIB = 1 << 20
@@ -310,10 +309,7 @@ def report(result: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/ce_lanes.json"))
-    ap.add_argument("--machine", default="unknown")
-    ap.add_argument("--case-s", type=float, default=0.2)
-    ap.add_argument("--budget-s", type=float, default=200.0)
+    common_args(ap, "bench/results/ce_lanes.json", case_s=0.2, budget_s=200.0)
     ap.add_argument("--lanes", default="1,2,4,8", help="stream counts to deal the spans over, comma-separated")
     ap.add_argument("--heads", default=",".join(map(str, HEADS)), help="first-call span counts of `ce headN`")
     ap.add_argument("--few", action="store_true", help="leave out the batch call without its hint and memcpy")

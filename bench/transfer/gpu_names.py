@@ -1,10 +1,13 @@
-"""The host's GPUs as nvidia-smi names them, for result file names (no CUDA context needed), and the torch a GPU
-benchmark runs with (`cuda_torch`: None, said once, where there is no CUDA device)."""
+"""What the GPU benchmarks here share: the host's GPUs as nvidia-smi names them, for result file names (no CUDA
+context needed), the torch a benchmark runs with (`cuda_torch`: None, said once, where there is no CUDA device)
+and their common options (`common_args`)."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
+from pathlib import Path
 
 
 def gpu_slugs() -> list[str]:
@@ -28,3 +31,12 @@ def cuda_torch(tool: str):
         print(f"{tool}: no CUDA device, nothing measured")
         return None
     return torch
+
+
+def common_args(ap: argparse.ArgumentParser, out: str, case_s: float, budget_s: float) -> None:
+    """--out (the JSON), --machine (its name in the results), --case-s (seconds of timed calls a case) and
+    --budget-s (no case starts after it), with this benchmark's defaults."""
+    ap.add_argument("--out", type=Path, default=Path(out))
+    ap.add_argument("--machine", default="unknown")
+    ap.add_argument("--case-s", type=float, default=case_s)
+    ap.add_argument("--budget-s", type=float, default=budget_s)

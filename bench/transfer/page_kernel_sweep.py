@@ -42,10 +42,10 @@ from typing import Optional
 import numpy as np
 
 try:
-    from bench.transfer.gpu_names import cuda_torch
+    from bench.transfer.gpu_names import common_args, cuda_torch
     from bench.transfer.xfer_cases import SHAPES, Case, Shape, Table, page_ids
 except ImportError:  # run as a script from bench/transfer
-    from gpu_names import cuda_torch  # type: ignore[no-redef]
+    from gpu_names import common_args, cuda_torch  # type: ignore[no-redef]
     from xfer_cases import SHAPES, Case, Shape, Table, page_ids  # type: ignore[no-redef]
 
 
@@ -363,10 +363,7 @@ def report(result: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/page_kernel_sweep.json"))
-    ap.add_argument("--machine", default="unknown")
-    ap.add_argument("--case-s", type=float, default=0.1)
-    ap.add_argument("--budget-s", type=float, default=240.0)
+    common_args(ap, "bench/results/page_kernel_sweep.json", case_s=0.1, budget_s=240.0)
     ap.add_argument("--per-sm", default="1,2,4,8,16", help="programs an SM to try, comma-separated")
     ap.add_argument("--host-ids", action="store_true",
                     help="instead of the sweep, time the kernel reading its ids from pinned memory (a process of its "
