@@ -9,6 +9,7 @@ from sglang_p2p_backend.engine.copy.plan import (
     Segment,
     copy_descriptors,
     ids_out_of_range,
+    out_of_range_id,
     is_contiguous,
     page_runs,
     plan_chunks,
@@ -46,6 +47,14 @@ def test_ids_out_of_range_names_the_bad_ids_whatever_their_type(dtype):
         assert ids_out_of_range(np.array([-1, 3], dtype=dtype), 64) == "page id out of range [0, 64): min -1, max 3"
         most = np.iinfo(dtype).min if np.dtype(dtype).kind == "i" else -1e30
         assert ids_out_of_range(np.array([5, most], dtype=dtype), 64) is not None
+
+
+def test_out_of_range_id_names_the_negative_id_first_else_the_largest():
+    assert out_of_range_id(np.array([0, 5, 63], dtype=np.int32), 64) is None
+    assert out_of_range_id(np.array([], dtype=np.int32), 64) is None
+    assert out_of_range_id(np.array([70, 1, 64], dtype=np.int32), 64) == 70
+    assert out_of_range_id(np.array([70, -3, 64], dtype=np.int64), 64) == -3
+    assert out_of_range_id(np.array([-1], dtype=np.int16), 40_000) == -1
 
 
 def test_ids_out_of_range_for_lists_non_contiguous_views_and_bounds_past_the_signed_range():

@@ -90,10 +90,10 @@ _UNSIGNED = {np.dtype(t): (np.dtype(u), 1 << (8 * np.dtype(t).itemsize - 1))
              for t, u in ((np.int8, np.uint8), (np.int16, np.uint16), (np.int32, np.uint32), (np.int64, np.uint64))}
 
 
-def ids_out_of_range(ids: np.ndarray, limit: int) -> Optional[str]:
-    """What is wrong with page ids that must lie in [0, limit), None if nothing (or no ids). Checked in one pass
-    over the ids (they are on every chunk's path): read as unsigned of their width a negative id is past any
-    bound below 2**(bits-1); min and max, for the message, only when something is wrong."""
+def _bad_range(ids: np.ndarray, limit: int) -> Optional[tuple[int, int]]:
+    """(min, max) of page ids that must lie in [0, limit) when some do not, else None (also for no ids). Checked in
+    one pass over the ids (they are on every chunk's path): read as unsigned of their width a negative id is past
+    any bound below 2**(bits-1); min and max only when something is wrong."""
     if len(ids) == 0:
         return None
     a = np.asarray(ids)
@@ -101,7 +101,19 @@ def ids_out_of_range(ids: np.ndarray, limit: int) -> Optional[str]:
     if unsigned is not None and limit <= unsigned[1] and int(a.view(unsigned[0]).max()) < limit:
         return None
     lo, hi = int(np.min(a)), int(np.max(a))
-    return f"page id out of range [0, {limit}): min {lo}, max {hi}" if lo < 0 or hi >= limit else None
+    return (lo, hi) if lo < 0 or hi >= limit else None
+
+
+def ids_out_of_range(ids: np.ndarray, limit: int) -> Optional[str]:
+    """What is wrong with page ids that must lie in [0, limit), None if nothing (or no ids)."""
+    bad = _bad_range(ids, limit)
+    return None if bad is None else f"page id out of range [0, {limit}): min {bad[0]}, max {bad[1]}"
+
+
+def out_of_range_id(ids: np.ndarray, limit: int) -> Optional[int]:
+    """One page id outside [0, limit) (the smallest if one is negative, else the largest), None if none."""
+    bad = _bad_range(ids, limit)
+    return None if bad is None else (bad[0] if bad[0] < 0 else bad[1])
 
 
 def moved_len(item_len: int, heads: Slice, region: int = 0) -> int:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.engine.copy.ce_plan import COPY_ENGINE, KERNEL, choose, coalesce, page_chunk_shape, page_spans
-from sglang_p2p_backend.engine.copy.plan import ids_out_of_range, page_runs, run_breaks
+from sglang_p2p_backend.engine.copy.plan import out_of_range_id, page_runs, run_breaks
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 from sglang_p2p_backend.engine.transport.route_tally import ROUTE_NAMES, RouteTally
@@ -630,9 +630,8 @@ class CudaIpcTransport(OneSidedTransport):
         if not src_ids.size or not items.size:
             return None
         for name, ids, bound in (("destination", dst_ids, dst_pages), ("source", src_ids, src_pages)):
-            if ids_out_of_range(ids, bound) is not None:  # one pass; the exact culprit only on the way out
-                lo, hi = int(ids.min()), int(ids.max())
-                bad = lo if lo < 0 else hi
+            bad = out_of_range_id(ids, bound)
+            if bad is not None:
                 raise TransportError(f"{name} page {bad} is outside the pool's {bound} pages; nothing was written")
         src, mapped, items = self._pool(session, m, src_bases, dst_bases, item_bytes, items, dst_pages)
         return PageWrite(src, mapped, items, src_ids, dst_ids)

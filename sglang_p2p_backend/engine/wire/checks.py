@@ -16,7 +16,7 @@ import numpy as np
 
 from sglang_p2p_backend.engine.copy.heads import Heads
 from sglang_p2p_backend.engine.wire.messages import AuxData, ChunkHeader, ChunkSegment, PeerRegister, RoomMetadata, WireError
-from sglang_p2p_backend.engine.copy.plan import Chunk, Segment, Slice, ids_out_of_range, moved_len
+from sglang_p2p_backend.engine.copy.plan import Chunk, Segment, Slice, moved_len, out_of_range_id
 
 _KV_POLL_SUCCESS, _KV_POLL_FAILED = 4, 0  # SGLang's KVPoll values a Status may carry
 
@@ -26,9 +26,9 @@ def ids(raw: bytes, limit: int, name: str) -> np.ndarray:
     if len(raw) % 4:
         raise WireError(f"{name}: {len(raw)} bytes is not a whole number of int32 ids")
     out = np.frombuffer(raw, dtype=np.int32)
-    if ids_out_of_range(out, limit) is not None:  # one pass; the culprit only on the way out
-        lo, hi = int(out.min()), int(out.max())
-        raise WireError(f"{name}: id {lo if lo < 0 else hi} outside the pool's 0..{limit - 1}")
+    bad = out_of_range_id(out, limit)
+    if bad is not None:
+        raise WireError(f"{name}: id {bad} outside the pool's 0..{limit - 1}")
     return out
 
 
