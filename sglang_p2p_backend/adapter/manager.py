@@ -233,13 +233,15 @@ class P2pNcclKVManagerBase(CommonKVManager):
         self._inbound_limited = True
         a = self.kv_args
 
-        def pages(lens: Any, items: Any) -> int:
-            return max([int(n) // int(i) for n, i in zip(lens or [], items or []) if int(i) > 0] or [0])
+        def pages(ptrs: Any, lens: Any, items: Any) -> int:
+            return max((r.num_items for r in regions_from_lists(ptrs or [], lens or [], items or [])), default=0)
 
-        states = [pages(n, i) for n, i in zip(getattr(a, "state_data_lens", None) or [],
-                                              getattr(a, "state_item_lens", None) or [])]
+        states = [pages(*lists) for lists in zip(getattr(a, "state_data_ptrs", None) or [],
+                                                 getattr(a, "state_data_lens", None) or [],
+                                                 getattr(a, "state_item_lens", None) or [])]
         aux = sum(int(i) for i in (getattr(a, "aux_item_lens", None) or []))
-        limit_inbound(self.server_socket, max_frame_bytes(pages(a.kv_data_lens, a.kv_item_lens), states, aux))
+        limit_inbound(self.server_socket,
+                      max_frame_bytes(pages(a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens), states, aux))
 
     def _init_role(self) -> None:
         raise NotImplementedError

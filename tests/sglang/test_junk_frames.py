@@ -71,7 +71,8 @@ def test_the_control_socket_drops_frames_past_what_the_ranks_pools_allow_at_the_
     try:
         mgr = manager(cls)
         mgr.server_socket = sock
-        mgr.kv_args = types.SimpleNamespace(kv_data_lens=[64 * 1000, 64 * 900], kv_item_lens=[64, 64],
+        mgr.kv_args = types.SimpleNamespace(kv_data_ptrs=[1 << 20, 2 << 20], kv_data_lens=[64 * 1000, 64 * 900],
+                                            kv_item_lens=[64, 64], state_data_ptrs=[[3 << 20]],
                                             state_data_lens=[[8 * 10]], state_item_lens=[[8]], aux_item_lens=[16, 32])
         mgr._limit_inbound()
         limit = max_frame_bytes(1000, [10], 48)
