@@ -115,6 +115,8 @@ class PrefillRole(Role):
         self.write_done_at: dict[int, float] = {}
         self.sent_bytes: dict[int, int] = {}
         self.ack_sent_at: dict[int, float] = {}
+        #: request key -> the stand-in events of its chunks' page ids (`send_as_host_tensor`)
+        self.landings: dict[str, list] = {}
         self.watch_writes(self.faults.get("write_delay_s", 0))
         faults.misdirect_aux(self.mgr, self.faults.get("aux_row", {}))
         faults.delay_success_mark(self.mgr, self.faults.get("mark_delay_s", {}))
@@ -241,7 +243,7 @@ class PrefillRole(Role):
         ids = torch.full((len(pages),), -1, dtype=torch.int64)
         landing = _IdsLanding(ids, pages)
         req.handle.send(ids, state, indices_event=landing)
-        self.__dict__.setdefault("landings", {}).setdefault(req.key, []).append(landing)
+        self.landings.setdefault(req.key, []).append(landing)
 
     def send(self, req: Req) -> None:
         """One send() of the request's next chunk (with the state slot on the last one)."""
@@ -273,7 +275,7 @@ class PrefillRole(Role):
             req.result["sent_bytes"] = self.sent_bytes.get(req.room, 0)
         if req.room in self.ack_sent_at:
             req.result["ack_sent_at"] = self.ack_sent_at[req.room]
-        landings = self.__dict__.get("landings", {}).get(req.key)
+        landings = self.landings.get(req.key)
         if landings:  # which thread waited for each chunk's ids (None: nobody did)
             req.result["indices_waited_by"] = [x.waited_by for x in landings]
 
