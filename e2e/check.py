@@ -9,10 +9,16 @@ prefill of 64 tokens, radix cache off, fp32 lm_head). Every prompt goes once to 
 the LB, one request at a time (batching alone moves logprobs), non-streaming and streaming. A sensitivity probe
 (one prompt token changed, sent to the reference) shows how far a wrong context would move the logprobs, i.e.
 that the comparison is sharp.
+
+E2E_CHECK_RELEASE=1: after the comparison, the prefill and the decode release their KV memory and resume it
+(SGLang's `/release_memory_occupation`, `/resume_memory_occupation`, tag kv_cache; p2pnccl's memory hooks), and
+every prompt is compared again (`after_resume`). E2E_CHECK_MEMORY_SAVER=1 starts the prefill and the decode with
+`--enable-memory-saver` (torch_memory_saver: the release unmaps the pools).
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 import traceback
@@ -29,6 +35,8 @@ BASE_PORT = {"llama-tiny": 31000, "mla-tiny": 31100, "swa-tiny": 31200}
 PROMPT_LENGTHS = (1, 7, 63, 64, 65, 200, 777, 2500)  # around the 64-token chunk edge, and many chunks
 MAX_NEW_TOKENS = 24
 TEXT_PROMPT = "The quick brown fox jumps over the lazy dog, and then it"
+RELEASE = os.environ.get("E2E_CHECK_RELEASE", "0") == "1"
+MEMORY_SAVER = os.environ.get("E2E_CHECK_MEMORY_SAVER", "0") == "1"
 
 
 def cases(seed: int = 7) -> list[tuple[str, Any]]:
@@ -73,10 +81,28 @@ async def compare_model(ref_url: str, lb_url: str, tolerance: float) -> dict[str
                                     "inf = the first output token changed"}}
 
 
+async def release_and_resume(urls: list[str]) -> dict[str, Any]:
+    """Each server releases its KV memory, then each resumes it (an idle server: SGLang asserts it)."""
+    import aiohttp
+
+    out: dict[str, Any] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        for step in ("release", "resume"):
+            for url in urls:
+                t0 = time.monotonic()
+                async with s.post(f"{url}/{step}_memory_occupation", json={"tags": ["kv_cache"]}) as r:
+                    body = await r.text()
+                    out[f"{step} {url}"] = {"status": r.status, "s": round(time.monotonic() - t0, 2), "body": body[:300]}
+                    if r.status != 200:
+                        raise RuntimeError(f"{step}_memory_occupation on {url}: HTTP {r.status} {body[:300]}")
+    return out
+
+
 def run(models_dir: Path, logs: Path, only: list[str], tolerance: float,
         results: dict[str, Any] | None = None, gpus: int = 2) -> dict[str, Any]:
     """Fills ``results`` in place as it goes (the caller writes it even if the step is stopped)."""
     results = {} if results is None else results
+    results.update(memory_release=RELEASE, memory_saver=MEMORY_SAVER)
     results.update(flags=config.CHECK_FLAGS, flags_by_model={m: config.check_flags(m) for m in only},
                    backend="p2pnccl", gpus=gpus,
                    transport=config.transport_info("p2pnccl", gpus), models={})
@@ -88,7 +114,8 @@ def run(models_dir: Path, logs: Path, only: list[str], tolerance: float,
             flags = config.check_flags(m)
             gpu = {**MODELS, **ON_REQUEST}[m] if gpus > 1 else 0
             ref = config.reference(m, models_dir / m, BASE_PORT[m] + 10, gpu, flags)
-            p, d, lb = config.pd_pair(m, models_dir / m, "p2pnccl", BASE_PORT[m], flags, gpus)
+            pd_flags = [*flags, "--enable-memory-saver"] if MEMORY_SAVER else flags
+            p, d, lb = config.pd_pair(m, models_dir / m, "p2pnccl", BASE_PORT[m], pd_flags, gpus)
             plan[m] = (ref, p, d, lb)
         # decode and prefill first on each GPU: if GPU memory runs short, the references are the ones to fail
         order = [s for m in only for s in plan[m][1:3]] + [plan[m][0] for m in only]
@@ -106,6 +133,9 @@ def run(models_dir: Path, logs: Path, only: list[str], tolerance: float,
             else:
                 try:
                     entry.update(asyncio.run(compare_model(ref.url, lb.url, tolerance)))
+                    if RELEASE:
+                        entry["memory_release"] = asyncio.run(release_and_resume([p.url, d.url]))
+                        entry["after_resume"] = asyncio.run(compare_model(ref.url, lb.url, tolerance))
                     entry["status"] = "ok"
                 except Exception as e:
                     entry.update(status="error", errors={"client": f"{e}\n{traceback.format_exc()[-2000:]}"},
@@ -127,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         run(a.models, a.logs, a.only.split(","), a.tolerance, res, a.gpus or config.gpus_from_env())
     finally:
         results_io.write_json(a.out, res)
-    ok = all(m.get("summary", {}).get("verdict") == "pass" for m in res["models"].values())
+    ok = all(m.get("summary", {}).get("verdict") == "pass"
+             and (not RELEASE or m.get("after_resume", {}).get("summary", {}).get("verdict") == "pass")
+             for m in res["models"].values())
     return 0 if ok else 1
 
 

@@ -41,11 +41,14 @@ def machine_line(m: dict[str, Any]) -> str:
 def check_section(check: dict[str, Any]) -> list[str]:
     rows = []
     for model, e in check.get("models", {}).items():
-        s = e.get("summary", {})
         sens = e.get("sensitivity", {}).get("min")
-        rows.append([model, e.get("status"), s.get("cases"), s.get("ids_equal"),
-                     _g(s.get("max_abs_logprob_diff")), _g(s.get("max_abs_top_logprob_diff")),
-                     s.get("bit_identical"), _g(sens), s.get("verdict", "fail")])
+        # E2E_CHECK_RELEASE: the same prompts again once both servers released and resumed their KV memory
+        passes = [(model, e.get("summary", {}))] + ([(f"{model}, after release/resume", e["after_resume"].get("summary", {}))]
+                                                   if "after_resume" in e else [])
+        for name, s in passes:
+            rows.append([name, e.get("status"), s.get("cases"), s.get("ids_equal"),
+                         _g(s.get("max_abs_logprob_diff")), _g(s.get("max_abs_top_logprob_diff")),
+                         s.get("bit_identical"), _g(sens), s.get("verdict", "fail")])
     return ["### Correctness: p2pnccl PD through the LB vs one non-PD server (greedy, streaming and not)", "",
             *table(["model", "status", "cases", "ids equal", "max abs dlogprob", "max abs dtop-5", "bit-identical",
                     "sensitivity (nats)", "verdict"], rows), "",

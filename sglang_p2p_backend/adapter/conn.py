@@ -71,8 +71,9 @@ def _latched_poll(obj, timed_state: int, check_timeout) -> KVPoll:
     SGLang's own timeout applies while the room sits in `timed_state`."""
     if obj.conclude_state is not None:
         return obj.conclude_state
-    if obj.kv_mgr.broken is not None:
-        obj.kv_mgr.room_failed(obj.bootstrap_room, obj.kv_mgr.broken)
+    why = obj.kv_mgr.broken or obj.kv_mgr.kv_released
+    if why is not None:
+        obj.kv_mgr.room_failed(obj.bootstrap_room, why)
     status = obj.kv_mgr.request_status.get(obj.bootstrap_room, KVPoll.Failed)
     if status in (KVPoll.Success, KVPoll.Failed):
         obj.conclude_state = status
@@ -200,6 +201,9 @@ class P2pNcclKVReceiver(CommonKVReceiver):
         real = [e for e, i in zip(endpoints, self.bootstrap_infos) if not i.get("is_dummy", False)]
         mgr.publish(room, published_room(kv, aux_index, state_arrays, real))
         ids, states = kv.tobytes(), [s.tobytes() for s in state_arrays]
+        if mgr.kv_released is not None:  # its pages may be unmapped: nothing is published, no prefill writes
+            mgr.room_failed(room, mgr.kv_released)
+            return
         for endpoint, info in zip(endpoints, self.bootstrap_infos):
             dummy = bool(info.get("is_dummy", False))
             msg = wire.RoomMetadata(

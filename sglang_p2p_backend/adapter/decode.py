@@ -304,6 +304,16 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             clear(bootstrap_room)
         self._room_servers.pop(bootstrap_room, None)
 
+    def _memory_resumed(self) -> None:
+        """SGLang resumed the pools (manager.py `register_buffer_to_engine`). Prefills mapped them through CUDA IPC
+        at registration; torch_memory_saver's memory, the only kind a pause frees, is never exportable, so the
+        export should still name them: checked, since a stale mapping would be wrong KV reported as Success."""
+        changed = self.ipc.export_changed(self.local_memory.pool_regions()) if self.ipc is not None else None
+        if changed:
+            self._fatal(f"p2pnccl: this decode rank's KV pools were exported through CUDA IPC and {changed} after "
+                        "release/resume_memory_occupation; prefills would write the old memory: restart this "
+                        "server, or run it with SGLANG_P2P_TRANSPORT=nccl")
+
     def _fail_rooms_served_by(self, session: str, reason: str) -> None:
         for room, pub in list(self.live_rooms.items()):
             if session in pub.prefills:

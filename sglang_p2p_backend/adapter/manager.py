@@ -210,6 +210,8 @@ class P2pNcclKVManagerBase(CommonKVManager):
         self.dropped: Counter = Counter()  # dropped inbound messages by kind (tests, metrics)
         #: set when a background loop cannot go on: every room then fails with this reason
         self.broken: Optional[str] = None
+        #: set between SGLang's release and resume of the KV memory: rooms fail with this reason meanwhile
+        self.kv_released: Optional[str] = None
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         self._init_role()
@@ -219,6 +221,7 @@ class P2pNcclKVManagerBase(CommonKVManager):
     _role = "manager"
     #: off unless SGLANG_P2P_TEST_KV_DIGEST=1 (set in __init__); a class default for managers built without it
     kv_digest: Optional[KVDigest] = None
+    kv_released: Optional[str] = None
 
     def register_to_bootstrap(self) -> None:
         self._limit_inbound()  # before the endpoint is announced: the listener is bound again
@@ -416,6 +419,43 @@ class P2pNcclKVManagerBase(CommonKVManager):
         if self.request_status.get(room) not in (None, KVPoll.Failed, KVPoll.Success):
             self.record_failure(room, reason)
             self.update_status(room, KVPoll.Failed)
+
+    # ------------------------------------------------------------------ memory saver
+    def deregister_buffer_to_engine(self) -> None:
+        """SGLang releases this rank's KV memory (`release_memory_occupation`; with --enable-memory-saver its pages
+        are unmapped until `resume_memory_occupation`). SGLang calls it with the server idle, so no room should be
+        open; one that is fails here, a room started before the resume fails at once (`_latched_poll`), and no
+        chunk reads or lands meanwhile. The Mooncake registration goes too: it names pages that are going."""
+        if self.kv_released is not None:
+            return
+        reason = ("this rank's KV memory is released (SGLang's release_memory_occupation); "
+                  "call resume_memory_occupation before sending it requests")
+        self.kv_released = reason
+        open_rooms = [r for r, st in list(self.request_status.items()) if st not in (KVPoll.Success, KVPoll.Failed)]
+        if open_rooms:
+            logger.warning("p2pnccl: KV memory released with %d rooms still open (SGLang releases an idle server "
+                           "only); they fail", len(open_rooms))
+        for room in open_rooms:
+            self._fail_open_room(room, reason)
+        if self.one_sided is not None:
+            self.one_sided.unregister()
+        logger.info("p2pnccl: KV memory released; transfers refused until it is resumed")
+
+    def register_buffer_to_engine(self) -> None:
+        """SGLang resumed this rank's KV memory (`resume_memory_occupation`): register it again, take rooms again."""
+        if self.kv_released is None:
+            return
+        if self.one_sided is not None:
+            self.one_sided.register(self.local_memory.regions())
+        self._memory_resumed()
+        self.kv_released = None
+        logger.info("p2pnccl: KV memory resumed; transfers accepted again")
+
+    def _fail_open_room(self, room: int, reason: str) -> None:
+        self.room_failed(room, reason)
+
+    def _memory_resumed(self) -> None:
+        """A role's check of its memory after a resume (decode.py: its CUDA IPC export still names it)."""
 
     def close(self) -> None:
         """Stop this manager's threads and release its channels, staging and sockets (tests, shutdown)."""

@@ -497,7 +497,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         """A sender for `room` exists on this rank (P2pNcclKVSender)."""
         self.owned_rooms.add(room)
         self.slots.worked(self.transfer_infos.get(room) or {})
-        reason = self.concluded.pop(room, (None,))[0]
+        reason = self.concluded.pop(room, (None,))[0] or self.kv_released
         if reason:
             self._fail_room(room, reason)
 
@@ -549,6 +549,9 @@ class PrefillKVManager(P2pNcclKVManagerBase):
     def _fatal(self, reason: str) -> None:
         super()._fatal(reason)
         for room in list(self.transfer_infos):
+    def _fail_open_room(self, room: int, reason: str) -> None:
+        self._fail_room(room, reason, block=False)
+
             self._notify_decode(room, KVPoll.Failed, reason, block=False)
 
     def _succeed(self, room: int) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from sglang_p2p_backend.testing import runtime
 from sglang_p2p_backend.testing.plan import Req, rank_heads, touch
+from sglang_p2p_backend.testing.memory_release import MemoryRelease
 from sglang_p2p_backend.testing import sglang_pools
 from sglang_p2p_backend.testing.pools import HostPools, PoolSpec
 
@@ -126,6 +127,8 @@ class Role:
         self.free_state = [list(self.rng.permutation(np.arange(c.first_item, c.num_items))) for c in self.pools.states]
         self.used_pages: set[int] = set()
         self.used_state: list[set[int]] = [set() for _ in self.pools.states]
+        release = plan.get("memory_release", {}).get(role)
+        self.memory_release = MemoryRelease(self, release) if release else None
         self.after_manager()
 
     # ------------------------------------------------------------------ the role's part
@@ -259,12 +262,16 @@ class Role:
                         r.result.update(status="Hung", phase=r.phase)
                     r.phase = "done"
                 break
+            if self.memory_release is not None:
+                self.memory_release.step()
             pending = [r for r in reqs if r.phase != "done"]
             for r in pending[:1] if self.plan.get("serial") else pending:  # serial: one request at a time
                 self.step(r, now)
             time.sleep(0.002)
         elapsed = time.monotonic() - t0
         out = {"role": self.role, "elapsed_s": elapsed, "requests": {r.key: r.result for r in reqs}}
+        if self.memory_release is not None:
+            out["memory_release"] = self.memory_release.report()
         self.after_requests(out)
         linger = float(self.plan.get("linger_s", {}).get(self.role, 0))
         time.sleep(linger)  # let the peer finish before this role's sockets go away

@@ -31,7 +31,7 @@ def meta(ids, lps, k, prompt_tokens=0, cached_tokens=0):
             "completion_tokens": k, "finish_reason": {"type": "length"} if k == len(ids) else None}
 
 
-def make_app(shift, corrupt_file=None):
+def make_app(shift, corrupt_file=None, refuse_memory=False):
     async def health(_):
         return web.Response(text="ok")
 
@@ -61,7 +61,22 @@ def make_app(shift, corrupt_file=None):
         return web.Response(text=f'sglang:kv_transfer_latency_ms_sum{{tp_rank="0"}} {2.0 * n}\n'
                                  f'sglang:kv_transfer_latency_ms_count{{tp_rank="0"}} {float(n)}\n')
 
+    async def memory(req):  # SGLang's release/resume_memory_occupation: the tag list, in order of the calls
+        body = await req.json()
+        if req.app["refuse_memory"]:
+            return web.json_response({"error": "release_memory_occupation should be called only when server is idle."},
+                                     status=400)
+        STATE.setdefault("memory", []).append((req.path, body.get("tags")))
+        return web.json_response({})
+
+    async def memory_calls(_):
+        return web.json_response(STATE.get("memory", []))
+
     app = web.Application()
+    app["refuse_memory"] = refuse_memory
+    app.router.add_post("/release_memory_occupation", memory)
+    app.router.add_post("/resume_memory_occupation", memory)
+    app.router.add_get("/memory_calls", memory_calls)
     app.router.add_get("/health", health)
     app.router.add_post("/generate", generate)
     app.router.add_get("/metrics", metrics)
@@ -74,7 +89,8 @@ if __name__ == "__main__":
     ap.add_argument("--shift", type=float, default=0.0)
     ap.add_argument("--delay-pool", type=float, default=0.0)
     ap.add_argument("--corrupt-file")
+    ap.add_argument("--refuse-memory", action="store_true")
     a = ap.parse_args()
     time.sleep(a.delay_pool)
     print("Memory pool end. (fake)", flush=True)
-    web.run_app(make_app(a.shift, a.corrupt_file), host="127.0.0.1", port=a.port, print=None)
+    web.run_app(make_app(a.shift, a.corrupt_file, a.refuse_memory), host="127.0.0.1", port=a.port, print=None)

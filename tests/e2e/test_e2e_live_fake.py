@@ -71,6 +71,25 @@ def test_check_fails_when_pd_logprobs_move(tmp_path):
     assert abs(s["max_abs_logprob_diff"] - 0.35) < 1e-6
 
 
+def test_release_and_resume_reach_every_server_in_order_and_a_refusal_stops_the_check(tmp_path):
+    import aiohttp
+
+    async def calls(url):
+        async with aiohttp.ClientSession() as s, s.get(f"{url}/memory_calls") as r:
+            return await r.json()
+
+    p, d, busy = FakeServer("p", 0), FakeServer("d", 0), FakeServer("busy", 0, "--refuse-memory")
+    with Stack(tmp_path) as stack:
+        stack.launch([p, d, busy])
+        out = asyncio.run(check.release_and_resume([p.url, d.url]))
+        assert [k.split()[0] for k in out] == ["release", "release", "resume", "resume"]
+        for server in (p, d):  # KV memory only: weights and graphs stay
+            assert asyncio.run(calls(server.url)) == [["/release_memory_occupation", ["kv_cache"]],
+                                                      ["/resume_memory_occupation", ["kv_cache"]]]
+        with pytest.raises(RuntimeError, match="release_memory_occupation on .*HTTP 400.*only when server is idle"):
+            asyncio.run(check.release_and_resume([busy.url]))
+
+
 def test_load_run_reports_ttft_throughput_and_kv_transfer_time(tmp_path, monkeypatch):
     monkeypatch.setattr(perf, "PROMPT_TOKENS", (16,))
     monkeypatch.setattr(perf, "CONCURRENCY", (1, 4))

@@ -110,6 +110,10 @@ class OneSidedTransport(ABC):
         """Write `lengths[i]` bytes from local `src[i]` to the peer's `dst[i]` as one batch; blocks until
         done and raises TransportError on failure."""
 
+    def unregister(self) -> None:
+        """Deregister every region `register` took (SGLang pauses the KV memory under it: a registration names
+        physical pages that are about to go); `register` may be called again afterwards. Nothing by default."""
+
     def forget_peer(self, session: str) -> None:
         """The peer at `session` is gone: drop what this transport keeps for it (nothing, by default)."""
 

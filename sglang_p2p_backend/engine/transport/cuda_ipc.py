@@ -502,6 +502,21 @@ class CudaIpcTransport(OneSidedTransport):
             self.export, self.unavailable = None, str(e)
             logger.warning("p2pnccl: same-host CUDA IPC path off for this rank, prefills use NCCL: %s", e)
 
+    def export_changed(self, regions: Sequence[tuple[int, int]]) -> Optional[str]:
+        """Why the export sent to prefills no longer names `regions`' memory (None: it still does). After SGLang
+        paused and resumed the pools: a prefill's mapping holds the allocation it opened, so had the pause freed
+        it, every write would land in the old memory while the pools read the new."""
+        if self.export is None:
+            return None
+        try:
+            now = export_regions(regions, self.device)
+        except IpcUnavailable as e:
+            return f"the pools cannot be exported any more ({e})"
+        old = self.export
+        if now.handles != old.handles or now.alloc_sizes != old.alloc_sizes or now.regions != old.regions:
+            return "the pools live in other allocations than the ones exported at start"
+        return None
+
     def session_id(self) -> str:
         return ""
 

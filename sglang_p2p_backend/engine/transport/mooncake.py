@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 from sglang_p2p_backend.engine.transport.select import rdma_devices
@@ -239,16 +239,22 @@ class MooncakeTransport(OneSidedTransport):
                     self._mark_failed(session, cause)
                     raise TransportError(f"Mooncake write to {session} failed: {cause}")
 
+    def unregister(self) -> None:
+        self._unregister(self._live_engine())
+
+    def _unregister(self, engine: Any) -> None:
+        if self._registered:
+            rc = engine.batch_unregister_memory(list(self._registered))
+            if rc != 0:
+                logger.warning("Mooncake batch_unregister_memory of %d regions returned %d", len(self._registered), rc)
+            self._registered.clear()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        if self._registered:
-            rc = self._engine.batch_unregister_memory(list(self._registered))
-            if rc != 0:
-                logger.warning("Mooncake batch_unregister_memory of %d regions returned %d", len(self._registered), rc)
-            self._registered.clear()
+        self._unregister(self._engine)
         # dropping the last reference runs the engine's destructor: closes segments, stops its listener threads
         self._engine = None
 

@@ -1,0 +1,89 @@
+"""SGLang's release_memory_occupation / resume_memory_occupation (--enable-memory-saver) on both sides of a 1P1D
+pair, through SGLang's own queue methods (testing/memory_release.py) and real transfers before, during and after.
+
+Released, a rank's KV pages may be unmapped (torch_memory_saver): a request sent meanwhile must fail on both
+sides naming the release, with no byte of either pool touched, and the Mooncake registration must go (it names
+the pages); resumed, the next request lands byte-exact over the same transport.
+"""
+
+from multiprocessing import shared_memory
+from types import SimpleNamespace
+
+import pytest
+import torch
+from support.shm_ipc import ShmBackend
+from test_pd_transfer import TRANSPORTS, assert_clean, failed_reason
+
+from sglang_p2p_backend.adapter.decode import DecodeKVManager
+from sglang_p2p_backend.engine.transport import cuda_ipc
+from sglang_p2p_backend.testing.launch import run_pair
+
+pytestmark = pytest.mark.sglang
+
+POOL = {"layout": "mla", "num_layers": 3, "page_size": 4, "num_pages": 200, "state_slots": 8}
+RELEASED = ["prefill-0-released", "decode-0-released"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport_env", TRANSPORTS)
+def test_a_released_pair_refuses_requests_and_serves_again_after_resume(transport_env):
+    requests = [
+        {"room": 61, "tokens": 4 * 12 + 3, "chunk_pages": 5},
+        {"room": 62, "tokens": 4 * 12, "chunk_pages": 5, "after": RELEASED},  # while released
+        {"room": 63, "tokens": 4 * 15 + 1, "chunk_pages": 5, "after": ["prefill-0-resumed", "decode-0-resumed"]},
+    ]
+    release = {"release_after": ["prefill-61-done", "decode-61-done"],
+               "resume_after": ["prefill-62-done", "decode-62-done"]}
+    plan = {"pool": POOL, "requests": requests, "deadline_s": 60,
+            "memory_release": {"prefill": release, "decode": release}}
+    result = run_pair(plan, env=transport_env)
+    assert result["returncodes"] == {"prefill": 0, "decode": 0}, result["workdir"]
+    p, d = result["prefill"], result["decode"]
+    for side in (p, d):
+        assert side["memory_release"]["state"] == "resumed", side["memory_release"]
+        assert side["memory_release"]["changed_while_released"] is False
+        for room in ("61", "63"):
+            assert side["requests"][room]["status"] == "Success", side["requests"][room]
+        assert "release_memory_occupation" in failed_reason(side, 62)
+        assert_clean(side)
+    for room in ("61", "63"):
+        r = d["requests"][room]
+        assert r["num_bad_pages"] == 0, r["bad_pages"]
+        assert r["aux_room_ok"] and r["first_token_ok"] and r["state_ok"], r
+    assert d["untouched_violations"] == [], "pages outside the destinations changed"
+    if transport_env.get("SGLANG_P2P_TRANSPORT") == "mooncake":  # registered again after, nothing kept during
+        assert p["memory_release"]["registered_while_released"] == 0
+        assert d["memory_release"]["registered_while_released"] == 0
+
+
+def test_a_cuda_ipc_export_that_no_longer_names_the_pools_after_resume_stops_the_decode():
+    # prefills keep the allocation they opened: had the pause freed the pools and new memory come back at the same
+    # addresses, their writes would land in the old memory while SGLang reads the new (Success, wrong KV). The
+    # export is compared again at resume; a new allocation at the same address (another segment under the
+    # stand-in) stops the rank, the same one does not
+    shm = ShmBackend()
+    cuda_ipc.use_backend(shm)
+    try:
+        pool = shm.allocate(4 * 4096)
+        regions = [(pool.data_ptr(), 2 * 4096), (pool.data_ptr() + 2 * 4096, 2 * 4096)]
+        ipc = cuda_ipc.CudaIpcTransport(torch.device("cpu"))
+        ipc.register(regions)
+        fatal: list[str] = []
+        decode = SimpleNamespace(ipc=ipc, local_memory=SimpleNamespace(pool_regions=lambda: regions),
+                                 _fatal=fatal.append)
+        DecodeKVManager._memory_resumed(decode)
+        assert fatal == [] and ipc.export_changed(regions) is None
+        base = pool.data_ptr()
+        other = shared_memory.SharedMemory(create=True, size=shm._own[base].size)
+        old, shm._own[base] = shm._own[base], other  # the same address, another allocation
+        try:
+            DecodeKVManager._memory_resumed(decode)
+        finally:
+            shm._own[base] = old
+            other.close()
+            other.unlink()
+        assert len(fatal) == 1 and "other allocations than the ones exported" in fatal[0], fatal
+        assert "SGLANG_P2P_TRANSPORT=nccl" in fatal[0]
+    finally:
+        cuda_ipc.use_backend(None)
+        shm.close()
