@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -81,11 +82,22 @@ async def compare_model(ref_url: str, lb_url: str, tolerance: float) -> dict[str
                                     "inf = the first output token changed"}}
 
 
+def gpu_memory_used_mib() -> list[int] | None:
+    """Memory in use on each GPU (nvidia-smi), None without one: what a release gave back shows here."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [int(x) for x in out.split()]
+
+
 async def release_and_resume(urls: list[str]) -> dict[str, Any]:
-    """Each server releases its KV memory, then each resumes it (an idle server: SGLang asserts it)."""
+    """Each server releases its KV memory, then each resumes it (an idle server: SGLang asserts it); the GPUs'
+    memory in use before, after the releases and after the resumes (`gpu_mib_*`)."""
     import aiohttp
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"gpu_mib_before": gpu_memory_used_mib()}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         for step in ("release", "resume"):
             for url in urls:
@@ -95,6 +107,7 @@ async def release_and_resume(urls: list[str]) -> dict[str, Any]:
                     out[f"{step} {url}"] = {"status": r.status, "s": round(time.monotonic() - t0, 2), "body": body[:300]}
                     if r.status != 200:
                         raise RuntimeError(f"{step}_memory_occupation on {url}: HTTP {r.status} {body[:300]}")
+            out[f"gpu_mib_after_{step}"] = gpu_memory_used_mib()
     return out
 
 

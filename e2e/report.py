@@ -49,9 +49,14 @@ def check_section(check: dict[str, Any]) -> list[str]:
             rows.append([name, e.get("status"), s.get("cases"), s.get("ids_equal"),
                          _g(s.get("max_abs_logprob_diff")), _g(s.get("max_abs_top_logprob_diff")),
                          s.get("bit_identical"), _g(sens), s.get("verdict", "fail")])
+    memory = [f"{model}: GPU memory in use {m.get('gpu_mib_before')} MiB, after both servers released their KV "
+              f"memory {m.get('gpu_mib_after_release')} MiB, resumed {m.get('gpu_mib_after_resume')} MiB"
+              for model, e in check.get("models", {}).items() if (m := e.get("memory_release"))]
     return ["### Correctness: p2pnccl PD through the LB vs one non-PD server (greedy, streaming and not)", "",
             *table(["model", "status", "cases", "ids equal", "max abs dlogprob", "max abs dtop-5", "bit-identical",
                     "sensitivity (nats)", "verdict"], rows), "",
+            *([f"Release/resume (memory saver {'on' if check.get('memory_saver') else 'off'}): " + "; ".join(memory)
+               + ".", ""] if memory else []),
             "Sensitivity: the smallest logprob change that one changed prompt token caused on the reference; "
             "the check is sharp when it is far above the differences.", ""]
 

@@ -82,7 +82,10 @@ def test_release_and_resume_reach_every_server_in_order_and_a_refusal_stops_the_
     with Stack(tmp_path) as stack:
         stack.launch([p, d, busy])
         out = asyncio.run(check.release_and_resume([p.url, d.url]))
-        assert [k.split()[0] for k in out] == ["release", "release", "resume", "resume"]
+        steps = [k.split()[0] for k in out if not k.startswith("gpu_mib")]
+        assert steps == ["release", "release", "resume", "resume"]
+        assert {k for k in out if k.startswith("gpu_mib")} == {"gpu_mib_before", "gpu_mib_after_release",
+                                                               "gpu_mib_after_resume"}
         for server in (p, d):  # KV memory only: weights and graphs stay
             assert asyncio.run(calls(server.url)) == [["/release_memory_occupation", ["kv_cache"]],
                                                       ["/resume_memory_occupation", ["kv_cache"]]]
