@@ -40,6 +40,7 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+from sglang_p2p_backend.adapter import tracing
 from sglang_p2p_backend.adapter.bootstrap import P2pNcclKVBootstrapServer, signed_writes
 from sglang_p2p_backend.adapter.decode import DecodeKVManager, published_room
 from sglang_p2p_backend.engine.wire import messages as wire
@@ -104,10 +105,13 @@ class P2pNcclKVSender(CommonKVSender):
 
     def __init__(self, mgr: PrefillKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any, **kwargs: Any):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+        # SGLang's --enable-trace spans (tracing.py); Common builds only a null one, for want of a sender_trace_module
+        self.trace_ctx = tracing.sender_context(bootstrap_room)
         if getattr(self, "init_time", None) is None:
             self.init_time = time.time()
         mgr.room_started(bootstrap_room)  # a decode abort that came first fails the room now
 
+    @tracing.traced_send
     def send(self, kv_indices: npt.NDArray[np.int32], state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None, **kwargs: Any):
         if self.conclude_state is not None:
             return
@@ -125,6 +129,7 @@ class P2pNcclKVSender(CommonKVSender):
             num_kv_tokens=num_kv_tokens,
             wait_event=wait_event,
             indices_event=kwargs.get("indices_event"),
+            trace_ctx=tracing.for_thread(self.trace_ctx),
         )
         self._record_transfer_indices(kv_indices, state_indices)
 
@@ -133,9 +138,13 @@ class P2pNcclKVSender(CommonKVSender):
             return super()._register_prefill_dp_rank()
 
     def poll(self) -> KVPoll:
-        return _latched_poll(self, KVPoll.Bootstrapping, self._check_bootstrap_timeout)
+        status = _latched_poll(self, KVPoll.Bootstrapping, self._check_bootstrap_timeout)
+        if status in (KVPoll.Success, KVPoll.Failed):
+            tracing.finish(self.trace_ctx)  # the request's root span ends when it concludes, as in Common's poll
+        return status
 
     def failure_exception(self):
+        tracing.finish(self.trace_ctx)
         _raise_failure(self, self.kv_mgr)
 
     def clear(self) -> None:
@@ -144,6 +153,7 @@ class P2pNcclKVSender(CommonKVSender):
 
     def abort(self):
         super().abort()
+        tracing.finish(self.trace_ctx, aborted=True)  # 0.5.23's Common did it already (a no-op then), 0.5.17's not
         self.kv_mgr.notify_aborted(self.bootstrap_room)
 
 

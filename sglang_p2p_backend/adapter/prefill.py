@@ -146,12 +146,14 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         *,
         wait_event: Any = None,
         indices_event: Any = None,
+        trace_ctx: Any = None,
         **_: Any,
     ) -> None:
         """Queue one chunk of `bootstrap_room` (P2pNcclKVSender.send); dropped when the room is not live.
         `indices_event`: `kv_indices` is a host tensor whose values land when the event completes (SGLang's
         copy from the device): the worker reads them after waiting for it, unless the test-only digest, which
-        records them here, is on."""
+        records them here, is on. `trace_ctx`: the sender's request context copied for the worker thread (as
+        SGLang passes Mooncake's), which traces the chunk when tracing is on (tracing.py)."""
         if indices_event is not None and self.kv_digest is not None:
             indices_event.synchronize()
             indices_event = None
@@ -166,6 +168,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             state_indices,
             wait_event,
             indices_event,
+            TransferTask.chunk_trace(trace_ctx, self.attn_tp_rank, self.attn_dp_rank),
         ))
 
     # ------------------------------------------------------------------ routes

@@ -7,7 +7,8 @@ moves the chunk to every real decode rank of the room: one copy kernel into a sa
 (engine/transport/onesided.py), only the heads that rank owns when its attention TP differs
 (engine/copy/heads.py; a rank holding a replica another rank sends moves no KV) and only its slice of each state
 item (engine/copy/state_slices.py); after the last chunk, Status. Every
-task is counted in flight while it runs (deferred_release.py), so an aborted room's ACK waits for it.
+task is counted in flight while it runs (deferred_release.py), so an aborted room's ACK waits for it. A traced
+task (SGLang's --enable-trace) records a slice per chunk and one per decode rank in it (tracing.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 
+from sglang_p2p_backend.adapter import tracing
 from sglang_p2p_backend.adapter.deferred_release import DeferredRelease
 from sglang_p2p_backend.adapter.same_host import SameHostPath
 from sglang_p2p_backend.engine.wire import messages as wire
@@ -79,6 +81,11 @@ class TransferTask:
     wait_event: Any = None
     #: set: `kv_indices` is a host tensor whose values are valid once this event completed (read in `_process`)
     indices_event: Any = None
+    #: set: the chunk is traced (SGLang's --enable-trace, tracing.py); None costs nothing
+    trace: Optional[tracing.ChunkTrace] = None
+
+    #: what a sender's `trace_ctx` becomes in `trace` (add_transfer_request)
+    chunk_trace = staticmethod(tracing.chunk_trace)
 
 
 @dataclass
@@ -177,12 +184,16 @@ class TransferWorkers:
             self.same_host.reset(task.session)
             return
         self.release.begin(task.room)
+        if task.trace is not None:
+            tracing.worker_start(task.trace)
         try:
             self._process(task)
         except Exception as e:  # anything unexpected still ends the room with a reason
             logger.exception("p2pnccl: transfer of room %s failed", task.room)
             self.fail_room(task.room, f"prefill transfer error: {e!r}")
         finally:
+            if task.trace is not None:
+                tracing.worker_end(task.trace)
             self.release.end(task.room)
 
     def _process(self, task: TransferTask) -> None:
@@ -218,11 +229,15 @@ class TransferWorkers:
                     src.append(np.asarray(ids, dtype=np.int32).reshape(-1) if usable else _NO_IDS)
                     dst.append(info.dst_state_indices[c] if usable else _NO_IDS)
             aux = (task.aux_index, info.dst_aux_index) if task.is_last and task.aux_index is not None and info.dst_aux_index >= 0 else None
+            started = time.perf_counter()
             try:
                 self._deliver(info, src, dst, aux, alive, heads, self.state.get(session, ()))
             except (TransportError, ControlError, PlanError) as e:
                 self.fail_room(room, f"KV transfer to decode rank {session} failed: {e}")
                 return
+            finally:
+                if task.trace is not None:
+                    tracing.session_slice(task.trace, started, session)
         if task.is_last and alive():
             self.succeed(room)
 

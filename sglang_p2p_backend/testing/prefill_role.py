@@ -4,7 +4,8 @@ beside it as SGLang's prefill main process runs one, and a watch over the manage
 A request goes Bootstrapping -> WaitingForInput -> init -> send chunks -> Success | Failed, polled as SGLang's
 prefill scheduler polls it. The pages a request sends are filled with the plan's seeded contents
 first (testing/pools.py), so the decode can check them byte for byte. Per room the prefill reports
-`write_done_at`, `ack_sent_at` and `sent_bytes` (what its writes moved).
+`write_done_at`, `ack_sent_at` and `sent_bytes` (what its writes moved), its `sends` and `traced_chunks`; a plan's
+`trace` adds the process's tracing spans (testing/trace_spans.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from sglang_p2p_backend.testing import faults, kv_checksum, runtime
 from sglang_p2p_backend.testing.plan import Req, first_token, touch, wait_for
 from sglang_p2p_backend.testing.role import Role
+from sglang_p2p_backend.testing.trace_spans import TraceSpans
 
 
 class _IdsLanding:
@@ -104,6 +106,8 @@ class PrefillRole(Role):
     def before_manager(self) -> None:
         if self.rank != 0:
             wait_for(self.plan, ["bootstrap"])  # every prefill rank registers with the bootstrap server at start
+        settings = self.plan.get("trace", {}).get(self.role)
+        self.trace_spans = TraceSpans(settings, self.tp_rank, self.dp_rank) if settings is not None else None
 
     def set_kv_args(self, args: Any) -> None:
         args.engine_rank = self.tp_rank
@@ -115,6 +119,7 @@ class PrefillRole(Role):
         self.write_done_at: dict[int, float] = {}
         self.sent_bytes: dict[int, int] = {}
         self.ack_sent_at: dict[int, float] = {}
+        self.traced_chunks: dict[int, int] = {}
         #: request key -> the stand-in events of its chunks' page ids (`send_as_host_tensor`)
         self.landings: dict[str, list] = {}
         self.watch_writes(self.faults.get("write_delay_s", 0))
@@ -133,6 +138,8 @@ class PrefillRole(Role):
 
         def tracked_process(task):
             current.room = task.room
+            if getattr(task, "trace", None) is not None:  # chunks that carry a trace context (test_trace_spans.py)
+                self.traced_chunks[task.room] = self.traced_chunks.get(task.room, 0) + 1
             return process(task)
 
         def delayed(send: Callable) -> Callable:
@@ -253,6 +260,7 @@ class PrefillRole(Role):
         if req.sent == 0:
             req.result["first_send_at"] = time.monotonic()
         pages = req.pages[req.sent : req.sent + n]
+        req.result["sends"] = req.result.get("sends", 0) + 1
         if self.plan.get("host_tensor_indices"):
             self.send_as_host_tensor(req, pages, state)
         else:
@@ -275,9 +283,16 @@ class PrefillRole(Role):
             req.result["sent_bytes"] = self.sent_bytes.get(req.room, 0)
         if req.room in self.ack_sent_at:
             req.result["ack_sent_at"] = self.ack_sent_at[req.room]
+        req.result["traced_chunks"] = self.traced_chunks.get(req.room, 0)
         landings = self.landings.get(req.key)
         if landings:  # which thread waited for each chunk's ids (None: nobody did)
             req.result["indices_waited_by"] = [x.waited_by for x in landings]
+
+    def run(self, reqs: list[Req], deadline_s: float) -> dict:
+        out = super().run(reqs, deadline_s)
+        if self.trace_spans is not None:  # after the manager closed: every worker's spans have ended
+            out["spans"] = self.trace_spans.report()
+        return out
 
     def role_leftovers(self) -> dict:
         m = self.mgr
