@@ -549,12 +549,12 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         if notify and not already:
             self._notify_decode(room, KVPoll.Failed, reason, block, skip=cause)
 
-    def _fatal(self, reason: str) -> None:
-        super()._fatal(reason)
-        for room in list(self.transfer_infos):
     def _fail_open_room(self, room: int, reason: str) -> None:
         self._fail_room(room, reason, block=False)
 
+    def _fatal(self, reason: str) -> None:
+        super()._fatal(reason)
+        for room in list(self.transfer_infos):
             self._notify_decode(room, KVPoll.Failed, reason, block=False)
 
     def _succeed(self, room: int) -> None:
