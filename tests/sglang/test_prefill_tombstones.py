@@ -45,7 +45,8 @@ class StepOnFirstRead(dict):
 def manager(**tables) -> types.SimpleNamespace:
     """The prefill manager's tombstone logic on tables of its own (no sockets, no SGLang scheduler)."""
     mgr = types.SimpleNamespace(concluded=Bounded(16), owned_rooms=set(), transfer_infos={}, request_status={},
-                                failed=[], told=[], slots=types.SimpleNamespace(worked=lambda infos: None))
+                                failed=[], told=[], slots=types.SimpleNamespace(worked=lambda infos: None),
+                                kv_released=None)
     mgr.__dict__.update(tables)
     mgr._owns = lambda session, room, what: True
     mgr._fail_room = lambda room, reason, **kw: mgr.failed.append((room, reason))
