@@ -2,7 +2,7 @@
 # Builds what the end-to-end check needs on the GPU host (torch 2.11.0+cu130, Python 3.12, no internet) as two
 # archives, each under the 60 MiB that one device call can carry beside the repository:
 #
-#   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras|serve|lb|bench|deepep]]  (default: .bundle/, sglang and extras; ignored by git;
+#   bash e2e/build_bundle.sh [OUT_DIR [sglang|extras|serve|lb|bench|tms|deepep]]  (default: .bundle/, sglang and extras; ignored by git;
 #                                                         ~8 min on 2 cores, xz is most of it)
 #
 #   sglang.tar.xz  SGLang 0.5.17 and everything its server imports: the recipe below
@@ -28,6 +28,8 @@
 #                            alone (50 MiB in all)
 #   bench.tar.xz   msgspec alone (0.2 MiB): the one package the transfer engine imports that the host image lacks, so
 #                  run_all.sh --phase transfer-bench (bench/transfer/xfer_bench.py) runs without the SGLang bundle
+#   tms.tar.xz     torch_memory_saver 0.0.10 (0.4 MiB), which --enable-memory-saver needs and the host image lacks: its
+#                  Python package and the two CUDA 13 hook libraries only (E2E_CHECK_MEMORY_SAVER=1 in the check)
 #   deepep.tar.xz  src/      DeepEP's source at the commit e2e/deepep.py pins (DEEPEP_COMMIT: the last of the v1
 #                            line), only what setup.py builds and DeepEP's tests, taken with `git archive` from a
 #                            clone of deepseek-ai/DeepEP named by DEEPEP_GIT (GitHub is no package registry: get
@@ -206,6 +208,14 @@ build_bench() {  # msgspec at the version the project pins (requirements/cpu-com
   pack bench "$W/bench"
 }
 
+build_tms() {  # torch_memory_saver for torch's CUDA 13: the package and its *_cu13 hook libraries
+  dl "$W/w13" torch_memory_saver==0.0.10
+  mkdir -p "$W/tms/torch_memory_saver"
+  unzip -q -o "$W"/w13/torch_memory_saver-*.whl -d "$W/tms/torch_memory_saver" \
+    -x 'torch_memory_saver_hook_mode_preload.abi3.so' 'torch_memory_saver_hook_mode_torch.abi3.so' '*_cu12.abi3.so'
+  pack tms "$W/tms"
+}
+
 build_deepep() {  # deepep.tar.xz: DeepEP's source at the pinned commit, DeepGEMM with its tvm-ffi
   local git_dir=${DEEPEP_GIT:-} commit
   if [ -z "$git_dir" ]; then
@@ -250,8 +260,9 @@ for part in $WHICH; do
     serve) build_serve ;;
     lb) build_lb ;;
     bench) build_bench ;;
+    tms) build_tms ;;
     deepep) build_deepep ;;
-    *) echo "build_bundle.sh: unknown part $part (sglang, extras, serve, lb, bench or deepep)" >&2; exit 2 ;;
+    *) echo "build_bundle.sh: unknown part $part (sglang, extras, serve, lb, bench, tms or deepep)" >&2; exit 2 ;;
   esac
 done
 ls -la "$OUT"

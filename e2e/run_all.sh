@@ -125,11 +125,12 @@ unpack extras
 unpack serve
 unpack lb
 unpack bench
+unpack tms
 unpack deepep
 unpack deepep-built
 unpack triton-cache
 if [ "$PHASE" = unpack ]; then
-  for part in sglang extras serve lb bench deepep deepep-built triton-cache; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
+  for part in sglang extras serve lb bench tms deepep deepep-built triton-cache; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
   exit 0
 fi
 if [ "$PHASE" = deepep ] && [ ! -f "$E2E_ROOT/deepep/.unpacked" ]; then
@@ -148,6 +149,8 @@ export PYTHONPATH=$ROOT:$ROOT/lb:$ROOT/e2e/stubs:$E2E_ROOT/plugin:$E2E_ROOT/sgla
 HAVE_MOONCAKE=0
 if [ -d "$E2E_ROOT/extras/mooncake" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/extras/mooncake; HAVE_MOONCAKE=1; fi
 if [ -d "$E2E_ROOT/serve/nixl" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/serve/nixl; fi
+# torch_memory_saver (.bundle/tms.tar.xz): --enable-memory-saver, E2E_CHECK_MEMORY_SAVER=1
+if [ -d "$E2E_ROOT/tms/torch_memory_saver" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/tms/torch_memory_saver; fi
 # lb-overhead without SGLang: what our LB and mini_lb need beyond the host image (orjson, fastapi, uvicorn)
 if [ "$HAVE_SGLANG" = 0 ] && [ -d "$E2E_ROOT/lb/common" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/lb/common; fi
 # transfer-bench without SGLang: msgspec, the transfer engine's one import beyond the host image
