@@ -72,9 +72,8 @@ def _latched_poll(obj, timed_state: int, check_timeout) -> KVPoll:
     SGLang's own timeout applies while the room sits in `timed_state`."""
     if obj.conclude_state is not None:
         return obj.conclude_state
-    why = obj.kv_mgr.broken or obj.kv_mgr.kv_released
-    if why is not None:
-        obj.kv_mgr.room_failed(obj.bootstrap_room, why)
+    if obj.kv_mgr.broken is not None:
+        obj.kv_mgr.room_failed(obj.bootstrap_room, obj.kv_mgr.broken)
     status = obj.kv_mgr.request_status.get(obj.bootstrap_room, KVPoll.Failed)
     if status in (KVPoll.Success, KVPoll.Failed):
         obj.conclude_state = status
@@ -209,11 +208,11 @@ class P2pNcclKVReceiver(CommonKVReceiver):
         state_arrays = [np.asarray(s if s is not None else [], dtype=np.int32).reshape(-1) for s in (state_indices or [])]
         endpoints = [f"{i['rank_ip']}:{i['rank_port']}" for i in self.bootstrap_infos]
         real = [e for e, i in zip(endpoints, self.bootstrap_infos) if not i.get("is_dummy", False)]
+        if mgr.kv_released is not None:  # its pages may be unmapped: nothing is published, so nothing lands
+            mgr.refuse_released(room, endpoints)
+            return
         mgr.publish(room, published_room(kv, aux_index, state_arrays, real))
         ids, states = kv.tobytes(), [s.tobytes() for s in state_arrays]
-        if mgr.kv_released is not None:  # its pages may be unmapped: nothing is published, no prefill writes
-            mgr.room_failed(room, mgr.kv_released)
-            return
         for endpoint, info in zip(endpoints, self.bootstrap_infos):
             dummy = bool(info.get("is_dummy", False))
             msg = wire.RoomMetadata(

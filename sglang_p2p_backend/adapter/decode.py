@@ -304,6 +304,26 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             clear(bootstrap_room)
         self._room_servers.pop(bootstrap_room, None)
 
+    def _stop_transfers(self, reason: str) -> None:
+        """Released: rooms still waiting for KV fail (SGLang releases a decode with none: its transfer queue must be
+        empty), their one-sided writers told as for any failure of ours; none is published until the resume
+        (`refuse_released`), and a late chunk of a failed room is received and dropped, never scattered."""
+        for room in list(self.live_rooms):
+            self.room_failed(room, reason)
+
+    def refuse_released(self, room: int, endpoints: List[str]) -> None:
+        """SGLang opened `room` while the pools are released: it fails before anything is published, and its
+        prefill ranks are told (RoomFailed), so their senders fail now rather than at their bootstrap timeout."""
+        reason = self.kv_released or "this rank's KV memory is released"
+        self.room_failed(room, reason)
+        frames = wire.encode(wire.RoomFailed(self.session, room, reason))
+        for endpoint in endpoints:
+            try:
+                self.ensure_registered(endpoint)
+                self.send_to_prefill(endpoint, frames, block=False)
+            except ControlError as e:
+                logger.warning("p2pnccl: %s", e)  # that rank's sender ends by its own timeout
+
     def _memory_resumed(self) -> None:
         """SGLang resumed the pools (manager.py `register_buffer_to_engine`). Prefills mapped them through CUDA IPC
         at registration; torch_memory_saver's memory, the only kind a pause frees, is never exportable, so the

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from typing import Callable, Container, Dict, List, Optional
 
@@ -83,6 +84,16 @@ class DeferredRelease:
             run()
         if left <= 0 and self.enabled:
             self._sglang._maybe_ack_drained_abort(room)  # pops the targets: at most one ACK per abort
+
+    def wait_drained(self, timeout_s: float) -> List[int]:
+        """Wait until no transfer task is in flight, at most `timeout_s`; the rooms still in flight then."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                busy = sorted(r for r, n in self._in_flight.items() if n > 0)
+            if not busy or time.monotonic() >= deadline:
+                return busy
+            time.sleep(0.005)
 
     def after_drain(self, room: int, run: Callable[[], None]) -> None:
         """`run` now if no transfer task of `room` is in flight, else when the last one ends."""

@@ -423,36 +423,39 @@ class P2pNcclKVManagerBase(CommonKVManager):
     # ------------------------------------------------------------------ memory saver
     def deregister_buffer_to_engine(self) -> None:
         """SGLang releases this rank's KV memory (`release_memory_occupation`; with --enable-memory-saver its pages
-        are unmapped until `resume_memory_occupation`). SGLang calls it with the server idle, so no room should be
-        open; one that is fails here, a room started before the resume fails at once (`_latched_poll`), and no
-        chunk reads or lands meanwhile. The Mooncake registration goes too: it names pages that are going."""
+        are unmapped right after this returns, until `resume_memory_occupation`). SGLang releases an idle server,
+        or a paused one whose waiting requests have sent no KV yet. From here to the resume nothing of this backend
+        reads or writes the pools: the role stops its transfers (`_stop_transfers`), the GPU work queued so far
+        ends, and the Mooncake registration goes (it names pages that are going). Rooms with no transfer work
+        stay open: a paused engine's waiting requests go on after the resume."""
         if self.kv_released is not None:
             return
-        reason = ("this rank's KV memory is released (SGLang's release_memory_occupation); "
-                  "call resume_memory_occupation before sending it requests")
-        self.kv_released = reason
-        open_rooms = [r for r, st in list(self.request_status.items()) if st not in (KVPoll.Success, KVPoll.Failed)]
-        if open_rooms:
-            logger.warning("p2pnccl: KV memory released with %d rooms still open (SGLang releases an idle server "
-                           "only); they fail", len(open_rooms))
-        for room in open_rooms:
-            self._fail_open_room(room, reason)
+        self.kv_released = ("this rank's KV memory is released (SGLang's release_memory_occupation); "
+                            "call resume_memory_occupation before sending it requests")
+        self._stop_transfers(self.kv_released)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a gather or scatter queued before the release has ended
         if self.one_sided is not None:
             self.one_sided.unregister()
         logger.info("p2pnccl: KV memory released; transfers refused until it is resumed")
 
     def register_buffer_to_engine(self) -> None:
-        """SGLang resumed this rank's KV memory (`resume_memory_occupation`): register it again, take rooms again."""
+        """SGLang resumed this rank's KV memory (`resume_memory_occupation`): register it again, move KV again."""
         if self.kv_released is None:
             return
         if self.one_sided is not None:
-            self.one_sided.register(self.local_memory.regions())
+            try:
+                self.one_sided.register(self.local_memory.regions())
+            except TransportError as e:  # every room fails with this, not with the release's reason
+                self._fatal(f"p2pnccl: the KV memory could not be registered with Mooncake again after "
+                            f"resume_memory_occupation ({e}); restart this server")
         self._memory_resumed()
         self.kv_released = None
         logger.info("p2pnccl: KV memory resumed; transfers accepted again")
 
-    def _fail_open_room(self, room: int, reason: str) -> None:
-        self.room_failed(room, reason)
+    def _stop_transfers(self, reason: str) -> None:
+        """The role's part of a release: no transfer of its own touches the pools once this returns."""
+        raise NotImplementedError
 
     def _memory_resumed(self) -> None:
         """A role's check of its memory after a resume (decode.py: its CUDA IPC export still names it)."""

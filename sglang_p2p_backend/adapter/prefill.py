@@ -123,6 +123,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             route=self._route,
             channels=self.channels,
             same_host=self.same_host,
+            released=lambda: self.kv_released,
             one_sided=self.one_sided_sender,
             release=self.release,
             control=self.control,
@@ -500,7 +501,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         """A sender for `room` exists on this rank (P2pNcclKVSender)."""
         self.owned_rooms.add(room)
         self.slots.worked(self.transfer_infos.get(room) or {})
-        reason = self.concluded.pop(room, (None,))[0] or self.kv_released
+        reason = self.concluded.pop(room, (None,))[0]
         if reason:
             self._fail_room(room, reason)
 
@@ -549,8 +550,13 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         if notify and not already:
             self._notify_decode(room, KVPoll.Failed, reason, block, skip=cause)
 
-    def _fail_open_room(self, room: int, reason: str) -> None:
-        self._fail_room(room, reason, block=False)
+    def _stop_transfers(self, reason: str) -> None:
+        """Released: a chunk a transfer worker takes from now on fails its room (`TransferWorkers._process`); wait
+        for the ones already reading the pools, bounded by the I/O timeout."""
+        left = self.release.wait_drained(float(self.config.io_timeout))
+        if left:
+            logger.error("p2pnccl: transfers of rooms %s still ran %ss after the KV memory was released; they may "
+                         "read unmapped memory", left[:8], self.config.io_timeout)
 
     def _fatal(self, reason: str) -> None:
         super()._fatal(reason)

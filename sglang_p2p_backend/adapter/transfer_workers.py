@@ -120,6 +120,7 @@ class TransferWorkers:
         route: Callable[[str], str],
         channels: Optional[PairChannels],
         same_host: SameHostPath,
+        released: Callable[[], Optional[str]],
         one_sided: Optional[OneSidedSender],
         release: DeferredRelease,
         control: ControlChannel,
@@ -139,6 +140,8 @@ class TransferWorkers:
         self.route = route
         self.channels = channels
         self.same_host = same_host
+        #: why the pools may not be read now (SGLang released the KV memory), None when they may
+        self.released = released
         self.one_sided = one_sided
         self.release = release
         self.control = control
@@ -202,6 +205,10 @@ class TransferWorkers:
             task.wait_event.synchronize()
         infos = self.destinations.get(room)
         if infos is None or self.request_status.get(room) in (None, KVPoll.Failed):
+            return
+        why = self.released()
+        if why is not None:  # counted in flight before this check: a release waits for what passed it
+            self.fail_room(room, why)
             return
         if task.indices_event is not None:  # the page ids' copy from the device: read them once it ended
             task.indices_event.synchronize()

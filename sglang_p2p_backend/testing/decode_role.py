@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.testing import faults, kv_checksum
-from sglang_p2p_backend.testing.plan import Req, first_token
+from sglang_p2p_backend.testing.plan import Req, first_token, touch
 from sglang_p2p_backend.testing.role import Role
 
 #: how often the scheduler retries an unanswered prefill-info lookup before it aborts (_max_ensure_retries)
@@ -125,6 +125,7 @@ class DecodeRole(Role):
         if self.pools.states:
             self.take_state(req)
         req.handle.send_metadata(req.pages, req.aux, req.state_ids, decode_prefix_len=req.prefix)
+        touch(self.plan, f"decode-{req.key}-published")  # what a later step of the plan may wait for
 
     def verify(self, req: Req) -> None:
         first = req.prefix // self.spec.page_size

@@ -9,13 +9,12 @@ records whether any byte of its pools changed and how much memory its one-sided 
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 
-from sglang_p2p_backend.testing.plan import touch
+from sglang_p2p_backend.testing.plan import ready, touch
 
 
 def _queue_class(prefill: bool) -> type:
@@ -46,10 +45,6 @@ class MemoryRelease:
         self._snapshot: Optional[list[torch.Tensor]] = None
         self.out: dict = {}
 
-    def _ready(self, names: list[str]) -> bool:
-        workdir = self.role.plan["workdir"]
-        return all(os.path.exists(os.path.join(workdir, f"{n}.ready")) for n in names)
-
     def _pool_tensors(self) -> list[torch.Tensor]:
         pools = self.role.pools
         return list(pools.kv) + [t for comp in pools.states for t in comp.regions]
@@ -60,7 +55,7 @@ class MemoryRelease:
 
     def step(self) -> None:
         name = f"{self.role.role}-{self.role.rank}"
-        if self.state == "serving" and self._ready(self.release_after):
+        if self.state == "serving" and ready(self.role.plan, self.release_after):
             self._call("release_memory_occupation")
             self._snapshot = [t.clone() for t in self._pool_tensors()]
             one_sided = self.role.mgr.one_sided
@@ -68,7 +63,7 @@ class MemoryRelease:
                 len(getattr(one_sided, "_registered", {})) if one_sided is not None else None)
             self.state = "released"
             touch(self.role.plan, f"{name}-released")
-        elif self.state == "released" and self._ready(self.resume_after):
+        elif self.state == "released" and ready(self.role.plan, self.resume_after):
             now = self._pool_tensors()
             self.out["changed_while_released"] = not all(torch.equal(a, b) for a, b in zip(self._snapshot, now))
             self._snapshot = None

@@ -5,7 +5,10 @@ The plan is one JSON file both roles read (testing/launch.py writes it): the poo
 prompt tokens, chunking, decode prefix, aborts), per-role settings and optional faults (testing/faults.py).
 `dp` ({role: n}) runs n independent replicas of a server (SGLang's --dp-size without DP attention), each its
 own process group of `tp` ranks; `reuse` (["aux", "pages"]) gives a concluded request's aux row (and a failed
-one's pages) to the next request at once, as SGLang's allocators do.
+one's pages) to the next request at once, as SGLang's allocators do. `send_after` ({room: names}) holds a
+prefill request after its bootstrap until the names are ready (a scheduler that has not run its prefill yet);
+`memory_release` ({role: {release_after, resume_after}}) releases and resumes a role's KV memory
+(testing/memory_release.py).
 """
 
 from __future__ import annotations
@@ -96,6 +99,12 @@ def dp_rank_of(plan: dict, role: str, room: int, dp: int) -> int:
 def touch(plan: dict, name: str) -> None:
     """Mark `name` ready for the other processes of the run."""
     open(os.path.join(plan["workdir"], f"{name}.ready"), "w").close()
+
+
+def ready(plan: dict, names: Any) -> bool:
+    """Whether every one of `names` (a name or a list; empty ones skipped) was marked ready."""
+    names = [names] if isinstance(names, str) else names
+    return all(os.path.exists(os.path.join(plan["workdir"], f"{n}.ready")) for n in names if n)
 
 
 def wait_for(plan: dict, names: list[str], timeout: float = 120) -> None:

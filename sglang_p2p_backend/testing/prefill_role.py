@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sglang_p2p_backend.testing import faults, kv_checksum, runtime
-from sglang_p2p_backend.testing.plan import Req, first_token, touch, wait_for
+from sglang_p2p_backend.testing.plan import Req, first_token, ready, touch, wait_for
 from sglang_p2p_backend.testing.role import Role
 from sglang_p2p_backend.testing.trace_spans import TraceSpans
 
@@ -191,6 +191,8 @@ class PrefillRole(Role):
             return
         if req.phase == "bootstrap":
             if status == P.WaitingForInput:
+                if not ready(self.plan, self.plan.get("send_after", {}).get(str(req.room), ())):
+                    return  # plan `send_after`: the scheduler has not run this request's prefill yet
                 if self.take_aux(req):
                     self.prepare(req)
                     req.phase = "send"

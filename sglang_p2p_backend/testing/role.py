@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.testing import runtime
-from sglang_p2p_backend.testing.plan import Req, rank_heads, touch
+from sglang_p2p_backend.testing.plan import Req, rank_heads, ready, touch
 from sglang_p2p_backend.testing.memory_release import MemoryRelease
 from sglang_p2p_backend.testing import sglang_pools
 from sglang_p2p_backend.testing.pools import HostPools, PoolSpec
@@ -188,9 +188,7 @@ class Role:
     def may_start(self, req: Req, now: float) -> bool:
         """The plan lets `req` start: `start_after_s` into the run, and once `<after>.ready` exists (each of them,
         for a list)."""
-        names = [req.after] if isinstance(req.after, str) else req.after
-        return now - self.t0 >= req.start_after_s and all(
-            os.path.exists(os.path.join(self.plan["workdir"], f"{name}.ready")) for name in names if name)
+        return now - self.t0 >= req.start_after_s and ready(self.plan, req.after)
 
     def take_aux(self, req: Req) -> bool:
         """The request's aux row, if one is free (SGLang's scheduler waits for one too)."""
