@@ -46,8 +46,8 @@ def workers(peers: dict, departed: dict, destinations: dict, failed: list) -> Tr
     return TransferWorkers(
         count=1, spawn=lambda step, name: None, request_status={ROOM: KVPoll.Transferring},
         destinations=destinations, peers=peers, rejected=Bounded(4), departed=departed, heads={}, state={},
-        route=lambda s: "nccl", channels=None, same_host=None, one_sided=None, release=None, control=None,
-        session="127.0.0.1:1", prefill_rank=0, local=None,
+        route=lambda s: "nccl", channels=None, same_host=None, released=lambda: None, one_sided=None, release=None,
+        control=None, session="127.0.0.1:1", prefill_rank=0, local=None,
         fail_room=lambda room, reason: failed.append((room, reason)), succeed=lambda room: None)
 
 
