@@ -89,8 +89,8 @@ class DeferredRelease:
         """Wait until no transfer task is in flight, at most `timeout_s`; the rooms still in flight then."""
         deadline = time.monotonic() + timeout_s
         while True:
-            with self._lock:
-                busy = sorted(r for r, n in self._in_flight.items() if n > 0)
+            with self._lock:  # a list at once: SGLang's own table (deferred release) changes outside this lock
+                busy = sorted(r for r, n in list(self._in_flight.items()) if n > 0)
             if not busy or time.monotonic() >= deadline:
                 return busy
             time.sleep(0.005)
