@@ -115,8 +115,7 @@ def run(models_dir: Path, logs: Path, only: list[str], tolerance: float,
         results: dict[str, Any] | None = None, gpus: int = 2) -> dict[str, Any]:
     """Fills ``results`` in place as it goes (the caller writes it even if the step is stopped)."""
     results = {} if results is None else results
-    results.update(memory_release=RELEASE, memory_saver=MEMORY_SAVER)
-    results.update(flags=config.CHECK_FLAGS, flags_by_model={m: config.check_flags(m) for m in only},
+    results.update(memory_release=RELEASE, memory_saver=MEMORY_SAVER, flags=config.CHECK_FLAGS, flags_by_model={m: config.check_flags(m) for m in only},
                    backend="p2pnccl", gpus=gpus,
                    transport=config.transport_info("p2pnccl", gpus), models={})
     if gpus == 1:

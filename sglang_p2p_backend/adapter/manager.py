@@ -210,7 +210,7 @@ class P2pNcclKVManagerBase(CommonKVManager):
         self.dropped: Counter = Counter()  # dropped inbound messages by kind (tests, metrics)
         #: set when a background loop cannot go on: every room then fails with this reason
         self.broken: Optional[str] = None
-        #: set between SGLang's release and resume of the KV memory: rooms fail with this reason meanwhile
+        #: set between SGLang's release and resume of the KV memory: why no transfer may touch the pools meanwhile
         self.kv_released: Optional[str] = None
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
@@ -221,7 +221,7 @@ class P2pNcclKVManagerBase(CommonKVManager):
     _role = "manager"
     #: off unless SGLANG_P2P_TEST_KV_DIGEST=1 (set in __init__); a class default for managers built without it
     kv_digest: Optional[KVDigest] = None
-    kv_released: Optional[str] = None
+    kv_released: Optional[str] = None  # likewise (set in __init__)
 
     def register_to_bootstrap(self) -> None:
         self._limit_inbound()  # before the endpoint is announced: the listener is bound again

@@ -48,6 +48,7 @@ from sglang_p2p_backend.adapter.deferred_release import DeferredRelease
 from sglang_p2p_backend.adapter.peer_slots import PeerSlots
 from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
 from sglang_p2p_backend.adapter.next_attempts import NextAttempts
+from sglang_p2p_backend.adapter import tracing
 from sglang_p2p_backend.engine.pair.channels import PairChannels
 from sglang_p2p_backend.adapter.same_host import SameHostPath
 from sglang_p2p_backend.adapter.transfer_workers import TransferInfo, TransferTask, TransferWorkers
@@ -169,7 +170,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             state_indices,
             wait_event,
             indices_event,
-            TransferTask.chunk_trace(trace_ctx, self.attn_tp_rank, self.attn_dp_rank),
+            tracing.chunk_trace(trace_ctx, self.attn_tp_rank, self.attn_dp_rank),
         ))
 
     # ------------------------------------------------------------------ routes

@@ -3,8 +3,8 @@
 Shaped like SGLang's Mooncake backend: a sender's request context (module "p2pnccl", role "Sender") with a
 `p2pnccl_send` slice per send(); each chunk carries a copy of it to its transfer worker, which opens
 `p2pnccl_worker_send` around the chunk and one `p2pnccl_worker_send_session` in it per decode rank. With tracing
-off (or an SGLang without its trace module) the contexts are null and every hook is a flag check; a tracing
-error is logged once and never reaches a transfer.
+off the contexts are null and every hook is a flag check; a tracing error is logged once and never reaches a
+transfer.
 """
 
 from __future__ import annotations
@@ -19,34 +19,16 @@ logger = logging.getLogger(__name__)
 
 MODULE = "p2pnccl"
 
-try:
-    from sglang.srt.observability.req_time_stats import RequestStageConfig, convert_time_to_realtime_ns
-    from sglang.srt.observability.trace import (
-        TraceNullContext,
-        TraceReqContext,
-        get_global_tracing_enabled,
-        trace_set_thread_info,
-    )
-    from sglang.srt.runtime_context import get_observability
-except ImportError:  # an SGLang without request tracing: the feature is absent, nothing else changes
-    TraceReqContext = None
-
-    @dataclass
-    class RequestStageConfig:  # type: ignore[no-redef]
-        stage_name: str
-        level: int = 0
-
-    @dataclass
-    class TraceNullContext:  # type: ignore[no-redef]
-        """SGLang's null context: any method call is a no-op."""
-
-        tracing_enable: bool = False
-
-        def __getattr__(self, name: str) -> Any:
-            return self
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return self
+# both supported releases (plugin.py) have these; without OpenTelemetry installed, SGLang's trace module reports
+# tracing off itself
+from sglang.srt.observability.req_time_stats import RequestStageConfig, convert_time_to_realtime_ns
+from sglang.srt.observability.trace import (
+    TraceNullContext,
+    TraceReqContext,
+    get_global_tracing_enabled,
+    trace_set_thread_info,
+)
+from sglang.srt.runtime_context import get_observability
 
 
 class P2pNcclRequestStage:
@@ -77,7 +59,7 @@ def sender_context(bootstrap_room: int) -> Any:
     """The sender's request context, started, as SGLang's CommonKVSender builds it for a backend that names a
     `sender_trace_module`; the null context unless `--enable-trace` is on and the module is traced."""
     # OpenTelemetry set up in this process first (SGLang's process_tracing_init): the one check when tracing is off
-    if TraceReqContext is None or not get_global_tracing_enabled():
+    if not get_global_tracing_enabled():
         return NULL_CONTEXT
 
     def start() -> Any:

@@ -84,9 +84,6 @@ class TransferTask:
     #: set: the chunk is traced (SGLang's --enable-trace, tracing.py); None costs nothing
     trace: Optional[tracing.ChunkTrace] = None
 
-    #: what a sender's `trace_ctx` becomes in `trace` (add_transfer_request)
-    chunk_trace = staticmethod(tracing.chunk_trace)
-
 
 @dataclass
 class ResetPeer:
