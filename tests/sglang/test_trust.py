@@ -231,8 +231,11 @@ def test_a_room_the_prefill_fails_fails_on_its_decode_within_seconds():
 
 
 def _mismatch_plan(room: int, **overrides) -> dict:
+    # the decode stays up a while after its room failed, as a server does: it tells the prefill only once the
+    # prefill answered its registration (a decode process gone 20 ms after the failure left the prefill's room
+    # waiting for its deadline on a loaded CI machine)
     return {"pool": {"layout": "mla", "num_layers": 2, "page_size": 1, "num_pages": 100},
-            "requests": [{"room": room, "tokens": 32}], "deadline_s": 40, **overrides}
+            "requests": [{"room": room, "tokens": 32}], "deadline_s": 40, "linger_s": {"decode": 5.0}, **overrides}
 
 
 KEY_A = {"SGLANG_P2P_AUTH_KEY": "0123456789abcdef-key-a"}
