@@ -2,7 +2,7 @@
 and across NVLink.
 
     python -m bench.transfer.page_kernel_sweep [--out PATH] [--machine NAME] [--case-s 0.1] [--budget-s 240]
-                                               [--per-sm 1,2,4,8,16]
+                                               [--per-sm 1,2,4,8,16] [--candidates default,cs,...]
 
 `engine/copy/span_copy.py`'s `_copy_pages` moves every page of a chunk in one launch; how fast depends on the
 words a program moves a loop step (`BLOCK`), its warps and how many programs the grid holds. This times the
@@ -21,7 +21,11 @@ computed from loaded integers otherwise get one 8-byte access per word). Into th
 (2026-11-29, two calls) neither won: `blocks` within 0-3% of `default` from 4k tokens up, and at 128 tokens the
 two calls disagreed (a 128-token MLA request 20-37 us either way, against 10-13 us for one copy of its 9 MB: the 61
 regions' scattered pages, not the grid, bound it); `blocks_vec16` 2-5% slower than `blocks` from 4k up. Across
-NVLink they are still to be measured.
+NVLink they are still to be measured. Cache hints on the transport's kernel (`ef`: loads `evict_first`; `cs`:
+streaming stores; both; both with 16-byte accesses; both at 4,096 words a step over 8 warps) are candidates too;
+into its own GPU (2026-11-29) none was 5% better across the cases (`cs` 0-6% faster for MLA from 4k up, no
+faster for MHA, slower at 128 tokens). `--candidates` picks the rows (all by default), `--per-sm ""` skips the
+grid sweep.
 
 `--host-ids` measures instead (a process of its own): the upload of a launch's page ids and region table (one
 `cudaMemcpyAsync` from pinned memory) and the kernel, against the kernel reading the same ids and table straight
@@ -97,6 +101,28 @@ try:  # a candidate measured against the transport's kernel, not used by it (see
             offs = w0 + tl.arange(0, BLOCK)
             m = offs < words
             tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+    @triton.jit(do_not_specialize=["n_pages", "n_regions"])
+    def _copy_pages_hinted(ids, n_pages, table, n_regions, like, BLOCK: tl.constexpr, LOAD_EF: tl.constexpr,
+                           STORE_CS: tl.constexpr, VEC: tl.constexpr):
+        """`span_copy._copy_pages` with cache hints: LOAD_EF reads the source with `evict_first` (every byte is
+        read once, so it need not stay in L2), STORE_CS writes with `.cs` (streaming: the destination is not read
+        again here); VEC as in `_copy_page_blocks`."""
+        pid = tl.program_id(0)
+        step = tl.num_programs(0)
+        for item in range(pid, n_pages * n_regions, step):
+            src, dst, words = _page_item(ids, n_pages, table, item, like, VEC)
+            for w0 in range(0, words, BLOCK):
+                offs = w0 + tl.arange(0, BLOCK)
+                m = offs < words
+                if LOAD_EF:
+                    v = tl.load(src + offs, mask=m, eviction_policy="evict_first")
+                else:
+                    v = tl.load(src + offs, mask=m)
+                if STORE_CS:
+                    tl.store(dst + offs, v, mask=m, cache_modifier=".cs")
+                else:
+                    tl.store(dst + offs, v, mask=m)
 except ImportError:  # CPU-only installs: nothing is launched
     triton = None
 
@@ -106,8 +132,10 @@ def sweep_cases(shapes=SHAPES) -> list[Case]:
     return [Case(by_name[n], t, d) for n, t in SWEEP_CASES for d in ("contiguous", "scattered")]
 
 
-#: rows timed twice in turn for every case: the transport's launch and the candidate kernel's two forms
-CANDIDATES = ("default", "blocks", "blocks_vec16")
+#: rows timed twice in turn for every case: the transport's launch and the candidates (`_copy_page_blocks`' two
+#: forms; `_copy_pages_hinted`'s: `ef` loads evict_first, `cs` stores streaming, `ef_cs` both, `ef_cs_vec16` both
+#: with 16-byte accesses, `ef_cs_b4096w8` both with 4,096 words a step over 8 warps)
+CANDIDATES = ("default", "blocks", "blocks_vec16", "ef", "cs", "ef_cs", "ef_cs_vec16", "ef_cs_b4096w8")
 
 
 def best(rows: list[dict]) -> dict[str, dict]:
@@ -157,7 +185,8 @@ def gpu_timer(torch, stream, case_s: float):
     return timed
 
 
-def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4, 8, 16)) -> dict:
+def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4, 8, 16),
+        candidates=CANDIDATES) -> dict:
     import torch
 
     from sglang_p2p_backend.engine.copy import span_copy
@@ -180,8 +209,8 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
     t_end = time.monotonic() + budget_s
     rows: list[dict] = []
     skipped: list[str] = []
-    #: the global accesses the candidate compiled to, by VEC (the device's Triton decides)
-    forms: dict[int, list[str]] = {}
+    #: the global accesses the candidates compiled to, by kernel and VEC (the device's Triton decides)
+    forms: dict[str, list[str]] = {}
 
     timed = gpu_timer(torch, stream, case_s)
     for target, dst_dev in targets:
@@ -240,21 +269,38 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
                     bound = same_gpu_programs_per_sm([shape.item]) * sms
                 default_grid = min(n * shape.regions, bound)
                 unit_grid = min(n * shape.regions * -(-words // default_block), bound)
-                # the transport's launch and the candidate (8-byte, then 16-byte accesses), in turn twice so a drift
-                # of the clocks shows
-                turns = (("default", launch(default_block, 4, default_grid), default_grid, 1),
-                         ("blocks", blocks(default_block, unit_grid, 1), unit_grid, 1),
-                         ("blocks_vec16", blocks(default_block, unit_grid, vec), unit_grid, vec))
-                for variant, fn, grid, v in turns * 2:
+                def hinted(block: int, warps: int, ef: bool, cs: bool, vec: int):
+                    return lambda: _copy_pages_hinted[(default_grid,)](dev, n, dev[2 * n:], shape.regions, like,
+                                                                        BLOCK=block, LOAD_EF=ef, STORE_CS=cs,
+                                                                        VEC=vec, num_warps=warps)
+
+                big = min(4096, max(default_block, 1 << (words - 1).bit_length()))
+                # the transport's launch and the candidates, in turn twice so a drift of the clocks shows
+                turns = (("default", launch(default_block, 4, default_grid), default_grid, 1, default_block, 4),
+                         ("blocks", blocks(default_block, unit_grid, 1), unit_grid, 1, default_block, 4),
+                         ("blocks_vec16", blocks(default_block, unit_grid, vec), unit_grid, vec, default_block, 4),
+                         ("ef", hinted(default_block, 4, True, False, 1), default_grid, 1, default_block, 4),
+                         ("cs", hinted(default_block, 4, False, True, 1), default_grid, 1, default_block, 4),
+                         ("ef_cs", hinted(default_block, 4, True, True, 1), default_grid, 1, default_block, 4),
+                         ("ef_cs_vec16", hinted(default_block, 4, True, True, vec), default_grid, vec, default_block,
+                          4),
+                         ("ef_cs_b4096w8", hinted(big, 8, True, True, 1), default_grid, 1, big, 8))
+                for variant, fn, grid, v, blk, warps in turns * 2:
+                    if variant not in candidates:
+                        continue
                     dst.zero_()
                     us = timed(fn)
-                    rows.append({"target": target, "case": case.name, "variant": variant, "block": default_block,
-                                 "warps": 4, "grid": grid, "vec": v, "us": us, "bytes": nbytes, "bad": not check()})
-                if vec not in forms:
+                    rows.append({"target": target, "case": case.name, "variant": variant, "block": blk,
+                                 "warps": warps, "grid": grid, "vec": v, "us": us, "bytes": nbytes, "bad": not check()})
+                if f"blocks_vec{vec}" not in forms:
                     for v in sorted({1, vec}):
                         compiled = _copy_page_blocks[(1,)](dev, 0, dev[2 * n:], shape.regions, 1, like,
                                                            BLOCK=default_block, VEC=v, num_warps=4)
-                        forms[v] = access_forms(compiled.asm.get("ptx", ""))
+                        forms[f"blocks_vec{v}"] = access_forms(compiled.asm.get("ptx", ""))
+                        compiled = _copy_pages_hinted[(1,)](dev, 0, dev[2 * n:], shape.regions, like,
+                                                            BLOCK=default_block, LOAD_EF=True, STORE_CS=True, VEC=v,
+                                                            num_warps=4)
+                        forms[f"ef_cs_vec{v}"] = access_forms(compiled.asm.get("ptx", ""))
                 done: set[tuple[int, int, int]] = set()
                 for v in variants(per_sm=per_sm):
                     # a page smaller than the block runs with the page's block (the kernel's own rule)
@@ -272,7 +318,7 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
             del src, dst
             torch.cuda.empty_cache()
     result = {"machine": machine, "sms": sms, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-              "triton": triton.__version__, "access_forms": {str(k): v for k, v in forms.items()}, "rows": rows,
+              "triton": triton.__version__, "access_forms": forms, "rows": rows,
               "best": best(rows), "skipped": skipped}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -343,17 +389,20 @@ def host_ids(torch, span_copy, timed_pair, sms: int, shapes=SHAPES) -> list[dict
 
 
 def report(result: dict) -> str:
-    t = Table([("target:case", 34), ("ref us", 9), ("default", 9), ("ratio", 7), ("blocks", 9), ("ratio", 7),
-               ("vec16", 9), ("ratio", 7), ("best", 14), ("best us", 9), ("ratio", 7)])
+    shown = [c for c in CANDIDATES if any(b.get(c) for b in result["best"].values())]
+    cols = [("target:case", 34), ("ref us", 9)]
+    for name in shown:
+        cols += [(name, max(9, len(name) + 1)), ("ratio", 7)]
+    t = Table(cols + [("best", 14), ("best us", 9), ("ratio", 7)])
     for key, b in result["best"].items():
         ref, top = b["ref_us"], b["best"]
         cells = []
-        for name in CANDIDATES:
+        for name in shown:
             r = b.get(name)
             cells += [r and r["us"], r and ref and ref / r["us"]]
         t.add(key, ref, *cells, top and top["variant"], top and top["us"], top and ref and ref / top["us"])
     bad = [f"{r['target']}:{r['case']}:{r['variant']}" for r in result["rows"] if r["bad"]]
-    forms = "; ".join(f"VEC={k}: {' '.join(v)}" for k, v in result.get("access_forms", {}).items())
+    forms = "; ".join(f"{k}: {' '.join(v)}" for k, v in result.get("access_forms", {}).items())
     text = (t.render() + f"\naccesses: {forms or 'not recorded'}\nwrong bytes: {bad or 'none'}"
             f"\nskipped: {result['skipped'] or 'none'}")
     for r in result.get("host_ids", []):
@@ -364,7 +413,9 @@ def report(result: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_args(ap, "bench/results/page_kernel_sweep.json", case_s=0.1, budget_s=240.0)
-    ap.add_argument("--per-sm", default="1,2,4,8,16", help="programs an SM to try, comma-separated")
+    ap.add_argument("--per-sm", default="1,2,4,8,16", help="programs an SM to try, comma-separated (empty: none)")
+    ap.add_argument("--candidates", default=",".join(CANDIDATES),
+                    help="the rows timed in turn for every case, comma-separated (default: all)")
     ap.add_argument("--host-ids", action="store_true",
                     help="instead of the sweep, time the kernel reading its ids from pinned memory (a process of its "
                          "own: a device that cannot read it may fail the context)")
@@ -383,7 +434,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.out.write_text(json.dumps({"machine": args.machine, "host_ids": rows}, indent=1))
         print(report({"best": {}, "rows": [], "skipped": [], "host_ids": rows}))
         return 1 if any(v is False for r in rows for k, v in r.items() if k.endswith("_ok")) else 0
-    result = run(args.out, args.machine, args.case_s, args.budget_s, per_sm)
+    candidates = tuple(c for c in args.candidates.split(",") if c.strip())
+    unknown = sorted(set(candidates) - set(CANDIDATES))
+    if unknown:
+        ap.error(f"unknown candidates {unknown}; known: {', '.join(CANDIDATES)}")
+    result = run(args.out, args.machine, args.case_s, args.budget_s, per_sm, candidates)
     print(report(result))
     return 1 if any(r["bad"] for r in result["rows"]) else 0
 

@@ -39,3 +39,18 @@ def test_without_cuda_it_measures_nothing_and_exits_0(tmp_path, capsys, monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert sweep.main(["--out", str(tmp_path / "x.json")]) == 0
     assert "no CUDA device" in capsys.readouterr().out and not (tmp_path / "x.json").exists()
+
+
+def test_the_report_shows_the_candidates_timed_and_an_unknown_one_is_refused(monkeypatch):
+    rows = [{"target": "same", "case": "c", "variant": "ref", "us": 100.0, "bad": False},
+            {"target": "same", "case": "c", "variant": "default", "us": 130.0, "bad": False},
+            {"target": "same", "case": "c", "variant": "ef_cs", "us": 110.0, "bad": False}]
+    header = sweep.report({"best": sweep.best(rows), "rows": rows, "skipped": []}).splitlines()[0]
+    assert "ef_cs" in header and "blocks" not in header
+    monkeypatch.setattr(sweep, "cuda_torch", lambda tool: torch)
+    try:
+        sweep.main(["--candidates", "default,fastest"])
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("an unknown candidate was accepted")

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.engine.copy.plan import ids_out_of_range
+from sglang_p2p_backend.engine.copy.triton_launch import DirectLaunch
 
 try:  # Triton comes with CUDA builds of torch; CPU-only installs lack it and never call this module
     import triton
@@ -162,7 +163,7 @@ class FusedGather:
         self.max_programs = max_programs
         #: each variant's compiled kernel, kept from its launch through Triton's JIT (the warmup's, mostly), which
         #: later launches call directly (`_launch`)
-        self._compiled: dict[tuple, Any] = {}
+        self._compiled: dict[tuple, DirectLaunch] = {}
         if warmup:
             self.warmup()
 
@@ -278,19 +279,19 @@ class FusedGather:
                 num_warps=self.num_warps,
             )
             if callable(getattr(kernel, "__getitem__", None)):  # a CompiledKernel (Triton 3): callable directly
-                self._compiled[key] = kernel
+                self._compiled[key] = DirectLaunch(kernel)
 
         return launch
 
-    def _launch_direct(self, kernel: Any, grid: tuple, ptrs: tuple, n: int, n_regions: int, scatter: bool,
-                       block_p: int, block_w: int, persistent: bool) -> None:
-        """The compiled variant called on the current stream's handle, without Triton's JIT, which binds and
-        specialises the arguments anew at every launch (33 of a gather's 131 us of host time on an H100 host,
-        bench/results/gather_host_nvidia-h100_2026-11-28.log); what the JIT itself ends with. The device is this
-        gather's (checked by the caller: the kernel was loaded there)."""
+    def _launch_direct(self, kernel: DirectLaunch, grid: tuple, ptrs: tuple, n: int, n_regions: int,
+                       scatter: bool, block_p: int, block_w: int, persistent: bool) -> None:
+        """The compiled variant launched on the current stream's handle (triton_launch.DirectLaunch), without
+        Triton's JIT, which binds and specialises the arguments anew at every launch (33 of a gather's 131 us of
+        host time on an H100 host, bench/results/gather_host_nvidia-h100_2026-11-28.log); what the JIT itself
+        ends with. The device is this gather's (checked by the caller: the kernel was loaded there)."""
         grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, 1)
-        kernel[grid3](*ptrs, n, n_regions, scatter, block_p, block_w, persistent,
-                      stream=torch._C._cuda_getCurrentRawStream(self.device.index))
+        kernel.launch(grid3, torch._C._cuda_getCurrentRawStream(self.device.index), *ptrs, n, n_regions, scatter,
+                      block_p, block_w, persistent)
 
     def prepare_chunk(self, chunk, ids: Sequence, staging: torch.Tensor, scatter: bool) -> Callable[[], int]:
         """`gather_chunk` / `scatter_chunk` in two steps (`prepare`): the returned call launches every segment's

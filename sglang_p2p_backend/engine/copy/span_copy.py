@@ -22,10 +22,12 @@ chunk; KV pools always allow 8 (page rows are multiples of 16 bytes, and allocat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 import torch
+
+from sglang_p2p_backend.engine.copy.triton_launch import DirectLaunch
 
 if TYPE_CHECKING:
     from sglang_p2p_backend.engine.copy.stream_ops import StreamOps
@@ -257,7 +259,7 @@ class PageCopier:
         self.ops = ops
         #: the compiled kernel of each (word, block), kept from its first launch through Triton's JIT, which
         #: later launches call directly (see `copy`)
-        self._compiled: dict[tuple[int, int], Any] = {}
+        self._compiled: dict[tuple[int, int], DirectLaunch] = {}
         self._host = torch.empty(0, dtype=torch.int64).pin_memory()
         self._host_np = self._host.numpy()
         self._dev = torch.empty(0, dtype=torch.int64, device=device)
@@ -308,15 +310,15 @@ class PageCopier:
             kernel = _copy_pages[grid](dev, n_pages, dev[2 * n_pages:], n_regions, self._like[word], BLOCK=block)
             self._mark("launched")
         if self.ops is not None and callable(getattr(kernel, "__getitem__", None)):
-            self._compiled[(word, block)] = kernel
+            self._compiled[(word, block)] = DirectLaunch(kernel)
         return n_pages * page_bytes
 
-    def _launch_direct(self, kernel: Any, grid: tuple[int], n: int, n_pages: int, n_regions: int, word: int,
-                       block: int, stream: torch.cuda.Stream) -> None:
+    def _launch_direct(self, kernel: DirectLaunch, grid: tuple[int], n: int, n_pages: int, n_regions: int,
+                       word: int, block: int, stream: torch.cuda.Stream) -> None:
         """The upload and the launch without torch's context managers or Triton's JIT: one cudaMemcpyAsync and
-        the compiled kernel called on the stream's handle (`CompiledKernel[grid](*args, stream=)`, what the JIT
-        itself ends with). The JIT binds and specialises the arguments anew every launch (20-60 us of host time
-        measured on H200 hosts); the kernel compiled for this (word, block) fits every later launch of it:
+        the compiled kernel launched on the stream's handle (triton_launch.DirectLaunch: Triton's C launcher, what
+        the JIT itself ends with). The JIT binds and specialises the arguments anew every launch (20-60 us of host
+        time measured on H200 hosts); the kernel compiled for this (word, block) fits every later launch of it:
         `n_pages` and `n_regions` are not specialised on, and the three pointers keep the 16-byte alignment the
         first launch had (the buffer's start, the table 16 bytes a page after it, and `like`)."""
         ops, handle, base = self.ops, stream.cuda_stream, self._dev.data_ptr()
@@ -325,9 +327,9 @@ class PageCopier:
             self._mark("entered")
             ops.upload(base, self._host.data_ptr(), n * 8, handle)
             self._mark("uploaded")
-            # CompiledKernel's grid is always three numbers (the JIT pads a shorter one)
-            kernel[(grid[0], 1, 1)](base, n_pages, base + 16 * n_pages, n_regions, self._like[word].data_ptr(),
-                                    block, stream=handle)
+            # the compiled kernel's grid is always three numbers (the JIT pads a shorter one)
+            kernel.launch((grid[0], 1, 1), handle, base, n_pages, base + 16 * n_pages, n_regions,
+                          self._like[word].data_ptr(), block)
             self._mark("launched")
         finally:
             ops.leave(prev)
