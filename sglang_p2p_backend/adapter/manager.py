@@ -161,6 +161,8 @@ class P2pNcclKVManagerBase(CommonKVManager):
                 getattr(args, "ib_device", None),
                 int(getattr(args, "gpu_id", 0) or 0),
                 self.config.io_timeout,
+                # a failed session is tried again once a dead peer would have been noticed (and forgotten)
+                self.config.peer_timeout,
             )
             # both sides register: the decode so the prefill may write into it, the prefill so RDMA may read
             # its sources; aux rows included (they travel in the last chunk's batch)

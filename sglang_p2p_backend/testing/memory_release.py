@@ -61,6 +61,8 @@ class MemoryRelease:
             one_sided = self.role.mgr.one_sided
             self.out["registered_while_released"] = (
                 len(getattr(one_sided, "_registered", {})) if one_sided is not None else None)
+            # how long a session whose write failed (on the old registration, say) is skipped
+            self.out["retry_after_s"] = getattr(one_sided, "retry_after_s", None)
             self.state = "released"
             touch(self.role.plan, f"{name}-released")
         elif self.state == "released" and ready(self.role.plan, self.resume_after):

@@ -95,3 +95,36 @@ def test_peer_locks_live_only_while_writes_run_and_still_serialise_a_peer(transp
     for i in range(100):  # a stream of sessions written once each
         write(transport, f"10.0.1.{i}:17001")
     assert transport._peer_locks == {}
+
+
+def test_a_marked_session_is_skipped_for_retry_after_then_tried_and_cleared_when_it_answers(monkeypatch):
+    """A live decode whose write failed once (a link flap, its memory registered anew after a release/resume) is
+    not lost for good: its writes are skipped for `retry_after_s`, then tried; one that lands clears the mark,
+    one that fails marks it again from then."""
+    monkeypatch.setattr(mooncake, "_import_engine_class", lambda: Engine)
+    monkeypatch.setattr(Engine, "dead", {"10.0.0.2:17001"})
+    clock = [100.0]
+    monkeypatch.setattr(mooncake, "_now", lambda: clock[0])
+    t = mooncake.MooncakeTransport("tcp", "127.0.0.1", retry_after_s=8.0)
+    try:
+        with pytest.raises(TransportError, match="batch write returned -1"):
+            write(t, "10.0.0.2:17001")
+        clock[0] += 7.5
+        with pytest.raises(TransportError, match=r"failed 7\.5s ago \(batch write returned -1.*for 0\.5s more"):
+            write(t, "10.0.0.2:17001")
+        assert t._engine.calls == ["10.0.0.2:17001"]  # skipped: the network untouched
+        clock[0] += 1.0
+        with pytest.raises(TransportError, match="batch write returned -1"):  # tried again, still failing
+            write(t, "10.0.0.2:17001")
+        clock[0] += 7.9  # marked again from the second failure: still skipped
+        with pytest.raises(TransportError, match="skipped"):
+            write(t, "10.0.0.2:17001")
+        assert t._engine.calls == ["10.0.0.2:17001"] * 2
+        Engine.dead.clear()  # the fault is gone
+        clock[0] += 0.2
+        write(t, "10.0.0.2:17001")  # tried, lands, and the mark goes with it
+        assert t.failed_sessions() == {}
+        write(t, "10.0.0.2:17001")
+        assert t._engine.calls == ["10.0.0.2:17001"] * 4
+    finally:
+        t.close()

@@ -16,6 +16,7 @@ from support.shm_ipc import ShmBackend
 from test_pd_transfer import TRANSPORTS, assert_clean, failed_reason
 
 from sglang_p2p_backend.adapter.decode import DecodeKVManager
+from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.transport import cuda_ipc
 from sglang_p2p_backend.testing.launch import run_pair
 
@@ -58,6 +59,9 @@ def test_a_released_pair_refuses_requests_and_serves_again_after_resume(transpor
         for side in (p, d):
             if side["role"] in sides:
                 assert side["memory_release"]["registered_while_released"] == 0
+                # a write failing on the decode's old registration marks its session for the peer timeout only
+                assert side["memory_release"]["retry_after_s"] == float(
+                    transport_env.get("SGLANG_P2P_PEER_TIMEOUT", EngineConfig.peer_timeout))
 
 
 @pytest.mark.slow

@@ -32,11 +32,14 @@ def two_sided_transport(name: str, device: torch.device, host: str, config: Engi
 
 
 def one_sided_transport(
-    protocol: str, host: str, ib_device: Optional[str], gpu_id: int, transfer_timeout_s: float
+    protocol: str, host: str, ib_device: Optional[str], gpu_id: int, transfer_timeout_s: float,
+    retry_after_s: float,
 ) -> OneSidedTransport:
-    """A Mooncake engine for this process (imported lazily: hosts without Mooncake never load it)."""
+    """A Mooncake engine for this process (imported lazily: hosts without Mooncake never load it); a session
+    whose write failed is skipped for `retry_after_s`."""
     from sglang_p2p_backend.engine.transport.mooncake import MooncakeTransport
 
     return MooncakeTransport(
-        protocol=protocol, hostname=host, ib_device=ib_device, gpu_id=gpu_id, transfer_timeout_s=int(transfer_timeout_s)
+        protocol=protocol, hostname=host, ib_device=ib_device, gpu_id=gpu_id, transfer_timeout_s=int(transfer_timeout_s),
+        retry_after_s=retry_after_s,
     )

@@ -12,10 +12,13 @@ One `MooncakeTransport` per process side (prefill or decode rank) owns one Moonc
   Mooncake's TCP transport rejects more than 1024 queued transfers per peer, and large RDMA batches time out;
   writes to one peer are serialised so concurrent chunks cannot overflow that queue together;
 - a failed write marks the peer's session failed: later writes to it fail at once (no timeout per chunk)
-  until `peer_registered(session)` says the peer registered again. Sessions are named by the peers (a restarted
-  decode has a new one), so this bookkeeping is bounded: a peer's lock lives only while writes to it run or
-  wait, its failure mark goes when `forget_peer(session)` says the peer is gone, and only the
-  `MAX_FAILED_SESSIONS` most recent marks are kept.
+  until `peer_registered(session)` says the peer registered again, or `retry_after_s` (the adapter passes
+  SGLANG_P2P_PEER_TIMEOUT) has passed: by then a dead peer has been noticed and forgotten, so a peer still
+  there gets its next write tried (one that fails marks it again). A transient fault (a link flap, a peer's
+  memory registered anew after SGLang's release/resume) would otherwise end a live pair for good. Sessions are
+  named by the peers (a restarted decode has a new one), so this bookkeeping is bounded: a peer's lock lives
+  only while writes to it run or wait, its failure mark goes when `forget_peer(session)` says the peer is gone,
+  and only the `MAX_FAILED_SESSIONS` most recent marks are kept.
 Page runs become (src, dst, len) descriptors in `engine/copy/plan.py` (`copy_descriptors`); this module only moves them.
 """
 
@@ -43,6 +46,10 @@ MIN_TRANSFER_TIMEOUT_S = 5
 #: failure marks kept at most (twice SGLANG_P2P_MAX_PEERS' default): a mark pushed out only costs its peer one
 #: more failing write (within the transfer timeout) before it is marked again
 MAX_FAILED_SESSIONS = 1024
+#: seconds a failure mark skips writes to its session (the adapter passes SGLANG_P2P_PEER_TIMEOUT)
+RETRY_AFTER_S = 8.0
+#: the clock of failure marks (tests replace it)
+_now = time.monotonic
 # Mooncake reads MC_* variables from the process environment at construction/initialisation; this lock keeps
 # two engines being built at once from seeing each other's temporary settings.
 _ENV_LOCK = threading.Lock()
@@ -146,6 +153,7 @@ class MooncakeTransport(OneSidedTransport):
         transfer_timeout_s: int = 30,
         max_batch: int = MAX_BATCH_DESCRIPTORS,
         max_failed: int = MAX_FAILED_SESSIONS,
+        retry_after_s: float = RETRY_AFTER_S,
     ) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"Mooncake protocol must be one of {PROTOCOLS}, got {protocol!r}")
@@ -155,9 +163,10 @@ class MooncakeTransport(OneSidedTransport):
         self._lock = threading.Lock()
         #: session -> [its lock, writers holding or waiting for it]: removed when the last one leaves
         self._peer_locks: dict[str, list] = {}
-        #: session -> why writes to it failed, oldest first, at most `max_failed`
-        self._failed: "OrderedDict[str, str]" = OrderedDict()
+        #: session -> (why writes to it failed, when: `_now()`), oldest first, at most `max_failed`
+        self._failed: "OrderedDict[str, tuple[str, float]]" = OrderedDict()
         self._max_failed = max(1, int(max_failed))
+        self.retry_after_s = float(retry_after_s)
         self._registered: dict[int, int] = {}
         self._closed = False
         self.device_name = self._device_name(protocol, ib_device, gpu_id)
@@ -219,9 +228,12 @@ class MooncakeTransport(OneSidedTransport):
             raise ValueError(f"descriptor lists differ in length: {len(src)} src, {len(dst)} dst, {len(lengths)} lengths")
         engine = self._live_engine()
         with self._peer_lock(session):
-            cause = self._failed.get(session)
-            if cause is not None:
-                raise TransportError(f"Mooncake session {session} failed earlier ({cause}); skipped until the peer registers again")
+            mark = self._failed.get(session)
+            if mark is not None:
+                ago = _now() - mark[1]
+                if ago < self.retry_after_s:
+                    raise TransportError(f"Mooncake session {session} failed {ago:.1f}s ago ({mark[0]}); skipped until "
+                                         f"the peer registers again or for {self.retry_after_s - ago:.1f}s more")
             src, dst, lengths = _ints(src), _ints(dst), _ints(lengths)
             keep = [i for i, n in enumerate(lengths) if n]
             if len(keep) != len(lengths):  # an empty region yields zero-length descriptors; Mooncake needs none
@@ -238,6 +250,8 @@ class MooncakeTransport(OneSidedTransport):
                     )
                     self._mark_failed(session, cause)
                     raise TransportError(f"Mooncake write to {session} failed: {cause}")
+            if mark is not None:
+                self._clear_mark(session, "answered a write again")
 
     def unregister(self) -> None:
         self._unregister(self._live_engine())
@@ -262,9 +276,7 @@ class MooncakeTransport(OneSidedTransport):
 
     def peer_registered(self, session: str) -> None:
         """The peer (re-)registered: clear a failure mark so writes to it are tried again."""
-        with self._lock:
-            if self._failed.pop(session, None) is not None:
-                logger.info("Mooncake session %s registered again; writes to it resume", session)
+        self._clear_mark(session, "registered again")
 
     def forget_peer(self, session: str) -> None:
         """The peer at Mooncake `session` is gone (dead, released, replaced): drop its failure mark. A restarted
@@ -273,9 +285,9 @@ class MooncakeTransport(OneSidedTransport):
             self._failed.pop(session, None)
 
     def failed_sessions(self) -> dict[str, str]:
-        """Sessions currently skipped, with the cause of their failure."""
+        """Sessions marked failed (skipped until `retry_after_s` after the mark), with the cause."""
         with self._lock:
-            return dict(self._failed)
+            return {session: cause for session, (cause, _) in self._failed.items()}
 
     def probe(self, session: str) -> bool:
         """True if the peer answers Mooncake's handshake probe. Blocking and unbounded against a hung (not dead)
@@ -308,9 +320,14 @@ class MooncakeTransport(OneSidedTransport):
                 if entry[1] == 0 and self._peer_locks.get(session) is entry:
                     del self._peer_locks[session]
 
+    def _clear_mark(self, session: str, why: str) -> None:
+        with self._lock:
+            if self._failed.pop(session, None) is not None:
+                logger.info("Mooncake session %s %s; writes to it resume", session, why)
+
     def _mark_failed(self, session: str, cause: str) -> None:
         with self._lock:
-            self._failed[session] = cause
+            self._failed[session] = (cause, _now())
             self._failed.move_to_end(session)
             while len(self._failed) > self._max_failed:
                 self._failed.popitem(last=False)
