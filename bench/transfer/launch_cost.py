@@ -5,8 +5,10 @@
 Every same-host write and every NCCL-path gather and scatter launches a Triton kernel. This times, on the host,
 back to back, a launch of `span_copy._copy_pages` (with nothing to copy, so the host is all that is timed):
 through the JIT (`jit`), through the compiled kernel (`compiled`: `CompiledKernel[grid](*args, stream=)`),
-through its launcher object (`launcher`), through the launcher's C function (`c_launch`), and through
-`engine/copy/triton_launch.DirectLaunch` (`direct`, what the copies use), with a ctypes runtime call for scale.
+through its launcher (`launcher`: `CompiledKernel.run`, what the JIT's call ends with), through
+`engine/copy/triton_launch.DirectLaunch` (`direct`, what the copies use: the launcher, after a check for launch
+hooks), and for scale through the launcher's C function (`c_launch`, Triton 3.5 and 3.6 only) and a ctypes runtime
+call.
 Each level: the median of 5 rounds of `--launches` launches. Then a launch through DirectLaunch that moves pages is
 compared byte for byte.
 """
@@ -75,8 +77,11 @@ def run(machine: str, launches: int) -> dict:
         "direct": lambda: direct.launch((132, 1, 1), handle, *args),
         "ctypes_cudaGetDevice": lambda: rt.cudaGetDevice(ctypes.byref(cur)),
     }
-    if direct.direct:
-        fixed = direct._fixed  # noqa: SLF001 - the same call DirectLaunch makes, without its hook check
+    if callable(getattr(launcher, "launch", None)) and triton.__version__.startswith(("3.5.", "3.6.")):
+        # one level further down, for scale: the launcher's C function (this argument order is 3.5's and 3.6's
+        # only, so nothing here calls it)
+        fixed = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                 compiled.packed_metadata, None, None, None)
         levels["c_launch"] = lambda: launcher.launch(132, 1, 1, handle, *fixed, *args)
     result: dict = {"machine": machine, "torch": torch.__version__, "triton": triton.__version__,
                     "direct_path": direct.direct, "launches": launches, "us": {}}

@@ -1,6 +1,6 @@
-"""engine/copy/triton_launch.py: which launches go straight to Triton's C launcher and in what argument order,
-against a stand-in of a compiled kernel (the launches themselves are checked on GPUs: tests/gpu/test_page_kernel.py,
-tests/gpu/test_gather_cuda.py)."""
+"""engine/copy/triton_launch.py: which launches go straight to a compiled kernel's launcher and with what
+arguments, against a stand-in of a compiled kernel (the launches themselves are checked on GPUs:
+tests/gpu/test_page_kernel.py, tests/gpu/test_gather_cuda.py)."""
 
 from __future__ import annotations
 
@@ -13,38 +13,44 @@ from sglang_p2p_backend.engine.copy.triton_launch import DirectLaunch
 
 
 class _Compiled:
-    """A compiled kernel as Triton 3.5/3.6 has it: `run` (the launcher object, with its C function `launch`),
-    `function`, `packed_metadata`, and `[grid](*args, stream=)`."""
+    """A compiled kernel as Triton 3 has it: `run` (its launcher), `function`, `packed_metadata`, and
+    `[grid](*args, stream=)`."""
 
-    def __init__(self, global_scratch: int = 0, profile_scratch: int = 0):
+    def __init__(self):
         self.calls: list[tuple] = []
         self.function, self.packed_metadata = 0xF00, ("meta",)
-        self.run = SimpleNamespace(launch=lambda *a: self.calls.append(("c",) + a), global_scratch_size=global_scratch,
-                                   profile_scratch_size=profile_scratch, launch_cooperative_grid=False,
-                                   launch_pdl=True)
+        self.run = lambda *a: self.calls.append(("run",) + a)
 
     def __getitem__(self, grid):
         return lambda *args, stream: self.calls.append(("compiled", grid, stream) + args)
 
 
-def test_a_known_release_calls_the_c_launcher_with_its_argument_order(monkeypatch):
+def test_a_launch_calls_the_launcher_as_the_jit_does_without_metadata_or_hooks(monkeypatch):
     monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
     k = _Compiled()
-    d = DirectLaunch(k, version="3.6.0")
+    d = DirectLaunch(k)
     assert d.direct
     d.launch((7, 2, 1), 1234, 11, 22, "x")
-    # grid, stream, function, cooperative, pdl, global and profile scratch, metadata, launch metadata, hooks, args
-    assert k.calls == [("c", 7, 2, 1, 1234, 0xF00, False, True, None, None, ("meta",), None, None, None, 11, 22, "x")]
+    # grid, stream, function, packed metadata, launch metadata, enter hook, exit hook, the kernel's arguments
+    assert k.calls == [("run", 7, 2, 1, 1234, 0xF00, ("meta",), None, None, None, 11, 22, "x")]
 
 
-@pytest.mark.parametrize("version, scratch", [("3.4.0", (0, 0)), ("3.9.0", (0, 0)), ("", (0, 0)),
-                                              ("3.6.0", (256, 0)), ("3.5.1", (0, 64))],
-                         ids=["3.4-no-profile-scratch", "3.9-reordered", "no-triton", "global-scratch",
-                              "profile-scratch"])
-def test_an_unknown_order_or_a_kernel_needing_scratch_goes_through_the_compiled_kernel(monkeypatch, version, scratch):
+def test_jits_own_launcher_call_has_the_arguments_direct_launch_passes():
+    """The installed Triton's CompiledKernel ends its launch with the call DirectLaunch makes (read from its
+    source: a Triton that changed it would be caught here, not by a wrong launch on a GPU)."""
+    compiler = pytest.importorskip("triton.compiler.compiler")
+    import inspect
+
+    src = inspect.getsource(compiler.CompiledKernel.__getitem__)
+    assert "self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed_metadata, launch_metadata," in src
+    assert "launch_exit_hook, *args)" in src
+
+
+def test_an_object_without_a_launcher_goes_through_the_compiled_kernel(monkeypatch):
     monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
-    k = _Compiled(*scratch)
-    d = DirectLaunch(k, version=version)
+    k = _Compiled()
+    del k.packed_metadata
+    d = DirectLaunch(k)
     assert not d.direct
     d.launch((3, 1, 1), 99, 5, 6)
     assert k.calls == [("compiled", (3, 1, 1), 99, 5, 6)]
@@ -52,12 +58,12 @@ def test_an_unknown_order_or_a_kernel_needing_scratch_goes_through_the_compiled_
 
 def test_a_launch_hook_sends_launches_through_the_compiled_kernel_so_a_profiler_sees_them(monkeypatch):
     k = _Compiled()
-    d = DirectLaunch(k, version="3.6.0")
+    d = DirectLaunch(k)
     monkeypatch.setattr(triton_launch, "_hooks_set", lambda: True)
     d.launch((1, 1, 1), 5, 8)
     monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
     d.launch((1, 1, 1), 5, 8)
-    assert [c[0] for c in k.calls] == ["compiled", "c"]
+    assert [c[0] for c in k.calls] == ["compiled", "run"]
 
 
 def test_hooks_are_read_from_tritons_knobs_an_empty_chain_being_none(monkeypatch):

@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from sglang_p2p_backend.engine.copy.gather_cuda import FusedGather  # noqa: E402
-from sglang_p2p_backend.engine.copy.triton_launch import KNOWN_LAYOUTS  # noqa: E402
 
 LAYOUTS = {"mla": (61, 576 * 2), "mha": (64, 8 * 128 * 2)}  # regions, bytes per token and region
 
@@ -118,9 +117,9 @@ def test_a_variant_once_compiled_is_launched_directly_and_moves_the_same_bytes()
         # 16-byte aligned slots: the warmup's variant; 8 and 4 off: the JIT on their first use, direct after it
         first_of_its_kind = off in (8, 4) and off not in offsets[:k]
         assert len(launched) - before == (0 if first_of_its_kind else 2), (k, off)
-    # where Triton's launcher takes the order triton_launch knows, every kept variant goes straight to it
+    # every kept variant goes straight to its launcher (triton_launch.DirectLaunch)
     kept = [k for f in (gather, scatter) for k in f._compiled.values()]  # noqa: SLF001
-    assert kept and all(k.direct == triton.__version__.startswith(KNOWN_LAYOUTS) for k in kept)
+    assert kept and all(k.direct for k in kept)
 
 
 def test_a_scatter_readied_on_its_stream_and_launched_after_its_bytes_land_writes_them_exactly():

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from sglang_p2p_backend.engine.copy.span_copy import SpanCopier  # noqa: E402
-from sglang_p2p_backend.engine.copy.triton_launch import KNOWN_LAYOUTS  # noqa: E402
 from sglang_p2p_backend.engine.transport.cuda_ipc import backend  # noqa: E402
 
 REGIONS, PAGES = 6, 40
@@ -51,9 +50,9 @@ def test_page_kernel_copies_every_page_whatever_the_alignment(item, shift):
         backend().write_pages(dev, np.array(sb), np.array(db), items, s_ids, d_ids)
         written.update(zip(d_ids.tolist(), s_ids.tolist()))
     torch.cuda.synchronize(dev)
-    # the second launch went through the kept kernel, straight to Triton's C launcher where its order is known
+    # the second launch went through the kept kernel, straight to its launcher (triton_launch.DirectLaunch)
     kept = list(backend()._copiers(dev).pages._compiled.values())  # noqa: SLF001
-    assert kept and all(k.direct == triton.__version__.startswith(KNOWN_LAYOUTS) for k in kept)
+    assert kept and all(k.direct for k in kept)
     want = torch.zeros_like(dst)  # every written page, and zero everywhere else (between regions too)
     for r in range(REGIONS):
         for d, s in written.items():

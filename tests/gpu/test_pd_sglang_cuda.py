@@ -17,10 +17,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+
+def _sglang_installed() -> bool:
+    """SGLang itself, not tests/sglang: with tests/ on sys.path that directory is a namespace package `sglang`,
+    which `find_spec("sglang")` finds where SGLang is missing (the role processes then fail to import it)."""
+    try:
+        return importlib.util.find_spec("sglang.srt") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs SGLang (e2e bundle on GPU hosts)"),
+    pytest.mark.skipif(not _sglang_installed(), reason="needs SGLang (e2e bundle on GPU hosts)"),
 ]
 
 from sglang_p2p_backend.testing.launch import run_pair  # noqa: E402

@@ -316,7 +316,7 @@ class PageCopier:
     def _launch_direct(self, kernel: DirectLaunch, grid: tuple[int], n: int, n_pages: int, n_regions: int,
                        word: int, block: int, stream: torch.cuda.Stream) -> None:
         """The upload and the launch without torch's context managers or Triton's JIT: one cudaMemcpyAsync and
-        the compiled kernel launched on the stream's handle (triton_launch.DirectLaunch: Triton's C launcher, what
+        the compiled kernel launched on the stream's handle (triton_launch.DirectLaunch: the kernel's launcher, what
         the JIT itself ends with). The JIT binds and specialises the arguments anew every launch (20-60 us of host
         time measured on H200 hosts); the kernel compiled for this (word, block) fits every later launch of it:
         `n_pages` and `n_regions` are not specialised on, and the three pointers keep the 16-byte alignment the
