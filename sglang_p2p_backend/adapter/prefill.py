@@ -366,7 +366,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             self.selector.forget(session)
             self.same_host.registered(session)
             if self.one_sided is not None and reg.mooncake_session:
-                # a failed Mooncake session is skipped until its decode rank registers again: now
+                # a failed Mooncake session is skipped until its decode rank registers again (or for a while): now
                 self.one_sided.peer_registered(reg.mooncake_session)
             # a new process behind the session: its old pair channel is gone; the owning worker creates a
             # fresh one on its next chunk

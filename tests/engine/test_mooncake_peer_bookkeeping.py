@@ -99,8 +99,8 @@ def test_peer_locks_live_only_while_writes_run_and_still_serialise_a_peer(transp
 
 def test_a_marked_session_is_skipped_for_retry_after_then_tried_and_cleared_when_it_answers(monkeypatch):
     """A live decode whose write failed once (a link flap, its memory registered anew after a release/resume) is
-    not lost for good: its writes are skipped for `retry_after_s`, then tried; one that lands clears the mark,
-    one that fails marks it again from then."""
+    not lost for good: its writes are skipped for `retry_after_s`, then tried; one that fails again doubles the
+    skip (up to MAX_RETRY_FACTOR times), one that lands clears the mark."""
     monkeypatch.setattr(mooncake, "_import_engine_class", lambda: Engine)
     monkeypatch.setattr(Engine, "dead", {"10.0.0.2:17001"})
     clock = [100.0]
@@ -113,18 +113,25 @@ def test_a_marked_session_is_skipped_for_retry_after_then_tried_and_cleared_when
         with pytest.raises(TransportError, match=r"failed 7\.5s ago \(batch write returned -1.*for 0\.5s more"):
             write(t, "10.0.0.2:17001")
         assert t._engine.calls == ["10.0.0.2:17001"]  # skipped: the network untouched
-        clock[0] += 1.0
-        with pytest.raises(TransportError, match="batch write returned -1"):  # tried again, still failing
-            write(t, "10.0.0.2:17001")
-        clock[0] += 7.9  # marked again from the second failure: still skipped
+        skips = []
+        for _ in range(5):  # tried after each skip, failing again: 16, 32, 64, 64, 64 s
+            clock[0] += 100.0
+            with pytest.raises(TransportError, match="batch write returned -1"):
+                write(t, "10.0.0.2:17001")
+            skips.append(t._failed["10.0.0.2:17001"][2])  # noqa: SLF001
+        assert skips == [16.0, 32.0, 64.0, 64.0, 64.0]
+        clock[0] += 63.9
         with pytest.raises(TransportError, match="skipped"):
             write(t, "10.0.0.2:17001")
-        assert t._engine.calls == ["10.0.0.2:17001"] * 2
+        assert t._engine.calls == ["10.0.0.2:17001"] * 6
         Engine.dead.clear()  # the fault is gone
         clock[0] += 0.2
         write(t, "10.0.0.2:17001")  # tried, lands, and the mark goes with it
         assert t.failed_sessions() == {}
         write(t, "10.0.0.2:17001")
-        assert t._engine.calls == ["10.0.0.2:17001"] * 4
+        Engine.dead.add("10.0.0.2:17001")  # failing again later starts from retry_after_s
+        with pytest.raises(TransportError, match="batch write returned -1"):
+            write(t, "10.0.0.2:17001")
+        assert t._failed["10.0.0.2:17001"][2] == 8.0  # noqa: SLF001
     finally:
         t.close()

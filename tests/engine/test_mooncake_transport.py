@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="Mooncake Transfer Engine not installed")
 
 from sglang_p2p_backend.engine.copy.plan import copy_descriptors  # noqa: E402
+from sglang_p2p_backend.engine.transport import mooncake  # noqa: E402
 from sglang_p2p_backend.engine.transport.base import TransportError  # noqa: E402
 from sglang_p2p_backend.engine.transport.mooncake import MAX_BATCH_DESCRIPTORS, MooncakeTransport  # noqa: E402
 
@@ -253,24 +254,26 @@ def test_unregistered_destination_is_rejected_and_nothing_lands(prefill, peer: P
     write_and_check(prefill, peer, *MLA_KV.descriptors(prefill, peer, [(7, 9, 1)]))
 
 
-def test_a_live_peer_whose_write_failed_is_written_again_after_retry_after(prefill, peer: Peer) -> None:
+def test_a_live_peer_whose_write_failed_is_written_again_after_retry_after(prefill, peer: Peer, monkeypatch) -> None:
     """A real Mooncake session that failed once (a write outside the decode's registration) and is still there:
-    skipped at first, tried once `retry_after_s` passed, and the write lands byte-exact without the decode
-    registering again (the same process never would, e.g. after SGLang's release/resume)."""
+    skipped at first, tried once `retry_after_s` passed (the marks' clock moved by hand), and the write lands
+    byte-exact without the decode registering again (the same process never would, e.g. after SGLang's
+    release/resume)."""
     t, _, bases = prefill
     end = peer.bases[-1] + AUX_ROWS * AUX_ROW
-    saved, t.retry_after_s = t.retry_after_s, 1.0
+    clock = [1000.0]
+    monkeypatch.setattr(mooncake, "_now", lambda: clock[0])
     try:
         with pytest.raises(TransportError, match=peer.session):
             t.write(peer.session, [bases[0]], [end + 4096], [4096])
         descs = MLA_KV.descriptors(prefill, peer, [(11, 12, 1)])
         with pytest.raises(TransportError, match="skipped until the peer registers again or for"):
             t.write(peer.session, *descs)
-        time.sleep(1.05)
+        clock[0] += t.retry_after_s
         write_and_check(prefill, peer, *descs)
         assert peer.session not in t.failed_sessions()
     finally:
-        t.retry_after_s = saved
+        t.peer_registered(peer.session)  # the module's peer is never left marked
 
 
 def test_dead_peer_fails_fast_then_is_skipped_until_it_registers(prefill, lone_peer: Peer) -> None:

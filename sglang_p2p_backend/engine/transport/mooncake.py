@@ -14,8 +14,10 @@ One `MooncakeTransport` per process side (prefill or decode rank) owns one Moonc
 - a failed write marks the peer's session failed: later writes to it fail at once (no timeout per chunk)
   until `peer_registered(session)` says the peer registered again, or `retry_after_s` (the adapter passes
   SGLANG_P2P_PEER_TIMEOUT) has passed: by then a dead peer has been noticed and forgotten, so a peer still
-  there gets its next write tried (one that fails marks it again). A transient fault (a link flap, a peer's
-  memory registered anew after SGLang's release/resume) would otherwise end a live pair for good. Sessions are
+  there gets its next write tried. A transient fault (a link flap, a peer's memory registered anew after SGLang's
+  release/resume) would otherwise end a live pair for good. A tried write that fails again doubles the skip (at
+  most `MAX_RETRY_FACTOR` times `retry_after_s`), so a peer whose heartbeats go on while its data path hangs
+  takes a transfer worker for a timed-out write ever more rarely; one that lands clears the mark. Sessions are
   named by the peers (a restarted decode has a new one), so this bookkeeping is bounded: a peer's lock lives
   only while writes to it run or wait, its failure mark goes when `forget_peer(session)` says the peer is gone,
   and only the `MAX_FAILED_SESSIONS` most recent marks are kept.
@@ -48,6 +50,8 @@ MIN_TRANSFER_TIMEOUT_S = 5
 MAX_FAILED_SESSIONS = 1024
 #: seconds a failure mark skips writes to its session (the adapter passes SGLANG_P2P_PEER_TIMEOUT)
 RETRY_AFTER_S = 8.0
+#: each tried write that fails again doubles the skip, up to this many times `retry_after_s`
+MAX_RETRY_FACTOR = 8
 #: the clock of failure marks (tests replace it)
 _now = time.monotonic
 # Mooncake reads MC_* variables from the process environment at construction/initialisation; this lock keeps
@@ -163,8 +167,9 @@ class MooncakeTransport(OneSidedTransport):
         self._lock = threading.Lock()
         #: session -> [its lock, writers holding or waiting for it]: removed when the last one leaves
         self._peer_locks: dict[str, list] = {}
-        #: session -> (why writes to it failed, when: `_now()`), oldest first, at most `max_failed`
-        self._failed: "OrderedDict[str, tuple[str, float]]" = OrderedDict()
+        #: session -> (why writes to it failed, when: `_now()`, seconds skipped from then), oldest first, at most
+        #: `max_failed`
+        self._failed: "OrderedDict[str, tuple[str, float, float]]" = OrderedDict()
         self._max_failed = max(1, int(max_failed))
         self.retry_after_s = float(retry_after_s)
         self._registered: dict[int, int] = {}
@@ -231,9 +236,9 @@ class MooncakeTransport(OneSidedTransport):
             mark = self._failed.get(session)
             if mark is not None:
                 ago = _now() - mark[1]
-                if ago < self.retry_after_s:
+                if ago < mark[2]:
                     raise TransportError(f"Mooncake session {session} failed {ago:.1f}s ago ({mark[0]}); skipped until "
-                                         f"the peer registers again or for {self.retry_after_s - ago:.1f}s more")
+                                         f"the peer registers again or for {mark[2] - ago:.1f}s more")
             src, dst, lengths = _ints(src), _ints(dst), _ints(lengths)
             keep = [i for i, n in enumerate(lengths) if n]
             if len(keep) != len(lengths):  # an empty region yields zero-length descriptors; Mooncake needs none
@@ -250,7 +255,7 @@ class MooncakeTransport(OneSidedTransport):
                     )
                     self._mark_failed(session, cause)
                     raise TransportError(f"Mooncake write to {session} failed: {cause}")
-            if mark is not None:
+            if mark is not None and bounds:
                 self._clear_mark(session, "answered a write again")
 
     def unregister(self) -> None:
@@ -285,9 +290,9 @@ class MooncakeTransport(OneSidedTransport):
             self._failed.pop(session, None)
 
     def failed_sessions(self) -> dict[str, str]:
-        """Sessions marked failed (skipped until `retry_after_s` after the mark), with the cause."""
+        """Sessions marked failed (skipped for a while after the mark: `_mark_failed`), with the cause."""
         with self._lock:
-            return {session: cause for session, (cause, _) in self._failed.items()}
+            return {session: mark[0] for session, mark in self._failed.items()}
 
     def probe(self, session: str) -> bool:
         """True if the peer answers Mooncake's handshake probe. Blocking and unbounded against a hung (not dead)
@@ -326,8 +331,12 @@ class MooncakeTransport(OneSidedTransport):
                 logger.info("Mooncake session %s %s; writes to it resume", session, why)
 
     def _mark_failed(self, session: str, cause: str) -> None:
+        """Mark `session` failed now: skipped for `retry_after_s`, or twice its last skip where it was marked
+        already (the write tried after it failed too), up to MAX_RETRY_FACTOR times."""
         with self._lock:
-            self._failed[session] = (cause, _now())
+            last = self._failed.get(session)
+            skip = self.retry_after_s if last is None else min(2 * last[2], MAX_RETRY_FACTOR * self.retry_after_s)
+            self._failed[session] = (cause, _now(), skip)
             self._failed.move_to_end(session)
             while len(self._failed) > self._max_failed:
                 self._failed.popitem(last=False)
