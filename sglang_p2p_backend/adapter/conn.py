@@ -108,6 +108,8 @@ class P2pNcclKVSender(CommonKVSender):
         self.trace_ctx = tracing.sender_context(bootstrap_room)
         if getattr(self, "init_time", None) is None:
             self.init_time = time.time()
+        #: when this room's first chunk was queued (perf_counter): its transfer latency runs from there to Success
+        self._transfer_start_time: Optional[float] = None
         mgr.room_started(bootstrap_room)  # a decode abort that came first fails the room now
 
     @tracing.traced_send
@@ -117,6 +119,8 @@ class P2pNcclKVSender(CommonKVSender):
         kv_indices, index_slice, is_last, skip = self._prepare_send_indices(kv_indices, state_indices)
         if skip:
             return
+        if self._transfer_start_time is None and (len(kv_indices) > 0 or state_indices is not None):
+            self._transfer_start_time = time.perf_counter()  # as Common's send (0.5.23) and NIXL's (both)
         wait_event = kwargs.get("wait_event") or getattr(self, "_early_send_wait_event", None)
         self.kv_mgr.add_transfer_request(
             self.bootstrap_room,
@@ -140,6 +144,12 @@ class P2pNcclKVSender(CommonKVSender):
         status = _latched_poll(self, KVPoll.Bootstrapping, self._check_bootstrap_timeout)
         if status in (KVPoll.Success, KVPoll.Failed):
             tracing.finish(self.trace_ctx)  # the request's root span ends when it concludes, as in Common's poll
+        if (status == KVPoll.Success and self._transfer_start_time is not None
+                and self._transfer_metric.transfer_latency_s is None):
+            # SGLang's kv_transfer_latency_ms: the first chunk queued -> Success, as NIXL reports it (without
+            # it SGLang counts from the last chunk's queueing only, which leaves out a chunked request's earlier
+            # chunks; 0.5.23 names the choice `reports_transfer_latency`)
+            self._transfer_metric.transfer_latency_s = time.perf_counter() - self._transfer_start_time
         return status
 
     def failure_exception(self):

@@ -95,6 +95,9 @@ class P2pNcclKVManagerBase(CommonKVManager):
     # SGLang 0.5.23+ may hold an aborted room's decode pages until every prefill rank ACKs that no write
     # into them is in flight (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE); unused by 0.5.17
     supports_deferred_decode_kv_release = True
+    # SGLang 0.5.23's name for what the sender reports (conn.py poll): transfer_latency_s from the first chunk
+    # queued to Success, as NIXL; 0.5.17 reads the reported value the same way and does not ask
+    reports_transfer_latency = True
 
     def __init__(
         self,

@@ -207,7 +207,9 @@ class PrefillRole(Role):
                 return
             req.result["cleared_at"] = time.time()
             req.handle.clear()
-            req.result["bytes"] = req.handle.get_transfer_metric().transfer_total_bytes
+            metric = req.handle.get_transfer_metric()
+            req.result["bytes"] = metric.transfer_total_bytes
+            req.result["latency_s"] = metric.transfer_latency_s  # what SGLang's kv_transfer_latency_ms shows
             req.result["transfer_s"] = now - req.result["first_send_at"]
             req.result["success_at"] = now
             self.finish(req, True)

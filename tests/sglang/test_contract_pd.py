@@ -86,6 +86,10 @@ def test_kv_checksum_row_travels_with_the_aux_rows_and_verifies(transport_env):
         assert got["checksum_row"] == sent["checksum_row"] and sent["checksum_row"][0] > 1, (sent, got)
         assert got["checksum_comparable"] is True
         assert sent["bytes"] == pages * 6 * 1024 + 64, sent
+        # SGLang's kv_transfer_latency_ms: the sender's first chunk queued -> its Success (as NIXL reports it),
+        # the whole of the driver's first send() -> Success of these chunked requests, not their last chunk's
+        assert sent["sends"] > 1 and sent["latency_s"] is not None, sent
+        assert 0 < sent["latency_s"] and abs(sent["latency_s"] - sent["transfer_s"]) < 0.1, sent
 
 
 def test_pages_altered_after_arrival_fail_the_room_by_checksum():

@@ -111,6 +111,9 @@ def test_staging_shorter_than_a_request_back_pressures_without_loss():
     }
     result = run_pair(plan, env={"SGLANG_P2P_STAGING_MB": "1", "SGLANG_P2P_STAGING_SLOTS": "2"}, timeout=150)
     assert_all_landed(result, [20, 21, 22, 23])
+    for room in ("20", "21", "22", "23"):  # SGLang's kv_transfer_latency_ms: the first chunk queued -> Success
+        sent = result["prefill"]["requests"][room]
+        assert sent["latency_s"] is not None and abs(sent["latency_s"] - sent["transfer_s"]) < 0.1, sent
 
 
 def failed_reason(side: dict, room: int) -> str:
