@@ -2,7 +2,8 @@
 
     python3 -m e2e.serve --models DIR --out FILE --logs DIR [--backends p2pnccl,nixl] [--modes nograph,graph]
                          [--cells 1024x1,1024x16,...] [--reps 3] [--extra mooncake:1024x1,1024x64,...]
-                         [--decode-gpu 1] [--max-total-tokens N] [--profile] [--machine NAME]
+                         [--decode-gpu 1] [--max-total-tokens N] [--chunked-prefill-size N] [--profile]
+                         [--machine NAME]
 
 Every backend gets one prefill server and, per CUDA-graph mode, one decode server with an LB in front (our LB,
 the same binary for every backend: with one prefill and one decode it only forwards). All servers run on GPU 0
@@ -87,15 +88,24 @@ def parse_cells(text: str) -> list[tuple[int, int]]:
     return cells
 
 
+def server_flags(max_total_tokens: int, chunked_prefill_size: int = 0) -> list[str]:
+    """Every server's flags: BASE_FLAGS with the KV pool cap (128 KiB a token: 65,536 are 8 GiB; a 16k-token prompt
+    at concurrency 16 needs 262,144 on the decode, which only a GPU of its own holds beside two others) and, when
+    given, the prefill chunk (0: SGLang's default, 8,192 tokens on an H100 or H200). A prompt longer than the
+    chunk is prefilled in several, and SGLang's `kv_transfer_latency_ms` then differs by backend: NIXL and p2pnccl
+    time a request from its first chunk queued, which holds the later chunks' forward passes, while SGLang times
+    Mooncake from its last chunk's queueing; a chunk at least the prompt's length makes the figure the transfer's."""
+    flags = config.with_flag(BASE_FLAGS, "--max-total-tokens", max_total_tokens)
+    return [*flags, "--chunked-prefill-size", str(chunked_prefill_size)] if chunked_prefill_size else flags
+
+
 class Pair:
     """One backend's prefill, and per mode its decode and LB."""
 
     def __init__(self, backend: str, models: Path, modes: list[str], decode_gpu: int = 0,
-                 max_total_tokens: int = MAX_TOTAL_TOKENS):
+                 max_total_tokens: int = MAX_TOTAL_TOKENS, chunked_prefill_size: int = 0):
         base = BASE_PORT[backend]
-        # the KV pool cap, 128 KiB a token: 65,536 are 8 GiB; a 16k-token prompt at concurrency 16 needs 262,144
-        # on the decode, which only a GPU of its own holds beside two others
-        flags = config.with_flag(BASE_FLAGS, "--max-total-tokens", max_total_tokens)
+        flags = server_flags(max_total_tokens, chunked_prefill_size)
         env = {**config.COMMON_ENV, **BACKEND_ENV[backend]}
         self.backend = backend
         transfer = TRANSFER_BACKEND.get(backend, backend)
@@ -312,15 +322,16 @@ def summarize_cells(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[str], cells: list[tuple[int, int]],
         reps: int, extra: dict[str, list[tuple[int, int]]], do_profile: bool, machine: str, pyspy: Optional[str],
-        deadline: float, rounds: int = 2, decode_gpu: int = 0, max_total_tokens: int = MAX_TOTAL_TOKENS) -> dict[str, Any]:
-    res: dict[str, Any] = {"machine": machine, "model": MODEL, "flags": config.with_flag(BASE_FLAGS, "--max-total-tokens", max_total_tokens),
+        deadline: float, rounds: int = 2, decode_gpu: int = 0, max_total_tokens: int = MAX_TOTAL_TOKENS,
+        chunked_prefill_size: int = 0) -> dict[str, Any]:
+    res: dict[str, Any] = {"machine": machine, "model": MODEL, "flags": server_flags(max_total_tokens, chunked_prefill_size),
                            "mode_flags": MODE_FLAGS, "gpus": {"prefill": 0, "decode": decode_gpu},
                            "backend_env": {b: BACKEND_ENV[b] for b in [*backends, *extra]},
                            "output_tokens": OUTPUT_TOKENS, "requests": {str(c): requests_for(c, rounds) for _, c in cells},
                            "lb": "sglang_p2p_lb --policy random (one prefill, one decode: forwards only)",
                            "cells": [], "profile": [], "servers": {}}
     save = lambda: results.write_json(out, res)  # noqa: E731
-    pairs = {b: Pair(b, models, modes, decode_gpu, max_total_tokens) for b in [*backends, *extra]}
+    pairs = {b: Pair(b, models, modes, decode_gpu, max_total_tokens, chunked_prefill_size) for b in [*backends, *extra]}
     with Stack(logs) as stack:
         ready = start(stack, pairs, res, save)
         warm_up(ready, modes, cells)
@@ -433,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                     "NVLink); the prefills stay on GPU 0")
     ap.add_argument("--max-total-tokens", type=int, default=MAX_TOTAL_TOKENS, help="every server's KV pool cap "
                     "(128 KiB a token); raise it for 16k-token prompts where a GPU holds fewer servers")
+    ap.add_argument("--chunked-prefill-size", type=int, default=0, help="every server's prefill chunk in tokens (0: "
+                    "SGLang's default); at least the longest prompt makes kv_transfer_latency_ms the transfer's alone")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--machine", default="unknown")
     ap.add_argument("--pyspy", default="", help="py-spy executable (profile and thread names)")
@@ -445,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     a.logs.mkdir(parents=True, exist_ok=True)
     res = run(a.models, a.logs, a.out, a.backends.split(","), a.modes.split(","), parse_cells(a.cells), a.reps, extra,
               a.profile, a.machine, a.pyspy or None, config.deadline_from_env(), a.rounds, a.decode_gpu,
-              a.max_total_tokens)
+              a.max_total_tokens, a.chunked_prefill_size)
     bad = [b for b, s in res["servers"].items() if s.get("status") != "ok"]
     print(json.dumps({"servers": res["servers"], "stopped": res.get("stopped")}, default=str)[:2000], flush=True)
     return 1 if bad or res.get("stopped") else 0

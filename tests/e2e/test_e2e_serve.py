@@ -218,6 +218,18 @@ def test_two_gpu_layout_puts_every_decode_on_gpu_1_with_the_pool_asked_for(tmp_p
     assert [a for a in two.prefill.args if a != "262144"] == [a for a in one.prefill.args if a != "65536"]
 
 
+def test_a_prefill_chunk_given_reaches_every_server_once_and_none_leaves_sglangs_default(tmp_path: Path):
+    """--chunked-prefill-size (16,384 for 16k prompts: one chunk, so kv_transfer_latency_ms is the transfer's on every
+    backend) goes to the prefill and the decodes alike; without it no server gets the flag."""
+    plain = serve.Pair("p2pnccl", tmp_path, ["graph"])
+    chunk = serve.Pair("p2pnccl", tmp_path, ["graph"], chunked_prefill_size=16384)
+    assert "--chunked-prefill-size" not in plain.prefill.command()
+    for s in (chunk.prefill, chunk.decode["graph"]):
+        cmd = s.command()
+        assert cmd.count("--chunked-prefill-size") == 1 and cmd[cmd.index("--chunked-prefill-size") + 1] == "16384"
+    assert serve.server_flags(65536, 16384) == [*serve.server_flags(65536), "--chunked-prefill-size", "16384"]
+
+
 def test_report_pools_repetitions_across_files_and_compares_with_nixl(tmp_path: Path):
     import json
 
