@@ -2,6 +2,7 @@
 own GPU (and into a second GPU where the host has one).
 
     python -m bench.transfer.ce_lanes [--out PATH] [--machine NAME] [--case-s 0.2] [--lanes 1,2,4,8]
+                                      [--targets same,peer]
 
 The same-host path sends a chunk of few long spans (contiguous pages: one span a layer) to the copy engines with
 one `cudaMemcpyBatchAsync` on one stream (engine/copy/copy_engine.py). Into the prefill's own GPU that took
@@ -27,8 +28,8 @@ pages of each):
 between consecutive regions: whether real pools are evenly strided, as the `2d` method needs.
 Each is timed two ways: `gpu` (CUDA events, every call queued behind a GPU sleep, so host work is not counted) and
 `wall` (the call to the stream's synchronise, host included, as a write pays it). Then `interference`: a bf16
-4096^3 matmul loop on its own stream, alone and while one method copies the largest case back to back: whether it
-takes SMs. Every method's destination is zeroed and compared with the source after its timed calls (`ok`).
+4096^3 matmul loop on its own stream of the source GPU, alone and while one method copies the largest case back to
+back into each target: whether it takes SMs there. Every method's destination is zeroed and compared with the source after its timed calls (`ok`).
 Without CUDA it prints that it measured nothing and exits 0.
 """
 
@@ -58,7 +59,9 @@ CASES = [("mla_1k", 61, 1024 * 1152), ("mha_1k", 64, 1024 * 2048), ("mla_4k", 61
 PAD = 2 * MIB
 #: the first call's span counts of the `ce headN` methods
 HEADS = (1, 4, 16)
-#: the case the interference loop runs beside, and the methods it times there
+#: where the copies go: the prefill's own GPU, a second GPU
+TARGETS = ("same", "peer")
+#: the case the interference loop runs beside (into every target), and the methods it times there
 INTERFERENCE_CASE = "mha_16k"
 INTERFERENCE_METHODS = ("copy", "kernel", "ce x1", "3d")
 #: the GPU sleep every `gpu` timing is queued behind (~4 ms at 2 GHz): longer than the host's queueing of any method
@@ -175,12 +178,13 @@ class Methods:
 
 
 def run(machine: str, case_s: float, lanes: tuple[int, ...], budget_s: float, all_methods: bool = True,
-        heads: tuple[int, ...] = HEADS) -> dict:
+        heads: tuple[int, ...] = HEADS, wanted: tuple[str, ...] = TARGETS) -> dict:
     import torch
 
     t_start = time.monotonic()
     src_dev = torch.device("cuda:0")
     targets = [("same", src_dev)] + ([("peer", torch.device("cuda:1"))] if torch.cuda.device_count() > 1 else [])
+    targets = [t for t in targets if t[0] in wanted]
     main = torch.cuda.Stream(device=src_dev)
     methods = Methods(torch, src_dev, max(lanes), all_methods, heads)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -227,8 +231,8 @@ def run(machine: str, case_s: float, lanes: tuple[int, ...], budget_s: float, al
                 rows.append({"target": target, "case": name, "regions": regions, "span_bytes": per,
                              "method": method, "gpu_us": float(np.median(gpu)), "wall_us": float(np.median(wall)),
                              "reps": len(gpu), "ok": bool(ok)})
-            if name == INTERFERENCE_CASE and target == "same":
-                interference = interfere(torch, src_dev, queue, src, dst, lens, main)
+            if name == INTERFERENCE_CASE:  # the matmul on the source GPU, beside writes into this target
+                interference += [{"target": target, **i} for i in interfere(torch, src_dev, queue, src, dst, lens, main)]
             src_all = dst_all = srcs = dsts = ref_src = ref_dst = queue = None  # freed before the next case
             torch.cuda.empty_cache()
     return {"machine": machine, "lanes": list(lanes), "rows": rows, "interference": interference,
@@ -297,7 +301,8 @@ def report(result: dict) -> str:
         lines.append(f"{r['target'] + ':' + r['case']:18} {r['method']:11} {r['gpu_us']:9.1f} {r['wall_us']:9.1f} "
                      f"{g:9.2f} {w:9.2f} {'yes' if r['ok'] else 'BAD'}")
     for i in result["interference"]:
-        lines.append(f"interference {INTERFERENCE_CASE} {i['method']:11} alone {i['alone_ms']:.2f} ms, beside "
+        lines.append(f"interference {i.get('target', 'same')}:{INTERFERENCE_CASE} {i['method']:11} alone "
+                     f"{i['alone_ms']:.2f} ms, beside "
                      f"{i['busy_ms']:.2f} ms: {100 * i['slowdown']:+.1f}% ({i['writes']} writes)"
                      + (f" ERROR {i['error']}" if i["error"] else ""))
     for p in result.get("layout", []):
@@ -313,13 +318,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lanes", default="1,2,4,8", help="stream counts to deal the spans over, comma-separated")
     ap.add_argument("--heads", default=",".join(map(str, HEADS)), help="first-call span counts of `ce headN`")
     ap.add_argument("--few", action="store_true", help="leave out the batch call without its hint and memcpy")
+    ap.add_argument("--targets", default=",".join(TARGETS), help="same (into GPU 0), peer (into GPU 1, two GPUs only)")
     args = ap.parse_args(argv)
     torch = cuda_torch("ce_lanes")
     if torch is None:
         return 0
     lanes = tuple(int(x) for x in args.lanes.split(",") if x.strip())
     heads = tuple(int(x) for x in args.heads.split(",") if x.strip())
-    result = run(args.machine, args.case_s, lanes, args.budget_s, not args.few, heads)
+    wanted = tuple(t for t in args.targets.split(",") if t.strip())
+    if set(wanted) - set(TARGETS):
+        ap.error(f"unknown targets {sorted(set(wanted) - set(TARGETS))}; choose from {','.join(TARGETS)}")
+    result = run(args.machine, args.case_s, lanes, args.budget_s, not args.few, heads, wanted)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(report(result))

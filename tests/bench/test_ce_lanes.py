@@ -32,3 +32,18 @@ def test_without_cuda_it_measures_nothing_and_exits_0(tmp_path, capsys, monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert ce_lanes.main(["--out", str(tmp_path / "x.json")]) == 0
     assert "no CUDA device" in capsys.readouterr().out and not (tmp_path / "x.json").exists()
+
+
+def test_interference_rows_name_their_target_and_an_unknown_target_is_refused(monkeypatch):
+    rows = [{"target": "peer", "case": "c", "method": "copy", "gpu_us": 100.0, "wall_us": 110.0, "ok": True}]
+    inter = [{"target": "peer", "method": "2d", "alone_ms": 10.0, "busy_ms": 11.0, "slowdown": 0.1, "writes": 9,
+              "error": None}]
+    text = ce_lanes.report({"rows": rows, "interference": inter, "skipped": []})
+    assert "interference peer:" in text and "+10.0%" in text
+    monkeypatch.setattr(ce_lanes, "cuda_torch", lambda tool: torch)
+    try:
+        ce_lanes.main(["--targets", "peer,moon"])
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("an unknown target was accepted")
