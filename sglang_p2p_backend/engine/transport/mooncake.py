@@ -35,6 +35,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 from sglang_p2p_backend.engine.transport.select import rdma_devices
 
@@ -48,8 +49,9 @@ MIN_TRANSFER_TIMEOUT_S = 5
 #: failure marks kept at most (twice SGLANG_P2P_MAX_PEERS' default): a mark pushed out only costs its peer one
 #: more failing write (within the transfer timeout) before it is marked again
 MAX_FAILED_SESSIONS = 1024
-#: seconds a failure mark skips writes to its session (the adapter passes SGLANG_P2P_PEER_TIMEOUT)
-RETRY_AFTER_S = 8.0
+#: seconds a failure mark skips writes to its session: SGLANG_P2P_PEER_TIMEOUT's default (the adapter passes the
+#: setting itself)
+RETRY_AFTER_S = EngineConfig.peer_timeout
 #: each tried write that fails again doubles the skip, up to this many times `retry_after_s`
 MAX_RETRY_FACTOR = 8
 #: the clock of failure marks (tests replace it)
