@@ -44,10 +44,10 @@ from typing import Callable, Optional
 import numpy as np
 
 try:
-    from bench.transfer.gpu_names import common_args, cuda_torch
+    from bench.transfer.gpu_names import common_args, cuda_torch, picked
     from bench.transfer.interference import during_writes
 except ImportError:  # run as a script from bench/transfer
-    from gpu_names import common_args, cuda_torch  # type: ignore[no-redef]
+    from gpu_names import common_args, cuda_torch, picked  # type: ignore[no-redef]
     from interference import during_writes  # type: ignore[no-redef]
 
 MIB = 1 << 20
@@ -325,10 +325,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     lanes = tuple(int(x) for x in args.lanes.split(",") if x.strip())
     heads = tuple(int(x) for x in args.heads.split(",") if x.strip())
-    wanted = tuple(t for t in args.targets.split(",") if t.strip())
-    if set(wanted) - set(TARGETS):
-        ap.error(f"unknown targets {sorted(set(wanted) - set(TARGETS))}; choose from {','.join(TARGETS)}")
-    result = run(args.machine, args.case_s, lanes, args.budget_s, not args.few, heads, wanted)
+    result = run(args.machine, args.case_s, lanes, args.budget_s, not args.few, heads,
+                 picked(ap, args.targets, TARGETS, "targets"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(report(result))

@@ -1,6 +1,6 @@
 """What the GPU benchmarks here share: the host's GPUs as nvidia-smi names them, for result file names (no CUDA
-context needed), the torch a benchmark runs with (`cuda_torch`: None, said once, where there is no CUDA device)
-and their common options (`common_args`)."""
+context needed), the torch a benchmark runs with (`cuda_torch`: None, said once, where there is no CUDA device),
+their common options (`common_args`) and a checked list of names an option picks (`picked`)."""
 
 from __future__ import annotations
 
@@ -40,3 +40,13 @@ def common_args(ap: argparse.ArgumentParser, out: str, case_s: float, budget_s: 
     ap.add_argument("--machine", default="unknown")
     ap.add_argument("--case-s", type=float, default=case_s)
     ap.add_argument("--budget-s", type=float, default=budget_s)
+
+
+def picked(ap: argparse.ArgumentParser, text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """The comma-separated names in `text`, in order; one not in `known` ends the run through `ap.error` (exit 2),
+    naming it and the choices."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        ap.error(f"unknown {what} {unknown}; choose from {','.join(known)}")
+    return names

@@ -21,10 +21,10 @@ computed from loaded integers otherwise get one 8-byte access per word). Into th
 (2026-11-29, two calls) neither won: `blocks` within 0-3% of `default` from 4k tokens up, and at 128 tokens the
 two calls disagreed (a 128-token MLA request 20-37 us either way, against 10-13 us for one copy of its 9 MB: the 61
 regions' scattered pages, not the grid, bound it); `blocks_vec16` 2-5% slower than `blocks` from 4k up. Across
-NVLink they are still to be measured. Cache hints on the transport's kernel (`ef`: loads `evict_first`; `cs`:
+NVLink (2 x H200, 2026-11-29) both were within 1% of the default from 4k tokens up. Cache hints on the transport's kernel (`ef`: loads `evict_first`; `cs`:
 streaming stores; both; both with 16-byte accesses; both at 4,096 words a step over 8 warps) are candidates too;
 into its own GPU (2026-11-29) none was 5% better across the cases (`cs` 0-6% faster for MLA from 4k up, no
-faster for MHA, slower at 128 tokens). `--candidates` picks the rows (all by default), `--per-sm ""` skips the
+faster for MHA, slower at 128 tokens), nor across NVLink (`cs` and `ef_cs` within 1%). `--candidates` picks the rows (all by default), `--per-sm ""` skips the
 grid sweep.
 
 `--host-ids` measures instead (a process of its own): the upload of a launch's page ids and region table (one
@@ -46,10 +46,10 @@ from typing import Optional
 import numpy as np
 
 try:
-    from bench.transfer.gpu_names import common_args, cuda_torch
+    from bench.transfer.gpu_names import common_args, cuda_torch, picked
     from bench.transfer.xfer_cases import SHAPES, Case, Shape, Table, page_ids
 except ImportError:  # run as a script from bench/transfer
-    from gpu_names import common_args, cuda_torch  # type: ignore[no-redef]
+    from gpu_names import common_args, cuda_torch, picked  # type: ignore[no-redef]
     from xfer_cases import SHAPES, Case, Shape, Table, page_ids  # type: ignore[no-redef]
 
 
@@ -434,11 +434,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.out.write_text(json.dumps({"machine": args.machine, "host_ids": rows}, indent=1))
         print(report({"best": {}, "rows": [], "skipped": [], "host_ids": rows}))
         return 1 if any(v is False for r in rows for k, v in r.items() if k.endswith("_ok")) else 0
-    candidates = tuple(c for c in args.candidates.split(",") if c.strip())
-    unknown = sorted(set(candidates) - set(CANDIDATES))
-    if unknown:
-        ap.error(f"unknown candidates {unknown}; known: {', '.join(CANDIDATES)}")
-    result = run(args.out, args.machine, args.case_s, args.budget_s, per_sm, candidates)
+    result = run(args.out, args.machine, args.case_s, args.budget_s, per_sm,
+                 picked(ap, args.candidates, CANDIDATES, "candidates"))
     print(report(result))
     return 1 if any(r["bad"] for r in result["rows"]) else 0
 

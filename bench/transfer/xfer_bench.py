@@ -64,7 +64,7 @@ if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` 
     sys.path.insert(0, _ROOT)
 
 from bench.transfer import xfer_cases as xc  # noqa: E402
-from bench.transfer.gpu_names import gpu_slugs  # noqa: E402
+from bench.transfer.gpu_names import gpu_slugs, picked  # noqa: E402
 from bench.transfer.host_profile import host_profile, render as render_profile  # noqa: E402
 from bench.transfer.interference import during_writes  # noqa: E402
 from bench.transfer.pair import SAFE_ENV, collect, expect, guarded  # noqa: E402
@@ -1229,9 +1229,7 @@ def main(argv=None) -> int:
                          "over SGLANG_P2P_STAGING_SLOTS), overlap on, e.g. 256")
     ap.add_argument("--quick", action="store_true", help="CPU: the same driver with stand-ins and small pools")
     ns = ap.parse_args(argv)
-    sections = set(s for s in ns.sections.split(",") if s)
-    if sections - set(SECTIONS):
-        ap.error(f"unknown sections {sorted(sections - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
+    sections = set(picked(ap, ns.sections, SECTIONS, "sections"))
     import torch
 
     cuda = torch.cuda.is_available() and not ns.quick
