@@ -25,6 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.transfer.pair import pair_device
+from bench.transfer.xfer_cases import phase_offsets
 from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.wire import messages
 from sglang_p2p_backend.engine.copy.copier import PageCopier
@@ -33,6 +34,7 @@ from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.transport import two_sided_transport
 
 SENTINEL = 0x5A
+WARMUP_ROOM = 7000  # rep 0's room; rep k sends room WARMUP_ROOM + k
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def _transport(device: torch.device):
     return two_sided_transport("auto", device, "127.0.0.1", EngineConfig.from_env())
 
 
-def _prefill(device, cases, ctrl, results, io_timeout):
+def _prefill(device, cases, ctrl, results, io_timeout, trace=False):
     transport = _transport(device)
     out = []
     for ci, case in enumerate(cases):
@@ -84,24 +86,26 @@ def _prefill(device, cases, ctrl, results, io_timeout):
         sender = PairSender(transport=transport, staging=staging, copier=PageCopier([pool]), local_session="prefill:0",
                             control=lambda m: ctrl.put(messages.encode(m)), connect_timeout=60, io_timeout=io_timeout)
         src, dst = _ids(case, 1), _ids(case, 2)
-        times = []
+        times, events = [], []
+        if trace:
+            sender.trace = lambda step, room: events.append(("prefill", step, room, time.monotonic()))
         for rep in range(case.reps + 1):  # rep 0 warms up (channel creation, first launches)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.monotonic()
-            sender.send(7000 + rep, 0, [src], [dst])
+            sender.send(WARMUP_ROOM + rep, 0, [src], [dst])
             ctrl.put(("mark", ci, rep))
             landed = results.get(timeout=io_timeout)
             if rep:
                 times.append(landed - t0)
         sender.close()
         staging.close()
-        out.append(times)
+        out.append({"times": times, "events": events})
     transport.close()
     return out
 
 
-def _decode(device, cases, ctrl, results, io_timeout):
+def _decode(device, cases, ctrl, results, io_timeout, trace=False):
     transport = _transport(device)
     verdicts = []
     for ci, case in enumerate(cases):
@@ -111,6 +115,9 @@ def _decode(device, cases, ctrl, results, io_timeout):
         receiver = PairReceiver(transport=transport, staging=staging, copier=PageCopier([pool]), peer_session="prefill:0",
                                 wanted=lambda room: True, on_chunk=lambda room, rank, err: err and errors.append(err),
                                 connect_timeout=60, io_timeout=io_timeout)
+        events: list = []
+        if trace:
+            receiver.trace = lambda step, room: events.append(("decode", step, room, time.monotonic()))
         for _ in range(case.reps + 1):
             while True:
                 item = ctrl.get(timeout=io_timeout)
@@ -131,29 +138,31 @@ def _decode(device, cases, ctrl, results, io_timeout):
             got = d_t[torch.from_numpy(dst.astype(np.int64)).to(device)]
             bad += int((want != got).any(dim=1).sum())
             bad += int((d_t[others] != SENTINEL).any(dim=1).sum())
-        verdicts.append({"bad_pages": bad, "errors": errors[:3]})
+        verdicts.append({"bad_pages": bad, "errors": errors[:3], "events": events})
         receiver.close()
         staging.close()
     transport.close()
     return verdicts
 
 
-def _worker(rank, cases, ctrl, results, out_q, io_timeout):
+def _worker(rank, cases, ctrl, results, out_q, io_timeout, trace=False):
     device = torch.device("cuda", pair_device(rank)) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
         body = _prefill if rank == 0 else _decode
-        out_q.put((rank, body(device, cases, ctrl, results, io_timeout)))
+        out_q.put((rank, body(device, cases, ctrl, results, io_timeout, trace)))
     except BaseException as e:  # report, so the parent never waits on a dead worker
         out_q.put((rank, f"{type(e).__name__}: {e}"))
 
 
-def run_cases(cases: list[Case], io_timeout: float = 60.0) -> tuple[list, list]:
-    """Run the cases; returns (per-case send->landed seconds, per-case decode verdicts)."""
+def run_cases(cases: list[Case], io_timeout: float = 60.0, trace: bool = False) -> tuple[list, list]:
+    """Run the cases; returns (per-case send->landed seconds, per-case decode verdicts). `trace`: both ends'
+    steps of every chunk timed (PairSender / PairReceiver's trace), each verdict's `phases_us` the median offset
+    of each from send()'s start over the timed repetitions (the warm-up left out)."""
     ctx = mp.get_context("spawn")
     ctrl, results, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, cases, ctrl, results, out_q, io_timeout)) for r in (0, 1)]
+    procs = [ctx.Process(target=_worker, args=(r, cases, ctrl, results, out_q, io_timeout, trace)) for r in (0, 1)]
     for p in procs:
         p.start()
     got = {}
@@ -175,7 +184,12 @@ def run_cases(cases: list[Case], io_timeout: float = 60.0) -> tuple[list, list]:
     for rank in (0, 1):
         if not isinstance(got.get(rank), list):
             raise RuntimeError(f"rank {rank} failed: {got.get(rank, 'no result')}")
-    return got[0], got[1]
+    verdicts = got[1]
+    for mine, theirs in zip(got[0], verdicts):
+        events = [e for e in mine["events"] + theirs.pop("events") if e[2] != WARMUP_ROOM]
+        if trace:
+            theirs["phases_us"] = phase_offsets(events)
+    return [c["times"] for c in got[0]], verdicts
 
 
 def main() -> None:
@@ -183,19 +197,25 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--tokens", default="128,1024,4096,16384", help="request sizes, comma-separated")
+    ap.add_argument("--layouts", default="mla,mha", help="mla, mha or both")
+    ap.add_argument("--page-sizes", default="1,64", help="comma-separated")
+    ap.add_argument("--trace", action="store_true",
+                    help="time every step of every chunk on both ends; print each case's timeline")
     ns = ap.parse_args()
-    cases = [Case(layout, ps, tokens, reps=ns.reps) for layout in ("mla", "mha") for ps in (1, 64)
-             for tokens in map(int, ns.tokens.split(","))]
+    cases = [Case(layout, ps, tokens, reps=ns.reps) for layout in ns.layouts.split(",")
+             for ps in map(int, ns.page_sizes.split(",")) for tokens in map(int, ns.tokens.split(","))]
     cases = [c for c in cases if not (c.page_size == 1 and c.tokens > 4096)]
-    times, verdicts = run_cases(cases)
+    times, verdicts = run_cases(cases, trace=ns.trace)
     rows = []
     for case, ts, v in zip(cases, times, verdicts):
         nbytes = case.pages * case.item_len * case.regions
         p50 = statistics.median(ts)
         rows.append({**asdict(case), "bytes": nbytes, "p50_s": p50, "p99_s": max(ts), "gbps_p50": nbytes / p50 / 1e9,
-                     "bad_pages": v["bad_pages"], "errors": v["errors"]})
+                     "bad_pages": v["bad_pages"], "errors": v["errors"], "phases_us": v.get("phases_us")})
         print(f"{case.layout} page {case.page_size:>2} {case.tokens:>6} tokens {nbytes / 2**20:8.1f} MiB: "
               f"p50 {p50 * 1e3:8.3f} ms  {nbytes / p50 / 1e9:7.1f} GB/s  bad pages {v['bad_pages']}", flush=True)
+        for name, us in v.get("phases_us", []):
+            print(f"    {name:<28}{us:>10.1f} us")
     machine = {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                "torch": torch.__version__, "nccl_split": os.environ.get("SGLANG_P2P_NCCL_SPLIT", "0")}
     with open(ns.out, "w") as f:

@@ -8,3 +8,19 @@ def test_two_process_pipeline_over_tcp_is_byte_exact():
     times, verdicts = run_cases(cases, io_timeout=30)
     assert verdicts == [{"bad_pages": 0, "errors": []}] * 2
     assert [len(t) for t in times] == [2, 1]
+
+
+def test_the_trace_gives_each_step_of_each_chunk_in_order_without_the_warm_up():
+    """A request of several chunks (1 MiB slots): both ends' steps come back as one timeline from the sender's
+    start, the decode's header after the prefill handed it on, its post before the chunk lands, the report
+    after the landing, a step of every chunk numbered."""
+    case = Case("mha", 16, 48, reps=2, slot_mb=1)  # 64 regions x 3 pages of 32 KiB: 6 MiB, 6 chunks
+    times, verdicts = run_cases([case], io_timeout=30, trace=True)
+    assert verdicts[0]["bad_pages"] == 0 and verdicts[0]["errors"] == []
+    steps = [name for name, _ in verdicts[0]["phases_us"]]
+    at = dict(verdicts[0]["phases_us"])
+    assert steps[0] == "prefill start 0"
+    for first, later in (("prefill handed 0", "decode header 0"), ("decode post 0", "decode landed 0"),
+                         ("decode landed 0", "decode reported 0"), ("prefill header 1", "prefill handed 1")):
+        assert at[first] <= at[later], (first, later, verdicts[0]["phases_us"])
+    assert "decode reported 1" in at

@@ -80,6 +80,14 @@ def test_ordering_records_on_the_callers_current_stream_and_the_copy_stream_wait
     assert rt.calls == [("cudaEventRecord", EVENT, CURRENT[1]), ("cudaStreamWaitEvent", OURS, EVENT, 0)]
 
 
+def test_no_ordering_is_queued_where_the_callers_current_stream_is_the_one_ordered():
+    rt = FakeRuntime(device=1)
+    ops = ops_on(rt, 1)
+    rt.calls.clear()
+    ops.after_current(CURRENT[1])
+    assert rt.calls == []
+
+
 def test_the_device_is_set_only_where_another_is_current_and_restored():
     rt = FakeRuntime(device=1)
     ops = ops_on(rt, 1)

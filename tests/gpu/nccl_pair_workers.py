@@ -198,3 +198,40 @@ def paced_ops(rank: int, conn) -> dict:
     out["rate"] = comm.pace.rate()
     comm.close()
     return out
+
+
+# -- posts ordered after the caller's stream -----------------------------------------------------------------
+
+ORDER_BYTES = 8 << 20
+ORDER_ROUNDS = 3
+
+
+def ordered_posts(rank: int, conn) -> dict:
+    """Each round the prefill fills the buffer on a stream of its own behind ~20 ms of GPU sleep and sends from
+    that stream; the decode zeroes its buffer the same way behind a sleep and receives from its stream. A send
+    not ordered after its caller's stream would ship the previous round's bytes, a receive not ordered after
+    its caller's stream would have its bytes zeroed after they landed. Then a post from the channel's own
+    stream (no ordering to queue) still lands byte-exact."""
+    tr = _transport()
+    comm = connect_pair(tr, conn, rank, 60)
+    dev = comm.device
+    caller = torch.cuda.Stream(device=dev)
+    buf = torch.zeros(ORDER_BYTES, dtype=torch.uint8, device=dev)
+    got = []
+    for i in range(ORDER_ROUNDS + 1):
+        torch.cuda.synchronize(dev)
+        own = i == ORDER_ROUNDS
+        with torch.cuda.stream(comm.stream if own else caller):
+            if not own:
+                torch.cuda._sleep(40_000_000)
+            if rank == 0:
+                buf.fill_(i + 1)
+            else:
+                buf.zero_()
+            done = comm.send(buf) if rank == 0 else comm.recv(buf)
+        done.wait(IO_TIMEOUT)
+        if rank == 1:
+            values = torch.unique(buf).tolist()
+            got.append(values)
+    comm.close()
+    return {"got": got}

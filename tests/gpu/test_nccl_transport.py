@@ -78,3 +78,11 @@ def test_waits_sleep_until_the_pace_the_link_showed():
         assert side["rate"] is not None
         assert all(-1.0 < late < 0.05 for late in side["late_s"]), side["late_s"]
         assert side["equal"]
+
+
+def test_posts_are_ordered_after_the_callers_stream():
+    """A send carries the bytes its caller's stream wrote last, a receive lands after its caller's stream has
+    cleared the buffer, each behind ~20 ms of GPU sleep on that stream; a post from the channel's own stream
+    (nothing to order) lands too."""
+    decode = run_pair(workers.ordered_posts, (), timeout=120)[1]
+    assert decode["got"] == [[i + 1] for i in range(workers.ORDER_ROUNDS + 1)], decode["got"]

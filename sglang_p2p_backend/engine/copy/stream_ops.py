@@ -15,6 +15,7 @@ where these calls take a microsecond or two. The current stream's raw handle is 
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,6 +26,16 @@ EVENT_DISABLE_TIMING = 2
 MEMCPY_HOST_TO_DEVICE = 1
 
 _P = ctypes.c_void_p
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_libraries() -> tuple[Any, Any]:
+    """(libcudart, libcuda) as torch loaded them (the soname of torch's CUDA major returns the copy already
+    mapped), once a process; OSError where either is missing."""
+    major = (torch.version.cuda or "").split(".")[0]
+    rt, drv = ctypes.CDLL(f"libcudart.so.{major}"), ctypes.CDLL("libcuda.so.1")
+    rt.cudaGetErrorString.restype = ctypes.c_char_p
+    return rt, drv
 
 
 class CudaCallError(RuntimeError):
@@ -116,8 +127,11 @@ class StreamOps:
         return bool(active.value)
 
     def after_current(self, stream: int) -> None:
-        """Order work queued next on `stream` after everything queued so far on this thread's current stream."""
+        """Order work queued next on `stream` after everything queued so far on this thread's current stream
+        (nothing to do where that is `stream` itself)."""
         current = self.current_stream(self.index)
+        if current == stream:
+            return
         self._check(self.rt.cudaEventRecord(self.event, _P(current)), "cudaEventRecord")
         self._check(self.rt.cudaStreamWaitEvent(_P(stream), self.event, 0), "cudaStreamWaitEvent")
 

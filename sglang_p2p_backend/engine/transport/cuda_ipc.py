@@ -41,6 +41,7 @@ import torch
 
 from sglang_p2p_backend.engine.copy.ce_plan import COPY_ENGINE, KERNEL, choose, coalesce, page_chunk_shape, page_spans
 from sglang_p2p_backend.engine.copy.plan import out_of_range_id, page_runs, run_breaks
+from sglang_p2p_backend.engine.copy.stream_ops import cuda_libraries
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
 from sglang_p2p_backend.engine.transport.base import OneSidedTransport, TransportError
 from sglang_p2p_backend.engine.transport.route_tally import ROUTE_NAMES, RouteTally
@@ -153,13 +154,10 @@ class CudaBackend(IpcBackend):
     def rt(self) -> ctypes.CDLL:
         """libcudart, loaded on first use (CPU-only hosts construct this backend but never call CUDA)."""
         if self._rt is None:
-            major = (torch.version.cuda or "").split(".")[0]
             try:
-                rt, self._drv = ctypes.CDLL(f"libcudart.so.{major}"), ctypes.CDLL("libcuda.so.1")
+                self._rt, self._drv = cuda_libraries()
             except OSError as e:
                 raise IpcUnavailable(f"CUDA libraries not found: {e}") from e
-            rt.cudaGetErrorString.restype = ctypes.c_char_p
-            self._rt = rt
         return self._rt
 
     @property

@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_p2p_backend.engine.config import EngineConfig
+from sglang_p2p_backend.engine.copy.stream_ops import CudaCallError, StreamOps, cuda_libraries
 from sglang_p2p_backend.engine.waiting import Deadline
 from sglang_p2p_backend.engine.transport.base import Completion, PairComm, TransportError, TwoSidedTransport
 from sglang_p2p_backend.engine.transport.link_pace import LinkPace
@@ -74,8 +75,7 @@ def _own_stream(device: torch.device, high_priority: bool = False) -> tuple[torc
     that became ready at the same moment (a gather grid covers every SM and would otherwise delay the send
     until it drains)."""
     try:
-        major = (torch.version.cuda or "").split(".")[0]
-        rt = ctypes.CDLL(f"libcudart.so.{major}")
+        rt, _ = cuda_libraries()
         handle = ctypes.c_void_p()
         least, greatest = ctypes.c_int(), ctypes.c_int()
         with torch.cuda.device(device):
@@ -94,9 +94,8 @@ def _own_stream(device: torch.device, high_priority: bool = False) -> tuple[torc
 def _destroy_stream(handle: Optional[int]) -> None:
     if handle is None:
         return
-    major = (torch.version.cuda or "").split(".")[0]
     # the runtime frees it once queued work finishes; the stream must not be used afterwards
-    ctypes.CDLL(f"libcudart.so.{major}").cudaStreamDestroy(ctypes.c_void_p(handle))
+    cuda_libraries()[0].cudaStreamDestroy(ctypes.c_void_p(handle))
 
 
 class NcclCompletion(Completion):
@@ -165,6 +164,12 @@ class NcclPairComm(PairComm):
         # kernel on them, which must not hit a destroyed handle
         weakref.finalize(self, _destroy_stream, stream_handle)
         weakref.finalize(self, _destroy_stream, side_handle)
+        #: a post's ordering after its caller's stream and its device switch, one runtime call each (torch's
+        #: `wait_stream` and device guard cost tens of microseconds a post: bench/transfer/nccl_post.py); used
+        #: under `_lock` only, so the pair's threads share it
+        rt, drv = cuda_libraries()
+        self._ops = StreamOps(rt, device, drv=drv)
+        self._stream_ptr = ctypes.c_void_p(self.stream.cuda_stream)
         self.name = f"{handle:#x}(rank {rank}, cap {max_ctas or 'default'})"
         #: when the operations queued on `stream` should end, from the rate the link has shown (link_pace.py)
         self.pace = LinkPace()
@@ -204,19 +209,18 @@ class NcclPairComm(PairComm):
         for b in bufs:
             if b.device != self.device or b.dtype != torch.uint8 or not b.is_contiguous():
                 raise TransportError(f"{what}: nccl moves contiguous uint8 tensors on {self.device}, got {b.device} {b.dtype}")
-        caller = torch.cuda.current_stream(self.device)
         # on a non-blocking communicator NCCL's helper thread launches the op in ~0.1-0.2 ms: polls every
         # Deadline.FIRST_S from the start (an end "expected" now) see that within tens of microseconds, where
         # doubling steps saw it up to one step (0.16-0.32 ms by then) late
         poll = Deadline(timeout, expected_end=time.monotonic())
+        ops = self._ops
         with self._lock:
             self.raise_if_broken(what)
-            if caller.cuda_stream != self.stream.cuda_stream:
-                self.stream.wait_stream(caller)
-            stream_ptr = ctypes.c_void_p(self.stream.cuda_stream)
             start: Optional[torch.cuda.Event] = None
             try:
-                with torch.cuda.device(self.device):
+                prev = ops.enter()
+                try:
+                    ops.after_current(self._stream_ptr.value)
                     # only operations large enough to teach the pace are timed (LinkPace.min_bytes): not
                     # connect()'s one-byte probe, the first operation, whose time is also the connection's
                     if nbytes >= self.pace.min_bytes:
@@ -224,12 +228,14 @@ class NcclPairComm(PairComm):
                         start.record(self.stream)
                     if len(bufs) == 1:
                         b = bufs[0]
-                        code = fn(ctypes.c_void_p(b.data_ptr()), b.numel(), NCCL_UINT8, self.peer, self.handle, stream_ptr)
+                        code = fn(ctypes.c_void_p(b.data_ptr()), b.numel(), NCCL_UINT8, self.peer, self.handle,
+                                  self._stream_ptr)
                     else:
                         self.lib.check(self.lib.lib.ncclGroupStart(), "ncclGroupStart")
                         for b in bufs:
                             self.lib.check(
-                                fn(ctypes.c_void_p(b.data_ptr()), b.numel(), NCCL_UINT8, self.peer, self.handle, stream_ptr),
+                                fn(ctypes.c_void_p(b.data_ptr()), b.numel(), NCCL_UINT8, self.peer, self.handle,
+                                   self._stream_ptr),
                                 what,
                                 self.handle,
                             )
@@ -237,6 +243,11 @@ class NcclPairComm(PairComm):
                     self._settle(code, what, poll)
                     event = torch.cuda.Event(enable_timing=start is not None)
                     event.record(self.stream)
+                finally:
+                    ops.leave(prev)
+            except CudaCallError as e:  # the ordering or the device switch: CUDA itself failed here
+                self._abort_locked(str(e))
+                raise TransportError(f"{what}: {e}; pair channel {self.name} aborted") from e
             except TransportError as e:
                 self._abort_locked(str(e))
                 raise
