@@ -28,8 +28,9 @@ pages of each):
 between consecutive regions: whether real pools are evenly strided, as the `2d` method needs.
 Each is timed two ways: `gpu` (CUDA events, every call queued behind a GPU sleep, so host work is not counted) and
 `wall` (the call to the stream's synchronise, host included, as a write pays it). Then `interference`: a bf16
-4096^3 matmul loop on its own stream of the source GPU, alone and while one method copies the largest case back to
-back into each target: whether it takes SMs there. Every method's destination is zeroed and compared with the source after its timed calls (`ok`).
+4096^3 matmul loop on its own stream of the source GPU, launched and as one CUDA graph (no launches for the
+writer's thread to delay), alone and while one method copies the largest case back to back into each target:
+whether it takes SMs there. Every method's destination is zeroed and compared with the source after its timed calls (`ok`).
 Without CUDA it prints that it measured nothing and exits 0.
 """
 
@@ -45,10 +46,10 @@ import numpy as np
 
 try:
     from bench.transfer.gpu_names import common_args, cuda_torch, picked
-    from bench.transfer.interference import during_writes
+    from bench.transfer.interference import beside_writes
 except ImportError:  # run as a script from bench/transfer
     from gpu_names import common_args, cuda_torch, picked  # type: ignore[no-redef]
-    from interference import during_writes  # type: ignore[no-redef]
+    from interference import beside_writes  # type: ignore[no-redef]
 
 MIB = 1 << 20
 #: (name, regions, bytes a region): the contiguous requests of xfer_cases/ipc_bench, one span a region
@@ -259,20 +260,8 @@ def layout(torch, device) -> list[dict]:
 
 
 def interfere(torch, device, queue: dict, src, dst, lens, main) -> list[dict]:
-    """The matmul loop alone and beside each of INTERFERENCE_METHODS, back to back."""
-    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
-    s = torch.cuda.Stream(device=device)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def loop() -> float:
-        with torch.cuda.stream(s):
-            e0.record(s)
-            for _ in range(50):
-                torch.mm(a, a)
-            e1.record(s)
-        e1.synchronize()
-        return e0.elapsed_time(e1)
-
+    """The matmul loop, launched and as one CUDA graph, alone and beside each of INTERFERENCE_METHODS, back to
+    back."""
     out = []
     for method in INTERFERENCE_METHODS:
         fn = queue.get(method)
@@ -284,10 +273,11 @@ def interfere(torch, device, queue: dict, src, dst, lens, main) -> list[dict]:
                 fn(src, dst, lens, main)
             main.synchronize()
 
-        r = during_writes(loop, write, reps=8, join_timeout=30)
-        alone, busy = float(np.median(r.alone)), float(np.median(r.busy))
-        out.append({"method": method, "alone_ms": alone, "busy_ms": busy, "slowdown": busy / alone - 1,
-                    "writes": r.writes, "error": r.error})
+        r = beside_writes(torch, device, write, reps=8, iters=50, join_timeout=30)
+        out.append({"method": method, "alone_ms": r["matmul_ms_alone"], "busy_ms": r["matmul_ms_during"],
+                    "slowdown": r["slowdown"], "graph_alone_ms": r["graph_ms_alone"],
+                    "graph_busy_ms": r["graph_ms_during"], "slowdown_graph": r["slowdown_graph"],
+                    "writes": r["writes_during"], "error": r["error"]})
     return out
 
 
@@ -304,6 +294,8 @@ def report(result: dict) -> str:
         lines.append(f"interference {i.get('target', 'same')}:{INTERFERENCE_CASE} {i['method']:11} alone "
                      f"{i['alone_ms']:.2f} ms, beside "
                      f"{i['busy_ms']:.2f} ms: {100 * i['slowdown']:+.1f}% ({i['writes']} writes)"
+                     + (f"; as one CUDA graph {100 * i['slowdown_graph']:+.1f}%" if i.get("slowdown_graph") is not None
+                        else "")
                      + (f" ERROR {i['error']}" if i["error"] else ""))
     for p in result.get("layout", []):
         lines.append(f"layout {p['pool']} {p['kind']}: regions of {p['region_bytes']} bytes, {p['distinct']} distinct "

@@ -18,8 +18,9 @@ a GPU sleep so host planning is not counted); `plan` the host work before the la
 `plan_tiles`). `torch` is ONE `dst.copy_(src)` of a contiguous tensor of the same bytes, CUDA-event timed, in the
 same process. ratio = torch / write (target >= 0.8); latency target: mla_128 write p50 <= 100 us. After each
 case the decode checks its destination pages byte for byte against the prefill's seeded contents (after the
-page path and again after the span path). Last, `interference`: a bf16 matmul loop in the prefill process timed
-alone and while the 16k MHA request is written back to back (target: at most 5% slower).
+page path and again after the span path). Last, `interference`: a bf16 matmul loop on a stream of its own in the
+prefill process, launched and then as one CUDA graph, timed alone and while the 16k MHA request is written back
+to back (target: at most 5% slower).
 `--copy-engine off` sends every chunk to the kernel (`on`: to the copy engines), where `auto` (the default, as
 served) sends the 16k contiguous request's 32 MiB spans into the same GPU to the copy engines.
 Writes JSON to --out (default bench/results/ipc_<machine>.json) and prints a table.
@@ -42,7 +43,7 @@ if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` 
     sys.path.insert(0, _ROOT)
 
 from bench.transfer.gpu_names import gpu_slugs  # noqa: E402
-from bench.transfer.interference import during_writes  # noqa: E402
+from bench.transfer.interference import beside_writes  # noqa: E402
 from bench.transfer.pair import collect, expect, guarded, page_bytes, spawn  # noqa: E402
 
 #: regions and bytes per token in a region (bf16)
@@ -198,30 +199,18 @@ class Prefill:
         return times
 
     def interference(self, case: tuple, iters: int = 200) -> dict:
-        """A bf16 matmul loop on this process's default stream (a stand-in for the forward passes a prefill runs
-        while it ships KV), alone and while a thread writes `case` back to back with the page kernel."""
-        torch = self.torch
+        """A bf16 matmul loop on a stream of its own in the prefill process (a stand-in for the forward passes a
+        prefill runs while it ships KV), launched and as a CUDA graph (interference.py), alone and while a
+        thread writes `case` back to back as served (`--copy-engine`)."""
         _, lay, tokens, dest = case
         write = self._page_write(lay, *self._ids(lay, tokens, dest))
-        a = torch.randn(4096, 4096, device=self.dev, dtype=torch.bfloat16)
-        b = torch.randn_like(a)
-
-        def loop() -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                a.matmul(b)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-
-        r = during_writes(loop, write, reps=3)
-        alone_ms, busy_ms = float(np.median(r.alone)), float(np.median(r.busy))
-        return {"case": case[0], "matmul_iters": iters, "matmul_ms_alone": alone_ms, "matmul_ms_with_writes": busy_ms,
-                "slowdown": busy_ms / alone_ms - 1, "writes_during": r.writes,
-                "write_gbps_during": r.writes * tokens * LAYOUTS[lay][0] * LAYOUTS[lay][1] / r.wall_s / 1e9,
-                "error": r.error,
-                "programs": "8 per SM (PageCopier default)"}
+        r = beside_writes(self.torch, self.dev, write, reps=3, iters=iters)
+        return {"case": case[0], "matmul_iters": iters, "matmul_ms_alone": r["matmul_ms_alone"],
+                "matmul_ms_with_writes": r["matmul_ms_during"], "slowdown": r["slowdown"],
+                "graph_ms_alone": r["graph_ms_alone"], "graph_ms_with_writes": r["graph_ms_during"],
+                "slowdown_graph": r["slowdown_graph"], "writes_during": r["writes_during"],
+                "write_gbps_during": r["writes_during"] * tokens * LAYOUTS[lay][0] * LAYOUTS[lay][1] / r["wall_s"] / 1e9,
+                "error": r["error"]}
 
     def _plan_and_kernel(self, s, d, n, reps: int) -> dict:
         """Host planning alone, and the upload + copy kernel alone on the GPU, over the same mapping."""
@@ -366,7 +355,8 @@ def _table(result: dict) -> str:
     lines.append(f"interference: {inf['matmul_iters']} bf16 4096^2 matmuls {inf['matmul_ms_alone']:.1f} ms alone, "
                  f"{inf['matmul_ms_with_writes']:.1f} ms while {inf['case']} is written back to back "
                  f"({inf['write_gbps_during']:.0f} GB/s): slowdown {100 * inf['slowdown']:.1f}% (target <= "
-                 f"{100 * INTERFERENCE_TARGET:.0f}%)")
+                 f"{100 * INTERFERENCE_TARGET:.0f}%); as one CUDA graph {inf['graph_ms_alone']:.1f} -> "
+                 f"{inf['graph_ms_with_writes']:.1f} ms, {100 * inf['slowdown_graph']:.1f}%")
     return "\n".join(lines)
 
 

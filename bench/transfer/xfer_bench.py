@@ -66,7 +66,7 @@ if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` 
 from bench.transfer import xfer_cases as xc  # noqa: E402
 from bench.transfer.gpu_names import gpu_slugs, picked  # noqa: E402
 from bench.transfer.host_profile import host_profile, render as render_profile  # noqa: E402
-from bench.transfer.interference import during_writes  # noqa: E402
+from bench.transfer.interference import beside_writes, during_writes  # noqa: E402
 from bench.transfer.pair import SAFE_ENV, collect, expect, guarded  # noqa: E402
 
 SESSION = "127.0.0.1:17035"
@@ -672,38 +672,33 @@ class Prefill:
                 "send_us": xc.stats_us(times), "phases_us": xc.phase_offsets(events + [tuple(e) for e in theirs])}
 
     # -- interference
-    def matmul_loop(self) -> Callable[[], float]:
-        """A bf16 matmul loop on a stream of its own (the forward pass a prefill runs while it ships KV): the
-        transfer thread's copies wait for the work on ITS current stream only, so they overlap this loop."""
+    def cpu_loop(self) -> Callable[[], float]:
+        """On CPU (--quick): a small float32 matmul loop's host time, the stand-in of the GPU loop."""
         torch = self.torch
-        n, iters = (4096, 200) if self.dev.cuda else (256, 20)
-        dtype = torch.bfloat16 if self.dev.cuda else torch.float32
-        a = torch.randn(n, n, device=self.dev_t, dtype=dtype)
+        a = torch.randn(256, 256)
         b = torch.randn_like(a)
-        stream = torch.cuda.Stream(device=self.dev_t) if self.dev.cuda else None
-
-        def work() -> None:
-            if stream is None:
-                for _ in range(iters):
-                    a.matmul(b)
-                return
-            with torch.cuda.stream(stream):
-                for _ in range(iters):
-                    a.matmul(b)
 
         def loop() -> float:
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(self.dev_t))
-            return self.dev.gpu_seconds(work, stream)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                a.matmul(b)
+            return time.perf_counter() - t0
 
         return loop
 
     def interference(self, label: str, write: Callable[[], Any], nbytes: int) -> dict:
-        r = during_writes(self.matmul_loop(), write, reps=5, join_timeout=IO_TIMEOUT)
-        a, b = float(np.median(r.alone)), float(np.median(r.busy))
-        return {"mode": label, "matmul_ms_alone": a * 1e3, "matmul_ms_during": b * 1e3, "slowdown": b / a - 1,
-                "writes_during": r.writes, "write_gbps_during": r.writes * nbytes / r.wall_s / 1e9,
-                "error": r.error}
+        """The matmul loop on a stream of its own of the prefill GPU (a forward pass beside the transfers; the
+        transfer thread's copies wait for the work on ITS current stream only, so they overlap it), launched
+        and as a CUDA graph (interference.py), alone and beside back-to-back writes."""
+        if self.dev.cuda:
+            r = beside_writes(self.torch, self.dev_t, write, reps=5, join_timeout=IO_TIMEOUT)
+        else:
+            c = during_writes(self.cpu_loop(), write, reps=5, join_timeout=IO_TIMEOUT)
+            a, b = float(np.median(c.alone)), float(np.median(c.busy))
+            r = {"matmul_ms_alone": a * 1e3, "matmul_ms_during": b * 1e3, "slowdown": b / a - 1,
+                 "slowdown_graph": None, "writes_during": c.writes, "wall_s": c.wall_s, "error": c.error}
+        r["write_gbps_during"] = r["writes_during"] * nbytes / r.pop("wall_s") / 1e9
+        return {"mode": label, **r}
 
     # -- fixed cost of one small request
     def fixed_ipc(self, shape: xc.Shape, pool: list, dst_ptrs: list, dst_pages: int) -> dict:
@@ -1155,11 +1150,13 @@ def tables(result: dict) -> str:
                      + "\n".join(lines))
     if result.get("interference"):
         tb = xc.Table([("case", 30), ("mode", 13), ("alone ms", 10), ("during ms", 10), ("slowdown", 10),
-                       ("writes", 8), ("GB/s", 7)])
+                       ("graphed", 9), ("writes", 8), ("GB/s", 7)])
         for r in result["interference"]:
+            graphed = r.get("slowdown_graph")
             tb.add(r["case"], r["mode"], r["matmul_ms_alone"], r["matmul_ms_during"], 100 * r["slowdown"],
-                   r["writes_during"], r["write_gbps_during"])
-        parts.append(f"== interference: matmul loop on the prefill GPU (slowdown in %)\n{tb.render()}")
+                   float("nan") if graphed is None else 100 * graphed, r["writes_during"], r["write_gbps_during"])
+        parts.append("== interference: matmul loop on the prefill GPU (slowdown in %; graphed: the loop as one CUDA "
+                     f"graph, no launches the writer's thread can delay)\n{tb.render()}")
     if result.get("programs"):
         parts.append(programs_table(result["programs"], result.get("programs_default")))
     for name, f in result.get("fixed_cost", {}).items():
