@@ -24,6 +24,8 @@ pages of each):
   other on both sides, a pad apart): whether the copy engines' cost is a setup per copy, paid once here.
 - `3d`: ONE `cudaMemcpy3DBatchAsync` op with the copy-engine hint (CUDA 12.8+), every region a row as in `2d`:
   whether the hint keeps a strided copy on the copy engines, at one setup for every region.
+The regions of every request are carved out of one allocation with a gap between them: a strided copy cannot
+take its rows from several allocations (bench/transfer/strided_allocations.py), which SGLang's layers are.
 `layout` then allocates pools as SGLang does (one `torch.zeros` a layer, K then V) and reports the strides
 between consecutive regions: whether real pools are evenly strided, as the `2d` method needs.
 Each is timed two ways: `gpu` (CUDA events, every call queued behind a GPU sleep, so host work is not counted) and
