@@ -1,12 +1,14 @@
-"""Whether one strided copy (`cudaMemcpy2DAsync`) may take its rows from several allocations.
+"""Whether one strided copy (`cudaMemcpy2DAsync`), or one plain copy, may reach across allocations.
 
 ce_lanes.py's strided rows (`2d`, `3d`) copy regions carved out of ONE allocation with a gap between them, and
 moved a chunk across NVLink at the speed of one copy of its bytes with one call. SGLang allocates every layer
 of a KV pool as a tensor of its own, each its own `cudaMalloc` at real pool sizes, so a strided copy of a
 chunk's regions would take its rows from as many allocations. This asks the runtime, in one process on one
 GPU: rows within one allocation on each side, rows in separate allocations of 64 MiB (evenly spaced where the
-allocator placed them so), and a mix; it prints the call's return code for each (0: queued; 1: invalid
-argument) and checks the bytes of those that were queued.
+allocator placed them so), and a mix; then one `cudaMemcpyAsync` whose source or destination runs from the end
+of one allocation into the next one adjacent to it (what joining two regions' spans that continue each other
+would ask for). It prints the call's return code for each (0: queued; 1: invalid argument) and checks the bytes
+of those that were queued.
 
     python bench/transfer/strided_allocations.py [--out PATH]
 """
@@ -62,6 +64,29 @@ def _case(torch, rt, name: str, src: list, dst: list) -> dict:
     return row
 
 
+def _across(torch, rt, side: str) -> dict:
+    """One cudaMemcpyAsync of 2 MiB whose `side` ("source" or "destination") starts 1 MiB before the end of an
+    allocation and ends in the allocation right after it."""
+    fn = rt.cudaMemcpyAsync
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    blocks = [torch.full((64 * MIB,), i + 1, dtype=torch.uint8, device="cuda") for i in range(3)]
+    other = torch.zeros(4 * MIB, dtype=torch.uint8, device="cuda")
+    ptrs = [t.data_ptr() for t in blocks]
+    pair = next(((i, j) for i in range(3) for j in range(3) if ptrs[j] == ptrs[i] + 64 * MIB), None)
+    row: dict = {"case": f"one copy, its {side} across two adjacent allocations"}
+    if pair is None:
+        row["skipped"] = "the allocator placed no two of them back to back"
+        return row
+    edge = ptrs[pair[0]] + 63 * MIB
+    dst, src = (other.data_ptr(), edge) if side == "source" else (edge, other.data_ptr())
+    torch.cuda.synchronize()
+    row["code"] = int(fn(dst, src, 2 * MIB, MEMCPY_DEFAULT, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)))
+    torch.cuda.synchronize()
+    rt.cudaGetLastError()
+    return row
+
+
 def run(torch) -> list[dict]:
     rt = _runtime(torch)
     one_s = torch.zeros(8 * 4 * WIDTH, dtype=torch.uint8, device="cuda")
@@ -74,7 +99,8 @@ def run(torch) -> list[dict]:
     return [_case(torch, rt, "one allocation each side", rows_s, rows_d),
             _case(torch, rt, "separate allocations each side", sep_s, sep_d),
             _case(torch, rt, "separate allocations, one allocation", sep_s, rows_d[:2]),
-            _case(torch, rt, "one allocation, separate allocations", rows_s[:2], sep_d)]
+            _case(torch, rt, "one allocation, separate allocations", rows_s[:2], sep_d),
+            _across(torch, rt, "source"), _across(torch, rt, "destination")]
 
 
 def main(argv: Optional[list] = None) -> int:

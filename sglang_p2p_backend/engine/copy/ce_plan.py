@@ -6,7 +6,10 @@ engines (engine/copy/copy_engine.py: `cudaMemcpyBatchAsync`, or one `cudaMemcpyA
 runtime lacks it), which take no SMs from the forward pass but pay a setup per span. So the spans are made
 as long as they can be first (`page_spans`: merged page runs of every region, then `coalesce`, which also
 joins the regions of a pool that lie back to back in one allocation), and `choose` sends a chunk to the copy
-engines only where its spans are long and few enough.
+engines only where its spans are long and few enough. (A copy cannot reach across allocations: the runtime
+refuses one that does, bench/transfer/strided_allocations.py. Regions join only where a chunk holds every page of
+one region and the next region continues it on both sides; SGLang's layers are separate allocations, but no
+request holds page 0, the padding page, so their spans never join.)
 
 `SGLANG_P2P_COPY_ENGINE` (engine/config.py) picks the mode: `auto` (the default: `choose`'s rule per chunk, with
 the thresholds below), `off` (the kernel for every chunk) or `on` (the copy engines for every chunk). The
