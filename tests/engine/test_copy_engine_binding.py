@@ -115,6 +115,18 @@ def test_a_refused_batch_is_redone_span_by_span_and_not_tried_again():
     assert [c[0] for c in rt.calls] == ["batch", "async", "async"]
 
 
+def test_spans_refused_by_the_batch_and_one_by_one_fail_the_chunk_but_keep_the_batch_for_the_next():
+    rt = FakeRuntime(13000, batch_code=1, async_code=1)
+    ce = CopyEngines(rt)
+    with pytest.raises(CopyEngineError, match="cudaMemcpyAsync of 8 bytes"):
+        ce.copy(np.array([0x10]), np.array([0x40]), np.array([8]), STREAM)
+    assert ce.batched and ce.batch_failed is None  # the spans were the problem, not the batch call
+    rt.batch_code = rt.async_code = 0
+    src, dst, a, b = _buffers()
+    assert ce.copy(np.array([a]), np.array([b]), np.array([16]), STREAM) == 16
+    assert [c[0] for c in rt.calls] == ["batch", "async", "batch"] and bytes(dst[:16]) == bytes(range(16))
+
+
 def test_a_failed_async_copy_raises_naming_it():
     rt = FakeRuntime(12060, async_code=1)
     ce = CopyEngines(rt)

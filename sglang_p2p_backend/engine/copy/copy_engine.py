@@ -127,11 +127,15 @@ class CopyEngines:
             code = self._batch(src, dst, sizes, stream)
             if code == 0:
                 return int(sizes.sum())
-            # a refused batch (e.g. a driver that does not take these pointers) is redone span by span: the same
-            # bytes to the same places, so copies the batch may have queued before it failed do no harm
+            # a refused batch is redone span by span: the same bytes to the same places, so copies the batch may
+            # have queued before it failed do no harm. Only where those go through is the batch call itself the
+            # problem (a driver that does not take it), and later chunks skip it; spans the runtime refuses one by
+            # one too (a span reaching across allocations) fail this chunk and leave the batch to the next
+            moved = self._each(src, dst, sizes, stream)
             self.batch_failed = f"cudaMemcpyBatchAsync failed: {self._error(code)}"
             logger.warning("p2pnccl: %s; the copy engines take one cudaMemcpyAsync per span from now on",
                            self.batch_failed)
+            return moved
         return self._each(src, dst, sizes, stream)
 
     def _batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int) -> int:
