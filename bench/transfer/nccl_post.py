@@ -6,7 +6,7 @@ one GPU shared over loopback: the host side is the same, the bytes' speed is not
 - `post`: `comm.send(buf)` on rank 0 and `comm.recv(buf)` on rank 1, call to return, GPU idle before each;
 - `raw`: `ncclSend` / `ncclRecv` alone on the channel's stream (what a post cannot do with less);
 - the pieces around NCCL's call, each alone and without NCCL: the caller's stream, the ordering after it, the
-  device guard, the stream context the pipeline posts under, a timing event, the communicator's error query;
+  device guard, the stream context the pipeline posts under (torch's and `stream_ops.on_stream`), a timing event, the communicator's error query;
 - a cProfile of the posts: the functions with the most own time a post.
 
     python bench/transfer/nccl_post.py [--mib 1,64] [--reps 200] [--out PATH] [--engine-root DIR]
@@ -66,6 +66,11 @@ def _pieces(comm, reps: int) -> dict:
     """What a post does around NCCL's call, each piece alone."""
     import torch
 
+    try:
+        from sglang_p2p_backend.engine.copy.stream_ops import on_stream
+    except ImportError:  # an engine from before it (--engine-root)
+        on_stream = None
+
     dev = comm.device
     caller = torch.cuda.current_stream(dev)
 
@@ -81,9 +86,14 @@ def _pieces(comm, reps: int) -> dict:
         with torch.cuda.stream(comm.stream):
             pass
 
+    def on_stream_context():
+        with on_stream(comm.stream):  # type: ignore[misc]
+            pass
+
     return {
         "current_stream": _timed(lambda: torch.cuda.current_stream(dev), reps),
         "stream_context": _timed(stream_context, reps),
+        **({"on_stream": _timed(on_stream_context, reps)} if on_stream is not None else {}),
         "wait_stream": _timed(lambda: comm.stream.wait_stream(caller), reps),
         "device_guard": _timed(guard, reps),
         "timing_event_record": _timed(timing_event, reps),

@@ -189,3 +189,52 @@ def test_a_nested_enter_asks_nothing_and_only_the_outermost_leave_gives_the_devi
     assert rt.device == 0 and rt.calls == [("cudaSetDevice", 1), ("cudaSetDevice", 0)]
     ops.enter()  # a later write asks again
     assert len(asked) == 2
+
+
+class _FakeStream:
+    def __init__(self, stream_id: int, device_index: int):
+        self.stream_id, self.device_index, self.device_type = stream_id, device_index, 1
+
+
+def test_on_stream_swaps_the_current_stream_with_torchs_entry_points_and_puts_the_old_one_back(monkeypatch):
+    """On the thread's current device: the stream set, the one before it set again after (also after an error)."""
+    from sglang_p2p_backend.engine.copy.stream_ops import on_stream
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda index: (77, index, 1), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_setStream", lambda **kw: calls.append(kw), raising=False)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: pytest.fail("torch's context manager on the fast path"))
+    s = _FakeStream(5, 1)
+    with pytest.raises(RuntimeError, match="inside"):
+        with on_stream(s) as got:
+            assert got is s
+            assert calls == [{"stream_id": 5, "device_index": 1, "device_type": 1}]
+            raise RuntimeError("inside")
+    assert calls[1:] == [{"stream_id": 77, "device_index": 1, "device_type": 1}]
+
+
+def test_on_stream_of_another_device_is_torchs_context_manager_and_none_is_nothing(monkeypatch):
+    from sglang_p2p_backend.engine.copy.stream_ops import on_stream
+
+    seen = []
+
+    class Ctx:
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            seen.append(("enter", self.s.stream_id))
+
+        def __exit__(self, *exc):
+            seen.append(("exit", self.s.stream_id))
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda index: pytest.fail("fast path"), raising=False)
+    monkeypatch.setattr(torch.cuda, "stream", Ctx)
+    with on_stream(_FakeStream(9, 1)):
+        pass
+    assert seen == [("enter", 9), ("exit", 9)]
+    with on_stream(None) as got:
+        assert got is None
+    assert seen == [("enter", 9), ("exit", 9)]

@@ -38,6 +38,43 @@ def cuda_libraries() -> tuple[Any, Any]:
     return rt, drv
 
 
+class on_stream:
+    """`torch.cuda.stream(stream)` for a block: `stream` the calling thread's current stream on its device, the
+    one before it current again after. Where that device is the thread's current one (a transfer thread's, set by
+    its first copy or post), with torch's own two C entry points each way: torch's context manager also builds a
+    Stream object for the stream it replaces and compares devices, 15-19 us a use on the H200 hosts
+    (bench/transfer/nccl_post.py's pieces), and the NCCL path takes two or three a chunk. Elsewhere, or where
+    torch lacks those entry points, it is torch's context manager. None: nothing changes."""
+
+    __slots__ = ("stream", "_prev", "_torch")
+
+    def __init__(self, stream: Optional["torch.cuda.Stream"]):
+        self.stream = stream
+        self._prev: Optional[tuple] = None
+        self._torch: Any = None
+
+    def __enter__(self) -> Optional["torch.cuda.Stream"]:
+        s = self.stream
+        if s is None:
+            return None
+        get = getattr(torch._C, "_cuda_getCurrentStream", None)
+        if get is None or torch._C._cuda_getDevice() != s.device_index:
+            self._torch = torch.cuda.stream(s)
+            self._torch.__enter__()
+            return s
+        self._prev = get(s.device_index)
+        torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+        return s
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._torch is not None:
+            ctx, self._torch = self._torch, None
+            ctx.__exit__(*exc)
+        elif self._prev is not None:
+            prev, self._prev = self._prev, None
+            torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+
+
 class CudaCallError(RuntimeError):
     """A runtime call failed (the message names the call and CUDA's error)."""
 

@@ -23,7 +23,6 @@ import logging
 import queue
 import threading
 import time
-from contextlib import nullcontext
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch
 
 from sglang_p2p_backend.engine.pair.comm_budget import cap_to_wire
 from sglang_p2p_backend.engine.copy.copier import PageCopier
+from sglang_p2p_backend.engine.copy.stream_ops import on_stream
 from sglang_p2p_backend.engine.wire.messages import ChunkHeader, ChunkSegment, CommInit, Message
 from sglang_p2p_backend.engine.wire.checks import ChunkVerdict, chunk_layout
 from sglang_p2p_backend.engine.copy.heads import PairHeads
@@ -44,10 +44,8 @@ from sglang_p2p_backend.engine.transport.base import Completion, PairComm, Trans
 logger = logging.getLogger(__name__)
 
 
-def _stream_ctx(comm: Optional[PairComm]):
-    if comm is not None and comm.stream is not None:
-        return torch.cuda.stream(comm.stream)
-    return nullcontext()
+def _stream_ctx(comm: Optional[PairComm]) -> on_stream:
+    return on_stream(comm.stream if comm is not None else None)
 
 
 def _streams_done(streams: Sequence[Optional["torch.cuda.Stream"]], timeout: float,
@@ -228,7 +226,7 @@ class PairSender(_PairEnd):
                         # (the transport orders a send after its caller's stream), the gather for the slot's
                         # previous send
                         side.wait_event(sends[j].event)
-                    with torch.cuda.stream(side) if len(bufs) == 2 else _stream_ctx(comm):
+                    with on_stream(side) if len(bufs) == 2 else _stream_ctx(comm):
                         # the header first: the decode posts its receive while this end gathers (its hop and
                         # the post, ~0.3 ms, were on every chunk's path); the ids were checked above, so what
                         # fails after it is a CUDA error, which aborts the channel as a failed send does
@@ -492,7 +490,7 @@ class PairReceiver(_PairEnd):
         if verdict.chunk is None or not self.wanted(header.room):
             return None
         try:
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            with on_stream(stream):
                 run = self.copier.prepare_scatter(verdict.chunk, verdict.ids, buf)
             self._mark("readied", header.room)
             return run
@@ -524,7 +522,7 @@ class PairReceiver(_PairEnd):
             p.done.wait(max(0.0, p.deadline - time.monotonic()))
             self._mark("landed", p.header.room)
             if p.verdict.chunk is not None and self.wanted(p.header.room):
-                with torch.cuda.stream(p.scatter) if p.scatter is not None else nullcontext():
+                with on_stream(p.scatter):
                     if p.prepared is not None:
                         p.prepared()
                     else:
