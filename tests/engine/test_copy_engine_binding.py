@@ -127,6 +127,25 @@ def test_spans_refused_by_the_batch_and_one_by_one_fail_the_chunk_but_keep_the_b
     assert [c[0] for c in rt.calls] == ["batch", "async", "batch"] and bytes(dst[:16]) == bytes(range(16))
 
 
+def test_a_batch_of_more_than_head_spans_goes_as_two_calls_its_head_first():
+    from sglang_p2p_backend.engine.copy.copy_engine import HEAD_SPANS
+
+    rt = FakeRuntime(13000)
+    ce = CopyEngines(rt)
+    src, dst, a, b = _buffers()
+    n = HEAD_SPANS + 3
+    s, d = np.arange(n) * 4 + a, np.arange(n) * 8 + b
+    assert ce.copy(s, d, np.full(n, 4), STREAM) == 4 * n
+    assert [(c[0], c[4]) for c in rt.calls] == [("batch", HEAD_SPANS), ("batch", 3)]
+    assert rt.calls[0][2] == s[:HEAD_SPANS].tolist() and rt.calls[1][2] == s[HEAD_SPANS:].tolist()
+    assert rt.calls[1][1] == d[HEAD_SPANS:].tolist()
+    for i in range(n):
+        assert bytes(dst[8 * i: 8 * i + 4]) == bytes(range(4 * i, 4 * i + 4))
+    rt.calls.clear()
+    ce.copy(s[:HEAD_SPANS], d[:HEAD_SPANS], np.full(HEAD_SPANS, 4), STREAM)
+    assert [(c[0], c[4]) for c in rt.calls] == [("batch", HEAD_SPANS)]
+
+
 def test_a_failed_async_copy_raises_naming_it():
     rt = FakeRuntime(12060, async_code=1)
     ce = CopyEngines(rt)
