@@ -17,6 +17,12 @@ def host_profile(fn: Callable[[], Any], calls: int = 100, top: int = 12) -> list
     for _ in range(calls):
         fn()
     prof.disable()
+    return profile_rows(prof, calls, top)
+
+
+def profile_rows(prof: cProfile.Profile, calls: int, top: int = 12) -> list[dict]:
+    """`host_profile`'s rows from a profile the caller enabled around `calls` calls itself (only around the
+    calls, where each needs work outside it, such as waiting for what it queued)."""
     stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     return [{"function": f"{name} ({file.rsplit('/', 1)[-1]}:{line})", "calls_per_op": n / calls,

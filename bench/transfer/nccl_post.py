@@ -23,7 +23,6 @@ import ctypes
 import json
 import os
 import platform
-import pstats
 import sys
 import time
 from typing import Callable
@@ -123,6 +122,7 @@ def _rank(conn, rank: int, cfg: dict) -> dict:
     _engine_first(cfg["argv"])
     import torch
 
+    from bench.transfer.host_profile import profile_rows
     from bench.transfer.pair import connect_pair
     from sglang_p2p_backend.engine.config import EngineConfig
     from sglang_p2p_backend.engine.transport.nccl import NcclTransport
@@ -156,10 +156,7 @@ def _rank(conn, rank: int, cfg: dict) -> dict:
             c = post(buf, 60.0)
             prof.disable()
             c.wait(60.0)
-        stats = pstats.Stats(prof).stats
-        top = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:10]
-        profile = [{"function": f"{name} ({file.rsplit('/', 1)[-1]}:{line})", "calls_per_op": n / reps,
-                    "own_us_per_op": own * 1e6 / reps} for (file, line, name), (_, n, own, _, _) in top]
+        profile = profile_rows(prof, reps, top=10)
         out["sizes"][str(mib)] = {"post_us": _us(posts), "raw_us": _us(raws), "profile": profile}
         del buf
     out["pieces"] = _pieces(comm, cfg["reps"])
@@ -174,14 +171,15 @@ def rank_main(rank: int, conn, cfg: dict) -> dict:
 
 
 def _table(res: list) -> str:
+    from bench.transfer.host_profile import render
+
     lines = []
     for r in res:
         side = "send (rank 0)" if r["rank"] == 0 else "recv (rank 1)"
         for mib, s in r["sizes"].items():
             lines.append(f"{side} {mib:>6} MiB: post p50 {s['post_us']['p50']:7.1f} us (p90 {s['post_us']['p90']:7.1f}), "
                          f"NCCL's call alone p50 {s['raw_us']['p50']:7.1f} us")
-            lines += [f"      {p['own_us_per_op']:7.1f} us own {p['calls_per_op']:4.1f}x  {p['function']}"
-                      for p in s["profile"][:6]]
+            lines += render(s["profile"], 6)
         lines.append("    pieces alone (p50 us): " + ", ".join(f"{k} {v['p50']:.1f}" for k, v in r["pieces"].items()))
     return "\n".join(lines)
 
