@@ -2,11 +2,14 @@
 
     python bench/transfer/xfer_bench.py [--machine NAME] [--out PATH] [--sections plan,ipc,nccl,interference,fixed]
                                         [--budget-s 400] [--case-s 0.25] [--programs 16,32,66,132] [--quick]
+                                        [--shapes mha_p1,...] [--tokens 4096,...] [--dests contiguous,runs4,...]
 
 Two spawned processes: the prefill on cuda:0 drives, the decode on cuda:1 (cuda:0 on a one-GPU host) answers
 over a pipe (allocates and exports its pools, zeroes pages, hashes pages, receives NCCL chunks). Cases: MHA with
 128 KiB of KV a token (64 regions of 2 KiB a token) at page sizes 1 and 16, MLA (61 layers x 576 bf16) at page
-size 64; 128, 1k, 4k and 16k tokens; contiguous and scattered pages (bench/transfer/xfer_cases.py).
+size 64; 128, 1k, 4k and 16k tokens; contiguous and scattered pages (bench/transfer/xfer_cases.py). `--shapes` and
+`--tokens` take a subset; `--dests` adds `runs<N>` destinations, the pages in N runs of the decode's pool (N spans
+a region: a long prompt's chunks from SGLang's page-1 allocator), which also the interference loop then writes.
 
 - `ipc`: `CudaIpcTransport.write_pages` (the same-host path the prefill takes for whole pages: checks, one
   launch, synchronise), with the SM kernel (`kernel`) and with the copy engines (`copy_engine`,
@@ -570,7 +573,7 @@ class Prefill:
             # MHA page 16: 32 KiB items, 8 KiB loop steps
             self.out["programs_default"] = default_programs(sms, 8 * 1024)
         for tokens in programs_tokens(self.cfg["tokens"]):
-            for dest in xc.DESTS:
+            for dest in self.cfg["dests"]:
                 case = xc.Case(shape, tokens, dest)
                 w: Optional[PreparedWrite] = None
                 for n in self.cfg["programs"]:
@@ -907,7 +910,7 @@ class Prefill:
             shape = _shape(shape_d)
             src_pages, dst_pages = xc.pool_pages(shape, self.cfg["tokens"])
             pool = self.alloc_pool(shape, src_pages)
-            shape_cases = [c for c in xc.cases([shape], self.cfg["tokens"])]
+            shape_cases = [c for c in xc.cases([shape], self.cfg["tokens"], self.cfg["dests"])]
             if {"ipc", "fixed", "interference"} & sections:
                 dst_ptrs = self.map_pool(shape, dst_pages, self.cfg["decode_gpu"])
                 if "ipc" in sections:
@@ -918,9 +921,9 @@ class Prefill:
                     self.out["fixed_cost"][shape.name]["nccl"] = self.fixed_nccl_plan(shape)
                     if self.time_left(f"fixed {shape.name} {LARGE_FIXED_TOKENS}"):
                         self.out["fixed_cost"][shape.name]["large"] = self.fixed_large(shape, pool, dst_ptrs, dst_pages)
-                if "interference" in sections and shape.name == INTERFERENCE_CASE[0]:
+                if "interference" in sections and shape.name == self.cfg["interference_shape"]:
                     tokens = max(t for t in self.cfg["tokens"] if t <= INTERFERENCE_CASE[1])
-                    for dest in xc.DESTS:
+                    for dest in self.cfg["dests"]:
                         case = xc.Case(shape, tokens, dest)
                         s_ids, d_ids = xc.page_ids(case, src_pages, dst_pages)
                         bases, items = [t.data_ptr() for t in pool], [shape.item] * shape.regions
@@ -971,7 +974,7 @@ class Prefill:
                         row = self.nccl_phases(case, pool, dst_pages)
                         if row:
                             self.out["nccl_phases"].append(row)
-                if "interference" in sections and shape.name == INTERFERENCE_CASE[0] and self.time_left("interference nccl"):
+                if "interference" in sections and shape.name == self.cfg["interference_shape"] and self.time_left("interference nccl"):
                     tokens = max(t for t in self.cfg["tokens"] if t <= INTERFERENCE_CASE[1])
                     case = xc.Case(shape, tokens, "scattered")
                     s_ids, d_ids = xc.page_ids(case, src_pages, dst_pages)
@@ -1224,9 +1227,20 @@ def main(argv=None) -> int:
     ap.add_argument("--slot-mib", type=parse_slot_mib, default=[], metavar="LIST",
                     help="staging slot sizes (MiB) to run the nccl cases at besides the default (SGLANG_P2P_STAGING_MB "
                          "over SGLANG_P2P_STAGING_SLOTS), overlap on, e.g. 256")
+    ap.add_argument("--shapes", default="", help="comma-separated subset of the KV shapes (default all: "
+                    f"{','.join(s.name for s in xc.SHAPES)})")
+    ap.add_argument("--tokens", default="", help="comma-separated subset of the request sizes in tokens (default all)")
+    ap.add_argument("--dests", default=",".join(xc.DESTS), help="where the pages land: contiguous, scattered and "
+                    "runs<N> (N runs of the decode's pool, e.g. runs4: N spans a region)")
     ap.add_argument("--quick", action="store_true", help="CPU: the same driver with stand-ins and small pools")
     ns = ap.parse_args(argv)
     sections = set(picked(ap, ns.sections, SECTIONS, "sections"))
+    dests = tuple(d.strip() for d in ns.dests.split(",") if d.strip())
+    for d in dests:
+        try:
+            xc.run_count(d)
+        except ValueError as e:
+            ap.error(str(e))
     import torch
 
     cuda = torch.cuda.is_available() and not ns.quick
@@ -1237,6 +1251,13 @@ def main(argv=None) -> int:
     machine = ns.machine or (machine_name() if cuda else f"cpu-{os.cpu_count()}core-quick")
     out_path = Path(ns.out or Path(_ROOT) / "bench" / "results" / f"xfer_{machine}.json")
     shapes, tokens = (xc.SHAPES, xc.TOKENS) if cuda else (xc.QUICK_SHAPES, xc.QUICK_TOKENS)
+    if ns.shapes:
+        keep = picked(ap, ns.shapes, tuple(s.name for s in shapes), "shapes")
+        shapes = tuple(s for s in shapes if s.name in keep)
+    if ns.tokens:
+        keep_t = picked(ap, ns.tokens, tuple(str(t) for t in tokens), "tokens")
+        tokens = tuple(t for t in tokens if str(t) in keep_t)
+    names = [s.name for s in shapes]
     t0 = time.time()
     result: dict = {"machine": machine, "meta": meta(torch, ns.quick), "targets": xc.TARGETS}
     if "plan" in sections:  # host work alone: full-size shapes even with --quick (nothing is allocated)
@@ -1246,7 +1267,8 @@ def main(argv=None) -> int:
         gpus = torch.cuda.device_count() if cuda else 0
         cfg = {"quick": not cuda, "prefill_gpu": 0, "decode_gpu": 1 if gpus >= 2 else 0, "budget_s": ns.budget_s,
                "case_s": ns.case_s, "max_reps": ns.max_reps, "sections": device_sections, "programs": ns.programs,
-               "slot_mib": ns.slot_mib,
+               "slot_mib": ns.slot_mib, "dests": dests,
+               "interference_shape": INTERFERENCE_CASE[0] if INTERFERENCE_CASE[0] in names else names[0],
                "shapes": [s.__dict__ for s in shapes], "tokens": tokens}
         import multiprocessing as mp
 

@@ -39,6 +39,9 @@ class Shape:
 SHAPES = (Shape("mha_p1", 64, 2048, 1), Shape("mha_p16", 64, 2048, 16), Shape("mla_p64", 61, 1152, 64))
 TOKENS = (128, 1024, 4096, 16384)
 DESTS = ("contiguous", "scattered")
+#: --dests also takes `runs<N>`: the pages land in N runs of the decode's pool, apart (SGLang's allocator at page
+#: size 1 after a while hands out a few long runs: a chunk of N runs a region is N spans a region)
+RUNS_PREFIX = "runs"
 #: --quick on CPU: the same driver on small pools (three regions, short pages)
 QUICK_SHAPES = (Shape("mha_p1", 4, 256, 1), Shape("mha_p16", 4, 256, 16), Shape("mla_p64", 3, 144, 64))
 QUICK_TOKENS = (128, 1024)
@@ -66,6 +69,16 @@ class Case:
         return f"{self.shape.name}_{self.tokens}_{self.dest}"
 
 
+def run_count(dest: str) -> int:
+    """N of a `runs<N>` destination; 0 for the others. Raises ValueError for a name that is neither."""
+    if dest in DESTS:
+        return 0
+    n = dest[len(RUNS_PREFIX):]
+    if not dest.startswith(RUNS_PREFIX) or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"destination {dest!r}: choose contiguous, scattered or runs<N> (N >= 1, e.g. runs4)")
+    return int(n)
+
+
 def cases(shapes=SHAPES, tokens=TOKENS, dests=DESTS) -> list[Case]:
     """Every (shape, tokens, destination) case, shape-major so one pool serves a shape's cases."""
     return [Case(s, t, d) for s in shapes for t in tokens for d in dests]
@@ -81,10 +94,24 @@ def pool_pages(shape: Shape, tokens=TOKENS) -> tuple[int, int]:
 def page_ids(case: Case, src_pages: int, dst_pages: int, seed: int = 35) -> tuple[np.ndarray, np.ndarray]:
     """(source ids, destination ids), int64. Contiguous: pages 0..n-1 into a run starting a quarter into the
     decode's pool. Scattered: distinct random pages on both sides (what SGLang's allocator hands out after a
-    while), seeded per case."""
+    while), seeded per case. runs<N>: pages 0..n-1 into N runs of near-equal length at random places of the
+    decode's pool, at least one page apart, in order."""
     n = case.shape.pages(case.tokens)
     if n > src_pages or n > dst_pages:
         raise ValueError(f"{case.name}: {n} pages do not fit pools of {src_pages} / {dst_pages}")
+    runs = run_count(case.dest)
+    if runs:
+        runs = min(runs, n)
+        free = dst_pages - n - (runs - 1)
+        if free < 0:
+            raise ValueError(f"{case.name}: {n} pages in {runs} runs do not fit a pool of {dst_pages}")
+        rng = np.random.default_rng(seed + 1000 * case.tokens + runs)
+        lens = np.full(runs, n // runs, dtype=np.int64)
+        lens[: n % runs] += 1
+        # run i starts after the i runs before it, i one-page gaps and a sorted share of the free pages
+        starts = np.sort(rng.integers(0, free + 1, size=runs)) + np.arange(runs) + np.concatenate(([0], np.cumsum(lens)[:-1]))
+        dst = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in zip(starts, lens)])
+        return np.arange(n, dtype=np.int64), dst
     if case.dest == "contiguous":
         start = min(dst_pages // 4, dst_pages - n)
         return np.arange(n, dtype=np.int64), np.arange(start, start + n, dtype=np.int64)

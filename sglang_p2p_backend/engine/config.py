@@ -114,7 +114,7 @@ class EngineConfig:
     copy_engine: str = "auto"
     #: SGLANG_P2P_CE_MIN_SPAN_KIB / SGLANG_P2P_CE_MAX_SPANS: `auto`'s thresholds (a chunk goes to the copy engines
     #: when its mean span is at least this long and it has at most this many spans), for any destination; None:
-    #: ce_plan's (2 MiB across GPUs, 16 MiB into the prefill's own GPU; 64 spans). Lower, the copy engines also
+    #: ce_plan's (2 MiB and 1,024 spans across GPUs, 16 MiB and 64 spans into the prefill's own GPU). Lower, the copy engines also
     #: take chunks they copy somewhat slower than the kernel, still without the prefill's SMs
     ce_min_span_kib: Optional[int] = None
     ce_max_spans: Optional[int] = None

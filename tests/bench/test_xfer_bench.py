@@ -41,6 +41,22 @@ def test_page_ids_contiguous_and_scattered():
         xc.page_ids(xc.Case(shape, 256, "contiguous"), 8, 16)
 
 
+def test_page_ids_in_runs_land_in_that_many_separate_runs():
+    shape = xc.Shape("t", 2, 8, 1)
+    for runs in (1, 3, 4):
+        s, d = xc.page_ids(xc.Case(shape, 10, f"runs{runs}"), 10, 20)
+        assert s.tolist() == list(range(10)) and len(set(d.tolist())) == 10 and d.max() < 20
+        breaks = int((np.diff(d) != 1).sum())
+        assert breaks == runs - 1 and (np.diff(d) >= 1).all()  # in order, apart: never merged into fewer runs
+        lens = np.diff(np.flatnonzero(np.concatenate(([1], np.diff(d) != 1, [1]))))
+        assert lens.max() - lens.min() <= 1
+    with pytest.raises(ValueError, match="do not fit"):
+        xc.page_ids(xc.Case(shape, 10, "runs4"), 10, 12)  # 10 pages and 3 gaps need 13
+    for bad in ("runs0", "runsx", "rows4"):
+        with pytest.raises(ValueError, match="runs<N>"):
+            xc.run_count(bad)
+
+
 def test_the_drivers_page_hash_is_the_backends_and_sees_a_flipped_byte():
     rng = np.random.default_rng(0)
     regions = [torch.from_numpy(rng.integers(0, 256, size=(5, 32), dtype=np.uint8)) for _ in range(3)]
@@ -298,3 +314,28 @@ def test_the_fixed_table_prints_a_gpu_runs_step_timelines_and_4k_split():
     assert "kernel write step by step (us, each from the one before): planned 3.0, launched 40.0" in text
     assert "mha_p16_4096_contiguous (512 MiB) kernel: write 1850.0 us p50, GPU 1543.0 us, host around it 307.0 us" in text
     assert "steps_us" not in text
+
+
+def test_the_driver_refuses_an_unknown_destination_shape_or_size(capsys):
+    """--dests, --shapes and --tokens name what they refuse and the choices (exit 2, before anything runs)."""
+    from bench.transfer import xfer_bench
+
+    for argv, said in ((["--dests", "contiguous,rows4"], "runs<N>"), (["--shapes", "mha_p2"], "mha_p1,mha_p16,mla_p64"),
+                       (["--tokens", "512"], "unknown tokens ['512']")):
+        with pytest.raises(SystemExit) as e:
+            xfer_bench.main(["--quick", "--sections", "plan", *argv])
+        assert e.value.code == 2
+        assert said in capsys.readouterr().err
+
+
+def test_quick_run_writes_pages_landing_in_runs_byte_exact(tmp_path):
+    """A runs<N> destination goes through the same driver: N spans a region, every page checked on the decode."""
+    from bench.transfer import xfer_bench
+
+    out = tmp_path / "runs.json"
+    assert xfer_bench.main(["--quick", "--sections", "ipc", "--shapes", "mha_p1", "--tokens", "1024", "--dests",
+                            "runs2", "--case-s", "0.02", "--max-reps", "6", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["ipc"]
+    regions = next(s.regions for s in xc.QUICK_SHAPES if s.name == "mha_p1")
+    assert {(r["case"], r["mode"]) for r in rows} == {("mha_p1_1024_runs2", "kernel"), ("mha_p1_1024_runs2", "copy_engine")}
+    assert all(r["spans"] == 2 * regions and r["bad_pages"] == 0 for r in rows)

@@ -90,8 +90,9 @@ def test_auto_thresholds_given_replace_the_shipped_ones():
     assert choose("auto", 61, 61 * span, min_mean_span=1 << 20) == COPY_ENGINE
     assert choose("auto", 61, 61 * span, min_mean_span=1 << 20, same_gpu=True) == COPY_ENGINE
     assert choose("auto", 61, 61 * span, min_mean_span=1 << 20, max_spans=60) == KERNEL
-    # a larger span cap admits a 4k-token request scattered into 4 runs a layer (244 spans of 1.1 MiB)
-    assert choose("auto", 244, 4 * 61 * span, min_mean_span=1 << 20) == KERNEL
+    # the span cap decides a 4k-token request scattered into 4 runs a layer (244 spans of 1.1 MiB)
+    assert choose("auto", 244, 4 * 61 * span, min_mean_span=1 << 20) == COPY_ENGINE  # under the shipped 1,024
+    assert choose("auto", 244, 4 * 61 * span, min_mean_span=1 << 20, max_spans=200) == KERNEL
     assert choose("auto", 244, 4 * 61 * span, min_mean_span=1 << 20, max_spans=256) == COPY_ENGINE
     assert choose("auto", 244, 4 * 61 * span, batched=False, min_mean_span=1 << 20, max_spans=256) == COPY_ENGINE
     assert choose("off", 61, 61 * span, min_mean_span=1) == KERNEL  # the thresholds are auto's only
@@ -106,6 +107,31 @@ def test_into_the_prefills_own_gpu_the_copy_engines_need_longer_spans():
     assert choose("auto", 61, 61 * across, same_gpu=True) == KERNEL
     assert choose("auto", 61, 61 * same, same_gpu=True) == COPY_ENGINE
     assert choose("auto", 61, 61 * same - 1, same_gpu=True) == KERNEL
+
+
+def test_across_gpus_hundreds_of_long_spans_take_the_copy_engines_into_the_same_gpu_not():
+    """A chunk in a few runs a layer (SGLang's page-1 allocator after a while) is hundreds of MiB-long spans:
+    across GPUs the copy engines take it up to 1,024 spans, into the prefill's own GPU only up to 64."""
+    across, same = ce_plan.CE_MAX_SPANS_BATCHED, ce_plan.CE_MAX_SPANS_SAME_GPU
+    assert (across, same) == (1024, 64)
+    big = 32 << 20  # long enough for either destination's mean
+    assert choose("auto", across, across * big) == COPY_ENGINE
+    assert choose("auto", across + 1, (across + 1) * big) == KERNEL
+    assert choose("auto", same, same * big, same_gpu=True) == COPY_ENGINE
+    assert choose("auto", same + 1, (same + 1) * big, same_gpu=True) == KERNEL
+    assert choose("auto", same + 1, (same + 1) * big, same_gpu=True, max_spans=across) == COPY_ENGINE
+    # chunks of MHA at page 1 (64 regions of 2 KiB a token) landing in a few runs a layer: 8k tokens in 2 and 4
+    # runs (spans of 8 and 4 MiB), 16k in 16 (1,024 spans of 2 MiB) take the copy engines; 8k in 16 runs is
+    # spans of 1 MiB, too short, and 16k in 32 runs, 2,048 spans, too many
+    regions, item = 64, 2048
+    for n, runs, want in ((8192, 2, COPY_ENGINE), (8192, 4, COPY_ENGINE), (16384, 16, COPY_ENGINE),
+                          (8192, 16, KERNEL), (16384, 32, KERNEL)):
+        cut = np.linspace(0, n, runs + 1).astype(int)
+        dst = np.concatenate([np.arange(cut[i], cut[i + 1]) + 3 * i for i in range(runs)])
+        spans, nbytes = page_chunk_shape(np.arange(n), dst, [item] * regions)
+        assert spans == runs * regions
+        assert choose("auto", spans, nbytes) == want, (n, runs)
+        assert choose("auto", spans, nbytes, same_gpu=True) == KERNEL
 
 
 @pytest.mark.parametrize("layout, tokens, page, scattered, want", [

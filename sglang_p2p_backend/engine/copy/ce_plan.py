@@ -24,9 +24,9 @@ thresholds come from `bench/transfer/xfer_bench.py`:
   (one batch, a call a span, several streams alike), and a strided copy of every region at once runs on SMs there.
 Their case is interference: a matmul on the prefill GPU ran 1.8-9% slower during copy-engine writes across GPUs
 and 83-107% slower during kernel writes (1.4% against 181% on one GPU), and in serving the prefill's forward pass
-is that matmul. So across GPUs `auto` takes them from a 2 MiB mean span up, where they cost about the kernel's
-time and none of its SMs; into the prefill's own GPU, where they are slower at every size below 32 MiB, from
-16 MiB.
+is that matmul. So across GPUs `auto` takes them from a 2 MiB mean span up (to 1,024 spans a chunk), where they cost about
+the kernel's time and none of its SMs; into the prefill's own GPU, where they are slower at every size below
+32 MiB, from 16 MiB (to 64 spans).
 """
 
 from __future__ import annotations
@@ -48,9 +48,14 @@ COPY_ENGINE = "copy_engine"
 CE_MIN_MEAN_SPAN_BYTES = 2 << 20
 #: auto into the prefill's own GPU (the decode shares it): the copy engines were slower below 32 MiB spans there
 CE_MIN_MEAN_SPAN_SAME_GPU_BYTES = 16 << 20
-#: auto, with cudaMemcpyBatchAsync: at most this many spans a chunk (the batch call's host time grew by ~4 us a
-#: span; 64 is the most spans of a chunk where the copy engines kept up)
-CE_MAX_SPANS_BATCHED = 64
+#: auto across GPUs, with cudaMemcpyBatchAsync: at most this many spans a chunk. At 2 MiB spans and more the
+#: engines kept up with the kernel to 1,024 spans on 2 x H200 (bench/results/xfer_nvidia-h200-x2_2026-11-29_runs.*:
+#: 16k-token MHA chunks in 2-16 runs a layer, 128-1,024 spans, 0.87-0.95 of one peer copy against the kernel's
+#: 0.90-0.91; a matmul beside them -0.4-4% slower against 36-45%); SGLang's page-1 allocator hands a long prompt's
+#: chunks out in a few runs a layer, hundreds of such spans, which the kernel had taken at a cap of 64
+CE_MAX_SPANS_BATCHED = 1024
+#: auto into the prefill's own GPU: there the engines lose to the kernel at every span count (see above)
+CE_MAX_SPANS_SAME_GPU = 64
 #: auto, without it (CUDA < 12.8): each span is one cudaMemcpyAsync call of a few microseconds of host time
 CE_MAX_SPANS_UNBATCHED = 64
 
@@ -103,7 +108,8 @@ def choose(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_sp
         return COPY_ENGINE
     if mode != "auto":
         raise ValueError(f"copy engine mode {mode!r} is not one of {', '.join(MODES)}")
-    limit = max_spans or (CE_MAX_SPANS_BATCHED if batched else CE_MAX_SPANS_UNBATCHED)
+    limit = max_spans or (CE_MAX_SPANS_UNBATCHED if not batched else
+                          CE_MAX_SPANS_SAME_GPU if same_gpu else CE_MAX_SPANS_BATCHED)
     mean = min_mean_span or (CE_MIN_MEAN_SPAN_SAME_GPU_BYTES if same_gpu else CE_MIN_MEAN_SPAN_BYTES)
     return COPY_ENGINE if spans <= limit and nbytes >= mean * spans else KERNEL
 
