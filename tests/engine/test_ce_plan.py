@@ -134,6 +134,18 @@ def test_across_gpus_hundreds_of_long_spans_take_the_copy_engines_into_the_same_
         assert choose("auto", spans, nbytes, same_gpu=True) == KERNEL
 
 
+def test_the_rule_says_which_threshold_kept_a_chunk_on_the_kernel():
+    from sglang_p2p_backend.engine.copy.ce_plan import MANY_SPANS, SHORT_SPANS, route_and_reason
+
+    mean, most = ce_plan.CE_MIN_MEAN_SPAN_BYTES, ce_plan.CE_MAX_SPANS_BATCHED
+    assert route_and_reason("auto", 64, 64 * mean) == (COPY_ENGINE, "")
+    assert route_and_reason("auto", 64, 64 * mean - 1) == (KERNEL, SHORT_SPANS)
+    assert route_and_reason("auto", most + 1, (most + 1) * mean * 4) == (KERNEL, MANY_SPANS)
+    assert route_and_reason("auto", most + 1, 1) == (KERNEL, MANY_SPANS)  # the cap is checked first
+    assert route_and_reason("off", 64, 64 * mean) == (KERNEL, "")  # no threshold: the operator's choice
+    assert route_and_reason("on", 10**6, 1) == (COPY_ENGINE, "")
+
+
 @pytest.mark.parametrize("layout, tokens, page, scattered, want", [
     # MLA, 61 layers, page 64 (72 KiB a page and layer): contiguous 4k tokens is 61 spans of 4.5 MiB, above the
     # 2 MiB mean across GPUs (where the copy engines took 0.94-1.01 of the kernel's time)

@@ -274,9 +274,11 @@ def test_a_route_summary_counts_the_chunks_each_route_took(shm, caplog):
         tr.ce_min_span = ITEM
         tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([7, 8]), np.array([9, 10]), PAGES, PAGES)
         tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([11]), np.array([12]), PAGES, PAGES)
+        tr.ce_max_spans = REGIONS - 1  # a chunk has a span a region at least: over the cap before its runs are looked for
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([13]), np.array([14]), PAGES, PAGES)
     lines = [r.getMessage() for r in caplog.records if "routes so far" in r.getMessage()]
     assert lines[-1] == (f"{cuda_ipc.ROUTE_LOG} routes so far: copy engines 2 chunks (0.00 GiB), "
-                         "SM copy kernel 1 chunks (0.00 GiB)")
+                         "SM copy kernel 2 chunks (0.00 GiB; 1 for short spans; 1 over the span cap)")
     assert all(line.startswith(cuda_ipc.ROUTE_LOG) for line in lines)  # e2e/shape_serve.py keeps them
     tr.close()
 

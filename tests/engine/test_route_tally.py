@@ -17,3 +17,15 @@ def test_a_summary_comes_once_an_interval_and_counts_every_chunk_before_it():
     assert t.add(KERNEL, 0) is None
     now[0] = 160.0
     assert t.add("other", 0).endswith("SM copy kernel 3 chunks (1.50 GiB), other 1 chunks (0.00 GiB)")
+
+
+def test_the_kernel_summary_says_which_threshold_kept_its_chunks():
+    now = [0.0]
+    t = RouteTally("p", every_s=10.0, clock=lambda: now[0])
+    t.add(KERNEL, 1 << 30, "for short spans")
+    t.add(KERNEL, 1 << 30, "over the span cap")
+    t.add(KERNEL, 1 << 30, "for short spans")
+    t.add(KERNEL, 1 << 30)  # the kernel by the operator's choice: no reason
+    now[0] = 10.0
+    assert t.add(COPY_ENGINE, 1 << 30) == ("p routes so far: copy engines 1 chunks (1.00 GiB), SM copy kernel 4 chunks "
+                                           "(4.00 GiB; 2 for short spans; 1 over the span cap)")

@@ -96,22 +96,39 @@ def page_spans(src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: S
     return coalesce(src, dst, lens) if joins.any() else (src, dst, lens)
 
 
+#: why `auto` left a chunk on the kernel (`route_and_reason`): its spans average under the mean threshold, or
+#: they are more than the span cap (checked first)
+SHORT_SPANS = "for short spans"
+MANY_SPANS = "over the span cap"
+
+
 def choose(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_span: Optional[int] = None,
            max_spans: Optional[int] = None, same_gpu: bool = False) -> str:
     """`KERNEL` or `COPY_ENGINE` for a chunk of `spans` spans and `nbytes` bytes. `batched`: the runtime has
     cudaMemcpyBatchAsync (else every span is a call of its own). `same_gpu`: the destination is on the source's
     GPU. `min_mean_span` (bytes) and `max_spans` replace auto's thresholds (SGLANG_P2P_CE_MIN_SPAN_KIB,
     SGLANG_P2P_CE_MAX_SPANS) in both cases; None keeps this module's."""
+    return route_and_reason(mode, spans, nbytes, batched, min_mean_span, max_spans, same_gpu)[0]
+
+
+def route_and_reason(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_span: Optional[int] = None,
+                     max_spans: Optional[int] = None, same_gpu: bool = False) -> tuple[str, str]:
+    """`choose`'s route, and why `auto` left the chunk on the kernel (`MANY_SPANS`, `SHORT_SPANS`; "" otherwise),
+    so the route tally can say which threshold held a serving run's chunks back."""
     if mode == "off" or spans <= 0:
-        return KERNEL
+        return KERNEL, ""
     if mode == "on":
-        return COPY_ENGINE
+        return COPY_ENGINE, ""
     if mode != "auto":
         raise ValueError(f"copy engine mode {mode!r} is not one of {', '.join(MODES)}")
     limit = max_spans or (CE_MAX_SPANS_UNBATCHED if not batched else
                           CE_MAX_SPANS_SAME_GPU if same_gpu else CE_MAX_SPANS_BATCHED)
     mean = min_mean_span or (CE_MIN_MEAN_SPAN_SAME_GPU_BYTES if same_gpu else CE_MIN_MEAN_SPAN_BYTES)
-    return COPY_ENGINE if spans <= limit and nbytes >= mean * spans else KERNEL
+    if spans > limit:
+        return KERNEL, MANY_SPANS
+    if nbytes < mean * spans:
+        return KERNEL, SHORT_SPANS
+    return COPY_ENGINE, ""
 
 
 def page_chunk_shape(src_ids: np.ndarray, dst_ids: np.ndarray, item_bytes: Sequence[int],

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from sglang_p2p_backend.engine.copy.ce_plan import COPY_ENGINE, KERNEL, choose, coalesce, page_chunk_shape, page_spans
+from sglang_p2p_backend.engine.copy.ce_plan import (COPY_ENGINE, KERNEL, coalesce, page_chunk_shape, page_spans,
+                                                   route_and_reason)
 from sglang_p2p_backend.engine.copy.plan import out_of_range_id, page_runs, run_breaks
 from sglang_p2p_backend.engine.copy.stream_ops import cuda_libraries
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
@@ -562,21 +563,22 @@ class CudaIpcTransport(OneSidedTransport):
     def _copy_engines_take(self, spans: int, nbytes: int, same_gpu: bool) -> bool:
         """The per-chunk rule (engine/copy/ce_plan.py) for a chunk of `spans` spans and `nbytes` bytes, the
         chunk counted on the route it takes."""
-        route = self._rule(spans, nbytes, same_gpu)
-        self._count(route, spans, nbytes)
+        route, reason = self._rule(spans, nbytes, same_gpu)
+        self._count(route, spans, nbytes, reason)
         return route == COPY_ENGINE
 
-    def _rule(self, spans: int, nbytes: int, same_gpu: bool) -> str:
-        return choose(self.copy_engine, spans, nbytes, backend().copy_engines_batched(), self.ce_min_span,
-                      self.ce_max_spans, same_gpu)
+    def _rule(self, spans: int, nbytes: int, same_gpu: bool) -> tuple[str, str]:
+        return route_and_reason(self.copy_engine, spans, nbytes, backend().copy_engines_batched(),
+                                self.ce_min_span, self.ce_max_spans, same_gpu)
 
-    def _count(self, route: str, spans: int, nbytes: int) -> None:
-        """A chunk on `route`: its first use logged, the tally added to (and its summary logged when due)."""
+    def _count(self, route: str, spans: int, nbytes: int, reason: str = "") -> None:
+        """A chunk on `route` (`reason`: why the rule sent it there): its first use logged, the tally added to (and
+        its summary logged when due)."""
         if route not in self._routes_seen:
             self._routes_seen.add(route)
             logger.info("%s %s from now on where SGLANG_P2P_COPY_ENGINE=%s picks it (first: %d spans, %d bytes)",
                         ROUTE_LOG, ROUTE_NAMES.get(route, route), self.copy_engine, spans, nbytes)
-        line = self._route_tally.add(route, nbytes)
+        line = self._route_tally.add(route, nbytes, reason)
         if line is not None:
             logger.info("%s", line)
 
@@ -691,9 +693,11 @@ class CudaIpcTransport(OneSidedTransport):
         if self.copy_engine == "off":
             return None
         regions = int(plan.item_bytes.size)
-        if KERNEL in self._routes_seen and self._rule(regions, nbytes, same_gpu) == KERNEL:
-            self._count(KERNEL, regions, nbytes)
-            return None
+        if KERNEL in self._routes_seen:
+            route, reason = self._rule(regions, nbytes, same_gpu)
+            if route == KERNEL:  # at one span a region already too short or too many: so with more
+                self._count(KERNEL, regions, nbytes, reason)
+                return None
         breaks = run_breaks(plan.src_ids, plan.dst_ids)
         take = self._copy_engines_take(*page_chunk_shape(plan.src_ids, plan.dst_ids, plan.item_bytes, breaks),
                                        same_gpu)

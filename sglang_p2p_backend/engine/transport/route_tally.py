@@ -3,7 +3,8 @@
 `auto` picks the copy engines or the SM kernel chunk by chunk (engine/copy/ce_plan.py); the first use of each
 route is logged once, which says that a route was taken, not how often. The tally adds each chunk and, when the
 interval has passed, hands back one summary line for the caller to log, so a serving run's log says what share
-of its chunks and bytes went each way (e2e/shape_serve.py collects the lines). Thread-safe: the transfer workers
+of its chunks and bytes went each way (e2e/shape_serve.py collects the lines), and, for the kernel under `auto`,
+which threshold kept its chunks there (short spans, or more spans than the cap). Thread-safe: the transfer workers
 of one prefill rank share a transport.
 """
 
@@ -24,14 +25,19 @@ class RouteTally:
         self.prefix, self.every_s, self._clock = prefix, every_s, clock
         self._lock = threading.Lock()
         self._counts: dict[str, list[int]] = {}
+        self._reasons: dict[str, dict[str, int]] = {}
         self._next = clock() + every_s
 
-    def add(self, route: str, nbytes: int) -> Optional[str]:
-        """Count one chunk of `nbytes` on `route`; a summary line when one is due, else None."""
+    def add(self, route: str, nbytes: int, reason: str = "") -> Optional[str]:
+        """Count one chunk of `nbytes` on `route` (`reason`: why the rule sent it there, ce_plan's
+        route_and_reason; "" for none); a summary line when one is due, else None."""
         with self._lock:
             c = self._counts.setdefault(route, [0, 0])
             c[0] += 1
             c[1] += nbytes
+            if reason:
+                r = self._reasons.setdefault(route, {})
+                r[reason] = r.get(reason, 0) + 1
             now = self._clock()
             if now < self._next:
                 return None
@@ -40,6 +46,7 @@ class RouteTally:
 
     def _line(self) -> str:
         order = [r for r in ROUTE_NAMES if r in self._counts] + sorted(set(self._counts) - set(ROUTE_NAMES))
-        parts = [f"{ROUTE_NAMES.get(r, r)} {self._counts[r][0]} chunks ({self._counts[r][1] / 2**30:.2f} GiB)"
+        parts = [f"{ROUTE_NAMES.get(r, r)} {self._counts[r][0]} chunks ({self._counts[r][1] / 2**30:.2f} GiB"
+                 + "".join(f"; {n} {why}" for why, n in sorted(self._reasons.get(r, {}).items())) + ")"
                  for r in order]
         return f"{self.prefix} routes so far: " + ", ".join(parts)
