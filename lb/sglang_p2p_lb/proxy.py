@@ -504,29 +504,32 @@ class Dispatcher:
             d_resp.close()  # wakes the pending read with a connection error
 
         lease.d.stall_watchers.add(on_stall)
+        client = _ToClient(out)
         try:
-            await out.prepare(request)
+            await client.prepare(request)
             if merge:
                 pre = logprobs.prefill_items_by_index(await self._prefill_answer(p_task, lease))
-                await self._stream_merged(out, d_resp, first, pre, lease.d)
+                await self._stream_merged(client, d_resp, first, pre, lease.d)
             else:
-                await out.write(first)
+                await client.write(first)
                 self.metrics.ttfb.labels(route).observe(time.perf_counter() - t0)
                 async for chunk in self._chunks(d_resp):
-                    await out.write(chunk)
-            await out.write_eof()
+                    await client.write(chunk)
+            await client.write_eof()
+        except _ClientGone:
+            # the client went away while we wrote: a cancellation (handle() counts the disconnect), both legs closed
+            d_resp.close()
+            raise asyncio.CancelledError from None
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             # the decode died or stalled mid-stream; the status line is gone, so end with an error event
             reason = why[0] if why else f"no data for {self.cfg.idle_stream_timeout:g}s (idle-stream timeout)" if isinstance(e, TimeoutError) else type(e).__name__
             log.warning("decode %s failed mid-stream: %s", lease.d.url, reason)
             self.metrics.upstream_errors.labels("decode", "midstream").inc()
-            await out.write(sse.event({"error": {"message": f"decode worker {lease.d.url} failed mid-stream: {reason}", "code": 504 if why or isinstance(e, TimeoutError) else 502}}))
-            await out.write_eof()
-        except (ConnectionResetError, ConnectionError):
-            # the client went away while we wrote: same as a cancellation, close both legs
-            self.metrics.disconnects.inc()
-            d_resp.close()
-            raise asyncio.CancelledError from None
+            try:
+                await client.write(sse.event({"error": {"message": f"decode worker {lease.d.url} failed mid-stream: {reason}", "code": 504 if why or isinstance(e, TimeoutError) else 502}}))
+                await client.write_eof()
+            except _ClientGone:
+                raise asyncio.CancelledError from None
         finally:
             lease.d.stall_watchers.discard(on_stall)
             d_resp.close()
@@ -542,7 +545,7 @@ class Dispatcher:
                 return
             yield chunk
 
-    async def _stream_merged(self, out: web.StreamResponse, d_resp, first: bytes, pre: dict[int, Any], d: Worker) -> None:
+    async def _stream_merged(self, out: "_ToClient", d_resp, first: bytes, pre: dict[int, Any], d: Worker) -> None:
         buf = first
         async for chunk in self._chunks(d_resp):
             buf += chunk
@@ -577,6 +580,37 @@ class Dispatcher:
             t.cancel()
         if self.decisions is not None:
             self.decisions.close()
+
+
+class _ClientGone(Exception):
+    """A write to the client failed: it went away. Not an upstream error, whatever aiohttp raised."""
+
+
+class _ToClient:
+    """The streamed answer's writes, each failure to write turned into `_ClientGone`: aiohttp raises a write to a
+    closing client connection as ClientConnectionResetError, which is an aiohttp.ClientError as well as a
+    ConnectionResetError, so by type alone it reads like the decode leg failing."""
+
+    def __init__(self, out: web.StreamResponse):
+        self.out = out
+
+    async def prepare(self, request: web.Request) -> None:
+        try:
+            await self.out.prepare(request)
+        except ConnectionError as e:
+            raise _ClientGone from e
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self.out.write(data)
+        except ConnectionError as e:
+            raise _ClientGone from e
+
+    async def write_eof(self) -> None:
+        try:
+            await self.out.write_eof()
+        except ConnectionError as e:
+            raise _ClientGone from e
 
 
 @dataclass

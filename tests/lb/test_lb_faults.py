@@ -3,6 +3,7 @@
 import asyncio
 import time
 
+import aiohttp
 import orjson
 
 from lb_harness import cluster, run, wait_until
@@ -195,7 +196,7 @@ def test_client_disconnect_during_prefill_cancels_both_legs():
     run(body)
 
 
-def test_client_disconnect_mid_stream_cancels_decode():
+def test_client_disconnect_mid_stream_cancels_decode(caplog):
     async def body():
         async with cluster(1, 1, sim={"decode_ms_per_token": 5}) as c:
             req = {"text": "a", "sampling_params": {"max_new_tokens": 5000}, "stream": True}
@@ -207,8 +208,16 @@ def test_client_disconnect_mid_stream_cancels_decode():
             assert await wait_until(lambda: c.decodes[0].stats.cancelled == 1)
             assert c.decodes[0].stats.completed == 0
             assert await wait_until(lambda: c.lb.pool.all("decode")[0].inflight_reqs == [0])
+            # the client went away: counted as a disconnect, not as the decode failing mid-stream (aiohttp raises
+            # a write to a closing client as ClientConnectionResetError, an aiohttp.ClientError too)
+            metrics = c.lb.metrics.render().decode()
+            assert "sglang_p2p_lb_client_disconnects_total 1.0" in metrics
+            assert 'sglang_p2p_lb_upstream_errors_total{reason="midstream",side="decode"}' not in metrics
 
-    run(body)
+    with caplog.at_level("WARNING"):
+        run(body)
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "failed mid-stream" in m or "Error handling request" in m], said
 
 
 def test_health_generate_fails_when_no_pair_can_generate():
@@ -232,3 +241,48 @@ def test_hung_decode_bounded_by_request_timeout():
             assert [w.inflight_reqs for w in c.lb.pool] == [[0], [0]]
 
     run(body)
+
+
+def test_a_write_to_a_closing_client_is_a_disconnect_not_a_decode_failure(monkeypatch, caplog):
+    """aiohttp raises a write to a client connection that is closing as ClientConnectionResetError, an
+    aiohttp.ClientError too: the stream must count it once as the client going away, not log and count the decode
+    as failed mid-stream and then fail again writing it an error event (an unhandled error in aiohttp's log)."""
+    from aiohttp import web
+    from aiohttp.client_exceptions import ClientConnectionResetError
+
+    real_write = web.StreamResponse.write
+    writes = [0]
+
+    lb_port = []
+
+    async def write(self, data):
+        req = getattr(self, "_req", None)
+        if req is None or req.url.port not in lb_port:  # the simulated workers' answers: as they are
+            return await real_write(self, data)
+        writes[0] += 1
+        if writes[0] >= 2:  # after the first event: the client's transport is closing
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        return await real_write(self, data)
+
+    async def body():
+        async with cluster(1, 1, sim={"decode_ms_per_token": 5}) as c:
+            lb_port.append(int(c.url.rsplit(":", 1)[1]))
+            monkeypatch.setattr(web.StreamResponse, "write", write)
+            req = {"text": "a", "sampling_params": {"max_new_tokens": 5000}, "stream": True}
+            async with c.http.post(c.url + "/generate", data=orjson.dumps(req)) as r:
+                assert r.status == 200
+                try:
+                    await r.content.read()
+                except aiohttp.ClientError:
+                    pass  # the LB closed the connection: what it sent before is all there is
+            assert await wait_until(lambda: c.decodes[0].stats.cancelled == 1)
+            assert await wait_until(lambda: c.lb.pool.all("decode")[0].inflight_reqs == [0])
+            metrics = c.lb.metrics.render().decode()
+            assert "sglang_p2p_lb_client_disconnects_total 1.0" in metrics
+            assert 'sglang_p2p_lb_upstream_errors_total{reason="midstream",side="decode"}' not in metrics
+            assert writes[0] == 2  # no error event attempted after the failed write
+
+    with caplog.at_level("WARNING"):
+        run(body)
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "failed mid-stream" in m or "Error handling request" in m], said
