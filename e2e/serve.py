@@ -62,9 +62,11 @@ BACKEND_ENV = {
     # SM, and on 2 x H200 the prefill's forward stage ran 2-5% longer at 16k prompts than with NIXL while the
     # kernel wrote the previous chunk's KV (docs/serving.md); one an SM slowed a matmul 24-42% instead of 90-102%
     "p2pnccl-grid132": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_IPC_PROGRAMS": "132"},
-    # auto's span cap raised to 1,024 at its 2 MiB mean span: a 16k prompt's chunks that SGLang's page-1 allocator
-    # hands out in a few runs a layer (hundreds of spans of MiBs) take the copy engines instead of the kernel,
-    # which takes SMs from the next chunk's forward beside it (2 x H200, 2026-11-29: forward 3% longer than NIXL's)
+    # auto's span cap at 1,024 at its 2 MiB mean span: a 16k prompt's chunks that SGLang's page-1 allocator hands
+    # out in a few runs a layer (hundreds of spans of MiBs) take the copy engines instead of the kernel, which takes
+    # SMs from the next chunk's forward beside it (2 x H200, 2026-11-29: forward 3% longer than NIXL's). The
+    # default since those runs (ce_plan.CE_MAX_SPANS_BATCHED), so now the same as p2pnccl; kept so that their
+    # results' name still launches what they ran
     "p2pnccl-spans1024": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_CE_MAX_SPANS": "1024"},
     "nixl": {},  # SGLang's default NIXL backend: UCX, which picks cuda_ipc between two processes of one GPU
     "mooncake": {"MC_INTRANODE_NVLINK": "true", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"},

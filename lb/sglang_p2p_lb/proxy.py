@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable
 
 import aiohttp
 import orjson
@@ -504,21 +504,19 @@ class Dispatcher:
             d_resp.close()  # wakes the pending read with a connection error
 
         lease.d.stall_watchers.add(on_stall)
-        client = _ToClient(out)
         try:
-            await client.prepare(request)
+            await _to_client(out.prepare(request))
             if merge:
                 pre = logprobs.prefill_items_by_index(await self._prefill_answer(p_task, lease))
-                await self._stream_merged(client, d_resp, first, pre, lease.d)
+                await self._stream_merged(out, d_resp, first, pre, lease.d)
             else:
-                await client.write(first)
+                await _to_client(out.write(first))
                 self.metrics.ttfb.labels(route).observe(time.perf_counter() - t0)
                 async for chunk in self._chunks(d_resp):
-                    await client.write(chunk)
-            await client.write_eof()
+                    await _to_client(out.write(chunk))
+            await _to_client(out.write_eof())
         except _ClientGone:
             # the client went away while we wrote: a cancellation (handle() counts the disconnect), both legs closed
-            d_resp.close()
             raise asyncio.CancelledError from None
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             # the decode died or stalled mid-stream; the status line is gone, so end with an error event
@@ -526,8 +524,8 @@ class Dispatcher:
             log.warning("decode %s failed mid-stream: %s", lease.d.url, reason)
             self.metrics.upstream_errors.labels("decode", "midstream").inc()
             try:
-                await client.write(sse.event({"error": {"message": f"decode worker {lease.d.url} failed mid-stream: {reason}", "code": 504 if why or isinstance(e, TimeoutError) else 502}}))
-                await client.write_eof()
+                await _to_client(out.write(sse.event({"error": {"message": f"decode worker {lease.d.url} failed mid-stream: {reason}", "code": 504 if why or isinstance(e, TimeoutError) else 502}})))
+                await _to_client(out.write_eof())
             except _ClientGone:
                 raise asyncio.CancelledError from None
         finally:
@@ -545,18 +543,18 @@ class Dispatcher:
                 return
             yield chunk
 
-    async def _stream_merged(self, out: "_ToClient", d_resp, first: bytes, pre: dict[int, Any], d: Worker) -> None:
+    async def _stream_merged(self, out: web.StreamResponse, d_resp, first: bytes, pre: dict[int, Any], d: Worker) -> None:
         buf = first
         async for chunk in self._chunks(d_resp):
             buf += chunk
             events, buf = sse.split_events(buf)
             for ev in events:
-                await out.write(self._merge_event(ev, pre, d))
+                await _to_client(out.write(self._merge_event(ev, pre, d)))
         events, rest = sse.split_events(buf)
         for ev in events:
-            await out.write(self._merge_event(ev, pre, d))
+            await _to_client(out.write(self._merge_event(ev, pre, d)))
         if rest:
-            await out.write(rest)
+            await _to_client(out.write(rest))
 
     def _merge_event(self, ev: bytes, pre: dict[int, Any], d: Worker) -> bytes:
         """One streamed event with the prefill's input logprobs merged in, or as it came (`_merge_logprobs`)."""
@@ -586,31 +584,14 @@ class _ClientGone(Exception):
     """A write to the client failed: it went away. Not an upstream error, whatever aiohttp raised."""
 
 
-class _ToClient:
-    """The streamed answer's writes, each failure to write turned into `_ClientGone`: aiohttp raises a write to a
-    closing client connection as ClientConnectionResetError, which is an aiohttp.ClientError as well as a
-    ConnectionResetError, so by type alone it reads like the decode leg failing."""
-
-    def __init__(self, out: web.StreamResponse):
-        self.out = out
-
-    async def prepare(self, request: web.Request) -> None:
-        try:
-            await self.out.prepare(request)
-        except ConnectionError as e:
-            raise _ClientGone from e
-
-    async def write(self, data: bytes) -> None:
-        try:
-            await self.out.write(data)
-        except ConnectionError as e:
-            raise _ClientGone from e
-
-    async def write_eof(self) -> None:
-        try:
-            await self.out.write_eof()
-        except ConnectionError as e:
-            raise _ClientGone from e
+async def _to_client(write: Awaitable[Any]) -> None:
+    """One write of the streamed answer (or its prepare, or its end), a failure to write turned into `_ClientGone`:
+    aiohttp raises a write to a closing client connection as ClientConnectionResetError, which is an
+    aiohttp.ClientError as well as a ConnectionResetError, so by type alone it reads like the decode leg failing."""
+    try:
+        await write
+    except ConnectionError as e:
+        raise _ClientGone from e
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from typing import Callable, Optional
 
 from sglang_p2p_backend.engine.copy.ce_plan import COPY_ENGINE, KERNEL
@@ -25,7 +26,7 @@ class RouteTally:
         self.prefix, self.every_s, self._clock = prefix, every_s, clock
         self._lock = threading.Lock()
         self._counts: dict[str, list[int]] = {}
-        self._reasons: dict[str, dict[str, int]] = {}
+        self._reasons: dict[str, Counter[str]] = {}
         self._next = clock() + every_s
 
     def add(self, route: str, nbytes: int, reason: str = "") -> Optional[str]:
@@ -36,8 +37,7 @@ class RouteTally:
             c[0] += 1
             c[1] += nbytes
             if reason:
-                r = self._reasons.setdefault(route, {})
-                r[reason] = r.get(reason, 0) + 1
+                self._reasons.setdefault(route, Counter())[reason] += 1
             now = self._clock()
             if now < self._next:
                 return None
