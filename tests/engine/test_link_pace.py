@@ -4,6 +4,7 @@ them (timing events, `expected_end` on each completion) runs in tests/gpu/test_n
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import pytest
@@ -123,12 +124,18 @@ def test_a_receiver_polls_finely_after_its_paced_wait_then_backs_off(clock):
 
     class _Rx:
         _queue = _Queue()
+        _wait_schedule = pipeline.PairReceiver._wait_schedule
 
         def __init__(self):
-            self._posted = pipeline._Posted(None, None, None, _Completion(), None, clock.monotonic() + 60)
+            self._posted = collections.deque([pipeline._Posted(None, None, None, _Completion(), None,
+                                                               clock.monotonic() + 60)])
+            self._landed = collections.deque()
 
-        def _land_posted(self):
-            self._posted = None
+        def _progress(self):  # the chunk lands (and is reported: no scatter) once its receive is done
+            if self._posted[0].done.done():
+                self._posted.clear()
+                return True
+            return False
 
     assert pipeline.PairReceiver._next_item(_Rx()) == "next item"
     assert timeouts[0] == pytest.approx(0.002, abs=1e-9)

@@ -134,7 +134,7 @@ class LoggingCopier(PageCopier):
 def cpu_streams(monkeypatch):
     """CUDA's stream context and stream wait as no-ops (the CPU channel's work is done when its calls return)."""
     monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
-    monkeypatch.setattr(pipeline, "_wait_on", lambda stream, timeout: None)
+    monkeypatch.setattr(pipeline, "_queued_end", lambda stream: lambda: True)
     monkeypatch.setattr(pipeline, "_settled", lambda comm, timeout: True)
 
 
@@ -224,7 +224,12 @@ def test_overlapped_chunks_land_exactly_and_each_receive_is_posted_before_the_pr
         assert events[:5] == ["posted", "prepared", "posted", "prepared", "scatter"], events
         assert events.count("posted") == events.count("prepared") == events.count("scatter") == 7
         chunk = ["header", "checked", "slot", "post", "readied"]
-        assert steps[:14] == chunk * 2 + ["landed", "launched", "scattered", "reported"], steps
+        # two chunks posted hold the two slots this end may take of three; the third chunk's header then moves
+        # the oldest on (lands it, waits for its scatter: the slot comes back) and posts into that slot; what is
+        # done after that post moves on without a wait (here every receive is in: both chunks land)
+        land = ["landed", "launched", "scattered", "reported"]
+        assert steps[:27] == chunk * 2 + ["header", "checked", *land, *chunk[2:], *land, *land], steps
+        assert steps.count("reported") == 7 and steps[-4:] == land
         assert sent == ["start"] + ["header", "handed", "gather", "post"] * 7 + ["sent"], sent
         # the sender filled two slots in turn, each refilled only after waiting for its previous send
         slots = [e[1] for e in p.log if e[0] == "sent from slot"]
@@ -232,6 +237,51 @@ def test_overlapped_chunks_land_exactly_and_each_receive_is_posted_before_the_pr
         assert sum(1 for e in p.log if e[0] == "side waits for a send") == 5
         assert p.recv_pool.in_use == 0 and p.send_pool.in_use == 0
     finally:
+        p.close()
+
+
+def test_a_chunk_is_reported_only_once_its_queued_ended_and_the_next_receive_is_posted_meanwhile(cpu_streams,
+                                                                                                   monkeypatch):
+    """The receiver does not wait for a launched scatter while it can post the next receive: the chunk keeps its
+    slot and its report until the scatter is seen done."""
+    ended = threading.Event()
+    monkeypatch.setattr(pipeline, "_queued_end", lambda stream: ended.is_set)
+    p = OverlapPair(slots=4)
+    try:
+        ended.set()
+        _open(p)
+        ended.clear()  # from here on no scatter is seen done
+        src, dst = _ids(6, 7)  # two chunks of three pages
+        p.sender.send(5, 0, [src], [dst])
+        _until(lambda: sum(1 for e in p.log if e[0] == "scatter") == 2, "both chunks landed and their scatters launched")
+        threading.Event().wait(0.1)
+        assert [e[0] for e in p.log if e[0] in ("posted", "scatter")][:2] == ["posted", "posted"]
+        assert p.landed[1:] == [] and p.recv_pool.in_use == 2  # nothing reported, both slots held
+        ended.set()
+        _until(lambda: len(p.landed) == 3, "both chunks reported")
+        assert p.landed[1:] == [(5, None)] * 2 and p.pages_equal(src, dst) and p.recv_pool.in_use == 0
+    finally:
+        ended.set()
+        p.close()
+
+
+def test_a_scatter_that_never_ends_fails_its_chunk_after_the_io_timeout_and_drops_the_channel(cpu_streams,
+                                                                                              monkeypatch):
+    ended = threading.Event()
+    monkeypatch.setattr(pipeline, "_queued_end", lambda stream: ended.is_set)
+    p = OverlapPair()
+    try:
+        ended.set()
+        _open(p)
+        ended.clear()
+        p.receiver.io_timeout = 0.3
+        p.sender.send(5, 0, [np.array([10, 11], np.int32)], [np.array([20, 21], np.int32)])
+        _until(lambda: len(p.landed) == 2, "the chunk to fail")
+        room, err = p.landed[1]
+        assert room == 5 and "scatter not done after 0.3s (GPU stalled)" in err, err
+        assert p.receiver.comm is None and p.recv_pool.in_use == 0
+    finally:
+        ended.set()
         p.close()
 
 
@@ -413,12 +463,12 @@ class GatedCopier(PageCopier):
         self.at, self.n = at, 0
         self.reached, self.go = threading.Event(), threading.Event()
 
-    def gather(self, chunk, ids, staging):
+    def gather(self, chunk, ids, staging, dev_ids=None):
         if self.n == self.at:
             self.reached.set()
             assert self.go.wait(10)
         self.n += 1
-        return super().gather(chunk, ids, staging)
+        return super().gather(chunk, ids, staging, dev_ids)
 
 
 def test_a_sender_holding_two_slots_gives_one_back_to_an_end_that_waits(cpu_streams):

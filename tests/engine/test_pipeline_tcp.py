@@ -134,9 +134,9 @@ def test_each_chunk_header_goes_out_before_its_gather():
     steps = []
 
     class Recording(PageCopier):
-        def gather(self, chunk, ids, staging):
+        def gather(self, chunk, ids, staging, dev_ids=None):
             steps.append("gather")
-            super().gather(chunk, ids, staging)
+            super().gather(chunk, ids, staging, dev_ids)
 
     p = Pair()
     try:

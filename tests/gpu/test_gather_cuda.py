@@ -155,3 +155,26 @@ def test_a_scatter_readied_on_its_stream_and_launched_after_its_bytes_land_write
     for s, d, w in zip(src, dst, want):
         w[torch.from_numpy(dst_ids).cuda()] = s[torch.from_numpy(src_ids).cuda()]
         assert torch.equal(d, w)
+
+
+def test_chunks_gathered_from_slices_of_ids_uploaded_once_match_their_own_uploads():
+    """A sender uploads a room's ids once (PageCopier.device_ids) and every chunk's gather slices them: the bytes
+    are those of each chunk uploading its own ids, on the stream the gathers run on."""
+    from sglang_p2p_backend.engine.copy.copier import PageCopier
+    from sglang_p2p_backend.engine.copy.plan import plan_chunks
+
+    kv = _pool(8, 256, 4096, 4)
+    copier = PageCopier([kv])
+    ids = [np.random.default_rng(5).permutation(256)[:200].astype(np.int32)]
+    chunks = plan_chunks(copier.item_lens, [200], 8 * 4096 * 48)  # 48 pages a chunk: 5 chunks
+    assert len(chunks) == 5
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        dev_ids = copier.device_ids(ids)
+        for chunk in chunks:
+            own = torch.zeros(chunk.nbytes, dtype=torch.uint8, device="cuda")
+            sliced = torch.zeros_like(own)
+            copier.gather(chunk, ids, own)
+            copier.gather(chunk, ids, sliced, dev_ids)
+            side.synchronize()
+            assert torch.equal(own, sliced) and bool(own.any())

@@ -141,12 +141,23 @@ class PageCopier:
         kernel (FusedGather warms it up), not torch's copies, which CUDA loads lazily at their first launch."""
         return self._fused is None or self._fused_for(chunk) is not None  # no fused kernel: on CPU
 
-    def gather(self, chunk: Chunk, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
+    def gather(self, chunk: Chunk, ids: Sequence[np.ndarray], staging: torch.Tensor,
+               dev_ids: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """`dev_ids`: the same ids on the device (`device_ids`), which the fused kernel then slices instead of
+        uploading the chunk's own."""
         fused = self._fused_for(chunk)
         if fused is not None:
-            fused.gather_chunk(chunk, ids, staging)
+            fused.gather_chunk(chunk, ids if dev_ids is None else dev_ids, staging)
         else:
             copy_chunk(chunk, self.views, ids, staging, scatter=False)
+
+    def device_ids(self, ids: Sequence[np.ndarray]) -> Optional[list[torch.Tensor]]:
+        """A transfer's page ids, checked by `bad_ids` first, on the device in one upload a group (on the current
+        stream), for `gather`: a sender uploads a room's ids once instead of once a chunk (pinning and the copy
+        are ~60 us of host time a chunk on H200: bench/transfer/xfer_bench.py, nccl phases). None on CPU."""
+        if self._fused is None:
+            return None
+        return [self._fused.upload_ids(part) for part in ids]
 
     def scatter(self, chunk: Chunk, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
         self.prepare_scatter(chunk, ids, staging)()

@@ -191,6 +191,11 @@ class FusedGather:
         problem = ids_out_of_range(part, min(table.num_items[lo:hi]))
         if problem:
             raise IndexError(problem)
+        return self.upload_ids(part)
+
+    def upload_ids(self, ids: np.ndarray) -> torch.Tensor:
+        """Page ids to the device as int64, on the current stream (unchecked: the caller checks the range)."""
+        part = np.ascontiguousarray(ids, dtype=np.int64)
         # pinned: from pageable memory the copy would first wait for all work queued on the stream
         return torch.from_numpy(part).pin_memory().to(self.device, non_blocking=True)
 

@@ -13,11 +13,13 @@ new one (a higher `generation`).
 
 On channels with a side stream (NCCL) the ends overlap (`overlap`, SGLANG_P2P_OVERLAP): the sender gathers chunk
 i+1 into a second staging slot while chunk i moves, the receiver posts chunk i+1's receive before it scatters
-chunk i. A second slot is only ever taken when free and nobody waits for one (docs/design.md, two-sided path).
+chunk i and reports a chunk once its scatter is seen done, without waiting for it while it can post. A spare
+slot is only ever taken when free and nobody waits for one (docs/design.md, two-sided path).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -48,32 +50,26 @@ def _stream_ctx(comm: Optional[PairComm]) -> on_stream:
     return on_stream(comm.stream if comm is not None else None)
 
 
-def _streams_done(streams: Sequence[Optional["torch.cuda.Stream"]], timeout: float,
-                  expected_end: Optional[float] = None) -> bool:
-    """Whether the work queued so far on `streams` (None: no stream, nothing to wait for) ended within `timeout`,
-    by polling events: a blocking stream sync could not time out if the peer died with a receive posted."""
-    events = []
-    for st in streams:
-        if st is not None:
-            ev = torch.cuda.Event()
-            ev.record(st)
-            events.append(ev)
-    return wait_until(lambda: all(ev.query() for ev in events), timeout, expected_end)
+def _queued_end(stream: Optional["torch.cuda.Stream"]) -> Callable[[], bool]:
+    """Whether the work queued on `stream` so far has ended, asked later by polling (None: no stream, nothing to
+    wait for): a blocking stream sync could not time out if the peer died with a receive posted."""
+    if stream is None:
+        return _at_once
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event.query
 
 
-def _wait_on(stream: Optional["torch.cuda.Stream"], timeout: float) -> None:
-    """Wait for a scatter queued on `stream`; TransportError past `timeout`. A scatter runs at HBM speed (a 128
-    MiB chunk in 0.1-0.2 ms), so the polls are fine from the start (Deadline.FINE_AFTER_S), where doubling
-    steps saw its end up to 0.1 ms late, on every request's path."""
-    if not _streams_done([stream], timeout, expected_end=time.monotonic()):
-        raise TransportError(f"pair channel work not done after {timeout:.0f}s (peer stalled or gone)")
+def _at_once() -> bool:
+    return True
 
 
 def _settled(comm: PairComm, timeout: float) -> bool:
     """After an abort of `comm`: whether the work queued on its streams (sends, receives, and the gathers or
     scatters of its staging slots) has ended within `timeout`. A slot goes back to the pool only then: one
     handed on while a kernel still writes or reads it would mix another room's chunk with this one's bytes."""
-    return _streams_done([comm.stream, comm.side_stream], timeout)
+    ended = [_queued_end(comm.stream), _queued_end(comm.side_stream)]
+    return wait_until(lambda: all(e() for e in ended), timeout)
 
 
 class _Posted(NamedTuple):
@@ -207,6 +203,7 @@ class PairSender(_PairEnd):
                     extra = self.staging.try_acquire()
                     if extra is not None:
                         bufs.append(extra)
+                dev_ids = None
                 last = None
                 sends: list = [None] * len(bufs)  # the send out of each slot still to finish before refilling it
                 for i, chunk in enumerate(chunks):
@@ -237,7 +234,9 @@ class PairSender(_PairEnd):
                                         chunk.nbytes, segments)
                         )
                         self._mark("handed", room)
-                        self.copier.gather(chunk, src_ids, bufs[j])
+                        if i == 0:  # after the first header: the upload runs beside the decode's hop and post
+                            dev_ids = self._device_ids(src_ids, comm, side if len(bufs) == 2 else None)
+                        self.copier.gather(chunk, src_ids, bufs[j], dev_ids)
                         self._mark("gather", room)
                         last = sends[j] = comm.send(bufs[j][: chunk.nbytes])
                         self._mark("post", room)
@@ -252,6 +251,19 @@ class PairSender(_PairEnd):
             self.reset()
             raise
         return sent
+
+    def _device_ids(self, src_ids: Sequence[np.ndarray], comm: PairComm,
+                    side: Optional["torch.cuda.Stream"]) -> Optional[list]:
+        """The room's page ids on the device, uploaded once on the stream of its first gather (the side stream
+        with two slots, else the channel's) for every chunk's gather to slice; held for the channel's streams
+        too, whichever a gather runs on (a slot given back moves the rest to the channel's stream). None on CPU."""
+        with on_stream(side) if side is not None else _stream_ctx(comm):
+            dev_ids = self.copier.device_ids(src_ids)
+        for t in dev_ids or ():
+            for stream in (comm.stream, side):
+                if stream is not None:
+                    t.record_stream(stream)
+        return dev_ids
 
     def _release(self, bufs: list, comm: PairComm, ok: bool) -> None:
         """Give the slots back; after an error, with the channel aborted first (`_give_back`)."""
@@ -298,8 +310,23 @@ def _segment_msg(seg: Segment, dst_ids: Sequence[np.ndarray], heads: Optional[Pa
 ChunkDone = Callable[[int, int, Optional[str]], None]  # (room, prefill_rank, error or None)
 
 
+class _Landed(NamedTuple):
+    """A chunk whose bytes are in and whose scatter is launched (or that needs none): reported, and its slot given
+    back, once `ended()` says the scatter's work is done (`deadline`: when a scatter not done fails the chunk)."""
+
+    posted: _Posted
+    ended: Callable[[], bool]
+    deadline: float
+
+
 class PairReceiver(_PairEnd):
-    """Decode side of one prefill peer: a thread that joins its channels and receives announced chunks."""
+    """Decode side of one prefill peer: a thread that joins its channels and receives announced chunks.
+
+    A chunk goes posted (its receive queued on the channel's stream, its scatter readied) -> landed (the receive
+    seen done, the scatter launched) -> reported (the scatter seen done: the slot goes back, `on_chunk` is told),
+    in announcement order. With the overlap the thread does not wait at any step while it can post the next
+    receive: a spare slot is taken for it, and otherwise the oldest of its own chunks is moved on until one is
+    free (a scatter at HBM speed first, then a receive), so the link is kept busy while earlier chunks scatter."""
 
     def __init__(
         self,
@@ -329,9 +356,10 @@ class PairReceiver(_PairEnd):
         self.check = check or (lambda h: chunk_layout(h, self.item_lens, staging.slot_bytes))
         self.broken_reason = ""
         self._queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
-        #: the chunk whose receive is posted but not yet landed: the next chunk's receive is posted before it
-        #: lands, so its scatter overlaps that receive (this thread only)
-        self._posted: Optional[_Posted] = None
+        #: chunks whose receives are posted, oldest first, and chunks landed whose scatters may still run: each
+        #: holds a staging slot (so there are as many as the slots this end may hold); this thread only
+        self._posted: "collections.deque[_Posted]" = collections.deque()
+        self._landed: "collections.deque[_Landed]" = collections.deque()
         self._posted_header: Optional[ChunkHeader] = None  # the header _receive last posted (error bookkeeping)
         self._thread = threading.Thread(target=self._run, name=f"p2p-recv-{peer_session}", daemon=True)
         self._thread.start()
@@ -370,7 +398,7 @@ class PairReceiver(_PairEnd):
             item = self._next_item()
             try:
                 if not isinstance(item, ChunkHeader):
-                    self._land_posted()  # whatever follows a chunk sees it landed (a callable, a new channel)
+                    self._settle()  # whatever follows a chunk sees it reported (a callable, a new channel)
                 if item is None:
                     return
                 if isinstance(item, CommInit):
@@ -385,22 +413,55 @@ class PairReceiver(_PairEnd):
                     return
 
     def _next_item(self) -> object:
-        """The next queued item. While a receive is posted, the next header is taken as soon as it comes (its
-        receive is then posted behind), and the chunk lands without waiting for one once its bytes are in."""
-        if self._posted is not None:
+        """The next queued item. While chunks are in flight, the next header is taken as soon as it comes (its
+        receive is then posted behind), and they move on without waiting for one once their work is done."""
+        while self._posted or self._landed:
             # backing off: a stalled peer must not keep this thread waking (and taking the GIL from the
             # scheduler) thousands of times a second
-            wait = _landing_wait(self._posted)
-            while self._posted is not None:
+            wait = self._wait_schedule()
+            while True:
                 try:
                     return self._queue.get(timeout=wait.next_pause())
                 except queue.Empty:
-                    if self._posted.done.done() or time.monotonic() > self._posted.deadline:
-                        try:
-                            self._land_posted()
-                        except Exception:  # as in _run: logged, the thread goes on
-                            logger.exception("p2p receiver for %s: unexpected error", self.peer_session)
+                    try:
+                        moved = self._progress()
+                    except Exception:  # as in _run: logged, the thread goes on
+                        logger.exception("p2p receiver for %s: unexpected error", self.peer_session)
+                        moved = True
+                    if moved:
+                        break  # the schedule of what is in flight now
         return self._queue.get()
+
+    def _wait_schedule(self) -> Deadline:
+        """The looks for the next header or the oldest chunk's next step: until the oldest receive should have
+        landed where the transport knows (`expected_end`, NCCL's LinkPace; a header that comes earlier wakes the
+        receiver); a scatter launched (HBM speed: a 128 MiB chunk in 0.1-0.2 ms) is polled finely from the start,
+        where doubling steps would see its end up to 0.1 ms late on every request's path."""
+        if self._landed:
+            return Deadline(max(0.0, self._landed[0].deadline - time.monotonic()), expected_end=time.monotonic())
+        return _landing_wait(self._posted[0])
+
+    def _progress(self) -> bool:
+        """Move on what is done without waiting: report the landed chunks whose scatters ended, land the oldest
+        receive if it is done (or past its deadline: landing fails it). Whether anything moved."""
+        moved = False
+        while True:
+            now = time.monotonic()
+            if self._landed and (self._landed[0].ended() or now > self._landed[0].deadline):
+                self._report(self._landed.popleft())
+            elif self._posted and (self._posted[0].done.done() or now > self._posted[0].deadline):
+                self._land(self._posted.popleft())
+            else:
+                return moved
+            moved = True
+
+    def _settle(self) -> None:
+        """Every chunk in flight landed and reported, in order (waiting for each)."""
+        while self._posted or self._landed:
+            if self._landed:
+                self._report(self._landed.popleft())
+            else:
+                self._land(self._posted.popleft())
 
     def _join(self, msg: CommInit) -> None:
         self._drop("replaced by a new pair channel")
@@ -423,24 +484,24 @@ class PairReceiver(_PairEnd):
             self._receive(header, verdict)
         except Exception as e:  # noqa: BLE001 - a bug or a CUDA error: the channel's order is not known any more
             logger.exception("p2p receiver for %s: chunk of room %d", self.peer_session, header.room)
-            self._land_posted()
+            self._settle()
             if self._posted_header is not header:  # its receive was not posted: nothing lands it
                 self._broken(f"pair channel with prefill {self.peer_session} dropped after an error: {e!r}")
                 self.on_chunk(header.room, header.prefill_rank, self.broken_reason)
 
     def _receive(self, header: ChunkHeader, verdict: ChunkVerdict) -> None:
-        """Post the receive of one announced chunk, then land the chunk posted before it; a chunk is scattered
-        only if its checks passed and the room still wants it. A chunk that failed its checks is received into
-        staging and dropped (the channel stays in step); one larger than a staging slot cannot be, so the
-        channel is dropped and the prefill told."""
+        """Post the receive of one announced chunk, then move on the chunks before it that are done; a chunk is
+        scattered only if its checks passed and the room still wants it at landing. A chunk that failed its
+        checks is received into staging and dropped (the channel stays in step); one larger than a staging slot
+        cannot be, so the channel is dropped and the prefill told."""
         self._posted_header = None
         if self.comm is None or header.generation != self.generation:
-            self._land_posted()
+            self._settle()
             reason = self.broken_reason or f"no pair channel with prefill {self.peer_session}"
             self.on_chunk(header.room, header.prefill_rank, reason)
             return
         if not verdict.in_step or header.nbytes > self.staging.slot_bytes:
-            self._land_posted()
+            self._settle()
             reason = verdict.problem or f"room {header.room}: chunk larger than a staging slot"
             self._drop(reason)
             self.on_refused(header, reason)
@@ -459,20 +520,19 @@ class PairReceiver(_PairEnd):
                 self._give_back(comm, [buf], self.peer_session)
                 raise
         except TransportError as e:
-            self._land_posted()
+            self._settle()
             self._broken(f"pair channel with prefill {self.peer_session} broke: {e}")
             self.on_chunk(header.room, header.prefill_rank, self.broken_reason)
             return
         overlaps = self._overlappable(comm, verdict)
         stream = comm.side_stream if overlaps else comm.stream
-        earlier, self._posted = self._posted, _Posted(header, verdict, buf, done, comm,
-                                                       time.monotonic() + self.io_timeout, stream,
-                                                       self._prepare(header, verdict, buf, stream))
+        self._posted.append(_Posted(header, verdict, buf, done, comm, time.monotonic() + self.io_timeout, stream,
+                                    self._prepare(header, verdict, buf, stream)))
         self._posted_header = header
-        if earlier is not None:
-            self._land(earlier)
-        if self._posted is not None and not overlaps:
-            self._land_posted()  # nothing overlaps (CPU, SGLANG_P2P_OVERLAP=0, a scatter that may load a kernel)
+        if overlaps:
+            self._progress()
+        else:
+            self._settle()  # nothing overlaps (CPU, SGLANG_P2P_OVERLAP=0, a scatter that may load a kernel)
 
     def _overlappable(self, comm: PairComm, verdict: ChunkVerdict) -> bool:
         """Whether the next chunk's receive may run while this one is scattered: on a channel with a side stream,
@@ -500,54 +560,78 @@ class PairReceiver(_PairEnd):
             return None
 
     def _slot(self) -> torch.Tensor:
-        """A staging slot for the next receive: a spare one, else the posted chunk's once it landed, else one
-        waited for. Never waits for a second slot while holding one."""
-        if self._posted is not None:
+        """A staging slot for the next receive: a spare one, else one of this end's own once the oldest chunk in
+        flight moved on (its scatter, at HBM speed, before a receive, which waits for the peer), else one waited
+        for with none held. Never waits for a slot while holding one."""
+        while self._posted or self._landed:
             buf = self.staging.try_acquire()
             if buf is not None:
                 return buf
-            self._land_posted()
+            if self._landed:
+                self._report(self._landed.popleft())
+            else:
+                self._land(self._posted.popleft())
         return self.staging.acquire(self.io_timeout)
 
-    def _land_posted(self) -> None:
-        posted, self._posted = self._posted, None
-        if posted is not None:
-            self._land(posted)
-
     def _land(self, p: _Posted) -> None:
-        """Wait for a posted receive, scatter it (on the side stream, beside the channel's stream where the next
-        receive may run), wait for the scatter, give the slot back and report the chunk. Any failure fails the
-        chunk and drops the channel; the slot then goes back only once the channel's work on it ended."""
+        """Wait for a posted receive and launch its scatter (on the side stream, beside the channel's stream where
+        the next receives run); the chunk is reported once the scatter ended (`_report`), at once without the
+        overlap. Any failure fails the chunk and drops the channel; the slot then goes back only once the
+        channel's work on it ended."""
         try:
             p.done.wait(max(0.0, p.deadline - time.monotonic()))
             self._mark("landed", p.header.room)
+            ended = _at_once
             if p.verdict.chunk is not None and self.wanted(p.header.room):
                 with on_stream(p.scatter):
                     if p.prepared is not None:
                         p.prepared()
                     else:
                         self.copier.scatter(p.verdict.chunk, p.verdict.ids, p.buf)
+                    ended = _queued_end(p.scatter)
                 self._mark("launched", p.header.room)
-                _wait_on(p.scatter, self.io_timeout)
-                self._mark("scattered", p.header.room)
         except Exception as e:  # noqa: BLE001 - TransportError, or a bug / CUDA error: the chunk fails either way
-            if not isinstance(e, TransportError):
-                logger.exception("p2p receiver for %s: landing a chunk of room %d", self.peer_session, p.header.room)
-            reason = f"pair channel with prefill {self.peer_session} broke: {e}"
-            self.on_chunk(p.header.room, p.header.prefill_rank, reason)
-            p.comm.abort()
-            if p.comm is self.comm:
-                self._broken(reason)
-            self._give_back(p.comm, [p.buf], self.peer_session)
+            self._failed(p, e)
             return
+        # reported once its scatter is seen done (_progress, _slot, _settle; without the overlap _receive settles)
+        self._landed.append(_Landed(p, ended, time.monotonic() + self.io_timeout))
+
+    def _report(self, landed: _Landed) -> None:
+        """A landed chunk's scatter ended (waited for to its deadline): its slot back, the chunk reported."""
+        p = landed.posted
+        if landed.ended is not _at_once:
+            if not wait_until(landed.ended, max(0.0, landed.deadline - time.monotonic()), time.monotonic()):
+                self._failed(p, TransportError(f"scatter not done after {self.io_timeout:.1f}s (GPU stalled)"),
+                             earlier=False)
+                return
+            self._mark("scattered", p.header.room)
         self.staging.release(p.buf)
         self.on_chunk(p.header.room, p.header.prefill_rank, p.verdict.problem)
         self._mark("reported", p.header.room)
 
+    def _failed(self, p: _Posted, e: Exception, earlier: bool = True) -> None:
+        """Chunk `p` failed landing or scattering: it fails and its channel is dropped. `earlier`: the landed
+        chunks are before it (it failed landing), so they are reported first (their scatters end on their own);
+        else they come after it (its scatter failed) and are reported after it, as the channel drops."""
+        if not isinstance(e, TransportError):
+            logger.error("p2p receiver for %s: landing a chunk of room %d", self.peer_session, p.header.room,
+                         exc_info=e)
+        while earlier and self._landed:
+            self._report(self._landed.popleft())
+        reason = f"pair channel with prefill {self.peer_session} broke: {e}"
+        self.on_chunk(p.header.room, p.header.prefill_rank, reason)
+        p.comm.abort()
+        if p.comm is self.comm:
+            self._broken(reason)
+        self._give_back(p.comm, [p.buf], self.peer_session)
+
     def _broken(self, reason: str) -> None:
-        """Drop the channel and fail the chunk posted on it (this thread)."""
+        """Drop the channel: the chunks landed before report (their scatters are local work), the chunks posted
+        on it fail (this thread)."""
         self._drop(reason)
-        posted, self._posted = self._posted, None
-        if posted is not None:
+        while self._landed:
+            self._report(self._landed.popleft())
+        while self._posted:
+            posted = self._posted.popleft()
             self.on_chunk(posted.header.room, posted.header.prefill_rank, reason)
             self._give_back(posted.comm, [posted.buf], self.peer_session)
