@@ -159,12 +159,26 @@ def wait_record(out: Path, timeout: float = 60.0) -> str:
     return "" if proc.returncode == 0 and out.exists() else f"py-spy record exit {proc.returncode}: {err[-300:]}"
 
 
+#: the process frames `py-spy record --subprocesses` puts before the thread: 'process PID:"command line";' each
+#: (a command line may hold ';', as `python -c "a; b"` does)
+_PROCESS_FRAMES = re.compile(r'(?:process (\d+):"[^"]*";)+')
+
+
 def raw_stacks(text: str) -> Iterator[tuple[list[str], int]]:
-    """(frames, samples) of each line of py-spy's raw output, the thread first; other lines are skipped."""
+    """(frames, samples) of each line of py-spy's raw output, the thread first (named "process PID thread ..."
+    when the record followed subprocesses: PID is the innermost process); other lines are skipped."""
     for line in text.splitlines():
         stack, _, n = line.rpartition(" ")
-        if stack and n.isdigit():
-            yield stack.split(";"), int(n)
+        if not stack or not n.isdigit():
+            continue
+        procs = _PROCESS_FRAMES.match(stack)
+        if procs:
+            pid = re.findall(r'process (\d+):', procs.group(0))[-1]
+            frames = stack[procs.end():].split(";")
+            frames[0] = f"process {pid} {frames[0]}"
+        else:
+            frames = stack.split(";")
+        yield frames, int(n)
 
 
 def summarize_collapsed(text: str, top: int = 12) -> list[dict]:

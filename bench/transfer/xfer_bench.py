@@ -46,6 +46,7 @@ pools), which is what tests/bench/test_xfer_bench.py runs. Every section stops s
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
@@ -68,7 +69,7 @@ if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` 
 
 from bench.transfer import xfer_cases as xc  # noqa: E402
 from bench.transfer.gpu_names import gpu_slugs, picked  # noqa: E402
-from bench.transfer.host_profile import host_profile, render as render_profile  # noqa: E402
+from bench.transfer.host_profile import host_profile, profile_rows, render as render_profile  # noqa: E402
 from bench.transfer.interference import beside_writes, during_writes  # noqa: E402
 from bench.transfer.pair import SAFE_ENV, collect, expect, guarded  # noqa: E402
 
@@ -80,6 +81,7 @@ FIXED_SHAPES = ("mla_p64", "mha_p16")
 #: GPU time and the host time around it, on both routes
 LARGE_FIXED_TOKENS = 4096
 PHASE_TOKENS = (1024, 4096)  # nccl_phases: a one-chunk and a several-chunk request at the default slots
+PHASE_PROFILE_CALLS = 30  # nccl_phases: send() under cProfile this many times
 SAME_GPU = (("mha_p16", 4096), ("mha_p16", 16384), ("mla_p64", 4096), ("mla_p64", 16384))
 #: --programs measures this shape's requests of these sizes (2 GiB at 16k: the interference case)
 PROGRAMS_CASE = ("mha_p16", (4096, 16384))
@@ -617,14 +619,21 @@ class Prefill:
         self.staging.close()
         self.ask("nccl_stop")
 
-    def nccl_send(self, src_ids, dst_ids, sync: bool = True) -> float:
+    def nccl_send(self, src_ids, dst_ids, sync: bool = True, prof: Optional[cProfile.Profile] = None) -> float:
         """send() to the decode's last scatter (CLOCK_MONOTONIC is shared by the processes of a host); `sync`
-        first waits for everything queued on this GPU (not while the interference loop runs beside it)."""
+        first waits for everything queued on this GPU (not while the interference loop runs beside it); `prof`
+        profiles send() alone."""
         self.room += 1
         if sync:
             self.dev.sync()
         t0 = time.monotonic()
-        self.sender.send(self.room, 0, [src_ids], [dst_ids])
+        if prof is not None:
+            prof.enable()
+        try:
+            self.sender.send(self.room, 0, [src_ids], [dst_ids])
+        finally:
+            if prof is not None:
+                prof.disable()
         _, landed, errors = self.ask("mark", want="landed")
         if errors:
             raise RuntimeError(f"the decode's receiver failed chunks: {errors}")
@@ -671,8 +680,13 @@ class Prefill:
         finally:
             self.sender.trace = None
             _, theirs = self.ask("trace", False, want="trace")
+        # the prefill's host time in send(), function by function (the time its thread waits is in the sleeps)
+        prof = cProfile.Profile()
+        for _ in range(PHASE_PROFILE_CALLS):
+            self.nccl_send(src_ids, dst_ids, prof=prof)
         return {"case": case.name, "bytes": case.shape.nbytes(case.tokens), "chunks_slot_mib": self.staging.slot_bytes >> 20,
-                "send_us": xc.stats_us(times), "phases_us": xc.phase_offsets(events + [tuple(e) for e in theirs])}
+                "send_us": xc.stats_us(times), "phases_us": xc.phase_offsets(events + [tuple(e) for e in theirs]),
+                "send_profile": profile_rows(prof, PHASE_PROFILE_CALLS, top=16)}
 
     # -- interference
     def cpu_loop(self) -> Callable[[], float]:
@@ -1151,6 +1165,9 @@ def tables(result: dict) -> str:
         parts.append(f"== nccl phases of {r['case']} ({r['bytes'] / 2**20:.0f} MiB, {r['chunks_slot_mib']} MiB slots, "
                      f"send() to landed p50 {r['send_us']['p50']:.0f} us): median offset from send()'s start\n"
                      + "\n".join(lines))
+        if r.get("send_profile"):
+            parts.append(f"== send() of {r['case']} under cProfile, by own time a call\n"
+                         + "\n".join(render_profile(r["send_profile"], limit=16)))
     if result.get("interference"):
         tb = xc.Table([("case", 30), ("mode", 13), ("alone ms", 10), ("during ms", 10), ("slowdown", 10),
                        ("graphed", 9), ("writes", 8), ("GB/s", 7)])

@@ -150,6 +150,19 @@ def test_samples_within_count_a_sample_once_per_module_and_name_the_inclusive_fr
     assert out[1]["within"] == {"sglang_p2p_backend/": 4, "sglang/srt/disaggregation/": 0}
 
 
+def test_a_record_across_subprocesses_names_each_thread_with_its_innermost_process():
+    """`py-spy record --subprocesses` puts every process from the root down before the thread; a spawned child's
+    command line holds a ';' (python -c "...; ..."), which must not split it into frames."""
+    raw = ('process 8:"python3 bench.py --x";process 9:"python3 -c from m import f; f(fd=3)";thread (12): p2p-recv;'
+           'run (sglang_p2p_backend/engine/pair/pipeline.py:418);_post (sglang_p2p_backend/engine/transport/nccl.py:231) 5\n'
+           'process 8:"python3 bench.py --x";thread (8): MainThread;main (bench.py:1) 2\n')
+    out = procstat.samples_within(raw, ("sglang_p2p_backend/",))
+    assert [(t["thread"], t["samples"], t["within"]["sglang_p2p_backend/"]) for t in out] == [
+        ("process 9 thread (12): p2p-recv", 5, 5), ("process 8 thread (8): MainThread", 2, 0)]
+    assert {f["frame"] for f in out[0]["top_inclusive"]} == {
+        "run (sglang_p2p_backend/engine/pair/pipeline.py:418)", "_post (sglang_p2p_backend/engine/transport/nccl.py:231)"}
+
+
 def test_only_the_first_repetition_of_a_profiled_cell_records(monkeypatch, tmp_path: Path):
     """`record`: every backend's first run of the named cells gets a py-spy file of its own; other cells and
     later repetitions none."""
