@@ -317,6 +317,7 @@ class _Landed(NamedTuple):
     posted: _Posted
     ended: Callable[[], bool]
     deadline: float
+    scattered: bool  # its scatter was launched (not a dropped chunk of a room given up, or one that failed checks)
 
 
 class PairReceiver(_PairEnd):
@@ -581,29 +582,29 @@ class PairReceiver(_PairEnd):
         try:
             p.done.wait(max(0.0, p.deadline - time.monotonic()))
             self._mark("landed", p.header.room)
-            ended = _at_once
+            ended, scattered = _at_once, False
             if p.verdict.chunk is not None and self.wanted(p.header.room):
                 with on_stream(p.scatter):
                     if p.prepared is not None:
                         p.prepared()
                     else:
                         self.copier.scatter(p.verdict.chunk, p.verdict.ids, p.buf)
-                    ended = _queued_end(p.scatter)
+                    ended, scattered = _queued_end(p.scatter), True
                 self._mark("launched", p.header.room)
         except Exception as e:  # noqa: BLE001 - TransportError, or a bug / CUDA error: the chunk fails either way
             self._failed(p, e)
             return
         # reported once its scatter is seen done (_progress, _slot, _settle; without the overlap _receive settles)
-        self._landed.append(_Landed(p, ended, time.monotonic() + self.io_timeout))
+        self._landed.append(_Landed(p, ended, time.monotonic() + self.io_timeout, scattered))
 
     def _report(self, landed: _Landed) -> None:
         """A landed chunk's scatter ended (waited for to its deadline): its slot back, the chunk reported."""
         p = landed.posted
-        if landed.ended is not _at_once:
-            if not wait_until(landed.ended, max(0.0, landed.deadline - time.monotonic()), time.monotonic()):
-                self._failed(p, TransportError(f"scatter not done after {self.io_timeout:.1f}s (GPU stalled)"),
-                             earlier=False)
-                return
+        if not wait_until(landed.ended, max(0.0, landed.deadline - time.monotonic()), time.monotonic()):
+            self._failed(p, TransportError(f"scatter not done after {self.io_timeout:.1f}s (GPU stalled)"),
+                         earlier=False)
+            return
+        if landed.scattered:
             self._mark("scattered", p.header.room)
         self.staging.release(p.buf)
         self.on_chunk(p.header.room, p.header.prefill_rank, p.verdict.problem)
