@@ -576,9 +576,9 @@ class PairReceiver(_PairEnd):
 
     def _land(self, p: _Posted) -> None:
         """Wait for a posted receive and launch its scatter (on the side stream, beside the channel's stream where
-        the next receives run); the chunk is reported once the scatter ended (`_report`), at once without the
-        overlap. Any failure fails the chunk and drops the channel; the slot then goes back only once the
-        channel's work on it ended."""
+        the next receives run); the chunk is reported once the scatter ended (`_report`; without the overlap
+        `_receive` waits for that before the next header). Any failure fails the chunk and drops the channel; the
+        slot then goes back only once the channel's work on it ended."""
         try:
             p.done.wait(max(0.0, p.deadline - time.monotonic()))
             self._mark("landed", p.header.room)
