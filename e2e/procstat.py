@@ -160,7 +160,7 @@ def wait_record(out: Path, timeout: float = 60.0) -> str:
 
 
 #: the process frames `py-spy record --subprocesses` puts before the thread: 'process PID:"command line";' each
-#: (a command line may hold ';', as `python -c "a; b"` does)
+#: (a command line may hold ';', as `python -c "a; b"` does); group 1 is the last (innermost) PID
 _PROCESS_FRAMES = re.compile(r'(?:process (\d+):"[^"]*";)+')
 
 
@@ -173,9 +173,8 @@ def raw_stacks(text: str) -> Iterator[tuple[list[str], int]]:
             continue
         procs = _PROCESS_FRAMES.match(stack)
         if procs:
-            pid = re.findall(r'process (\d+):', procs.group(0))[-1]
             frames = stack[procs.end():].split(";")
-            frames[0] = f"process {pid} {frames[0]}"
+            frames[0] = f"process {procs.group(1)} {frames[0]}"
         else:
             frames = stack.split(";")
         yield frames, int(n)

@@ -459,10 +459,15 @@ class PairReceiver(_PairEnd):
     def _settle(self) -> None:
         """Every chunk in flight landed and reported, in order (waiting for each)."""
         while self._posted or self._landed:
-            if self._landed:
-                self._report(self._landed.popleft())
-            else:
-                self._land(self._posted.popleft())
+            self._move_oldest()
+
+    def _move_oldest(self) -> None:
+        """The oldest chunk in flight one step on, waiting for it: a landed one reported (its scatter, at HBM
+        speed), else the oldest posted one landed (its receive, which waits for the peer)."""
+        if self._landed:
+            self._report(self._landed.popleft())
+        else:
+            self._land(self._posted.popleft())
 
     def _join(self, msg: CommInit) -> None:
         self._drop("replaced by a new pair channel")
@@ -568,10 +573,7 @@ class PairReceiver(_PairEnd):
             buf = self.staging.try_acquire()
             if buf is not None:
                 return buf
-            if self._landed:
-                self._report(self._landed.popleft())
-            else:
-                self._land(self._posted.popleft())
+            self._move_oldest()
         return self.staging.acquire(self.io_timeout)
 
     def _land(self, p: _Posted) -> None:
