@@ -277,6 +277,10 @@ class Decode:
         self.nccl = None  # (transport, staging, receiver, errors)
         self.transport = None
         self.ref_buf = None
+        #: the destinations every room of the NCCL path publishes (`publish`), and the rooms published: the
+        #: receiver checks each chunk against its room as the decode adapter does (`checks.chunk_header`)
+        self.published_ids = None
+        self.rooms: dict = {}
 
     def _alloc(self, shape: xc.Shape, pages: int, gpu: int) -> list:
         torch = self.torch
@@ -318,12 +322,32 @@ class Decode:
         self.nccl_stop()
         staging = StagingPool(self.transport.alloc_staging, slot_bytes, slots)
         errors: list[str] = []
-        receiver = PairReceiver(transport=self.transport, staging=staging, copier=PageCopier([self.pool]),
+        copier = PageCopier([self.pool])
+        receiver = PairReceiver(transport=self.transport, staging=staging, copier=copier,
                                 peer_session="prefill:0", wanted=lambda room: True,
                                 on_chunk=lambda room, rank, err: errors.append(err) if err else None,
-                                connect_timeout=IO_TIMEOUT, io_timeout=IO_TIMEOUT, overlap=overlap)
+                                connect_timeout=IO_TIMEOUT, io_timeout=IO_TIMEOUT, overlap=overlap,
+                                check=lambda header: self.check(header, copier.item_lens, slot_bytes))
         self.nccl = (staging, receiver, errors)
         return ("ok",)
+
+    def publish(self, ids):
+        """The destinations of the rooms that follow (one request's pages, as the decode publishes them)."""
+        self.published_ids = np.ascontiguousarray(ids, dtype=np.int32)
+        self.rooms.clear()
+        return ("ok",)
+
+    def check(self, header, item_lens, slot_bytes):
+        """A chunk's checks as the decode adapter makes them: against its room's published pages and sequence
+        (the room published at its first chunk, with the ids of the last `publish`)."""
+        from sglang_p2p_backend.engine.wire import checks
+
+        published = self.rooms.get(header.room)
+        if published is None and self.published_ids is not None:
+            published = self.rooms[header.room] = checks.Published(self.published_ids, -1, [], frozenset({header.session}))
+            while len(self.rooms) > 8:  # a room's chunks come one after another: the last few are enough
+                self.rooms.pop(next(iter(self.rooms)))
+        return checks.chunk_header(header, item_lens, slot_bytes, published)
 
     def nccl_stop(self):
         if self.nccl is not None:
@@ -366,7 +390,7 @@ class Decode:
         served = 0
         while True:
             msg = expect(self.conn, ("pool", "zero", "hash", "nccl_start", "nccl_stop", "ctrl", "mark", "ref",
-                                     "trace", "echo", "done"), IO_TIMEOUT * 3)
+                                     "trace", "publish", "echo", "done"), IO_TIMEOUT * 3)
             kind, args = msg[0], msg[1:]
             served += 1
             if kind == "done":
@@ -383,6 +407,7 @@ class Decode:
                 continue
             reply = {"pool": self.pool_cmd, "zero": self.zero, "nccl_start": self.nccl_start,
                      "nccl_stop": self.nccl_stop, "mark": self.mark, "ref": self.ref_recv, "trace": self.trace,
+                     "publish": self.publish,
                      "hash": lambda ids: ("hash", pool_hash(self.pool, ids))}[kind](*args)
             self.conn.send(reply)
 
@@ -657,6 +682,7 @@ class Prefill:
         src_ids, dst_ids = xc.page_ids(case, pool[0].shape[0], dst_pages)
         want = pool_hash(pool, src_ids)
         self.ask("zero", dst_ids)
+        self.ask("publish", dst_ids)
         times = self.budget().run(lambda: self.nccl_send(src_ids, dst_ids))
         _, got = self.ask("hash", dst_ids, want="hash")
         nbytes = case.shape.nbytes(case.tokens)
@@ -672,6 +698,7 @@ class Prefill:
         if not self.time_left(f"nccl phases {case.name}"):
             return None
         src_ids, dst_ids = xc.page_ids(case, pool[0].shape[0], dst_pages)
+        self.ask("publish", dst_ids)
         events: list = []
         self.sender.trace = lambda step, room: events.append(("prefill", step, room, time.monotonic()))
         self.ask("trace", True)
@@ -992,6 +1019,7 @@ class Prefill:
                     tokens = max(t for t in self.cfg["tokens"] if t <= INTERFERENCE_CASE[1])
                     case = xc.Case(shape, tokens, "scattered")
                     s_ids, d_ids = xc.page_ids(case, src_pages, dst_pages)
+                    self.ask("publish", d_ids)
                     row = self.interference("nccl", lambda: self.nccl_send(s_ids, d_ids, sync=False),
                                            shape.nbytes(tokens))
                     row["case"] = case.name
