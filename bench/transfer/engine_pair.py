@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from bench.transfer.pair import pair_device
 from bench.transfer.xfer_cases import phase_offsets
 from sglang_p2p_backend.engine.config import EngineConfig
-from sglang_p2p_backend.engine.wire import messages
+from sglang_p2p_backend.engine.wire import checks, messages
 from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.pair.pipeline import PairReceiver, PairSender
 from sglang_p2p_backend.engine.pair.staging import StagingPool
@@ -112,9 +112,20 @@ def _decode(device, cases, ctrl, results, io_timeout, trace=False):
         pool = _pool(case, device, seed=None)
         staging = StagingPool(transport.alloc_staging, case.slot_mb << 20, EngineConfig.staging_slots)
         errors: list[str] = []
-        receiver = PairReceiver(transport=transport, staging=staging, copier=PageCopier([pool]), peer_session="prefill:0",
+        copier, rooms = PageCopier([pool]), {}
+        published_ids = _ids(case, 2)
+
+        def check(header, copier=copier, staging=staging, rooms=rooms, published_ids=published_ids):
+            """As the decode adapter checks a chunk: against its room's published pages (every room publishes
+            the case's destinations) and its sequence."""
+            room = rooms.get(header.room)
+            if room is None:
+                room = rooms[header.room] = checks.Published(published_ids, -1, [], frozenset({header.session}))
+            return checks.chunk_header(header, copier.item_lens, staging.slot_bytes, room)
+
+        receiver = PairReceiver(transport=transport, staging=staging, copier=copier, peer_session="prefill:0",
                                 wanted=lambda room: True, on_chunk=lambda room, rank, err: err and errors.append(err),
-                                connect_timeout=60, io_timeout=io_timeout)
+                                connect_timeout=60, io_timeout=io_timeout, check=check)
         events: list = []
         if trace:
             receiver.trace = lambda step, room: events.append(("decode", step, room, time.monotonic()))
@@ -138,7 +149,9 @@ def _decode(device, cases, ctrl, results, io_timeout, trace=False):
             got = d_t[torch.from_numpy(dst.astype(np.int64)).to(device)]
             bad += int((want != got).any(dim=1).sum())
             bad += int((d_t[others] != SENTINEL).any(dim=1).sum())
-        verdicts.append({"bad_pages": bad, "errors": errors[:3], "events": events})
+        # how many rooms' destination lists went to the device (once a room where the scatter takes device ids)
+        verdicts.append({"bad_pages": bad, "errors": errors[:3], "events": events, "rooms": len(rooms),
+                         "room_uploads": receiver.room_ids.uploads})
         receiver.close()
         staging.close()
     transport.close()

@@ -171,6 +171,21 @@ def test_published_pages_are_checked_run_by_run_in_order_and_looked_up_otherwise
     assert checks.chunk_header(header([17, 18], seq=5), lens, 64, pub).problem is None and pub.next_kv[0] == 9
 
 
+def test_a_chunk_whose_kv_ids_are_the_next_run_says_where_in_the_rooms_list_they_start():
+    # the receiver then slices the room's one upload of its list (room_ids.py); a chunk looked up out of order, or
+    # refused, names no run
+    pub, lens = published(range(10, 20)), [[4, 4]]
+    first = checks.chunk_header(header([10, 11, 12]), lens, 64, pub)
+    assert first.kv_run[0] is pub.kv_ids and first.kv_run[1] == 0
+    second = checks.chunk_header(header([13, 14], seq=1), lens, 64, pub)
+    assert second.kv_run[0] is pub.kv_ids and second.kv_run[1] == 3
+    assert pub.kv_ids[3:5].tolist() == second.ids[0].tolist()
+    assert checks.chunk_header(header([19, 15], seq=2), lens, 64, pub).kv_run is None  # published, not the run
+    refused = checks.chunk_header(header([17, 99], seq=3), lens, 64, pub)
+    assert refused.chunk is None and refused.kv_run is None
+    assert checks.chunk_layout(header([17, 18]), lens, 64).kv_run is None  # no room to compare with
+
+
 def test_aux_rows_go_only_to_the_rooms_row():
     pub = published()
     checks.aux_data(wire.AuxData("p:1", 9, 3, [b"x" * 8]), [8], pub)

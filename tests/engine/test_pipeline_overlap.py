@@ -118,10 +118,10 @@ class LoggingCopier(PageCopier):
         super().__init__(views)
         self.log = log
 
-    def prepare_scatter(self, chunk, ids, staging):
+    def prepare_scatter(self, chunk, ids, staging, dev_ids=None):
         """Logs when a scatter is readied ("prepared") and when it runs ("scatter")."""
         self.log.append(("prepared", staging.data_ptr()))
-        run = super().prepare_scatter(chunk, ids, staging)
+        run = super().prepare_scatter(chunk, ids, staging, dev_ids)
 
         def logged():
             self.log.append(("scatter", staging.data_ptr()))
@@ -342,11 +342,11 @@ def test_a_scatter_that_cannot_be_readied_is_done_at_landing_and_its_error_fails
     p = OverlapPair()
     fails = []
 
-    def broken(chunk, ids, staging):
+    def broken(chunk, ids, staging, dev_ids=None):
         fails.append(len(fails))
         if len(fails) > 1:  # readied once (chunk 0), then the ids cannot go to the device: at post and at landing
             raise RuntimeError("CUDA error: out of memory (test)")
-        return PageCopier.prepare_scatter(p.receiver.copier, chunk, ids, staging)
+        return PageCopier.prepare_scatter(p.receiver.copier, chunk, ids, staging, dev_ids)
 
     try:
         _open(p)

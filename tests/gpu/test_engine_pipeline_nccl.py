@@ -1,6 +1,7 @@
 """The engine's own pipeline (PairSender -> PairReceiver, fused copier, staging pool) over NCCL between two
 GPUs, one process per GPU: every destination page byte-exact and no other page touched, for the MLA and MHA
-layouts, page sizes 1/16/64, with chunks that fit one small staging slot and with one chunk per request."""
+layouts, page sizes 1/16/64, with chunks that fit one small staging slot and with one chunk per request, each
+chunk's destinations taken from one upload of its room's published ids."""
 
 import pytest
 import torch
@@ -23,4 +24,6 @@ def test_pages_land_byte_exact_through_the_engine_pipeline():
     ]
     _, verdicts = run_cases(cases)
     for case, v in zip(cases, verdicts):
-        assert v == {"bad_pages": 0, "errors": []}, (case, v)
+        # the decode checks every chunk against its room's published pages and scatters it from a slice of the
+        # room's ids uploaded once (its KV ids are a run of the published list): one upload a room
+        assert v == {"bad_pages": 0, "errors": [], "rooms": 2, "room_uploads": 2}, (case, v)

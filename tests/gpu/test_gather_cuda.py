@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -178,3 +179,42 @@ def test_chunks_gathered_from_slices_of_ids_uploaded_once_match_their_own_upload
             copier.gather(chunk, ids, sliced, dev_ids)
             side.synchronize()
             assert torch.equal(own, sliced) and bool(own.any())
+
+
+def test_chunks_scattered_from_slices_of_a_rooms_one_upload_write_their_pages_exactly():
+    """The decode scatters each chunk of a room from a slice of the room's published ids uploaded once on the
+    scatter's stream (RoomIds): the pages written are those of each chunk uploading its own ids, the room's list
+    goes up once and leaves the cache with its last run; a list naming a page outside the pools is not uploaded."""
+    from sglang_p2p_backend.engine.copy.copier import PageCopier
+    from sglang_p2p_backend.engine.copy.plan import Chunk, plan_chunks
+    from sglang_p2p_backend.engine.copy.room_ids import RoomIds
+
+    torch.manual_seed(3)
+    own_pool, sliced_pool = _pool(8, 256, 4096, 4), _pool(8, 256, 4096, 4)  # the same seed: the same bytes
+    copier, sliced_copier = PageCopier([own_pool]), PageCopier([sliced_pool])
+    room = np.random.default_rng(7).permutation(256)[:200].astype(np.int32)
+    chunks = plan_chunks(copier.item_lens, [200], 8 * 4096 * 48)  # 48 pages a chunk: 5 runs of the room's list
+    room_ids = RoomIds(sliced_copier)
+    side = torch.cuda.Stream()
+    start = 0
+    with torch.cuda.stream(side):
+        for chunk in chunks:
+            n = chunk.segments[0].hi - chunk.segments[0].lo
+            run = room[start : start + n]
+            staging = torch.randint(0, 256, (chunk.nbytes,), dtype=torch.uint8, device="cuda")
+            # the decode's view of the chunk: its ids are the header's, from 0 (checks.chunk_layout)
+            local = Chunk(tuple(dataclasses.replace(s, lo=0, hi=n) for s in chunk.segments), chunk.nbytes)
+            copier.prepare_scatter(local, [run], staging)()
+            dev = room_ids.run(room, start, n, side)
+            assert dev is not None and dev.is_cuda and dev.numel() == n
+            sliced_copier.prepare_scatter(local, [run], staging, [dev])()
+            start += n
+    side.synchronize()
+    assert start == room.size and room_ids.uploads == 1 and len(room_ids) == 0
+    for a, b in zip(own_pool, sliced_pool):
+        assert torch.equal(a, b)
+    bad = room.copy()
+    bad[3] = 256  # one past the pool
+    with torch.cuda.stream(side):
+        assert room_ids.run(bad, 0, 10, side) is None
+    assert room_ids.uploads == 1

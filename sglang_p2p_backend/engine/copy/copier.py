@@ -159,14 +159,22 @@ class PageCopier:
             return None
         return [self._fused.upload_ids(part) for part in ids]
 
+    def takes_device_ids(self, chunk: Chunk) -> bool:
+        """Whether `gather` / `prepare_scatter` of this chunk use ids already on the device (`dev_ids`): the fused
+        kernel's chunks; torch's copies (CPU, head ranges) take the host ids."""
+        return self._fused_for(chunk) is not None
+
     def scatter(self, chunk: Chunk, ids: Sequence[np.ndarray], staging: torch.Tensor) -> None:
         self.prepare_scatter(chunk, ids, staging)()
 
-    def prepare_scatter(self, chunk: Chunk, ids: Sequence[np.ndarray], staging: torch.Tensor) -> Callable[[], object]:
+    def prepare_scatter(self, chunk: Chunk, ids: Sequence[np.ndarray], staging: torch.Tensor,
+                        dev_ids: Optional[Sequence] = None) -> Callable[[], object]:
         """`scatter` in two steps: with the fused kernel its checks and the page ids to the device now, on the
         current stream, and the returned call only launches (on this stream or one ordered after it); torch's
-        copies do all their work in the call."""
+        copies do all their work in the call. `dev_ids`: the ids by group, those of a group already on the device
+        (a slice of the room's one upload: room_ids.py) used as they are, the others uploaded; for the fused kernel
+        only."""
         fused = self._fused_for(chunk)
         if fused is not None:
-            return fused.prepare_chunk(chunk, ids, staging, scatter=True)
+            return fused.prepare_chunk(chunk, ids if dev_ids is None else dev_ids, staging, scatter=True)
         return functools.partial(copy_chunk, chunk, self.views, ids, staging, scatter=True)

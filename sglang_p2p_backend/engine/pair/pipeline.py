@@ -32,6 +32,7 @@ import torch
 
 from sglang_p2p_backend.engine.pair.comm_budget import cap_to_wire
 from sglang_p2p_backend.engine.copy.copier import PageCopier
+from sglang_p2p_backend.engine.copy.room_ids import RoomIds
 from sglang_p2p_backend.engine.copy.stream_ops import on_stream
 from sglang_p2p_backend.engine.wire.messages import ChunkHeader, ChunkSegment, CommInit, Message
 from sglang_p2p_backend.engine.wire.checks import ChunkVerdict, chunk_layout
@@ -362,6 +363,7 @@ class PairReceiver(_PairEnd):
         self._posted: "collections.deque[_Posted]" = collections.deque()
         self._landed: "collections.deque[_Landed]" = collections.deque()
         self._posted_header: Optional[ChunkHeader] = None  # the header _receive last posted (error bookkeeping)
+        self.room_ids = RoomIds(copier)  # the rooms' published KV ids on the device, one upload a room
         self._thread = threading.Thread(target=self._run, name=f"p2p-recv-{peer_session}", daemon=True)
         self._thread.start()
 
@@ -471,6 +473,7 @@ class PairReceiver(_PairEnd):
 
     def _join(self, msg: CommInit) -> None:
         self._drop("replaced by a new pair channel")
+        self.room_ids.clear()  # uploaded on the old channel's streams
         self.generation = msg.generation
         try:
             self.comm = self.transport.connect(msg.unique_id, 1, self.connect_timeout)
@@ -557,13 +560,23 @@ class PairReceiver(_PairEnd):
             return None
         try:
             with on_stream(stream):
-                run = self.copier.prepare_scatter(verdict.chunk, verdict.ids, buf)
+                run = self.copier.prepare_scatter(verdict.chunk, verdict.ids, buf, self._device_ids(verdict, stream))
             self._mark("readied", header.room)
             return run
         except Exception:  # noqa: BLE001 - landing repeats it and fails the chunk with the reason
             logger.debug("p2p receiver for %s: readying the scatter of room %d failed", self.peer_session,
                          header.room, exc_info=True)
             return None
+
+    def _device_ids(self, verdict: ChunkVerdict, stream: Optional["torch.cuda.Stream"]) -> Optional[list]:
+        """The chunk's ids by group with its KV run as a slice of the room's ids on the device (uploaded once a
+        room, on `stream`, the current one), or None (each chunk uploads its own): for a chunk whose KV ids are
+        the next run of the room's published list and whose scatter takes device ids."""
+        if verdict.kv_run is None or not verdict.ids or not self.copier.takes_device_ids(verdict.chunk):
+            return None
+        kv_ids, start = verdict.kv_run
+        run = self.room_ids.run(kv_ids, start, verdict.ids[0].size, stream)
+        return None if run is None else [run, *verdict.ids[1:]]
 
     def _slot(self) -> torch.Tensor:
         """A staging slot for the next receive: a spare one, else one of this end's own once the oldest chunk in

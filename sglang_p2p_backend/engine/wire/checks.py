@@ -9,6 +9,7 @@ room if it knows it. Pure functions, no I/O.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -73,16 +74,19 @@ class Published:
             self._sorted = [np.unique(self.kv_ids)] + [np.unique(s) for s in self.state_ids]
         return self._sorted[group] if group < len(self._sorted) else np.zeros(0, dtype=np.int32)
 
+    def kv_run(self, ids: np.ndarray, prefill_rank: int) -> Optional[int]:
+        """Where `ids` start in the room's KV ids when they are exactly the run after this prefill rank's earlier
+        chunks (how a prefill rank sends them: in their published order, chunk after chunk), else None."""
+        start = self.next_kv.get(prefill_rank, 0)
+        return start if np.array_equal(self.kv_ids[start : start + ids.size], ids) else None
+
     def publishes(self, group: int, ids: np.ndarray, prefill_rank: int) -> bool:
-        """Whether every id of `ids` is a page (group 0) or state item of group `group` this room published. A
-        prefill rank sends the room's KV destinations in their published order, chunk after chunk, so the run
-        after its earlier chunks' is compared first (one pass over n ids, where a sort of the room's ids and a
-        search of every id were on each chunk's path); anything else is looked up among all of them, sorted once
-        a room."""
-        if group == 0:
-            start = self.next_kv.get(prefill_rank, 0)
-            if np.array_equal(self.kv_ids[start : start + ids.size], ids):
-                return True
+        """Whether every id of `ids` is a page (group 0) or state item of group `group` this room published. The
+        KV run after the rank's earlier chunks is compared first (one pass over n ids, where a sort of the room's
+        ids and a search of every id were on each chunk's path); anything else is looked up among all of them,
+        sorted once a room."""
+        if group == 0 and self.kv_run(ids, prefill_rank) is not None:
+            return True
         return _subset(ids, self.allowed(group))
 
 
@@ -95,6 +99,9 @@ class ChunkVerdict:
     ids: list[np.ndarray]
     problem: Optional[str] = None
     in_step: bool = True
+    #: (the room's published KV ids, start) when the chunk's KV destinations are exactly `kv_ids[start:start + n]`
+    #: of them: a receiver may then take them from one upload of the room's ids instead of uploading each chunk's
+    kv_run: Optional[tuple[np.ndarray, int]] = None
 
 
 def _subset(d: np.ndarray, allowed: np.ndarray) -> bool:
@@ -192,10 +199,21 @@ def chunk_header(
         verdict = chunk_layout(header, item_lens, slot_bytes)  # can its bytes still be received in step?
         return ChunkVerdict(None, [], f"room {header.room}: {problem}", verdict.in_step)
     rank = header.prefill_rank
-    verdict = chunk_layout(header, item_lens, slot_bytes, lambda g, ids: published.publishes(g, ids, rank), kv_heads,
-                           state_spans)
-    if verdict.chunk is not None and verdict.ids:
-        published.next_kv[rank] = published.next_kv.get(rank, 0) + verdict.ids[0].size
+    runs: list[int] = []  # where the KV run starts, when the chunk's KV ids are the run after the rank's earlier ones
+
+    def publishes(group: int, ids: np.ndarray) -> bool:
+        start = published.kv_run(ids, rank) if group == 0 else None
+        if start is None:
+            return published.publishes(group, ids, rank)
+        runs.append(start)
+        return True
+
+    verdict = chunk_layout(header, item_lens, slot_bytes, publishes, kv_heads, state_spans)
+    if verdict.chunk is None or not verdict.ids:
+        return verdict
+    published.next_kv[rank] = published.next_kv.get(rank, 0) + verdict.ids[0].size
+    if runs and verdict.ids[0].size:
+        verdict = dataclasses.replace(verdict, kv_run=(published.kv_ids, runs[0]))
     return verdict
 
 
