@@ -266,16 +266,17 @@ RECORD_S = 4
 
 
 def one_run(pair: Pair, mode: str, plen: int, conc: int, seed: int, pyspy: Optional[str],
-            rounds: int = 2, record: Optional[Path] = None) -> dict[str, Any]:
+            rounds: int = 2, record: Optional[Path] = None, gil: bool = False) -> dict[str, Any]:
     """One closed-loop run through the pair's LB. `record`: where py-spy (non-blocking, 200 Hz) writes the first
     prefill scheduler's stacks for RECORD_S seconds of the run; the row gets `pyspy_prefill` (per thread, the
-    samples within our plugin, SGLang's disaggregation code and the peers' modules)."""
+    samples within our plugin, SGLang's disaggregation code and the peers' modules). `gil`: only the thread that
+    holds the GIL is sampled (each thread's samples are then its share of the GIL)."""
     prompts = client.random_prompts(requests_for(conc, rounds), plen, seed=seed)
     with Probe(pair, mode, pyspy) as probe:
         err = None
         if record is not None:
             pid = probe.procs.get("prefill")
-            err = procstat.record(pid, pyspy, RECORD_S, record) if pid else "no scheduler process found"
+            err = procstat.record(pid, pyspy, RECORD_S, record, gil=gil) if pid else "no scheduler process found"
         records, wall = asyncio.run(client.closed_loop(pair.lb[mode].url, prompts, conc, OUTPUT_TOKENS))
     s = stats.summarize_run(records, wall)
     row = {"ttft_p50_ms": s["ttft_ms_p50"], "ttft_p99_ms": s["ttft_ms_p99"], "tpot_p50_ms": tpot_ms_p50(records),
@@ -285,6 +286,8 @@ def one_run(pair: Pair, mode: str, plen: int, conc: int, seed: int, pyspy: Optio
     if record is not None:
         err = err or procstat.wait_record(record)
         row["pyspy_prefill"] = {"error": err} if err else procstat.samples_within(record.read_text(), PROFILE_MARKERS)[:4]
+        if gil:
+            row["pyspy_prefill_gil"] = True
     return row
 
 
@@ -329,7 +332,10 @@ def summarize_cells(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[str], cells: list[tuple[int, int]],
         reps: int, extra: dict[str, list[tuple[int, int]]], do_profile: bool, machine: str, pyspy: Optional[str],
         deadline: float, rounds: int = 2, decode_gpu: int = 0, max_total_tokens: int = MAX_TOTAL_TOKENS,
-        chunked_prefill_size: int = 0) -> dict[str, Any]:
+        chunked_prefill_size: int = 0, profiled: frozenset[tuple[int, int]] = frozenset(),
+        gil: bool = False) -> dict[str, Any]:
+    """`profiled`: cells whose first repetition records each backend's prefill scheduler with py-spy (`one_run`;
+    `gil`: only the thread holding the GIL)."""
     res: dict[str, Any] = {"machine": machine, "model": MODEL, "flags": server_flags(max_total_tokens, chunked_prefill_size),
                            "mode_flags": MODE_FLAGS, "gpus": {"prefill": 0, "decode": decode_gpu},
                            "backend_env": {b: BACKEND_ENV[b] for b in [*backends, *extra]},
@@ -346,7 +352,8 @@ def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[st
                 if b in ready:
                     res["profile"] += profile(ready[b], logs, pyspy)
                     save()
-        measure(ready, modes, cells, backends, extra, reps, res, save, pyspy, deadline, rounds)
+        measure(ready, modes, cells, backends, extra, reps, res, save, pyspy, deadline, rounds,
+                (logs if pyspy else None, profiled), gil)
     return res
 
 
@@ -388,7 +395,7 @@ def warm_up(ready: dict[str, Any], modes: list[str], cells: Sequence[tuple[int, 
 def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]], backends: list[str],
             extra: dict[str, list[tuple[int, int]]], reps: int, res: dict[str, Any], save: Any,
             pyspy: Optional[str], deadline: float, rounds: int = 2,
-            record: tuple[Optional[Path], frozenset[tuple[int, int]]] = (None, frozenset())) -> None:
+            record: tuple[Optional[Path], frozenset[tuple[int, int]]] = (None, frozenset()), gil: bool = False) -> None:
     """Every cell `reps` times, the backends of a cell in an order rotated by repetition; res["cells"] and
     res["summary"] grow (and are saved) after every run, res["stopped"] says where a deadline cut it short.
 
@@ -423,7 +430,7 @@ def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]
                     folder is not None and rep == 0 and (plen, conc) in profiled) else None
                 try:
                     r = one_run(ready[b], mode, plen, conc, seed=1000 * plen + conc + 7919 * rep, pyspy=pyspy,
-                                rounds=rounds, record=path)
+                                rounds=rounds, record=path, gil=gil)
                 except SystemExit as e:  # the step's SIGTERM (servers.exit_on_sigterm): the file says where
                     res["stopped"] = f"killed (exit {e.code}) in repetition {rep} during {b} {plen}x{conc}: that run is lost"
                     save()
@@ -455,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--machine", default="unknown")
     ap.add_argument("--pyspy", default="", help="py-spy executable (profile and thread names)")
+    ap.add_argument("--profile-cells", default="", help="cells (e.g. 1024x64) whose first repetition records each "
+                    "backend's prefill scheduler with py-spy for a few seconds (`pyspy_prefill` in the run)")
+    ap.add_argument("--profile-gil", action="store_true", help="with --profile-cells: sample only the thread that "
+                    "holds the GIL, so each thread's samples are its share of the GIL")
     a = ap.parse_args(argv)
     extra = {}
     for item in filter(None, a.extra.split(";")):
@@ -464,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     a.logs.mkdir(parents=True, exist_ok=True)
     res = run(a.models, a.logs, a.out, a.backends.split(","), a.modes.split(","), parse_cells(a.cells), a.reps, extra,
               a.profile, a.machine, a.pyspy or None, config.deadline_from_env(), a.rounds, a.decode_gpu,
-              a.max_total_tokens, a.chunked_prefill_size)
+              a.max_total_tokens, a.chunked_prefill_size, frozenset(parse_cells(a.profile_cells)), a.profile_gil)
     bad = [b for b, s in res["servers"].items() if s.get("status") != "ok"]
     print(json.dumps({"servers": res["servers"], "stopped": res.get("stopped")}, default=str)[:2000], flush=True)
     return 1 if bad or res.get("stopped") else 0

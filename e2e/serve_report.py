@@ -118,7 +118,8 @@ def profiles(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
             prof = r.get("pyspy_prefill")
             if prof is None:
                 continue
-            row = {"backend": c["backend"], "input_len": c["input_len"], "concurrency": c["concurrency"], "rep": i}
+            row = {"backend": c["backend"], "input_len": c["input_len"], "concurrency": c["concurrency"], "rep": i,
+                   "gil": bool(r.get("pyspy_prefill_gil"))}
             out.append(row | ({"error": prof["error"]} if isinstance(prof, dict) else {"threads": [
                 {"thread": t["thread"], "samples": t["samples"], "within": t.get("within", {})} for t in prof]}))
     return out
@@ -219,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Machine: {', '.join(machines)}\n")
         print(markdown(rows))
         for p in profiles(cells):
-            print(f"\npy-spy, first prefill of {p['backend']} {p['input_len']}x{p['concurrency']} (repetition "
+            what = "the GIL's holder, first prefill" if p["gil"] else "first prefill"
+            print(f"\npy-spy, {what} of {p['backend']} {p['input_len']}x{p['concurrency']} (repetition "
                   f"{p['rep']}): " + (p.get("error") or "; ".join(
                       f"{t['thread']} {t['samples']} samples, " + ", ".join(f"{k} {v}" for k, v in t["within"].items())
                       for t in p["threads"])))

@@ -168,16 +168,32 @@ def test_only_the_first_repetition_of_a_profiled_cell_records(monkeypatch, tmp_p
     later repetitions none."""
     asked: list = []
 
-    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None):
-        asked.append((pair, plen, record.name if record else None))
+    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None, gil=False):
+        asked.append((pair, plen, record.name if record else None, gil))
         return _run_row()
 
     monkeypatch.setattr(serve, "one_run", fake_run)
     serve.measure({"a": "a", "b": "b"}, ["graph"], [(1024, 16), (4096, 1)], ["a", "b"], {}, 2, {"cells": []},
-                  lambda: None, "py-spy", deadline=serve.time.monotonic() + 60, record=(tmp_path, frozenset({(1024, 16)})))
-    named = [(p, n, r) for p, n, r in asked if r]
+                  lambda: None, "py-spy", deadline=serve.time.monotonic() + 60, record=(tmp_path, frozenset({(1024, 16)})),
+                  gil=True)
+    named = [(p, n, r) for p, n, r, _ in asked if r]
     assert named == [("a", 1024, "pyspy-a-prefill-graph-1024x16.txt"), ("b", 1024, "pyspy-b-prefill-graph-1024x16.txt")]
-    assert len(asked) == 8
+    assert len(asked) == 8 and all(gil for *_, gil in asked)
+
+
+def test_a_gil_record_samples_only_the_gils_holder(monkeypatch, tmp_path: Path):
+    """`--profile-gil`: py-spy is asked for the GIL's holder only (`--gil`), beside the usual flags."""
+    started: list = []
+
+    class Proc:
+        def __init__(self, argv, **kw):
+            started.append(argv)
+
+    monkeypatch.setattr(procstat.subprocess, "Popen", Proc)
+    assert procstat.record(42, "py-spy", 4, tmp_path / "a.txt", gil=True) == ""
+    assert procstat.record(42, "py-spy", 4, tmp_path / "b.txt") == ""
+    assert "--gil" in started[0] and "--gil" not in started[1]
+    assert started[0][:4] == ["py-spy", "record", "--pid", "42"] and "--nonblocking" in started[0]
 
 
 def test_without_pyspy_the_profile_says_why():
@@ -295,10 +311,13 @@ def test_report_names_the_busiest_prefill_and_the_profiles_runs_carry():
     assert serve_report.prefill_spread(cell) == {"busiest_share": 0.75, "forward_max_ms": 320.0, "forward_min_ms": 255.0}
     assert serve_report.prefill_spread({"reps": [{}]}) == {}
     other = {"backend": "nixl", "input_len": 1024, "concurrency": 16, "reps": [{"pyspy_prefill": {"error": "no py-spy"}}]}
+    other["reps"].append({"pyspy_prefill": [{"thread": "t (0x2)", "samples": 90, "within": {}}], "pyspy_prefill_gil": True})
     assert serve_report.profiles([cell, other]) == [
-        {"backend": "p2pnccl", "input_len": 1024, "concurrency": 16, "rep": 0,
+        {"backend": "p2pnccl", "input_len": 1024, "concurrency": 16, "rep": 0, "gil": False,
          "threads": [{"thread": "t (0x1)", "samples": 800, "within": {"sglang_p2p_backend/": 12}}]},
-        {"backend": "nixl", "input_len": 1024, "concurrency": 16, "rep": 0, "error": "no py-spy"}]
+        {"backend": "nixl", "input_len": 1024, "concurrency": 16, "rep": 0, "gil": False, "error": "no py-spy"},
+        {"backend": "nixl", "input_len": 1024, "concurrency": 16, "rep": 1, "gil": True,
+         "threads": [{"thread": "t (0x2)", "samples": 90, "within": {}}]}]
 
 
 def test_requests_alone_keep_every_ttft_in_order_and_busier_runs_keep_none():
@@ -391,7 +410,7 @@ def test_a_run_that_would_end_past_the_deadline_is_not_started(monkeypatch):
     lengths = {1024: 100.0, 128: 5.0}
     ran: list[tuple[str, int]] = []
 
-    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None):
+    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None, gil=False):
         ran.append((pair, plen))
         now[0] += lengths[plen]
         return _run_row()
@@ -434,7 +453,7 @@ def test_the_warm_up_runs_each_loaded_cell_once_per_backend(monkeypatch):
 def test_a_run_killed_by_the_step_limit_is_named_in_the_saved_result(monkeypatch):
     """The step's SIGTERM ends the run in progress (SystemExit 143): the result saved says which run was lost,
     and the exit goes on."""
-    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None):
+    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None, gil=False):
         if pair == "b":
             raise SystemExit(143)
         return _run_row()
