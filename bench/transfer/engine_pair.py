@@ -120,7 +120,8 @@ def _decode(device, cases, ctrl, results, io_timeout, trace=False):
             the case's destinations) and its sequence."""
             room = rooms.get(header.room)
             if room is None:
-                room = rooms[header.room] = checks.Published(published_ids, -1, [], frozenset({header.session}))
+                # a list of its own, as every room the decode publishes has (a room's entry is keyed by it)
+                room = rooms[header.room] = checks.Published(published_ids.copy(), -1, [], frozenset({header.session}))
             return checks.chunk_header(header, copier.item_lens, staging.slot_bytes, room)
 
         receiver = PairReceiver(transport=transport, staging=staging, copier=copier, peer_session="prefill:0",
