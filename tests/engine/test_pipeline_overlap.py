@@ -215,7 +215,7 @@ def test_overlapped_chunks_land_exactly_and_each_receive_is_posted_before_the_pr
         src, dst = _ids(20, 1)
         assert p.sender.send(5, 0, [src], [dst]) == 20 * 6 * 48
         # the receiver took the third header (and waits for the first receive) before any receive ends
-        _until(lambda: steps.count("checked") == 3, "the third header")
+        _until(lambda: steps.count("header") == 3, "the third header")
         comm.hold.set()
         p.drain()
         assert p.landed[1:] == [(5, None)] * 7  # 3 pages a 1 KiB slot: 7 chunks, all reported, in order
@@ -225,13 +225,15 @@ def test_overlapped_chunks_land_exactly_and_each_receive_is_posted_before_the_pr
         # (its ids on the device) right after its receive is posted, so landing it is only the launch
         assert events[:5] == ["posted", "prepared", "posted", "prepared", "scatter"], events
         assert events.count("posted") == events.count("prepared") == events.count("scatter") == 7
-        chunk = ["header", "checked", "slot", "post", "readied"]
+        # a chunk is checked once its receive is posted, while its bytes move: the prefill's send waits only for
+        # the post
+        chunk = ["header", "slot", "post", "checked", "readied"]
         # two chunks posted hold the two slots this end may take of three (their receives held back); the third
         # chunk's header then moves the oldest on (lands it, waits for its scatter: the slot comes back) and posts
         # into that slot. From there the order depends on when each receive ends; every chunk's own steps keep
         # their order, and a chunk is reported only after its scatter is seen done
         land = ["landed", "launched", "scattered", "reported"]
-        assert steps[:19] == chunk * 2 + ["header", "checked", *land, *chunk[2:]], steps
+        assert steps[:19] == chunk * 2 + ["header", *land, *chunk[1:]], steps
         assert all(steps.count(step) == 7 for step in chunk + land) and steps[-4:] == land, steps
         assert all(steps.index("scattered", i) < steps.index("reported", i) for i, s in enumerate(steps)
                    if s == "launched")
@@ -540,7 +542,9 @@ def test_a_staging_slot_that_cannot_be_allocated_fails_its_chunk_and_the_channel
         p.close()
 
 
-def test_a_failing_header_check_fails_that_chunk_and_the_channel_and_reports_every_chunk_once(cpu_streams):
+def test_a_header_check_that_raises_fails_that_chunk_alone_and_reports_every_chunk_once(cpu_streams):
+    """Its receive was posted before the checks ran (the channel stays in step): its bytes land in staging and
+    are dropped, it is reported failed with the error, and the chunks after it land as announced."""
     p = OverlapPair()
     try:
         _open(p)
@@ -558,9 +562,13 @@ def test_a_failing_header_check_fails_that_chunk_and_the_channel_and_reports_eve
         _send_quietly(p, [src], [dst])
         p.drain()
         reports = p.landed[1:]
-        assert len(reports) == len(checked)  # every announced chunk reported once, in order
-        assert reports[:2] == [(5, None)] * 2 and all(err for _, err in reports[2:])
-        assert "dropped after an error" in reports[2][1]
+        assert len(reports) == len(checked) == 7  # every announced chunk reported once, in order
+        assert reports[:2] == [(5, None)] * 2 and reports[3:] == [(5, None)] * 4
+        assert "its checks failed: ValueError('a bug in a check (test)')" in reports[2][1]
+        assert p.receiver.comm is not None  # the channel stayed in step
+        landed = np.r_[0:6, 9:20]  # 3 pages a chunk: the third chunk's pages 6-8 were not written
+        assert p.pages_equal(src[landed], dst[landed])
+        assert all(bool((t[torch.from_numpy(dst[6:9].astype(np.int64))] == 0xA5).all()) for t in p.dst_t)
         assert p.recv_pool.in_use == 0
     finally:
         p.close()

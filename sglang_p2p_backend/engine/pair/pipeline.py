@@ -488,9 +488,7 @@ class PairReceiver(_PairEnd):
         breaks the channel (the prefill's bytes would otherwise land under the next header) and fails."""
         self._mark("header", header.room)
         try:
-            verdict = self.check(header)
-            self._mark("checked", header.room)
-            self._receive(header, verdict)
+            self._receive(header)
         except Exception as e:  # noqa: BLE001 - a bug or a CUDA error: the channel's order is not known any more
             logger.exception("p2p receiver for %s: chunk of room %d", self.peer_session, header.room)
             self._settle()
@@ -498,18 +496,32 @@ class PairReceiver(_PairEnd):
                 self._broken(f"pair channel with prefill {self.peer_session} dropped after an error: {e!r}")
                 self.on_chunk(header.room, header.prefill_rank, self.broken_reason)
 
-    def _receive(self, header: ChunkHeader, verdict: ChunkVerdict) -> None:
-        """Post the receive of one announced chunk, then move on the chunks before it that are done; a chunk is
-        scattered only if its checks passed and the room still wants it at landing. A chunk that failed its
-        checks is received into staging and dropped (the channel stays in step); one larger than a staging slot
-        cannot be, so the channel is dropped and the prefill told."""
+    def _checked(self, header: ChunkHeader) -> ChunkVerdict:
+        """The header's checks: every header's, once and in arrival order (a room counts its chunks through them).
+        Checks that raise fail the chunk, as checks that refuse it do."""
+        try:
+            verdict = self.check(header)
+        except Exception as e:  # noqa: BLE001 - a bug in a check: this chunk fails, the channel stays in step
+            logger.exception("p2p receiver for %s: checks of a chunk of room %d", self.peer_session, header.room)
+            verdict = ChunkVerdict(None, [], f"room {header.room}: its checks failed: {e!r}")
+        self._mark("checked", header.room)
+        return verdict
+
+    def _receive(self, header: ChunkHeader) -> None:
+        """Post the receive of one announced chunk, check the chunk while its bytes move (a receive into staging
+        needs only its size within a slot: the post is what the prefill's send waits for), then move on the
+        chunks before it that are done. A chunk is scattered only if its checks passed and the room still wants
+        it at landing; one that failed them is received into staging and dropped (the channel stays in step);
+        one larger than a staging slot cannot be, so the channel is dropped and the prefill told."""
         self._posted_header = None
         if self.comm is None or header.generation != self.generation:
+            self._checked(header)
             self._settle()
             reason = self.broken_reason or f"no pair channel with prefill {self.peer_session}"
             self.on_chunk(header.room, header.prefill_rank, reason)
             return
-        if not verdict.in_step or header.nbytes > self.staging.slot_bytes:
+        if header.nbytes > self.staging.slot_bytes:
+            verdict = self._checked(header)
             self._settle()
             reason = verdict.problem or f"room {header.room}: chunk larger than a staging slot"
             self._drop(reason)
@@ -529,10 +541,12 @@ class PairReceiver(_PairEnd):
                 self._give_back(comm, [buf], self.peer_session)
                 raise
         except TransportError as e:
+            self._checked(header)
             self._settle()
             self._broken(f"pair channel with prefill {self.peer_session} broke: {e}")
             self.on_chunk(header.room, header.prefill_rank, self.broken_reason)
             return
+        verdict = self._checked(header)
         overlaps = self._overlappable(comm, verdict)
         stream = comm.side_stream if overlaps else comm.stream
         self._posted.append(_Posted(header, verdict, buf, done, comm, time.monotonic() + self.io_timeout, stream,
