@@ -23,7 +23,7 @@ from .results import load as load_result
 
 COLORS = {"p2pnccl": "tab:green", "nixl": "tab:orange", "mooncake": "tab:blue", "p2pnccl-gil5": "tab:olive",
           "p2pnccl-kernel": "tab:purple", "p2pnccl-ce": "tab:cyan", "p2pnccl-grid132": "tab:brown",
-          "p2pnccl-spans1024": "tab:pink"}
+          "p2pnccl-spans1024": "tab:pink", "p2pnccl-grid32": "tab:gray"}
 METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "kv_ms")
 
 
