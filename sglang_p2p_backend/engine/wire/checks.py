@@ -9,7 +9,6 @@ room if it knows it. Pure functions, no I/O.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -213,7 +212,7 @@ def chunk_header(
         return verdict
     published.next_kv[rank] = published.next_kv.get(rank, 0) + verdict.ids[0].size
     if runs and verdict.ids[0].size:
-        verdict = dataclasses.replace(verdict, kv_run=(published.kv_ids, runs[0]))
+        verdict = ChunkVerdict(verdict.chunk, verdict.ids, kv_run=(published.kv_ids, runs[0]))
     return verdict
 
 
