@@ -200,10 +200,10 @@ def chunk_header(
     rank = header.prefill_rank
     runs: list[int] = []  # where the KV run starts, when the chunk's KV ids are the run after the rank's earlier ones
 
-    def publishes(group: int, ids: np.ndarray) -> bool:
+    def publishes(group: int, ids: np.ndarray) -> bool:  # Published.publishes, keeping where the run starts
         start = published.kv_run(ids, rank) if group == 0 else None
         if start is None:
-            return published.publishes(group, ids, rank)
+            return _subset(ids, published.allowed(group))
         runs.append(start)
         return True
 
