@@ -26,9 +26,10 @@ a region: a long prompt's chunks from SGLang's page-1 allocator), which also the
   16k MHA page-16 request back to back (kernel, copy engines, NCCL).
 - `--programs LIST` (with `ipc` or `interference`): the kernel's grid bounded to each value in turn
   (SGLANG_P2P_IPC_PROGRAMS; the default is span_copy.default_programs: one an SM for these cases), for the 4k and
-  16k MHA page-16 cases, contiguous
-  and scattered: write time, GB/s and ratio as in `ipc`, and the matmul's slowdown during back-to-back writes
-  as in `interference`. How many SMs NVLink's ~380 GB/s needs against what they cost the forward pass.
+  16k MHA page-16 cases (`--programs-case SHAPE:TOKENS` picks others, e.g. mha_p1:1024 with --dests runs64 for
+  serving's page-1 chunks in short runs), on every --dests: write time, GB/s and ratio as in `ipc`, and the
+  matmul's slowdown during back-to-back writes as in `interference`. How many SMs NVLink's ~380 GB/s needs
+  against what they cost the forward pass.
 - `fixed`: where a 128-token request's time goes (MLA page 64 and MHA page 16, scattered): host planning
   (checks and address translation), descriptor upload (CUDA events), launch (host time of the queueing call),
   sync (host wait), the control message (msgspec encoding of the aux row and Status, and one way over a local
@@ -83,7 +84,8 @@ LARGE_FIXED_TOKENS = 4096
 PHASE_TOKENS = (1024, 4096)  # nccl_phases: a one-chunk and a several-chunk request at the default slots
 PHASE_PROFILE_CALLS = 30  # nccl_phases: send() under cProfile this many times
 SAME_GPU = (("mha_p16", 4096), ("mha_p16", 16384), ("mla_p64", 4096), ("mla_p64", 16384))
-#: --programs measures this shape's requests of these sizes (2 GiB at 16k: the interference case)
+#: --programs measures this shape's requests of these sizes by default (2 GiB at 16k: the interference case);
+#: --programs-case picks others (serving's page-1 chunks in short runs: mha_p1:1024 with --dests runs64)
 PROGRAMS_CASE = ("mha_p16", (4096, 16384))
 IPC_MODES = ("kernel", "copy_engine")
 #: cases with more copy-engine spans than this get fewer repetitions (a batch of ~1M spans takes long)
@@ -190,10 +192,21 @@ def _shape(d: dict) -> xc.Shape:
     return xc.Shape(**d)
 
 
-def programs_tokens(tokens) -> list[int]:
-    """The request sizes --programs measures: PROGRAMS_CASE's, or with --quick (small pools, none of those
-    sizes) the largest there is, so the CPU run still walks the section."""
-    return [t for t in tokens if t in PROGRAMS_CASE[1]] or [max(tokens)]
+def programs_tokens(tokens, case_tokens=PROGRAMS_CASE[1]) -> list[int]:
+    """The request sizes --programs measures: the programs case's (`case_tokens`), or with --quick (small pools,
+    none of those sizes) the largest there is, so the CPU run still walks the section."""
+    return [t for t in tokens if t in case_tokens] or [max(tokens)]
+
+
+def parse_programs_case(raw: str) -> tuple[str, tuple[int, ...]]:
+    """--programs-case SHAPE:TOKENS (e.g. mha_p1:1024,4096): the shape and request sizes --programs measures."""
+    name, _, sizes = raw.partition(":")
+    if name.strip() not in {sh.name for sh in xc.SHAPES}:
+        raise argparse.ArgumentTypeError(f"{raw!r}: the shape is one of {', '.join(sh.name for sh in xc.SHAPES)}")
+    tokens = tuple(_positive_ints(sizes, "request sizes in tokens like mha_p1:1024,4096"))
+    if not tokens:
+        raise argparse.ArgumentTypeError(f"{raw!r}: give request sizes in tokens like mha_p1:1024,4096")
+    return name.strip(), tokens
 
 
 def _positive_ints(raw: str, what: str) -> list[int]:
@@ -597,9 +610,10 @@ class Prefill:
             from sglang_p2p_backend.engine.copy.span_copy import default_programs
 
             sms = backend()._copiers(self.dev_t).pages.sms  # noqa: SLF001
-            # MHA page 16: 32 KiB items, 8 KiB loop steps
-            self.out["programs_default"] = default_programs(sms, 8 * 1024)
-        for tokens in programs_tokens(self.cfg["tokens"]):
+            # the kernel's loop step: a page of a region up to 8 KiB (MHA page 16: 32 KiB items, 8 KiB steps; page 1:
+            # 2 KiB, 4 programs an SM)
+            self.out["programs_default"] = default_programs(sms, min(8 * 1024, shape.item))
+        for tokens in programs_tokens(self.cfg["tokens"], self.cfg["programs_case"][1]):
             for dest in self.cfg["dests"]:
                 case = xc.Case(shape, tokens, dest)
                 w: Optional[PreparedWrite] = None
@@ -978,7 +992,7 @@ class Prefill:
                             row["case"] = case.name
                             self.out["interference"].append(row)
                         self.tr.copy_engine = "off"
-                if self.cfg["programs"] and shape.name == PROGRAMS_CASE[0] and {"ipc", "interference"} & sections:
+                if self.cfg["programs"] and shape.name == self.cfg["programs_case"][0] and {"ipc", "interference"} & sections:
                     self.programs_section(shape, pool, dst_ptrs, dst_pages)
                 self.tr.forget_peer(SESSION)
                 if "ipc" in sections and two_gpus:
@@ -1271,6 +1285,9 @@ def main(argv=None) -> int:
     ap.add_argument("--programs", type=parse_programs, default=[], metavar="LIST",
                     help="comma-separated grid bounds of the page kernel to measure beside the default "
                          "(SGLANG_P2P_IPC_PROGRAMS), e.g. 16,32,66,132; needs section ipc or interference")
+    ap.add_argument("--programs-case", type=parse_programs_case, default=PROGRAMS_CASE, metavar="SHAPE:TOKENS",
+                    help=f"the shape and request sizes --programs measures (default "
+                         f"{PROGRAMS_CASE[0]}:{','.join(map(str, PROGRAMS_CASE[1]))}), on every --dests")
     ap.add_argument("--slot-mib", type=parse_slot_mib, default=[], metavar="LIST",
                     help="staging slot sizes (MiB) to run the nccl cases at besides the default (SGLANG_P2P_STAGING_MB "
                          "over SGLANG_P2P_STAGING_SLOTS), overlap on, e.g. 256")
@@ -1314,7 +1331,7 @@ def main(argv=None) -> int:
         gpus = torch.cuda.device_count() if cuda else 0
         cfg = {"quick": not cuda, "prefill_gpu": 0, "decode_gpu": 1 if gpus >= 2 else 0, "budget_s": ns.budget_s,
                "case_s": ns.case_s, "max_reps": ns.max_reps, "sections": device_sections, "programs": ns.programs,
-               "slot_mib": ns.slot_mib, "dests": dests,
+               "programs_case": list(ns.programs_case), "slot_mib": ns.slot_mib, "dests": dests,
                "interference_shape": INTERFERENCE_CASE[0] if INTERFERENCE_CASE[0] in names else names[0],
                "shapes": [s.__dict__ for s in shapes], "tokens": tokens}
         import multiprocessing as mp

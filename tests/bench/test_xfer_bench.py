@@ -163,6 +163,24 @@ def test_the_programs_flag_and_the_request_sizes_it_measures():
         xfer_bench.parse_slot_mib("0")
     assert xfer_bench.programs_tokens(xc.TOKENS) == [4096, 16384]
     assert xfer_bench.programs_tokens(xc.QUICK_TOKENS) == [1024]  # --quick: the largest, so the section runs
+    # --programs-case: serving's page-1 chunks instead of the default 4k/16k page-16 requests
+    assert xfer_bench.parse_programs_case("mha_p1:1024, 4096") == ("mha_p1", (1024, 4096))
+    assert xfer_bench.programs_tokens(xc.TOKENS, (1024,)) == [1024]
+    for bad, why in (("mhx:1024", "the shape is one of mha_p1, mha_p16, mla_p64"), ("mha_p1:", "request sizes"),
+                     ("mha_p1:0", "request sizes")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            xfer_bench.parse_programs_case(bad)
+
+
+def test_the_programs_case_picks_the_shape_the_grid_section_measures(tmp_path):
+    out = tmp_path / "p1.json"
+    rc = xfer_bench.main(["--quick", "--out", str(out), "--case-s", "0.02", "--max-reps", "5", "--sections", "ipc",
+                          "--shapes", "mha_p1", "--tokens", "1024", "--dests", "runs4", "--programs", "4,8",
+                          "--programs-case", "mha_p1:1024"])
+    assert rc == 0
+    rows = json.loads(out.read_text())["programs"]
+    assert [(r["case"], r["programs"], r["bad_pages"]) for r in rows] == [("mha_p1_1024_runs4", 4, 0),
+                                                                          ("mha_p1_1024_runs4", 8, 0)]
 
 
 @pytest.mark.slow
