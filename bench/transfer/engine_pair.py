@@ -25,9 +25,10 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.transfer.pair import pair_device
+from bench.transfer.published_rooms import PublishedRooms
 from bench.transfer.xfer_cases import phase_offsets
 from sglang_p2p_backend.engine.config import EngineConfig
-from sglang_p2p_backend.engine.wire import checks, messages
+from sglang_p2p_backend.engine.wire import messages
 from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.pair.pipeline import PairReceiver, PairSender
 from sglang_p2p_backend.engine.pair.staging import StagingPool
@@ -112,21 +113,11 @@ def _decode(device, cases, ctrl, results, io_timeout, trace=False):
         pool = _pool(case, device, seed=None)
         staging = StagingPool(transport.alloc_staging, case.slot_mb << 20, EngineConfig.staging_slots)
         errors: list[str] = []
-        copier, rooms = PageCopier([pool]), {}
-        published_ids = _ids(case, 2)
-
-        def check(header, copier=copier, staging=staging, rooms=rooms, published_ids=published_ids):
-            """As the decode adapter checks a chunk: against its room's published pages (every room publishes
-            the case's destinations) and its sequence."""
-            room = rooms.get(header.room)
-            if room is None:
-                # a list of its own, as every room the decode publishes has (a room's entry is keyed by it)
-                room = rooms[header.room] = checks.Published(published_ids.copy(), -1, [], frozenset({header.session}))
-            return checks.chunk_header(header, copier.item_lens, staging.slot_bytes, room)
-
+        copier, rooms = PageCopier([pool]), PublishedRooms(_ids(case, 2))  # every room: the case's destinations
         receiver = PairReceiver(transport=transport, staging=staging, copier=copier, peer_session="prefill:0",
                                 wanted=lambda room: True, on_chunk=lambda room, rank, err: err and errors.append(err),
-                                connect_timeout=60, io_timeout=io_timeout, check=check)
+                                connect_timeout=60, io_timeout=io_timeout,
+                                check=lambda h, c=copier, s=staging, r=rooms: r.check(h, c.item_lens, s.slot_bytes))
         events: list = []
         if trace:
             receiver.trace = lambda step, room: events.append(("decode", step, room, time.monotonic()))
@@ -151,7 +142,7 @@ def _decode(device, cases, ctrl, results, io_timeout, trace=False):
             bad += int((want != got).any(dim=1).sum())
             bad += int((d_t[others] != SENTINEL).any(dim=1).sum())
         # how many rooms' destination lists went to the device (once a room where the scatter takes device ids)
-        verdicts.append({"bad_pages": bad, "errors": errors[:3], "events": events, "rooms": len(rooms),
+        verdicts.append({"bad_pages": bad, "errors": errors[:3], "events": events, "rooms": rooms.published,
                          "room_uploads": receiver.room_ids.uploads})
         receiver.close()
         staging.close()

@@ -290,10 +290,9 @@ class Decode:
         self.nccl = None  # (transport, staging, receiver, errors)
         self.transport = None
         self.ref_buf = None
-        #: the destinations every room of the NCCL path publishes (`publish`), and the rooms published: the
-        #: receiver checks each chunk against its room as the decode adapter does (`checks.chunk_header`)
-        self.published_ids = None
-        self.rooms: dict = {}
+        #: the rooms of the NCCL path, each publishing the destinations of the last `publish`: the receiver checks
+        #: each chunk against its room as the decode adapter does (published_rooms.py)
+        self.rooms = None
 
     def _alloc(self, shape: xc.Shape, pages: int, gpu: int) -> list:
         torch = self.torch
@@ -346,21 +345,18 @@ class Decode:
 
     def publish(self, ids):
         """The destinations of the rooms that follow (one request's pages, as the decode publishes them)."""
-        self.published_ids = np.ascontiguousarray(ids, dtype=np.int32)
-        self.rooms.clear()
+        from bench.transfer.published_rooms import PublishedRooms
+
+        self.rooms = PublishedRooms(ids)
         return ("ok",)
 
     def check(self, header, item_lens, slot_bytes):
-        """A chunk's checks as the decode adapter makes them: against its room's published pages and sequence
-        (the room published at its first chunk, with the ids of the last `publish`)."""
+        """A chunk's checks as the decode adapter makes them; before any `publish`, no room waits for KV."""
         from sglang_p2p_backend.engine.wire import checks
 
-        published = self.rooms.get(header.room)
-        if published is None and self.published_ids is not None:
-            published = self.rooms[header.room] = checks.Published(self.published_ids, -1, [], frozenset({header.session}))
-            while len(self.rooms) > 8:  # a room's chunks come one after another: the last few are enough
-                self.rooms.pop(next(iter(self.rooms)))
-        return checks.chunk_header(header, item_lens, slot_bytes, published)
+        if self.rooms is None:
+            return checks.chunk_header(header, item_lens, slot_bytes, None)
+        return self.rooms.check(header, item_lens, slot_bytes)
 
     def nccl_stop(self):
         if self.nccl is not None:

@@ -43,8 +43,8 @@ class RoomIds:
         if not 0 <= start <= start + n <= kv_ids.size:
             raise IndexError(f"run {start}..{start + n} outside the room's {kv_ids.size} published KV ids")
         key = (id(kv_ids), 0 if stream is None else int(stream.cuda_stream))
-        kept = self._kept.get(key)
-        if kept is None or kept[0] is not kv_ids:
+        kept = self._kept.get(key)  # an entry holds its list, so a listed id is that very list
+        if kept is None:
             if self.copier.bad_ids([kv_ids]) is not None:
                 return None
             dev = self.copier.device_ids([kv_ids])
