@@ -69,7 +69,7 @@ BACKEND_ENV = {
     # results' name still launches what they ran
     "p2pnccl-spans1024": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_CE_MAX_SPANS": "1024"},
     # the page kernel's grid bounded to 32 programs (a quarter of an H200's SMs): in mixed 16k and 1k cells the
-    # page-1 pool fragments, 36% of the bytes took the kernel for short spans and the prefill's forward ran 12-17%
+    # page-1 pool fragments, 36-48% of the bytes took the kernel for short spans and the prefill's forward ran 12-17%
     # longer than with NIXL (2 x H200, session 29); the kernel wrote faster than NIXL, so there is time to trade
     "p2pnccl-grid32": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_IPC_PROGRAMS": "32"},
     "nixl": {},  # SGLang's default NIXL backend: UCX, which picks cuda_ipc between two processes of one GPU
