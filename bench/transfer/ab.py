@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 #: the sections compared: their rows' key fields and the timing each row carries (us, with p50 and min)
-SECTIONS = {"nccl": (("case", "overlap", "slot_mib"), "send_us"), "ipc": (("case", "mode"), "write_us"),
-            "same_gpu": (("case", "mode"), "write_us")}
+SECTIONS = {"nccl": (("case", "overlap", "slot_mib", "first_chunk_mib"), "send_us"),
+            "ipc": (("case", "mode"), "write_us"), "same_gpu": (("case", "mode"), "write_us")}
 STATS = ("p50", "min")
 
 
@@ -61,7 +61,7 @@ def compare(new: list[dict], old: list[dict]) -> dict[str, Any]:
                 "new_over_old": [_geo(r.values()) for r in per_round],
                 "old_over_old": [_geo(ratios(o, old[0], section, stat).values()) for o in old[1:]],
                 "new_over_new": [_geo(ratios(n, new[0], section, stat).values()) for n in new[1:]],
-                "cases": {"/".join(map(str, k)): [r[k] for r in per_round] for k in cases},
+                "cases": {"/".join(str(x) for x in k if x is not None): [r[k] for r in per_round] for k in cases},
             }
         out[section] = sec
     return out

@@ -45,6 +45,7 @@ class Case:
     tokens: int
     reps: int = 1
     slot_mb: int = 128
+    first_mb: int = 0  # the sender's first-chunk cap (SGLANG_P2P_FIRST_CHUNK_MB; 0: every chunk a whole slot)
 
     @property
     def regions(self) -> int:
@@ -85,7 +86,8 @@ def _prefill(device, cases, ctrl, results, io_timeout, trace=False):
         pool = _pool(case, device, seed=1000 + ci)
         staging = StagingPool(transport.alloc_staging, case.slot_mb << 20, EngineConfig.staging_slots)
         sender = PairSender(transport=transport, staging=staging, copier=PageCopier([pool]), local_session="prefill:0",
-                            control=lambda m: ctrl.put(messages.encode(m)), connect_timeout=60, io_timeout=io_timeout)
+                            control=lambda m: ctrl.put(messages.encode(m)), connect_timeout=60, io_timeout=io_timeout,
+                            first_chunk=case.first_mb << 20)
         src, dst = _ids(case, 1), _ids(case, 2)
         times, events = [], []
         if trace:

@@ -226,6 +226,17 @@ def parse_slot_mib(raw: str) -> list[int]:
     return _positive_ints(raw, "slot sizes in MiB >= 1 like 256,512")
 
 
+def parse_first_chunk_mib(raw: str) -> list[int]:
+    """--first-chunk-mib: comma-separated first-chunk caps in MiB, each >= 0 (0: no ramp; empty: the configured)."""
+    try:
+        vals = [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        vals = [-1]
+    if any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{raw!r}: give first-chunk caps in MiB >= 0 like 0,16,64")
+    return vals
+
+
 @dataclass
 class PreparedWrite:
     """One ipc case ready to time: the write itself, what its destination pages must hash to, its span count
@@ -629,8 +640,9 @@ class Prefill:
         return row
 
     # -- the NCCL path
-    def nccl_open(self, pool: list, overlap: bool, slot_bytes: int):
-        """A pair channel's sender with staging slots of `slot_bytes` on both ends (a chunk is one slot each)."""
+    def nccl_open(self, pool: list, overlap: bool, slot_bytes: int, first_chunk: Optional[int] = None):
+        """A pair channel's sender with staging slots of `slot_bytes` on both ends (a chunk is one slot at most),
+        its transfers' first chunks capped at `first_chunk` bytes (None: SGLANG_P2P_FIRST_CHUNK_MB)."""
         from sglang_p2p_backend.engine.config import EngineConfig
         from sglang_p2p_backend.engine.copy.copier import PageCopier
         from sglang_p2p_backend.engine.pair.pipeline import PairSender
@@ -646,7 +658,8 @@ class Prefill:
         self.sender = PairSender(transport=self.two_sided, staging=self.staging, copier=PageCopier([pool]),
                                  local_session="prefill:0",
                                  control=lambda m: self.conn.send(("ctrl", messages.encode(m))),
-                                 connect_timeout=IO_TIMEOUT, io_timeout=IO_TIMEOUT, overlap=overlap)
+                                 connect_timeout=IO_TIMEOUT, io_timeout=IO_TIMEOUT, overlap=overlap,
+                                 first_chunk=cfg.first_chunk_bytes if first_chunk is None else first_chunk)
         self.room = 1000
 
     def nccl_close(self):
@@ -1005,19 +1018,25 @@ class Prefill:
                 self.tr.forget_peer(SESSION)
                 # each case without the engine's overlap (gather / scatter beside the transfer), then with it, as
                 # deployed: that channel stays open for the interference loop below
-                # --slot-mib: then with the overlap at each other slot size (fewer, larger chunks a request)
+                # --slot-mib: then with the overlap at each other slot size (fewer, larger chunks a request);
+                # --first-chunk-mib: at each other first-chunk cap (rows named by it; the configured one's are not)
                 from sglang_p2p_backend.engine.config import EngineConfig
 
-                default_slot = EngineConfig.from_env().slot_bytes
+                env_cfg = EngineConfig.from_env()
+                default_slot = env_cfg.slot_bytes
                 self.out["nccl_slot_mib_default"] = default_slot >> 20
-                passes = [(False, default_slot), *((True, mib << 20) for mib in self.cfg["slot_mib"]
-                                                   if mib << 20 != default_slot), (True, default_slot)]
-                for i, (overlap, slot) in enumerate(passes):
-                    self.nccl_open(pool, overlap, slot)
+                self.out["nccl_first_chunk_mib_default"] = env_cfg.first_chunk_mb
+                passes = [(False, default_slot, None), *((True, mib << 20, None) for mib in self.cfg["slot_mib"]
+                                                         if mib << 20 != default_slot),
+                          *((True, default_slot, mib) for mib in self.cfg.get("first_chunk_mib", [])
+                            if mib != env_cfg.first_chunk_mb), (True, default_slot, None)]
+                for i, (overlap, slot, first_mib) in enumerate(passes):
+                    self.nccl_open(pool, overlap, slot, None if first_mib is None else first_mib << 20)
+                    named = {} if first_mib is None else {"first_chunk_mib": first_mib}
                     for case in shape_cases:
                         row = self.nccl_case(case, pool, dst_pages)
                         if row:
-                            self.out["nccl"].append({**row, "overlap": overlap, "slot_mib": slot >> 20})
+                            self.out["nccl"].append({**row, "overlap": overlap, "slot_mib": slot >> 20, **named})
                     if i < len(passes) - 1:
                         self.nccl_close()
                 for case in shape_cases:  # the steps of a request of one and of several chunks, as deployed
@@ -1165,7 +1184,7 @@ def verdicts(result: dict) -> dict:
         out["interference"] = {r["mode"] + ":" + r["case"]: r["slowdown"] <= t["interference_max"] for r in inter}
     slot = result.get("nccl_slot_mib_default")  # as deployed: the overlap on, the configured slots
     nccl = [r for r in result.get("nccl", []) if r["tokens"] == 4096 and r.get("overlap", True)
-            and r.get("slot_mib", slot) == slot]
+            and r.get("slot_mib", slot) == slot and "first_chunk_mib" not in r]
     if nccl:
         out["nccl_ratio_4k"] = all((r["ratio"] or 0) >= t["nccl_ratio_min"] for r in nccl)
     same = result.get("same_gpu", [])
@@ -1193,10 +1212,12 @@ def tables(result: dict) -> str:
     if result.get("nccl"):
         # the minimum beside the p50: on a shared host the p50s of one case moved ~10% between runs of the same
         # code (docs/nccl.md, session 28), the minimums less; an A/B wants both, and runs in turn
-        tb = xc.Table([("case", 30), ("overlap", 8), ("slot MiB", 9), ("MiB", 8), ("send us", 10), ("min us", 9),
-                       ("p99 us", 9), ("GB/s", 7), ("contig us", 10), ("ratio", 7), ("bad", 5)])
+        first = result.get("nccl_first_chunk_mib_default", "-")
+        tb = xc.Table([("case", 30), ("overlap", 8), ("slot MiB", 9), ("1st MiB", 8), ("MiB", 8), ("send us", 10),
+                       ("min us", 9), ("p99 us", 9), ("GB/s", 7), ("contig us", 10), ("ratio", 7), ("bad", 5)])
         for r in result["nccl"]:
-            tb.add(r["case"], "on" if r.get("overlap", True) else "off", r.get("slot_mib", "-"), r["bytes"] / 2**20,
+            tb.add(r["case"], "on" if r.get("overlap", True) else "off", r.get("slot_mib", "-"),
+                   r.get("first_chunk_mib", first), r["bytes"] / 2**20,
                    r["send_us"]["p50"], r["send_us"]["min"], r["send_us"]["p99"], r["send_gbps"],
                    r["contiguous_send_us"]["p50"], r["ratio"], r["bad_pages"])
         parts.append(f"== nccl: PairSender -> PairReceiver vs one contiguous NCCL send\n{tb.render()}")
@@ -1287,6 +1308,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slot-mib", type=parse_slot_mib, default=[], metavar="LIST",
                     help="staging slot sizes (MiB) to run the nccl cases at besides the default (SGLANG_P2P_STAGING_MB "
                          "over SGLANG_P2P_STAGING_SLOTS), overlap on, e.g. 256")
+    ap.add_argument("--first-chunk-mib", type=parse_first_chunk_mib, default=[], metavar="LIST",
+                    help="first-chunk caps (MiB; 0: every chunk a whole slot) to run the nccl cases at besides the "
+                         "default (SGLANG_P2P_FIRST_CHUNK_MB), overlap on, the default slots, e.g. 0,16,64")
     ap.add_argument("--shapes", default="", help="comma-separated subset of the KV shapes (default all: "
                     f"{','.join(s.name for s in xc.SHAPES)})")
     ap.add_argument("--tokens", default="", help="comma-separated subset of the request sizes in tokens (default all)")
@@ -1327,7 +1351,7 @@ def main(argv=None) -> int:
         gpus = torch.cuda.device_count() if cuda else 0
         cfg = {"quick": not cuda, "prefill_gpu": 0, "decode_gpu": 1 if gpus >= 2 else 0, "budget_s": ns.budget_s,
                "case_s": ns.case_s, "max_reps": ns.max_reps, "sections": device_sections, "programs": ns.programs,
-               "programs_case": list(ns.programs_case), "slot_mib": ns.slot_mib, "dests": dests,
+               "programs_case": list(ns.programs_case), "slot_mib": ns.slot_mib, "first_chunk_mib": ns.first_chunk_mib, "dests": dests,
                "interference_shape": INTERFERENCE_CASE[0] if INTERFERENCE_CASE[0] in names else names[0],
                "shapes": [s.__dict__ for s in shapes], "tokens": tokens}
         import multiprocessing as mp

@@ -59,11 +59,11 @@ def _number(name: str, default: Optional[float], cast=float):
     return value
 
 
-def _non_negative(name: str, default: float) -> float:
+def _non_negative(name: str, default: float, cast=float) -> float:
     raw = os.environ.get(name, "").strip()
     if raw in ("", "0"):
-        return default if raw == "" else 0.0
-    return _number(name, default)
+        return default if raw == "" else cast(0)
+    return _number(name, default, cast)
 
 
 def _choice(name: str, allowed: tuple[str, ...]) -> str:
@@ -109,6 +109,11 @@ class EngineConfig:
     #: of the next one on NCCL channels (engine/pair/pipeline.py); on, a pair end takes a second staging slot
     #: when one is free
     overlap: bool = True
+    #: SGLANG_P2P_FIRST_CHUNK_MB: a two-sided transfer of more than one staging slot starts with a chunk of at most
+    #: this many MiB and doubles up to a slot (engine/copy/plan.py's `ramp_caps`), so the link starts after a short
+    #: gather; 0 (the default): every chunk a whole slot. Off because it lost on 2 x H200 at every cap tried (16-64
+    #: MiB: the extra chunks cost more than the shorter head saved; docs/nccl.md, session 30)
+    first_chunk_mb: int = 0
     #: SGLANG_P2P_COPY_ENGINE: how the same-host path copies a chunk: `auto` (per chunk, engine/copy/ce_plan.py's
     #: rule), `off` (the SM copy kernel) or `on` (the GPU's copy engines, cudaMemcpyBatchAsync)
     copy_engine: str = "auto"
@@ -141,6 +146,10 @@ class EngineConfig:
         return None if self.ce_min_span_kib is None else self.ce_min_span_kib << 10
 
     @property
+    def first_chunk_bytes(self) -> int:
+        return self.first_chunk_mb << 20
+
+    @property
     def slot_bytes(self) -> int:
         return max(1, (self.staging_mb << 20) // self.staging_slots)
 
@@ -165,6 +174,7 @@ class EngineConfig:
             nccl_split=_choice("SGLANG_P2P_NCCL_SPLIT", ("1", "0")) == "1",
             nccl_high_priority=_choice("SGLANG_P2P_NCCL_STREAM_PRIORITY", ("normal", "high")) == "high",
             overlap=_choice("SGLANG_P2P_OVERLAP", ("1", "0")) == "1",
+            first_chunk_mb=_non_negative("SGLANG_P2P_FIRST_CHUNK_MB", cls.first_chunk_mb, int),
             copy_engine=_choice("SGLANG_P2P_COPY_ENGINE", COPY_ENGINE_MODES),
             ce_min_span_kib=_number("SGLANG_P2P_CE_MIN_SPAN_KIB", cls.ce_min_span_kib, int),
             ce_max_spans=_number("SGLANG_P2P_CE_MAX_SPANS", cls.ce_max_spans, int),

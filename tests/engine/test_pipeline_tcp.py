@@ -151,3 +151,22 @@ def test_each_chunk_header_goes_out_before_its_gather():
         assert [err for _, err in p.landed] == [None] * 3
     finally:
         p.close()
+
+
+def test_a_ramped_transfer_lands_exactly_in_growing_chunks(pair):
+    """SGLANG_P2P_FIRST_CHUNK_MB: a transfer over one slot starts with a short chunk and doubles up to a slot;
+    the decode checks and lands each as it does whole slots."""
+    sizes = []
+    control = pair.sender.control
+    pair.sender.control = lambda msg: (sizes.append(getattr(msg, "nbytes", None)), control(msg))
+    pair.sender.first_chunk = 288  # one 288 B page, then 576, then 1024 B slots (3 pages)
+    rng = np.random.default_rng(1)
+    src = rng.permutation(64)[:20].astype(np.int32)
+    dst = rng.permutation(64)[:20].astype(np.int32)
+    pair.wanted.add(4)
+    assert pair.sender.send(4, 0, [src], [dst]) == 20 * 288
+    pair.drain()
+    assert [n for n in sizes if n is not None] == [288, 576, 864, 864, 864, 864, 864, 576]
+    assert [err for _, err in pair.landed] == [None] * 8
+    for s_t, d_t in zip(pair.src_t, pair.dst_t):
+        assert torch.equal(d_t[torch.from_numpy(dst.astype(np.int64))], s_t[torch.from_numpy(src.astype(np.int64))])

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from sglang_p2p_backend.engine.config import ConfigError, EngineConfig
 from sglang_p2p_backend.engine.copy.plan import (
     Chunk,
     PlanError,
@@ -16,6 +17,8 @@ from sglang_p2p_backend.engine.copy.plan import (
     run_breaks,
     staging_blocks,
 )
+
+from support.knobs import config_with
 
 
 def test_page_runs_split_where_either_side_breaks():
@@ -88,6 +91,30 @@ def test_whole_pages_pack_up_to_the_budget_and_groups_share_chunks():
     covered(chunks, item_lens, [10, 1])
 
 
+def test_a_transfer_over_one_budget_ramps_up_from_its_first_chunk():
+    item_lens = [[100] * 4, [50]]  # 400 B a KV page
+    chunks = plan_chunks(item_lens, [20, 1], budget=1600, first=400)
+    # caps 400, 800, 1600, 1600, ...: 1, 2, 4, 4, 4, 4 pages, then 1 page and the state slot
+    assert [c.nbytes for c in chunks] == [400, 800, 1600, 1600, 1600, 1600, 450]
+    assert [(c.segments[0].lo, c.segments[0].hi) for c in chunks[:3]] == [(0, 1), (1, 3), (3, 7)]
+    covered(chunks, item_lens, [20, 1])
+
+
+def test_the_ramp_leaves_a_transfer_of_one_budget_and_a_cap_at_or_over_the_budget_alone():
+    item_lens = [[100] * 4]
+    assert [c.nbytes for c in plan_chunks(item_lens, [4], budget=1600, first=400)] == [1600]
+    for first in (0, 1600, 5000):
+        assert [c.nbytes for c in plan_chunks(item_lens, [8], budget=1600, first=first)] == [1600, 1600]
+
+
+def test_a_page_wider_than_the_ramp_cap_goes_alone_then_the_ramp_goes_on():
+    item_lens = [[300, 300]]  # 600 B a page, over the first cap of 250 B, within the budget
+    chunks = plan_chunks(item_lens, [6], budget=1800, first=250)
+    # caps 250 (one page anyway), 500 (one page), 1000 (one page), 1800 (three)
+    assert [c.nbytes for c in chunks] == [600, 600, 600, 1800]
+    covered(chunks, item_lens, [6])
+
+
 def test_page_wider_than_budget_is_split_by_regions():
     item_lens = [[300, 300, 300]]
     chunks = plan_chunks(item_lens, [2], budget=650)
@@ -118,3 +145,15 @@ def test_copy_descriptors_merge_runs_per_region():
     assert lens.tolist() == [32, 16, 16, 8]
     with pytest.raises(PlanError, match="layouts differ"):
         copy_descriptors([1], [1, 2], [8], np.array([0]), np.array([0]))
+
+
+@pytest.mark.parametrize("raw, want", [(None, 0), ("", 0), ("0", 0), ("8", 8 << 20)])
+def test_first_chunk_knob(monkeypatch, raw, want):
+    assert config_with(monkeypatch, "SGLANG_P2P_FIRST_CHUNK_MB", raw).first_chunk_bytes == want
+
+
+@pytest.mark.parametrize("raw", ["big", "-4", "1.5"])
+def test_first_chunk_knob_rejects_nonsense_naming_it(monkeypatch, raw):
+    monkeypatch.setenv("SGLANG_P2P_FIRST_CHUNK_MB", raw)
+    with pytest.raises(ConfigError, match="SGLANG_P2P_FIRST_CHUNK_MB"):
+        EngineConfig.from_env()

@@ -1,7 +1,8 @@
 """The engine's own pipeline (PairSender -> PairReceiver, fused copier, staging pool) over NCCL between two
 GPUs, one process per GPU: every destination page byte-exact and no other page touched, for the MLA and MHA
-layouts, page sizes 1/16/64, with chunks that fit one small staging slot and with one chunk per request, each
-chunk's destinations taken from one upload of its room's published ids."""
+layouts, page sizes 1/16/64, with chunks that fit one small staging slot, with one chunk per request and with
+chunks that ramp up from a short first one to whole slots, each chunk's destinations taken from one upload of its
+room's published ids."""
 
 import pytest
 import torch
@@ -17,10 +18,11 @@ pytestmark = [
 
 def test_pages_land_byte_exact_through_the_engine_pipeline():
     cases = [
-        Case(layout, page_size, tokens, reps=1, slot_mb=slot_mb)
+        Case(layout, page_size, tokens, reps=1, slot_mb=slot_mb, first_mb=first_mb)
         for layout in ("mla", "mha")
         for page_size in (1, 16, 64)
-        for tokens, slot_mb in ((700, 1), (2048, 256))  # 1 MiB slots: many chunks; 256 MiB: one chunk
+        # 1 MiB slots: many chunks; 256 MiB: one chunk; 64 MiB: the ramp (SGLANG_P2P_FIRST_CHUNK_MB=32) to whole slots
+        for tokens, slot_mb, first_mb in ((700, 1, 0), (2048, 256, 0), (2048, 64, 32))
     ]
     _, verdicts = run_cases(cases)
     for case, v in zip(cases, verdicts):

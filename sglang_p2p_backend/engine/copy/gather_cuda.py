@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from sglang_p2p_backend.engine.copy.pinned_ring import PinnedRing
 from sglang_p2p_backend.engine.copy.plan import ids_out_of_range
 from sglang_p2p_backend.engine.copy.triton_launch import DirectLaunch
 
@@ -164,6 +165,8 @@ class FusedGather:
         #: each variant's compiled kernel, kept from its launch through Triton's JIT (the warmup's, mostly), which
         #: later launches call directly (`_launch`)
         self._compiled: dict[tuple, DirectLaunch] = {}
+        #: the page-id uploads' pinned slots, made once (no pinned block taken from torch's allocator a room)
+        self.uploads = PinnedRing(self.device)
         if warmup:
             self.warmup()
 
@@ -194,10 +197,9 @@ class FusedGather:
         return self.upload_ids(part)
 
     def upload_ids(self, ids: np.ndarray) -> torch.Tensor:
-        """Page ids to the device as int64, on the current stream (unchecked: the caller checks the range)."""
-        part = np.ascontiguousarray(ids, dtype=np.int64)
-        # pinned: from pageable memory the copy would first wait for all work queued on the stream
-        return torch.from_numpy(part).pin_memory().to(self.device, non_blocking=True)
+        """Page ids to the device as int64, on the current stream, through the pinned ring (unchecked: the caller
+        checks the range)."""
+        return self.uploads.upload(ids)
 
     def copy(self, group: int, ids: np.ndarray | torch.Tensor, staging: torch.Tensor, **kw: Any) -> int:
         """Gather (scatter=False) pages `ids` of regions [region_lo, region_hi) of `group` into `staging`, or

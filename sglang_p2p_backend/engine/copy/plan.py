@@ -21,7 +21,7 @@ range as a KV segment does (its pages are KV pages of the sliding-window layers)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -130,21 +130,24 @@ def plan_chunks(
     group_counts: Sequence[int],
     budget: int,
     heads: Sequence[Slice] = (),
+    first: int = 0,
 ) -> list[Chunk]:
     """Split a transfer of `group_counts[g]` ids of every group into chunks of at most `budget` bytes.
 
     Greedy: pages of all regions of a group go together while whole pages fit; a page wider than the whole
     budget is split by regions; a single region page wider than the budget is an error (never dropped).
     `heads[g]` (when given and not None) moves only that head range (or those spans) of group g's pages (every
-    segment of the group carries it).
+    segment of the group carries it). `first` (> 0): a transfer of more than `budget` bytes ramps up, its first
+    chunk at most `first` bytes and each next at most twice the one before (`ramp_caps`).
     """
     if not any(h is not None for h in heads):  # whole pages: the lengths as they are, no call per layer
-        return plan_chunks_whole(group_item_lens, group_counts, budget)
+        return plan_chunks_whole(group_item_lens, group_counts, budget, first)
     planned = plan_chunks_whole(
         [[moved_len(x, heads[g] if g < len(heads) else None, r) for r, x in enumerate(lens)]
          for g, lens in enumerate(group_item_lens)],
         group_counts,
         budget,
+        first,
     )
     return [
         Chunk(tuple(Segment(s.group, s.region_lo, s.region_hi, s.lo, s.hi, heads[s.group] if s.group < len(heads) else None)
@@ -153,10 +156,22 @@ def plan_chunks(
     ]
 
 
-def plan_chunks_whole(group_item_lens: Sequence[Sequence[int]], group_counts: Sequence[int], budget: int) -> list[Chunk]:
+def ramp_caps(total: int, budget: int, first: int) -> Callable[[int], int]:
+    """The byte cap of chunk i of a `total`-byte transfer: `budget`, except that a transfer of more than one budget
+    starts at `first` bytes and doubles up to it. The link then starts after the gather of a short chunk instead of
+    a whole slot's (the first chunk's gather is the one nothing overlaps: docs/nccl.md, a request's head), and
+    the later chunks, larger, keep the per-chunk costs few."""
+    if first <= 0 or first >= budget or total <= budget:
+        return lambda i: budget
+    return lambda i: min(budget, first << min(i, 62))
+
+
+def plan_chunks_whole(group_item_lens: Sequence[Sequence[int]], group_counts: Sequence[int], budget: int,
+                      first: int = 0) -> list[Chunk]:
     """`plan_chunks` of whole pages of `group_item_lens` bytes per region."""
     if budget <= 0:
         raise PlanError(f"staging budget must be positive, got {budget}")
+    cap = ramp_caps(sum(sum(lens) * n for lens, n in zip(group_item_lens, group_counts)), budget, first)
     chunks: list[Chunk] = []
     cur: list[Segment] = []
     cur_bytes = 0
@@ -174,10 +189,13 @@ def plan_chunks_whole(group_item_lens: Sequence[Sequence[int]], group_counts: Se
         if page_bytes <= budget:
             pos = 0
             while pos < count:
-                fit = (budget - cur_bytes) // page_bytes
-                if fit == 0:
-                    close()
-                    continue
+                fit = (cap(len(chunks)) - cur_bytes) // page_bytes
+                if fit <= 0:
+                    if not cur:  # a page wider than this chunk's ramp cap (but within budget): one alone
+                        fit = 1
+                    else:
+                        close()
+                        continue
                 n = min(fit, count - pos)
                 cur.append(Segment(g, 0, len(item_lens), pos, pos + n))
                 cur_bytes += n * page_bytes

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from sglang_p2p_backend.engine.copy.stream_ops import cuda_libraries, upload_untracked
 from sglang_p2p_backend.engine.copy.triton_launch import DirectLaunch
 
 if TYPE_CHECKING:
@@ -160,8 +161,8 @@ class SpanCopier:
             self._dev = torch.empty(self._host.numel(), dtype=torch.int64, device=self.device)
         self._host[:n].numpy()[:] = tiles.reshape(-1)
         dev = self._dev[:n]
-        with torch.cuda.stream(stream):
-            dev.copy_(self._host[:n], non_blocking=True)
+        upload_untracked(cuda_libraries()[0], dev.data_ptr(), self._host.data_ptr(), 8 * n, stream.cuda_stream,
+                         self.device.index or 0)
         return dev
 
     def copy(self, src: Sequence[int], dst: Sequence[int], lens: Sequence[int],
@@ -305,7 +306,8 @@ class PageCopier:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             self._mark("entered")
             dev = self._dev[:n]
-            dev.copy_(self._host[:n], non_blocking=True)
+            upload_untracked(cuda_libraries()[0], dev.data_ptr(), self._host.data_ptr(), 8 * n, stream.cuda_stream,
+                             self.device.index or 0)
             self._mark("uploaded")
             kernel = _copy_pages[grid](dev, n_pages, dev[2 * n_pages:], n_regions, self._like[word], BLOCK=block)
             self._mark("launched")

@@ -35,7 +35,33 @@ def cuda_libraries() -> tuple[Any, Any]:
     major = (torch.version.cuda or "").split(".")[0]
     rt, drv = ctypes.CDLL(f"libcudart.so.{major}"), ctypes.CDLL("libcuda.so.1")
     rt.cudaGetErrorString.restype = ctypes.c_char_p
+    rt.cudaMemcpyAsync.argtypes = [_P, _P, ctypes.c_size_t, ctypes.c_int, _P]
+    rt.cudaEventRecord.argtypes = [_P, _P]
+    rt.cudaEventQuery.argtypes = [_P]
+    for fn in (rt.cudaMemcpyAsync, rt.cudaEventRecord, rt.cudaEventQuery, rt.cudaEventCreateWithFlags):
+        fn.restype = ctypes.c_int
     return rt, drv
+
+
+def check_call(rt: Any, code: int, what: str, index: int) -> None:
+    """Raise CudaCallError naming `what`, the device and the runtime's reason where `code` is an error."""
+    if code != 0:
+        try:
+            rt.cudaGetErrorString.restype = ctypes.c_char_p
+            why = f"{rt.cudaGetErrorString(code).decode()} (error {code})"
+        except Exception:  # noqa: BLE001 - a stand-in runtime may lack it; the code is what matters
+            why = f"error {code}"
+        raise CudaCallError(f"{what} on cuda:{index} failed: {why}")
+
+
+def upload_untracked(rt: Any, dst: int, src: int, nbytes: int, stream: int, index: int) -> None:
+    """Queue a copy of `nbytes` from pinned host memory at `src` to device memory at `dst` on `stream` (raw
+    handles) with the runtime itself. For pinned buffers kept for the process's life: torch's `copy_` from a pinned
+    tensor adds the stream to the pinned block's uses, and freeing a block with uses records an event on each
+    stream then, which aborts the process where the CUDA context is already gone (at interpreter exit; seen on 2 x
+    H200, docs/nccl.md, session 30)."""
+    check_call(rt, rt.cudaMemcpyAsync(_P(dst), _P(src), nbytes, MEMCPY_HOST_TO_DEVICE, _P(stream)),
+               "cudaMemcpyAsync (upload)", index)
 
 
 class on_stream:
@@ -106,7 +132,7 @@ class StreamOps:
         event = _P()
         prev = self.enter()
         try:
-            self._check(rt.cudaEventCreateWithFlags(ctypes.byref(event), EVENT_DISABLE_TIMING),
+            self.check(rt.cudaEventCreateWithFlags(ctypes.byref(event), EVENT_DISABLE_TIMING),
                         "cudaEventCreateWithFlags")
         finally:
             self.leave(prev)
@@ -120,14 +146,8 @@ class StreamOps:
             except Exception:  # noqa: BLE001 - at interpreter exit the runtime may be gone; nothing is left to free
                 pass
 
-    def _check(self, code: int, what: str) -> None:
-        if code != 0:
-            try:
-                self.rt.cudaGetErrorString.restype = ctypes.c_char_p
-                why = f"{self.rt.cudaGetErrorString(code).decode()} (error {code})"
-            except Exception:  # noqa: BLE001 - a stand-in runtime may lack it; the code is what matters
-                why = f"error {code}"
-            raise CudaCallError(f"{what} on cuda:{self.index} failed: {why}")
+    def check(self, code: int, what: str) -> None:
+        check_call(self.rt, code, what, self.index)
 
     def enter(self) -> int:
         """Make this device the calling thread's current one (a launch needs it); returns the device that was,
@@ -136,9 +156,9 @@ class StreamOps:
             self._depth += 1
             return self.index
         cur = ctypes.c_int(-1)
-        self._check(self.rt.cudaGetDevice(ctypes.byref(cur)), "cudaGetDevice")
+        self.check(self.rt.cudaGetDevice(ctypes.byref(cur)), "cudaGetDevice")
         if cur.value != self.index:
-            self._check(self.rt.cudaSetDevice(self.index), "cudaSetDevice")
+            self.check(self.rt.cudaSetDevice(self.index), "cudaSetDevice")
         self._depth = 1
         return cur.value
 
@@ -151,7 +171,7 @@ class StreamOps:
         if self._depth:
             return
         if prev != self.index and prev >= 0 and self._has_context(prev):
-            self._check(self.rt.cudaSetDevice(prev), "cudaSetDevice")
+            self.check(self.rt.cudaSetDevice(prev), "cudaSetDevice")
 
     def _has_context(self, index: int) -> bool:
         if self.drv is None:
@@ -169,14 +189,13 @@ class StreamOps:
         current = self.current_stream(self.index)
         if current == stream:
             return
-        self._check(self.rt.cudaEventRecord(self.event, _P(current)), "cudaEventRecord")
-        self._check(self.rt.cudaStreamWaitEvent(_P(stream), self.event, 0), "cudaStreamWaitEvent")
+        self.check(self.rt.cudaEventRecord(self.event, _P(current)), "cudaEventRecord")
+        self.check(self.rt.cudaStreamWaitEvent(_P(stream), self.event, 0), "cudaStreamWaitEvent")
 
     def upload(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Queue a copy of `nbytes` from pinned host memory at `src` to device memory at `dst` on `stream`."""
-        self._check(self.rt.cudaMemcpyAsync(_P(dst), _P(src), nbytes, MEMCPY_HOST_TO_DEVICE, _P(stream)),
-                    "cudaMemcpyAsync (upload)")
+        upload_untracked(self.rt, dst, src, nbytes, stream, self.index)
 
     def synchronize(self, stream: int) -> None:
         """Wait until everything queued on `stream` has run (the GIL is released meanwhile: ctypes drops it)."""
-        self._check(self.rt.cudaStreamSynchronize(_P(stream)), "cudaStreamSynchronize")
+        self.check(self.rt.cudaStreamSynchronize(_P(stream)), "cudaStreamSynchronize")

@@ -146,6 +146,7 @@ class PairChannels:
                 connect_timeout=self.config.connect_timeout,
                 io_timeout=self.config.io_timeout,
                 overlap=self.config.overlap,
+                first_chunk=self.config.first_chunk_bytes,
             )
         return sender
 

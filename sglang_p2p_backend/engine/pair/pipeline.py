@@ -30,6 +30,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.pair.comm_budget import cap_to_wire
 from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.copy.room_ids import RoomIds
@@ -144,10 +145,13 @@ class PairSender(_PairEnd):
         connect_timeout: float,
         io_timeout: float,
         overlap: bool = True,
+        first_chunk: int = EngineConfig.first_chunk_mb << 20,
     ):
         super().__init__(transport, staging, copier, connect_timeout, io_timeout, overlap)
         self.local_session = local_session
         self.control = control
+        #: SGLANG_P2P_FIRST_CHUNK_MB in bytes: the first chunk's cap of a transfer over one slot (0: no ramp)
+        self.first_chunk = first_chunk
 
     def open(self, max_ctas: Optional[int] = -1) -> PairComm:
         """Make a new pair channel (capped at `max_ctas` channels on nccl; -1: the transport's default) and
@@ -189,7 +193,8 @@ class PairSender(_PairEnd):
         if problem:
             raise TransportError(f"room {room}: {problem}")
         slices = [heads.src if heads is not None else None, *(p.src if p is not None else None for p in state)]
-        chunks = plan_chunks(self.item_lens, [len(s) for s in src_ids], self.staging.slot_bytes, slices)
+        chunks = plan_chunks(self.item_lens, [len(s) for s in src_ids], self.staging.slot_bytes, slices,
+                             self.first_chunk)
         if not chunks or not keep_going():
             return 0
         sent = 0
