@@ -126,6 +126,10 @@ def test_verdicts_against_the_targets():
     nccl = [{"tokens": 4096, "ratio": 0.5, "bad_pages": 0, "slot_mib": 128},
             {"tokens": 4096, "ratio": 0.9, "bad_pages": 0, "slot_mib": 256}]
     assert xfer_bench.verdicts({"nccl": nccl, "nccl_slot_mib_default": 128})["nccl_ratio_4k"] is False
+    # ... nor a --first-chunk-mib pass (its rows are named by their cap; the configured cap's are not)
+    nccl = [{"tokens": 4096, "ratio": 0.5, "bad_pages": 0, "slot_mib": 128},
+            {"tokens": 4096, "ratio": 0.9, "bad_pages": 0, "slot_mib": 128, "first_chunk_mib": 16}]
+    assert xfer_bench.verdicts({"nccl": nccl, "nccl_slot_mib_default": 128})["nccl_ratio_4k"] is False
     ipc[1]["bad_pages"] = 3
     assert xfer_bench.verdicts({"ipc": ipc})["verified"] is False
 
@@ -161,6 +165,10 @@ def test_the_programs_flag_and_the_request_sizes_it_measures():
     assert xfer_bench.parse_slot_mib("256,512") == [256, 512]
     with pytest.raises(argparse.ArgumentTypeError, match="slot sizes in MiB"):
         xfer_bench.parse_slot_mib("0")
+    assert xfer_bench.parse_first_chunk_mib("0, 16,64") == [0, 16, 64] and xfer_bench.parse_first_chunk_mib("") == []
+    for bad in ("-1", "16,x", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="first-chunk caps in MiB >= 0"):
+            xfer_bench.parse_first_chunk_mib(bad)
     assert xfer_bench.programs_tokens(xc.TOKENS) == [4096, 16384]
     assert xfer_bench.programs_tokens(xc.QUICK_TOKENS) == [1024]  # --quick: the largest, so the section runs
     # --programs-case: serving's page-1 chunks instead of the default 4k/16k page-16 requests
@@ -187,19 +195,21 @@ def test_the_programs_case_picks_the_shape_the_grid_section_measures(tmp_path):
 def test_quick_run_of_every_section_verifies_every_page(tmp_path, capsys):
     out = tmp_path / "quick.json"
     rc = xfer_bench.main(["--quick", "--out", str(out), "--case-s", "0.02", "--max-reps", "6", "--programs", "4,16",
-                          "--slot-mib", "256"])
+                          "--slot-mib", "256", "--first-chunk-mib", "1"])
     result = json.loads(out.read_text())
     assert rc == 0 and result["pass"]["verified"] is True
     assert result["machine"].startswith("cpu-") and result["meta"]["quick"] is True
     n = len(xc.QUICK_SHAPES) * len(xc.QUICK_TOKENS) * 2
     assert len(result["ipc"]) == 2 * n and {r["mode"] for r in result["ipc"]} == {"kernel", "copy_engine"}
-    # every NCCL case without the engine's overlap, with it at 256 MiB slots (--slot-mib), and as configured
+    # every NCCL case without the engine's overlap, with it at 256 MiB slots (--slot-mib), with a 1 MiB first chunk
+    # (--first-chunk-mib, its rows named by it), and as configured
     default = result["nccl_slot_mib_default"]
     by_case: dict = {}
     for r in result["nccl"]:
-        by_case.setdefault(r["case"], []).append((r["overlap"], r["slot_mib"]))
-    assert len(by_case) == n and default != 256
-    assert all(p == [(False, default), (True, 256), (True, default)] for p in by_case.values())
+        by_case.setdefault(r["case"], []).append((r["overlap"], r["slot_mib"], r.get("first_chunk_mib")))
+    assert len(by_case) == n and default != 256 and result["nccl_first_chunk_mib_default"] == 0
+    assert all(p == [(False, default, None), (True, 256, None), (True, default, 1), (True, default, None)]
+               for p in by_case.values())
     assert all(r["bad_pages"] == 0 for k in ("ipc", "nccl") for r in result[k])
     assert [r["mode"] for r in result["interference"]] == ["kernel", "copy_engine", "kernel", "copy_engine", "nccl"]
     assert all(r["error"] is None and r["writes_during"] > 0 for r in result["interference"])
