@@ -72,14 +72,20 @@ BACKEND_ENV = {
     # page-1 pool fragments, 36-48% of the bytes took the kernel for short spans and the prefill's forward ran 12-17%
     # longer than with NIXL (2 x H200, session 29); the kernel wrote faster than NIXL, so there is time to trade
     "p2pnccl-grid32": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_IPC_PROGRAMS": "32"},
+    # each chunk cut by its page runs: the long runs to the copy engines, only the short ones to the kernel
+    # (ce_plan.split_runs). In those cells the kernel took 59% of the bytes, whole chunks left to it for their mean
+    # span or span count, and a matmul beside it lost ~20% whatever its grid (2 x H200, session 30)
+    "p2pnccl-split": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_COPY_ENGINE": "split"},
     "nixl": {},  # SGLang's default NIXL backend: UCX, which picks cuda_ipc between two processes of one GPU
     "mooncake": {"MC_INTRANODE_NVLINK": "true", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"},
 }
 BASE_PORT = {"p2pnccl": 33000, "nixl": 33100, "mooncake": 33200, "p2pnccl-gil5": 33300, "p2pnccl-kernel": 33400,
-             "p2pnccl-ce": 33500, "p2pnccl-grid132": 33600, "p2pnccl-spans1024": 33700, "p2pnccl-grid32": 33800}
+             "p2pnccl-ce": 33500, "p2pnccl-grid132": 33600, "p2pnccl-spans1024": 33700, "p2pnccl-grid32": 33800,
+             "p2pnccl-split": 33900}
 #: a variant's --disaggregation-transfer-backend
 TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl", "p2pnccl-kernel": "p2pnccl", "p2pnccl-ce": "p2pnccl",
-                    "p2pnccl-grid132": "p2pnccl", "p2pnccl-spans1024": "p2pnccl", "p2pnccl-grid32": "p2pnccl"}
+                    "p2pnccl-grid132": "p2pnccl", "p2pnccl-spans1024": "p2pnccl", "p2pnccl-grid32": "p2pnccl",
+                    "p2pnccl-split": "p2pnccl"}
 OUTPUT_TOKENS = 64
 DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
 

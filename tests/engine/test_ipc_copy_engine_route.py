@@ -316,3 +316,30 @@ def test_runs_are_looked_for_only_where_the_copy_engines_could_take_the_chunk(sh
     assert {r: c[0] for r, c in counts.items()} == {ce_plan.KERNEL: 5, ce_plan.COPY_ENGINE: 1}
     _check(sp, dp, stride, written[0], written[1])
     tr.close()
+
+
+def test_split_sends_a_chunks_long_runs_to_the_copy_engines_and_its_short_ones_to_the_kernel(shm, caplog):
+    """SGLANG_P2P_COPY_ENGINE=split: one write, the kernel taking the single pages and the copy engines the run of
+    six (at a 4-page span threshold), each counted on its route; every byte lands and nothing else changes."""
+    from sglang_p2p_backend.engine.transport.route_tally import RouteTally
+
+    tr, sp, dp, sb, db, stride = _pair(shm, "split")
+    tr._route_tally = RouteTally(cuda_ipc.ROUTE_LOG, every_s=0.0)  # noqa: SLF001
+    tr.ce_min_span = 4 * ITEM
+    src_ids = np.array([0, 3, 4, 5, 6, 7, 8, 12])  # runs of 1, 6 and 1 pages
+    dst_ids = np.array([19, 2, 3, 4, 5, 6, 7, 15])
+    with caplog.at_level("INFO", logger=cuda_ipc.__name__):
+        assert tr.write_pages("d", sb, db, [ITEM] * REGIONS, src_ids, dst_ids, PAGES, PAGES) == 8 * REGIONS * ITEM
+        # a chunk of short runs only: the kernel alone; one long run only: the copy engines alone
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.array([16]), np.array([0]), PAGES, PAGES)
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, np.arange(13, 17) - 4, np.arange(8, 12), PAGES, PAGES)
+    base_d = _mapped(tr, dp.data_ptr())
+    assert shm.calls[0] == ("pages", 2)
+    assert shm.calls[1] == ("copy_engines", [sb[r] + 3 * ITEM for r in range(REGIONS)],
+                            [base_d + r * stride + 2 * ITEM for r in range(REGIONS)], [6 * ITEM] * REGIONS)
+    assert [c[0] for c in shm.calls[2:]] == ["pages", "copy_engines"]
+    _check(sp, dp, stride, [*src_ids, 16, 9, 10, 11, 12], [*dst_ids, 0, 8, 9, 10, 11])
+    lines = [r.getMessage() for r in caplog.records if "routes so far" in r.getMessage()]
+    assert lines[-1] == (f"{cuda_ipc.ROUTE_LOG} routes so far: copy engines 2 chunks (0.00 GiB), "
+                         "SM copy kernel 2 chunks (0.00 GiB; 2 for short spans)")
+    tr.close()

@@ -11,7 +11,7 @@
 3. Mapping three allocations of GPU 1 from GPU 0 leaves torch's next kernel working (two GPUs only).
 4. `auto` on real GPUs: a contiguous MLA chunk of 2.25 MiB spans goes to the copy engines into GPU 1 and to the
    kernel into the prefill's own GPU (the peer's GPU as the transport detects it), a scattered one to the kernel;
-   the decode checks every page.
+   the decode checks every page. `split`: the same pages as one chunk, cut between the two in one write.
 """
 
 from __future__ import annotations
@@ -193,14 +193,15 @@ def test_opening_several_allocations_of_a_peer_gpu_leaves_torch_working():
     assert out[1] == [1, 2, 3]
 
 
-def _auto_prefill(rank, conn, seed: int):
+def _routed_prefill(rank, conn, seed: int, mode: str = "auto"):
     """Map the decode's MLA page-64 pool (72 KiB pages), write pages 0-31 to 100-131 (61 spans of 2.25 MiB) and
-    then 40 scattered pages, with SGLANG_P2P_COPY_ENGINE=auto; note the route each write took."""
+    40 scattered pages with SGLANG_P2P_COPY_ENGINE=`mode`: as two writes with `auto`, as one chunk with `split`;
+    note the route each write took."""
     def body(conn, seed):
         from sglang_p2p_backend.engine.transport import cuda_ipc
 
         dev, layout, ps = ipc._device(), "mla", 64
-        tr = cuda_ipc.CudaIpcTransport(dev, "auto")
+        tr = cuda_ipc.CudaIpcTransport(dev, mode)
         blob, ptrs = ipc._recv(conn, "export")
         export = ipc.msgspec.msgpack.decode(blob, type=ipc.messages.IpcExport)
         tr.open_peer(ipc.SESSION, export)
@@ -211,7 +212,7 @@ def _auto_prefill(rank, conn, seed: int):
         torch.cuda.synchronize(dev)
         routes = []
         real = cuda_ipc.backend()
-        for name in ("write_pages", "write_copy_engines"):  # note each call, then make it
+        for name in ("write_pages", "write_copy_engines", "write_split"):  # note each call, then make it
             def noted(*a, _name=name, _call=getattr(real, name), **k):
                 routes.append(_name)
                 return _call(*a, **k)
@@ -220,7 +221,8 @@ def _auto_prefill(rank, conn, seed: int):
         rng = np.random.default_rng(seed)
         runs = (np.arange(32), np.arange(100, 132))
         scattered = (rng.permutation(np.arange(40, 100))[:40], rng.permutation(np.arange(140, 300))[:40])
-        for src, dst in (runs, scattered):
+        chunks = [runs, scattered] if mode == "auto" else [tuple(np.concatenate(x) for x in zip(runs, scattered))]
+        for src, dst in chunks:
             tr.write_pages(ipc.SESSION, bases, ptrs, [item] * len(bases), src, dst, ipc.PAGES, ipc.PAGES)
         torch.cuda.synchronize(dev)
         tr.forget_peer(ipc.SESSION)
@@ -235,7 +237,7 @@ def test_auto_sends_long_runs_across_gpus_to_the_copy_engines_and_the_bytes_land
         pytest.skip("needs a second GPU")
     a, b = mp.get_context("spawn").Pipe()
     results = mp.get_context("spawn").Queue()
-    procs = [spawn(_auto_prefill, 0, 0, a, results, (31,), None, dump_after=110),
+    procs = [spawn(_routed_prefill, 0, 0, a, results, (31,), None, dump_after=110),
              spawn(ipc.decode_cases, 1, decode_gpu, b, results, ([("mla", 64)],), None, dump_after=110)]
     out = collect(procs, results, [0, 1], timeout=120)
     prefill, decode = out[0], out[1][("mla", 64)]
@@ -243,6 +245,26 @@ def test_auto_sends_long_runs_across_gpus_to_the_copy_engines_and_the_bytes_land
     assert prefill["same_gpu"] == (decode_gpu == 0)
     want = ["write_pages", "write_pages"] if decode_gpu == 0 else ["write_copy_engines", "write_pages"]
     assert prefill["routes"] == want
+    assert decode["pages"] == 72
+    assert not decode["bad_written"], f"destination pages differ from their source: {decode['bad_written']}"
+    assert not decode["nonzero_other"], f"pages nobody wrote changed: {decode['nonzero_other']}"
+
+
+@pytest.mark.parametrize("decode_gpu", [0, 1], ids=["same-gpu", "cross-gpu"])
+def test_split_cuts_one_chunk_between_the_copy_engines_and_the_kernel_and_the_bytes_land(decode_gpu):
+    """SGLANG_P2P_COPY_ENGINE=split, the same pages as one chunk: into GPU 1 the 32-page run goes to the copy
+    engines and the 40 single pages to the kernel in one write (`write_split`); into the prefill's own GPU the
+    run's 2.25 MiB spans are under that destination's threshold, so the whole chunk takes the kernel."""
+    if decode_gpu >= torch.cuda.device_count():
+        pytest.skip("needs a second GPU")
+    a, b = mp.get_context("spawn").Pipe()
+    results = mp.get_context("spawn").Queue()
+    procs = [spawn(_routed_prefill, 0, 0, a, results, (32, "split"), None, dump_after=110),
+             spawn(ipc.decode_cases, 1, decode_gpu, b, results, ([("mla", 64)],), None, dump_after=110)]
+    out = collect(procs, results, [0, 1], timeout=120)
+    prefill, decode = out[0], out[1][("mla", 64)]
+    print(f"REPORT split, decode on GPU {decode_gpu}: routes {prefill['routes']}")
+    assert prefill["routes"] == (["write_pages"] if decode_gpu == 0 else ["write_split"])
     assert decode["pages"] == 72
     assert not decode["bad_written"], f"destination pages differ from their source: {decode['bad_written']}"
     assert not decode["nonzero_other"], f"pages nobody wrote changed: {decode['nonzero_other']}"

@@ -12,7 +12,9 @@ one region and the next region continues it on both sides; SGLang's layers are s
 request holds page 0, the padding page, so their spans never join.)
 
 `SGLANG_P2P_COPY_ENGINE` (engine/config.py) picks the mode: `auto` (the default: `choose`'s rule per chunk, with
-the thresholds below), `off` (the kernel for every chunk) or `on` (the copy engines for every chunk). The
+the thresholds below), `off` (the kernel for every chunk), `on` (the copy engines for every chunk) or `split`
+(per page run: `split_runs` sends a chunk's long runs to the copy engines and leaves only its short ones to the
+kernel, where `auto` leaves the whole chunk to the kernel once its mean span is short or its spans too many). The
 thresholds come from `bench/transfer/xfer_bench.py`:
 - across two NVLinked H100s (bench/results/xfer_nvidia-h100-x4_2026-11-2{7_a,7_b,7_c,8}.json.gz, four runs), for at
   most 64 spans a chunk, the copy engines took 0.90-0.96 of the kernel's time with spans of 18-32 MiB, 0.83-1.10
@@ -31,7 +33,7 @@ the kernel's time and none of its SMs; into the prefill's own GPU, where they ar
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -111,6 +113,52 @@ def choose(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_sp
     return route_and_reason(mode, spans, nbytes, batched, min_mean_span, max_spans, same_gpu)[0]
 
 
+#: the mode that cuts a whole-page chunk by its page runs (`split_runs`)
+SPLIT = "split"
+
+
+def thresholds(batched: bool = True, same_gpu: bool = False, min_mean_span: Optional[int] = None,
+               max_spans: Optional[int] = None) -> tuple[int, int]:
+    """(most spans, least mean span in bytes) the copy engines take of a chunk: the knobs' values where set
+    (SGLANG_P2P_CE_MAX_SPANS, SGLANG_P2P_CE_MIN_SPAN_KIB), else this module's for the runtime and destination."""
+    limit = max_spans or (CE_MAX_SPANS_UNBATCHED if not batched else
+                          CE_MAX_SPANS_SAME_GPU if same_gpu else CE_MAX_SPANS_BATCHED)
+    mean = min_mean_span or (CE_MIN_MEAN_SPAN_SAME_GPU_BYTES if same_gpu else CE_MIN_MEAN_SPAN_BYTES)
+    return limit, mean
+
+
+class Split(NamedTuple):
+    """A whole-page chunk cut by its page runs (`split_runs`)."""
+
+    #: per page of the chunk, whether the copy engines take it (its run is one they take)
+    engines: np.ndarray
+    #: page runs on each side (a run is one span a region)
+    engine_runs: int
+    kernel_runs: int
+
+
+def split_runs(breaks: np.ndarray, pages: int, item_bytes: Sequence[int], min_span: int, max_spans: int) -> Split:
+    """`split` mode: the copy engines take the runs of a chunk's pages whose every region span is at least
+    `min_span` bytes (run length times the region's item size), the longest first, up to `max_spans` spans (one a
+    region a run); the SM kernel takes the rest. In a page pool fragmented by mixed traffic a chunk's runs range from
+    single pages to thousands, and `auto`, judging the chunk by its mean span and span count, left all of it to the
+    kernel (36-59% of the bytes in the two-GPU serving runs: docs/serving.md); here the kernel keeps only the short
+    runs, whose bytes are few. `breaks`: `plan.run_breaks` of the chunk's ids (`pages` of them)."""
+    if pages <= 0:
+        return Split(np.zeros(0, dtype=bool), 0, 0)
+    starts = np.concatenate(([0], np.asarray(breaks, dtype=np.int64)))
+    lens = np.diff(np.concatenate((starts, [pages])))
+    regions = max(1, len(item_bytes))
+    long = lens * int(np.min(np.asarray(item_bytes, dtype=np.int64))) >= min_span
+    picked = np.flatnonzero(long)
+    most = max_spans // regions
+    if picked.size > most:  # the longest runs carry the most bytes: those go, the rest stay on the kernel
+        picked = np.sort(picked[np.argsort(-lens[picked], kind="stable")[:most]])
+    chosen = np.zeros(lens.size, dtype=bool)
+    chosen[picked] = True
+    return Split(np.repeat(chosen, lens), int(picked.size), int(lens.size - picked.size))
+
+
 def route_and_reason(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_span: Optional[int] = None,
                      max_spans: Optional[int] = None, same_gpu: bool = False) -> tuple[str, str]:
     """`choose`'s route, and why `auto` left the chunk on the kernel (`MANY_SPANS`, `SHORT_SPANS`; "" otherwise),
@@ -119,11 +167,9 @@ def route_and_reason(mode: str, spans: int, nbytes: int, batched: bool = True, m
         return KERNEL, ""
     if mode == "on":
         return COPY_ENGINE, ""
-    if mode != "auto":
+    if mode not in ("auto", SPLIT):  # a chunk `split` does not cut (spans, not pages) follows auto's rule
         raise ValueError(f"copy engine mode {mode!r} is not one of {', '.join(MODES)}")
-    limit = max_spans or (CE_MAX_SPANS_UNBATCHED if not batched else
-                          CE_MAX_SPANS_SAME_GPU if same_gpu else CE_MAX_SPANS_BATCHED)
-    mean = min_mean_span or (CE_MIN_MEAN_SPAN_SAME_GPU_BYTES if same_gpu else CE_MIN_MEAN_SPAN_BYTES)
+    limit, mean = thresholds(batched, same_gpu, min_mean_span, max_spans)
     if spans > limit:
         return KERNEL, MANY_SPANS
     if nbytes < mean * spans:

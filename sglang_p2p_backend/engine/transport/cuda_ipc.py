@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from sglang_p2p_backend.engine.copy.ce_plan import (COPY_ENGINE, KERNEL, coalesce, page_chunk_shape, page_spans,
-                                                   route_and_reason)
+from sglang_p2p_backend.engine.copy.ce_plan import (COPY_ENGINE, KERNEL, SHORT_SPANS, SPLIT, coalesce,
+                                                   page_chunk_shape, page_spans, route_and_reason, split_runs,
+                                                   thresholds)
 from sglang_p2p_backend.engine.copy.plan import out_of_range_id, page_runs, run_breaks
 from sglang_p2p_backend.engine.copy.stream_ops import cuda_libraries
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
@@ -137,6 +138,13 @@ class IpcBackend:
         """Copy every span with the GPU's copy engines instead of SMs and return once the bytes are in place.
         Default: `write` (what a stand-in without copy engines does)."""
         self.write(device, src, dst, lens)
+
+    def write_split(self, device: torch.device, pages: "PageWrite", spans: tuple[np.ndarray, np.ndarray, np.ndarray],
+                    max_programs: Optional[int] = None) -> None:
+        """`write_pages` of `pages` (the page kernel) and `write_copy_engines` of `spans` as one write, returning
+        once both are in place (SGLANG_P2P_COPY_ENGINE=split). Default: one after the other."""
+        self.write_pages(device, *pages, max_programs=max_programs)
+        self.write_copy_engines(device, *spans)
 
 
 class CudaBackend(IpcBackend):
@@ -271,15 +279,26 @@ class CudaBackend(IpcBackend):
         finally:
             c.ops.leave(prev)
 
-    def write_copy_engines(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+    def _queue_engines_checked(self, c: "Copiers", src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        """`queue_copy_engines`, a refusal raised as TransportError once what was queued before it has settled."""
         from sglang_p2p_backend.engine.copy.copy_engine import CopyEngineError
 
+        try:
+            self.queue_copy_engines(c, src, dst, lens)
+        except CopyEngineError as e:
+            c.ops.synchronize(c.stream.cuda_stream)  # what was queued before the refused call lands or fails now
+            raise TransportError(str(e)) from e
+
+    def write_copy_engines(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        self._write_ordered(device, lambda c: self._queue_engines_checked(c, src, dst, lens))
+
+    def write_split(self, device: torch.device, pages: "PageWrite", spans: tuple[np.ndarray, np.ndarray, np.ndarray],
+                    max_programs: Optional[int] = None) -> None:
         def queue(c: Copiers) -> None:
-            try:
-                self.queue_copy_engines(c, src, dst, lens)
-            except CopyEngineError as e:
-                c.ops.synchronize(c.stream.cuda_stream)  # what was queued before the refused call lands or fails now
-                raise TransportError(str(e)) from e
+            # the kernel's short runs first: its launch is one call, and the engines' batch (a few us of host time
+            # a span) is queued while it runs; one stream, one wait for both
+            c.pages.copy(*pages, c.stream, max_programs)
+            self._queue_engines_checked(c, *spans)
 
         self._write_ordered(device, queue)
 
@@ -675,6 +694,9 @@ class CudaIpcTransport(OneSidedTransport):
         SGLANG_P2P_IPC_PROGRAMS; or the copy engines where SGLANG_P2P_COPY_ENGINE says so for this chunk, into a
         decode on this GPU when `same_gpu`) and wait; returns the bytes copied."""
         nbytes = int(plan.src_ids.size) * self._per_pool(plan.item_bytes)[0]
+        if self.copy_engine == SPLIT:
+            self._copy_split(plan, nbytes, grid or self.programs, same_gpu)
+            return nbytes
         breaks = self._copy_engine_runs(plan, nbytes, same_gpu)
         if breaks is not None:
             backend().write_copy_engines(self.device, *page_spans(*plan, runs=page_runs(plan.src_ids, plan.dst_ids,
@@ -682,6 +704,27 @@ class CudaIpcTransport(OneSidedTransport):
         else:
             backend().write_pages(self.device, *plan, max_programs=grid or self.programs)
         return nbytes
+
+    def _copy_split(self, plan: "PageWrite", nbytes: int, grid: Optional[int], same_gpu: bool) -> None:
+        """SGLANG_P2P_COPY_ENGINE=split: the chunk's long page runs to the copy engines, its short ones to the
+        kernel (ce_plan.split_runs), as one write; each part counted on its route."""
+        limit, min_span = thresholds(backend().copy_engines_batched(), same_gpu, self.ce_min_span, self.ce_max_spans)
+        pages = int(plan.src_ids.size)
+        cut = split_runs(run_breaks(plan.src_ids, plan.dst_ids), pages, plan.item_bytes, min_span, limit)
+        regions, page_bytes = int(plan.item_bytes.size), nbytes // pages
+        if not cut.engine_runs:
+            self._count(KERNEL, cut.kernel_runs * regions, nbytes, SHORT_SPANS)
+            backend().write_pages(self.device, *plan, max_programs=grid)
+            return
+        engines = plan._replace(src_ids=plan.src_ids[cut.engines], dst_ids=plan.dst_ids[cut.engines])
+        spans = page_spans(*engines)
+        self._count(COPY_ENGINE, int(spans[2].size), int(engines.src_ids.size) * page_bytes)
+        if not cut.kernel_runs:
+            backend().write_copy_engines(self.device, *spans)
+            return
+        rest = plan._replace(src_ids=plan.src_ids[~cut.engines], dst_ids=plan.dst_ids[~cut.engines])
+        self._count(KERNEL, cut.kernel_runs * regions, int(rest.src_ids.size) * page_bytes, SHORT_SPANS)
+        backend().write_split(self.device, rest, spans, max_programs=grid)
 
     def _copy_engine_runs(self, plan: "PageWrite", nbytes: int, same_gpu: bool) -> Optional[np.ndarray]:
         """The page runs' breaks (plan.run_breaks) where the rule sends this whole-page chunk to the copy engines,
