@@ -88,6 +88,8 @@ SAME_GPU = (("mha_p16", 4096), ("mha_p16", 16384), ("mla_p64", 4096), ("mla_p64"
 #: --programs-case picks others (serving's page-1 chunks in short runs: mha_p1:1024 with --dests runs64)
 PROGRAMS_CASE = ("mha_p16", (4096, 16384))
 IPC_MODES = ("kernel", "copy_engine")
+#: what each ipc mode sets SGLANG_P2P_COPY_ENGINE to; `split` (--ipc-modes) cuts a chunk by its page runs
+TRANSPORT_MODE = {"kernel": "off", "copy_engine": "on", "split": "split"}
 #: cases with more copy-engine spans than this get fewer repetitions (a batch of ~1M spans takes long)
 MANY_SPANS = 1 << 16
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
@@ -224,6 +226,14 @@ def parse_programs(raw: str) -> list[int]:
 def parse_slot_mib(raw: str) -> list[int]:
     """--slot-mib: comma-separated staging slot sizes in MiB, each >= 1 (empty: only the configured one)."""
     return _positive_ints(raw, "slot sizes in MiB >= 1 like 256,512")
+
+
+def parse_ipc_modes(raw: str) -> list[str]:
+    """--ipc-modes: comma-separated routes the ipc and interference sections time, of kernel, copy_engine, split."""
+    modes = [x.strip() for x in raw.split(",") if x.strip()]
+    if not modes or any(m not in TRANSPORT_MODE for m in modes):
+        raise argparse.ArgumentTypeError(f"{raw!r}: give ipc modes of {', '.join(TRANSPORT_MODE)} like kernel,split")
+    return modes
 
 
 def parse_first_chunk_mib(raw: str) -> list[int]:
@@ -571,7 +581,8 @@ class Prefill:
         return int(self.rt.cudaPeekAtLastError()) if self.rt is not None else 0
 
     def ipc_prepare(self, case: xc.Case, pool: list, dst_ptrs: list, dst_pages: int, gpu: int) -> PreparedWrite:
-        from sglang_p2p_backend.engine.copy.ce_plan import page_chunk_shape, page_spans
+        from sglang_p2p_backend.engine.copy.ce_plan import page_chunk_shape, page_spans, split_runs, thresholds
+        from sglang_p2p_backend.engine.copy.plan import run_breaks
 
         shape = case.shape
         src_pages = pool[0].shape[0]
@@ -580,6 +591,10 @@ class Prefill:
         bases, items = [t.data_ptr() for t in pool], [shape.item] * shape.regions
         plan = self.tr.plan_pages(SESSION, bases, dst_ptrs, items, src_ids, dst_ids, src_pages, dst_pages)
         spans = {"copy_engine": int(page_spans(*plan)[2].size), "kernel": page_chunk_shape(src_ids, dst_ids, items)[0]}
+        # split's pieces at the shipped thresholds across GPUs: its copy-engine runs and kernel runs, a span a region
+        limit, min_span = thresholds()
+        cut = split_runs(run_breaks(src_ids, dst_ids), int(src_ids.size), items, min_span, limit)
+        spans["split"] = (cut.engine_runs + cut.kernel_runs) * shape.regions
         write = lambda: self.tr.write_pages(SESSION, bases, dst_ptrs, items, src_ids, dst_ids,  # noqa: E731
                                             src_pages, dst_pages)
         return PreparedWrite(case, gpu, dst_ids, want, spans, write, self.reference(shape.nbytes(case.tokens), gpu))
@@ -588,9 +603,9 @@ class Prefill:
         """Time `w`'s write in `mode` (into zeroed pages), then check every destination page it wrote."""
         case = w.case
         self.ask("zero", w.dst_ids)
-        self.tr.copy_engine = "on" if mode == "copy_engine" else "off"
+        self.tr.copy_engine = TRANSPORT_MODE[mode]
         spans = w.spans[mode]
-        times = self.budget(spans if mode == "copy_engine" else 0).run(lambda: host_seconds(w.write))
+        times = self.budget(spans if mode != "kernel" else 0).run(lambda: host_seconds(w.write))
         _, got = self.ask("hash", w.dst_ids, want="hash")
         nbytes = case.shape.nbytes(case.tokens)
         t = xc.stats_us(times)
@@ -602,7 +617,8 @@ class Prefill:
 
     def ipc_case(self, case: xc.Case, pool: list, dst_ptrs: list, dst_pages: int, gpu: int) -> list[dict]:
         w = self.ipc_prepare(case, pool, dst_ptrs, dst_pages, gpu)
-        rows = [self.ipc_write(w, mode) for mode in IPC_MODES if self.time_left(f"ipc {case.name} {mode} (gpu {gpu})")]
+        rows = [self.ipc_write(w, mode) for mode in self.cfg.get("ipc_modes", IPC_MODES)
+                if self.time_left(f"ipc {case.name} {mode} (gpu {gpu})")]
         self.tr.copy_engine = "off"
         return rows
 
@@ -991,10 +1007,10 @@ class Prefill:
                         case = xc.Case(shape, tokens, dest)
                         s_ids, d_ids = xc.page_ids(case, src_pages, dst_pages)
                         bases, items = [t.data_ptr() for t in pool], [shape.item] * shape.regions
-                        for mode in ("kernel", "copy_engine"):
+                        for mode in self.cfg.get("ipc_modes", IPC_MODES):
                             if not self.time_left(f"interference {case.name} {mode}"):
                                 continue
-                            self.tr.copy_engine = "on" if mode == "copy_engine" else "off"
+                            self.tr.copy_engine = TRANSPORT_MODE[mode]
                             row = self.interference(mode, lambda: self.tr.write_pages(
                                 SESSION, bases, dst_ptrs, items, s_ids, d_ids, src_pages, dst_pages),
                                 shape.nbytes(tokens))
@@ -1308,6 +1324,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slot-mib", type=parse_slot_mib, default=[], metavar="LIST",
                     help="staging slot sizes (MiB) to run the nccl cases at besides the default (SGLANG_P2P_STAGING_MB "
                          "over SGLANG_P2P_STAGING_SLOTS), overlap on, e.g. 256")
+    ap.add_argument("--ipc-modes", type=parse_ipc_modes, default=list(IPC_MODES), metavar="LIST",
+                    help="the same-host routes the ipc and interference sections time (default kernel,copy_engine; "
+                         "split: SGLANG_P2P_COPY_ENGINE=split, e.g. with --dests mixed)")
     ap.add_argument("--first-chunk-mib", type=parse_first_chunk_mib, default=[], metavar="LIST",
                     help="first-chunk caps (MiB; 0: every chunk a whole slot) to run the nccl cases at besides the "
                          "default (SGLANG_P2P_FIRST_CHUNK_MB), overlap on, the default slots, e.g. 0,16,64")
@@ -1351,7 +1370,7 @@ def main(argv=None) -> int:
         gpus = torch.cuda.device_count() if cuda else 0
         cfg = {"quick": not cuda, "prefill_gpu": 0, "decode_gpu": 1 if gpus >= 2 else 0, "budget_s": ns.budget_s,
                "case_s": ns.case_s, "max_reps": ns.max_reps, "sections": device_sections, "programs": ns.programs,
-               "programs_case": list(ns.programs_case), "slot_mib": ns.slot_mib, "first_chunk_mib": ns.first_chunk_mib, "dests": dests,
+               "programs_case": list(ns.programs_case), "slot_mib": ns.slot_mib, "first_chunk_mib": ns.first_chunk_mib, "ipc_modes": ns.ipc_modes, "dests": dests,
                "interference_shape": INTERFERENCE_CASE[0] if INTERFERENCE_CASE[0] in names else names[0],
                "shapes": [s.__dict__ for s in shapes], "tokens": tokens}
         import multiprocessing as mp

@@ -39,6 +39,10 @@ class Shape:
 SHAPES = (Shape("mha_p1", 64, 2048, 1), Shape("mha_p16", 64, 2048, 16), Shape("mla_p64", 61, 1152, 64))
 TOKENS = (128, 1024, 4096, 16384)
 DESTS = ("contiguous", "scattered")
+#: --dests also takes `mixed`: three quarters of the pages in 4 long runs, the last quarter single pages apart, the
+#: shape a page-1 pool fragmented by mixed traffic gives a long prompt (SGLANG_P2P_COPY_ENGINE=split's case)
+MIXED = "mixed"
+MIXED_RUNS = 4
 #: --dests also takes `runs<N>`: the pages land in N runs of the decode's pool, apart (SGLang's allocator at page
 #: size 1 after a while hands out a few long runs: a chunk of N runs a region is N spans a region)
 RUNS_PREFIX = "runs"
@@ -71,11 +75,11 @@ class Case:
 
 def run_count(dest: str) -> int:
     """N of a `runs<N>` destination; 0 for the others. Raises ValueError for a name that is neither."""
-    if dest in DESTS:
+    if dest in DESTS or dest == MIXED:
         return 0
     n = dest[len(RUNS_PREFIX):]
     if not dest.startswith(RUNS_PREFIX) or not n.isdigit() or int(n) < 1:
-        raise ValueError(f"destination {dest!r}: choose contiguous, scattered or runs<N> (N >= 1, e.g. runs4)")
+        raise ValueError(f"destination {dest!r}: choose contiguous, scattered, mixed or runs<N> (N >= 1, e.g. runs4)")
     return int(n)
 
 
@@ -95,7 +99,8 @@ def page_ids(case: Case, src_pages: int, dst_pages: int, seed: int = 35) -> tupl
     """(source ids, destination ids), int64. Contiguous: pages 0..n-1 into a run starting a quarter into the
     decode's pool. Scattered: distinct random pages on both sides (what SGLang's allocator hands out after a
     while), seeded per case. runs<N>: pages 0..n-1 into N runs of near-equal length at random places of the
-    decode's pool, at least one page apart, in order."""
+    decode's pool, at least one page apart, in order. mixed: pages 0..n-1 into `MIXED_RUNS` runs holding three
+    quarters of them and single pages between the runs, every run and single one page apart, in order."""
     n = case.shape.pages(case.tokens)
     if n > src_pages or n > dst_pages:
         raise ValueError(f"{case.name}: {n} pages do not fit pools of {src_pages} / {dst_pages}")
@@ -112,12 +117,29 @@ def page_ids(case: Case, src_pages: int, dst_pages: int, seed: int = 35) -> tupl
         starts = np.sort(rng.integers(0, free + 1, size=runs)) + np.arange(runs) + np.concatenate(([0], np.cumsum(lens)[:-1]))
         dst = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in zip(starts, lens)])
         return np.arange(n, dtype=np.int64), dst
+    if case.dest == MIXED:
+        return np.arange(n, dtype=np.int64), _mixed(n, dst_pages, case.name)
     if case.dest == "contiguous":
         start = min(dst_pages // 4, dst_pages - n)
         return np.arange(n, dtype=np.int64), np.arange(start, start + n, dtype=np.int64)
     rng = np.random.default_rng(seed + 1000 * case.tokens + len(case.shape.name) + case.shape.page)
     return (rng.choice(src_pages, size=n, replace=False).astype(np.int64),
             rng.choice(dst_pages, size=n, replace=False).astype(np.int64))
+
+
+def _mixed(n: int, dst_pages: int, name: str) -> np.ndarray:
+    """`mixed`'s destination ids: run i (of MIXED_RUNS, near-equal, 3n/4 pages in all) then its share of the single
+    pages, each segment one page after the one before."""
+    singles = n // 4
+    runs = min(MIXED_RUNS, n - singles)
+    lens = np.full(runs, (n - singles) // runs, dtype=np.int64)
+    lens[: (n - singles) % runs] += 1
+    seg = np.concatenate([np.concatenate(([k], np.ones(len(part), np.int64)))
+                          for k, part in zip(lens, np.array_split(np.arange(singles), runs))])
+    if n + seg.size - 1 > dst_pages:
+        raise ValueError(f"{name}: {n} pages in {seg.size} pieces one page apart do not fit a pool of {dst_pages}")
+    starts = np.concatenate(([0], np.cumsum(seg + 1)[:-1]))
+    return np.concatenate([np.arange(a, a + k, dtype=np.int64) for a, k in zip(starts, seg)])
 
 
 @dataclass

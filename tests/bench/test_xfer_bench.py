@@ -57,6 +57,17 @@ def test_page_ids_in_runs_land_in_that_many_separate_runs():
             xc.run_count(bad)
 
 
+def test_mixed_pages_land_in_four_long_runs_and_single_pages_apart():
+    shape = xc.Shape("t", 2, 8, 1)
+    s, d = xc.page_ids(xc.Case(shape, 40, "mixed"), 40, 80)
+    assert s.tolist() == list(range(40)) and len(set(d.tolist())) == 40 and (np.diff(d) >= 1).all()
+    lens = np.diff(np.flatnonzero(np.concatenate(([1], np.diff(d) != 1, [1]))))
+    # 30 pages in runs of 8, 8, 7, 7, each followed by its share of the 10 single pages
+    assert lens.tolist() == [8, 1, 1, 1, 8, 1, 1, 1, 7, 1, 1, 7, 1, 1]
+    with pytest.raises(ValueError, match="do not fit"):
+        xc.page_ids(xc.Case(shape, 40, "mixed"), 40, 50)  # 40 pages and 13 gaps need 53
+
+
 def test_the_drivers_page_hash_is_the_backends_and_sees_a_flipped_byte():
     rng = np.random.default_rng(0)
     regions = [torch.from_numpy(rng.integers(0, 256, size=(5, 32), dtype=np.uint8)) for _ in range(3)]
@@ -165,6 +176,10 @@ def test_the_programs_flag_and_the_request_sizes_it_measures():
     assert xfer_bench.parse_slot_mib("256,512") == [256, 512]
     with pytest.raises(argparse.ArgumentTypeError, match="slot sizes in MiB"):
         xfer_bench.parse_slot_mib("0")
+    assert xfer_bench.parse_ipc_modes("kernel, split") == ["kernel", "split"]
+    for bad in ("", "kernel,ce", "gpu"):
+        with pytest.raises(argparse.ArgumentTypeError, match="ipc modes of kernel, copy_engine, split"):
+            xfer_bench.parse_ipc_modes(bad)
     assert xfer_bench.parse_first_chunk_mib("0, 16,64") == [0, 16, 64] and xfer_bench.parse_first_chunk_mib("") == []
     for bad in ("-1", "16,x", "1.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="first-chunk caps in MiB >= 0"):
@@ -367,3 +382,20 @@ def test_quick_run_writes_pages_landing_in_runs_byte_exact(tmp_path):
     regions = next(s.regions for s in xc.QUICK_SHAPES if s.name == "mha_p1")
     assert {(r["case"], r["mode"]) for r in rows} == {("mha_p1_1024_runs2", "kernel"), ("mha_p1_1024_runs2", "copy_engine")}
     assert all(r["spans"] == 2 * regions and r["bad_pages"] == 0 for r in rows)
+
+
+def test_the_split_route_on_mixed_pages_is_timed_checked_and_run_beside_the_matmul(tmp_path):
+    """--ipc-modes kernel,split --dests mixed: the ipc rows of both routes verify every page, and the interference
+    loop runs beside each (on CPU with the stand-in: the driver's walk, not a measurement)."""
+    out = tmp_path / "split.json"
+    rc = xfer_bench.main(["--quick", "--out", str(out), "--case-s", "0.02", "--max-reps", "5", "--sections",
+                          "ipc,interference", "--shapes", "mha_p1", "--tokens", "1024", "--dests", "mixed",
+                          "--ipc-modes", "kernel,split"])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["pass"]["verified"] is True
+    assert [(r["case"], r["mode"], r["bad_pages"]) for r in result["ipc"]] == [
+        ("mha_p1_1024_mixed", "kernel", 0), ("mha_p1_1024_mixed", "split", 0)]
+    # 4 long runs and 256 single pages, a span a region each
+    regions = next(sh.regions for sh in xc.QUICK_SHAPES if sh.name == "mha_p1")
+    assert result["ipc"][1]["spans"] == (4 + 256) * regions
+    assert [r["mode"] for r in result["interference"] if r["case"] == "mha_p1_1024_mixed"] == ["kernel", "split"]
