@@ -55,7 +55,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
@@ -63,6 +63,7 @@ from . import lb_layout, lb_real, promparse
 from .config import with_flag
 from .lb_layout import TOPOLOGIES, Layout
 from .lb_real import Req
+from .servers import kill_groups
 
 DEFAULT_LBS = ("ours:load_aware", "ours:prefix_aware", "mini_lb", "smg:cache_aware", "smg:power_of_two")
 WORKLOADS = ("bursty_mixed", "shared_prefix", "long_prefix")
@@ -479,10 +480,9 @@ class SimCluster(Cluster):
             return None
 
     def stop(self) -> None:
+        kill_groups([p.pid for p in self.procs.values()])  # a server's children too, where its launcher went first
         for p in self.procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+            p.wait(5)
 
 
 # ----------------------------------------------------------------------------- server load (evidence)

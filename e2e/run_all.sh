@@ -206,7 +206,7 @@ reap() {  # end the process groups a step left running (servers run in sessions 
   local pid
   [ -f "$E2E_PIDFILE" ] || return 0
   while read -r pid; do
-    kill -0 "$pid" 2>/dev/null && kill -KILL -- "-$pid" 2>/dev/null
+    kill -KILL -- "-$pid" 2>/dev/null || true  # the whole group, also where its leader has already gone
   done < "$E2E_PIDFILE"
   rm -f "$E2E_PIDFILE"
 }

@@ -174,23 +174,54 @@ class Stack:
         self.start(lb)
         return bool(self.wait_healthy([lb], time.monotonic() + timeout_s))
 
-    def stop(self) -> None:
-        for s in self.servers:
-            if s.alive():
-                try:
-                    os.killpg(s.proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        end = time.monotonic() + 20
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM every server's process group, SIGKILL each after `grace_s` whether or not its leader is gone
+        (SGLang's scheduler can outlive the launcher; a group left behind keeps its ports, and a later server
+        picking one failed with EADDRINUSE: docs/serving.md, session 30), then wait for every group to be gone."""
+        groups = [s.proc.pid for s in self.servers if s.proc is not None]
+        for pgid in groups:
+            _signal_group(pgid, signal.SIGTERM)
+        end = time.monotonic() + grace_s
         for s in self.servers:
             while s.alive() and time.monotonic() < end:
                 time.sleep(0.2)
-            if s.alive():
-                try:
-                    os.killpg(s.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        kill_groups(groups)
+        for s in self.servers:
+            if s.proc is not None:
+                s.proc.poll()  # reaps the leader, so its pid does not linger as a zombie
         self.servers.clear()
+
+
+def kill_groups(pgids: Sequence[int], wait_s: float = 10.0) -> None:
+    """SIGKILL every process group in `pgids`, also one whose leader has already gone, and wait up to `wait_s` until
+    none of their processes is left (their ports free again)."""
+    for pgid in pgids:
+        _signal_group(pgid, signal.SIGKILL)
+    end = time.monotonic() + wait_s
+    while any(_group_alive(g) for g in pgids) and time.monotonic() < end:
+        time.sleep(0.1)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` other than a zombie is left (a zombie holds no ports, and where nothing
+    reaps it a signal 0 would see it for ever). Linux: read from /proc."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after its closing parenthesis
+        fields = text[text.rfind(")") + 2:].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
 
 
 def launch_queues(sglang: Sequence[Server], lanes: int = 1) -> list[list[Server]]:

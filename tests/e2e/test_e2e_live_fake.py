@@ -38,6 +38,49 @@ def test_servers_on_one_gpu_start_in_turn_and_all_stop(tmp_path):
     assert all(p.poll() is not None for p in procs)
 
 
+class LauncherWithStubbornChild(Server):
+    """A launcher that exits at SIGTERM while its child, in the same process group, ignores SIGTERM and holds a
+    listening port (as SGLang's scheduler can outlive `launch_server`)."""
+
+    CODE = ("import os, signal, socket, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import signal, socket, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); s = socket.socket(); s.bind((\"127.0.0.1\", %d)); "
+            "s.listen(); time.sleep(600)'])\n"
+            "time.sleep(600)\n")
+
+    def __init__(self, name, port):
+        super().__init__(name, port, "null")
+
+    def command(self):
+        return [sys.executable, "-c", self.CODE % self.port]
+
+
+def test_stop_ends_a_group_whose_launcher_went_first_and_frees_its_port(tmp_path):
+    import socket
+
+    port = free_port()
+    s = LauncherWithStubbornChild("stubborn", port)
+    stack = Stack(tmp_path)
+    stack.start(s)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # until the child listens
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        pytest.fail("the child never listened")
+    t0 = time.monotonic()
+    stack.stop(grace_s=1.0)
+    assert time.monotonic() - t0 < 8 and s.proc.poll() is not None
+    probe = socket.socket()
+    try:
+        probe.bind(("127.0.0.1", port))  # the child's listening socket is gone with it
+    finally:
+        probe.close()
+
+
 def test_a_server_that_dies_is_reported_with_its_log(tmp_path):
     bad = FakeServer("bad", 0, "--no-such-flag")
     with Stack(tmp_path) as stack:
