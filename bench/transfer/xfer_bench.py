@@ -582,7 +582,7 @@ class Prefill:
 
     def ipc_prepare(self, case: xc.Case, pool: list, dst_ptrs: list, dst_pages: int, gpu: int) -> PreparedWrite:
         from sglang_p2p_backend.engine.copy.ce_plan import page_chunk_shape, page_spans, split_runs, thresholds
-        from sglang_p2p_backend.engine.copy.plan import run_breaks
+        from sglang_p2p_backend.engine.copy.plan import page_runs
 
         shape = case.shape
         src_pages = pool[0].shape[0]
@@ -593,8 +593,8 @@ class Prefill:
         spans = {"copy_engine": int(page_spans(*plan)[2].size), "kernel": page_chunk_shape(src_ids, dst_ids, items)[0]}
         # split's pieces at the shipped thresholds across GPUs: its copy-engine runs and kernel runs, a span a region
         limit, min_span = thresholds()
-        cut = split_runs(run_breaks(src_ids, dst_ids), int(src_ids.size), items, min_span, limit)
-        spans["split"] = (cut.engine_runs + cut.kernel_runs) * shape.regions
+        cut = split_runs(page_runs(src_ids, dst_ids)[:, 2], items, min_span, limit)
+        spans["split"] = (cut.picked.size + cut.kernel_runs) * shape.regions
         write = lambda: self.tr.write_pages(SESSION, bases, dst_ptrs, items, src_ids, dst_ids,  # noqa: E731
                                             src_pages, dst_pages)
         return PreparedWrite(case, gpu, dst_ids, want, spans, write, self.reference(shape.nbytes(case.tokens), gpu))

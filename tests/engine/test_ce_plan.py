@@ -207,20 +207,21 @@ def test_split_sends_the_long_runs_to_the_copy_engines_and_leaves_the_short_ones
     # runs of 1, 8, 2 and 5 pages; 64-byte items in 3 regions; a span must be >= 256 bytes (4 pages)
     src = np.array([0, 10, 11, 12, 13, 14, 15, 16, 17, 30, 31, 40, 41, 42, 43, 44])
     dst = src + 100
-    cut = ce_plan.split_runs(run_breaks(src, dst), src.size, [64] * 3, 256, 1024)
+    cut = ce_plan.split_runs(page_runs(src, dst)[:, 2], [64] * 3, 256, 1024)
     assert cut.engines.tolist() == [False] + [True] * 8 + [False] * 2 + [True] * 5
-    assert (cut.engine_runs, cut.kernel_runs) == (2, 2)
+    assert (cut.picked.tolist(), cut.kernel_runs) == ([1, 3], 2)
 
 
 def test_split_keeps_the_longest_runs_within_the_span_cap_in_their_order():
     src = np.array([0, 1, 2, 3, 10, 11, 12, 13, 14, 15, 20, 21, 22, 23, 24])  # runs of 4, 6 and 5 pages
-    cut = ce_plan.split_runs(run_breaks(src, src), src.size, [64, 64], 4 * 64, 4)  # 2 regions: 2 runs at most
+    lens = page_runs(src, src)[:, 2]
+    cut = ce_plan.split_runs(lens, [64, 64], 4 * 64, 4)  # 2 regions: 2 runs at most
     assert cut.engines.tolist() == [False] * 4 + [True] * 11
-    assert (cut.engine_runs, cut.kernel_runs) == (2, 1)
+    assert (cut.picked.tolist(), cut.kernel_runs) == ([1, 2], 1)
     # the span threshold follows the smallest item: 64 x 4 pages < 512
-    assert not ce_plan.split_runs(run_breaks(src, src), src.size, [64, 4096], 512, 1024).engine_runs
-    empty = ce_plan.split_runs(np.zeros(0, np.int64), 0, [64], 1, 1)
-    assert empty.engines.size == 0 and (empty.engine_runs, empty.kernel_runs) == (0, 0)
+    assert not ce_plan.split_runs(lens, [64, 4096], 512, 1024).picked.size
+    empty = ce_plan.split_runs(np.zeros(0, np.int64), [64], 1, 1)
+    assert empty.engines.size == 0 and (empty.picked.size, empty.kernel_runs) == (0, 0)
 
 
 def test_split_mode_follows_auto_for_chunks_it_does_not_cut():

@@ -132,22 +132,20 @@ class Split(NamedTuple):
 
     #: per page of the chunk, whether the copy engines take it (its run is one they take)
     engines: np.ndarray
-    #: page runs on each side (a run is one span a region)
-    engine_runs: int
+    #: the indices of the runs the copy engines take, in order (rows of the chunk's `plan.page_runs`)
+    picked: np.ndarray
+    #: how many runs the kernel keeps (a run is one span a region)
     kernel_runs: int
 
 
-def split_runs(breaks: np.ndarray, pages: int, item_bytes: Sequence[int], min_span: int, max_spans: int) -> Split:
+def split_runs(lens: np.ndarray, item_bytes: Sequence[int], min_span: int, max_spans: int) -> Split:
     """`split` mode: the copy engines take the runs of a chunk's pages whose every region span is at least
     `min_span` bytes (run length times the region's item size), the longest first, up to `max_spans` spans (one a
     region a run); the SM kernel takes the rest. In a page pool fragmented by mixed traffic a chunk's runs range from
     single pages to thousands, and `auto`, judging the chunk by its mean span and span count, left all of it to the
     kernel (36-59% of the bytes in the two-GPU serving runs: docs/serving.md); here the kernel keeps only the short
-    runs, whose bytes are few. `breaks`: `plan.run_breaks` of the chunk's ids (`pages` of them)."""
-    if pages <= 0:
-        return Split(np.zeros(0, dtype=bool), 0, 0)
-    starts = np.concatenate(([0], np.asarray(breaks, dtype=np.int64)))
-    lens = np.diff(np.concatenate((starts, [pages])))
+    runs, whose bytes are few. `lens`: the chunk's run lengths in pages (`plan.page_runs(...)[:, 2]`)."""
+    lens = np.asarray(lens, dtype=np.int64)
     regions = max(1, len(item_bytes))
     long = lens * int(np.min(np.asarray(item_bytes, dtype=np.int64))) >= min_span
     picked = np.flatnonzero(long)
@@ -156,7 +154,7 @@ def split_runs(breaks: np.ndarray, pages: int, item_bytes: Sequence[int], min_sp
         picked = np.sort(picked[np.argsort(-lens[picked], kind="stable")[:most]])
     chosen = np.zeros(lens.size, dtype=bool)
     chosen[picked] = True
-    return Split(np.repeat(chosen, lens), int(picked.size), int(lens.size - picked.size))
+    return Split(np.repeat(chosen, lens), picked, int(lens.size - picked.size))
 
 
 def route_and_reason(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_span: Optional[int] = None,

@@ -709,16 +709,16 @@ class CudaIpcTransport(OneSidedTransport):
         """SGLANG_P2P_COPY_ENGINE=split: the chunk's long page runs to the copy engines, its short ones to the
         kernel (ce_plan.split_runs), as one write; each part counted on its route."""
         limit, min_span = thresholds(backend().copy_engines_batched(), same_gpu, self.ce_min_span, self.ce_max_spans)
-        pages = int(plan.src_ids.size)
-        cut = split_runs(run_breaks(plan.src_ids, plan.dst_ids), pages, plan.item_bytes, min_span, limit)
-        regions, page_bytes = int(plan.item_bytes.size), nbytes // pages
-        if not cut.engine_runs:
+        runs = page_runs(plan.src_ids, plan.dst_ids)
+        cut = split_runs(runs[:, 2], plan.item_bytes, min_span, limit)
+        regions, page_bytes = int(plan.item_bytes.size), nbytes // int(plan.src_ids.size)
+        if not cut.picked.size:
             self._count(KERNEL, cut.kernel_runs * regions, nbytes, SHORT_SPANS)
             backend().write_pages(self.device, *plan, max_programs=grid)
             return
-        engines = plan._replace(src_ids=plan.src_ids[cut.engines], dst_ids=plan.dst_ids[cut.engines])
-        spans = page_spans(*engines)
-        self._count(COPY_ENGINE, int(spans[2].size), int(engines.src_ids.size) * page_bytes)
+        chosen = runs[cut.picked]  # the engines' spans straight from their runs: no second search of the ids
+        spans = page_spans(*plan, runs=chosen)
+        self._count(COPY_ENGINE, int(spans[2].size), int(chosen[:, 2].sum()) * page_bytes)
         if not cut.kernel_runs:
             backend().write_copy_engines(self.device, *spans)
             return
