@@ -237,7 +237,10 @@ def test_prefill_that_never_answers_fails_the_decode_within_its_timeouts():
     result = run_pair(plan, env=FAST_FAILURE_ENV, timeout=45)
     d = result["decode"]
     reason = failed_reason(d, 81)
-    assert "Lost connection with prefill" in reason or "timed out" in reason, reason
+    # Which watch notices first is a race: SGLang's heartbeat ("Lost connection"), the room's own timeout, or our
+    # peer timeout (the prefill may freeze before or after answering the registration). Each names the prefill.
+    noticed = ("Lost connection with prefill", "timed out", "stopped answering: no message for")
+    assert any(n in reason for n in noticed), reason
     assert d["requests"]["81"]["seconds"] < 15
     assert_clean(d)
 
