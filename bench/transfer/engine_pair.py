@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from bench.transfer.pair import pair_device
+from bench.transfer.pair import pair_device, service_gil_switch
 from bench.transfer.published_rooms import PublishedRooms
 from bench.transfer.xfer_cases import phase_offsets
 from sglang_p2p_backend.engine.config import EngineConfig
@@ -153,6 +153,7 @@ def _decode(device, cases, ctrl, results, io_timeout, trace=False):
 
 
 def _worker(rank, cases, ctrl, results, out_q, io_timeout, trace=False):
+    service_gil_switch()
     device = torch.device("cuda", pair_device(rank)) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

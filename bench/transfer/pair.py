@@ -44,9 +44,19 @@ def one_gpu_host() -> bool:
     return torch.cuda.device_count() == 1 or os.environ.get("P2P_PAIR_ONE_GPU") == "1"
 
 
+def service_gil_switch() -> None:
+    """This process's GIL switch interval as a server's KV manager sets it (SGLANG_P2P_GIL_SWITCH_MS): a benchmark
+    or test process whose transfer threads share the GIL with a pipe reader hands it over as a scheduler does."""
+    from sglang_p2p_backend.engine.config import EngineConfig
+    from sglang_p2p_backend.engine.threads import shorten_gil_switch
+
+    shorten_gil_switch(EngineConfig.from_env().gil_switch_ms)
+
+
 def _child(fn: Callable, rank: int, device: int, conn, results, args: tuple, env: dict, dump_after: float) -> None:
     os.environ.update(SAFE_ENV)
     os.environ.update(env)
+    service_gil_switch()
     if dump_after > 0:  # a hang shows where every thread of this rank waits, before the parent kills it
         faulthandler.dump_traceback_later(dump_after, exit=False)
     try:

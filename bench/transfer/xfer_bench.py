@@ -72,7 +72,7 @@ from bench.transfer import xfer_cases as xc  # noqa: E402
 from bench.transfer.gpu_names import gpu_slugs, picked  # noqa: E402
 from bench.transfer.host_profile import host_profile, profile_rows, render as render_profile  # noqa: E402
 from bench.transfer.interference import beside_writes, during_writes  # noqa: E402
-from bench.transfer.pair import SAFE_ENV, collect, expect, guarded  # noqa: E402
+from bench.transfer.pair import SAFE_ENV, collect, expect, guarded, service_gil_switch  # noqa: E402
 
 SESSION = "127.0.0.1:17035"
 IO_TIMEOUT = 120.0
@@ -272,8 +272,11 @@ def pool_hash(regions, ids: np.ndarray, trace: Callable[[str], None] = lambda wh
 
 
 def _setup(quick: bool, gpu: int):
-    """torch and the device of this process; --quick installs the shared-memory stand-in of CUDA IPC."""
+    """torch and the device of this process; --quick installs the shared-memory stand-in of CUDA IPC. The GIL
+    switch interval is the service's (SGLANG_P2P_GIL_SWITCH_MS, as the KV manager sets it): the decode's receiver
+    thread and its pipe reader take turns with the GIL as a scheduler's threads do."""
     os.environ.update(SAFE_ENV)
+    service_gil_switch()
     import torch
 
     if quick:
@@ -398,6 +401,19 @@ class Decode:
         receiver.trace = None
         return ("trace", self.trace_rows)
 
+    def profile(self, on: bool, calls: int = 1):
+        """The receiver thread's host time under cProfile from now on (a call queued to that thread: cProfile
+        profiles the thread that enables it); switched off, its rows per one of `calls` requests."""
+        done: "queue.Queue[object]" = queue.Queue()
+        if on:
+            self.recv_prof = cProfile.Profile()
+            self.nccl[1].submit(lambda: done.put(self.recv_prof.enable()))
+            done.get(timeout=IO_TIMEOUT)
+            return ("ok",)
+        self.nccl[1].submit(lambda: done.put(self.recv_prof.disable()))
+        done.get(timeout=IO_TIMEOUT)
+        return ("profile", profile_rows(self.recv_prof, calls, top=16))
+
     def mark(self):
         done: "queue.Queue[float]" = queue.Queue()
         self.nccl[1].submit(lambda: done.put(time.monotonic()))
@@ -420,7 +436,7 @@ class Decode:
         served = 0
         while True:
             msg = expect(self.conn, ("pool", "zero", "hash", "nccl_start", "nccl_stop", "ctrl", "mark", "ref",
-                                     "trace", "publish", "echo", "done"), IO_TIMEOUT * 3)
+                                     "trace", "profile", "publish", "echo", "done"), IO_TIMEOUT * 3)
             kind, args = msg[0], msg[1:]
             served += 1
             if kind == "done":
@@ -428,7 +444,7 @@ class Decode:
                 if self.shm is not None:  # --quick: the stand-in's shared segments go with this process
                     self.pool = []
                     self.shm.close()
-                return {"commands": served, "device": str(self.dev)}
+                return {"commands": served, "device": str(self.dev), "gil_switch_ms": sys.getswitchinterval() * 1e3}
             if kind == "ctrl":  # the prefill's control message for the pair channel: no answer, in order
                 self.nccl[1].submit(messages.decode(args[0]))
                 continue
@@ -437,6 +453,7 @@ class Decode:
                 continue
             reply = {"pool": self.pool_cmd, "zero": self.zero, "nccl_start": self.nccl_start,
                      "nccl_stop": self.nccl_stop, "mark": self.mark, "ref": self.ref_recv, "trace": self.trace,
+                     "profile": self.profile,
                      "publish": self.publish,
                      "hash": lambda ids: ("hash", pool_hash(self.pool, ids))}[kind](*args)
             self.conn.send(reply)
@@ -746,13 +763,18 @@ class Prefill:
         finally:
             self.sender.trace = None
             _, theirs = self.ask("trace", False, want="trace")
-        # the prefill's host time in send(), function by function (the time its thread waits is in the sleeps)
+        # each end's host time, function by function: the prefill's in send(), the decode's receiver thread over
+        # the same requests (the time a thread waits is in its sleeps and queue gets)
         prof = cProfile.Profile()
-        for _ in range(PHASE_PROFILE_CALLS):
-            self.nccl_send(src_ids, dst_ids, prof=prof)
+        self.ask("profile", True)
+        try:
+            for _ in range(PHASE_PROFILE_CALLS):
+                self.nccl_send(src_ids, dst_ids, prof=prof)
+        finally:
+            _, recv_rows = self.ask("profile", False, PHASE_PROFILE_CALLS, want="profile")
         return {"case": case.name, "bytes": case.shape.nbytes(case.tokens), "chunks_slot_mib": self.staging.slot_bytes >> 20,
                 "send_us": xc.stats_us(times), "phases_us": xc.phase_offsets(events + [tuple(e) for e in theirs]),
-                "send_profile": profile_rows(prof, PHASE_PROFILE_CALLS, top=16)}
+                "send_profile": profile_rows(prof, PHASE_PROFILE_CALLS, top=16), "recv_profile": recv_rows}
 
     # -- interference
     def cpu_loop(self) -> Callable[[], float]:
@@ -1080,6 +1102,7 @@ class Prefill:
             self.two_sided.close()
         self.conn.send(("done",))
         self.out["skipped"] = self.skipped
+        self.out["gil_switch_ms"] = sys.getswitchinterval() * 1e3  # this process's, as the service sets it
         return self.out
 
 
@@ -1245,6 +1268,9 @@ def tables(result: dict) -> str:
         if r.get("send_profile"):
             parts.append(f"== send() of {r['case']} under cProfile, by own time a call\n"
                          + "\n".join(render_profile(r["send_profile"], limit=16)))
+        if r.get("recv_profile"):
+            parts.append(f"== the decode's receiver thread over the same requests of {r['case']} under cProfile, "
+                         f"by own time a request\n" + "\n".join(render_profile(r["recv_profile"], limit=16)))
     if result.get("interference"):
         tb = xc.Table([("case", 30), ("mode", 13), ("alone ms", 10), ("during ms", 10), ("slowdown", 10),
                        ("graphed", 9), ("writes", 8), ("GB/s", 7)])

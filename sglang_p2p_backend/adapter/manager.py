@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import socket
-import sys
 import threading
 import time
 from collections import Counter
@@ -48,7 +47,7 @@ from sglang_p2p_backend.engine.copy.memory import page_views, regions_from_lists
 from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.wire.pair_secret import IssuedSecrets, open_frames
 from sglang_p2p_backend.engine.pair.staging import StagingPool
-from sglang_p2p_backend.engine.threads import set_os_name
+from sglang_p2p_backend.engine.threads import set_os_name, shorten_gil_switch
 from sglang_p2p_backend.engine.transport import one_sided_transport, two_sided_transport
 from sglang_p2p_backend.engine.transport.cuda_ipc import CudaIpcTransport
 from sglang_p2p_backend.engine.transport.cuda_ipc import backend as ipc_backend
@@ -64,18 +63,6 @@ _LOG_FIRST = 20  # dropped messages of one kind logged one by one, then every 1,
 
 def _no_staging(nbytes: int) -> torch.Tensor:
     raise TransportError("this rank runs no two-sided transport (SGLANG_P2P_TRANSPORT=mooncake): no staging")
-
-
-def _shorten_gil_switch(ms: float) -> None:
-    """Lower this process's GIL switch interval to `ms` (never raise it; 0 leaves it). A backend thread that
-    released the GIL (CUDA sync, socket wait) otherwise waits up to 5 ms for the scheduler's main thread,
-    which runs Python without pause, to hand it back: once per chunk step on the prefill, once per Status on
-    the decode. The main thread is asked to switch only when another thread waits, so the number of switches
-    stays that of the backend's wake-ups; only the wait shrinks."""
-    if ms > 0 and sys.getswitchinterval() > ms / 1e3:
-        logger.info("p2pnccl: GIL switch interval %.3g ms -> %.3g ms (SGLANG_P2P_GIL_SWITCH_MS)",
-                    sys.getswitchinterval() * 1e3, ms)
-        sys.setswitchinterval(ms / 1e3)
 
 
 def _state_shards(args: Any, components: int) -> dict:
@@ -110,7 +97,7 @@ class P2pNcclKVManagerBase(CommonKVManager):
         # before anything binds, registers or starts: a setting p2pnccl cannot serve fails the server here
         contract.check(args, server_args, str(getattr(disaggregation_mode, "value", disaggregation_mode)))
         self.config = EngineConfig.from_env()
-        _shorten_gil_switch(self.config.gil_switch_ms)
+        shorten_gil_switch(self.config.gil_switch_ms)
         key = key_from_env()
         #: signs this rank's writes to a keyed bootstrap server (bootstrap.py)
         self.bootstrap_key = key

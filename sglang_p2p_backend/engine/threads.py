@@ -1,4 +1,5 @@
-"""OS-level names for the backend's threads, so `top -H`, `/proc/PID/task/*/comm` and profilers show them.
+"""What the backend's threads need of the process they run in: OS-level names (`top -H`, `/proc/PID/task/*/comm`
+and profilers show them) and a GIL switch interval short enough for them to get the GIL back promptly.
 
 Python's `threading.Thread(name=...)` names a thread for Python only (before 3.14); inside an SGLang scheduler
 every thread would otherwise show as the process's title. Linux keeps 15 bytes of a thread name.
@@ -7,8 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import sys
 from typing import Optional
+
+logger = logging.getLogger(__name__)
 
 _PR_SET_NAME = 15
 _libc: Optional[ctypes.CDLL] = None
@@ -25,3 +29,16 @@ def set_os_name(name: str) -> None:
         _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def shorten_gil_switch(ms: float) -> None:
+    """Lower this process's GIL switch interval to `ms` (never raise it; 0 leaves it). A backend thread that
+    released the GIL (CUDA sync, socket wait) otherwise waits up to 5 ms for a thread running Python without
+    pause (an SGLang scheduler's main thread) to hand it back: once per chunk step on the prefill, once per
+    Status on the decode. The running thread is asked to switch only when another thread waits, so the number
+    of switches stays that of the backend's wake-ups; only the wait shrinks. The KV manager applies
+    SGLANG_P2P_GIL_SWITCH_MS at start; the transfer benchmarks apply it too, so they run as the service does."""
+    if ms > 0 and sys.getswitchinterval() > ms / 1e3:
+        logger.info("p2pnccl: GIL switch interval %.3g ms -> %.3g ms (SGLANG_P2P_GIL_SWITCH_MS)",
+                    sys.getswitchinterval() * 1e3, ms)
+        sys.setswitchinterval(ms / 1e3)

@@ -214,6 +214,8 @@ def test_quick_run_of_every_section_verifies_every_page(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert rc == 0 and result["pass"]["verified"] is True
     assert result["machine"].startswith("cpu-") and result["meta"]["quick"] is True
+    # both processes hand the GIL over as a server's KV manager makes its process do (SGLANG_P2P_GIL_SWITCH_MS)
+    assert result["gil_switch_ms"] == pytest.approx(0.5) and result["decode"]["gil_switch_ms"] == pytest.approx(0.5)
     n = len(xc.QUICK_SHAPES) * len(xc.QUICK_TOKENS) * 2
     assert len(result["ipc"]) == 2 * n and {r["mode"] for r in result["ipc"]} == {"kernel", "copy_engine"}
     # every NCCL case without the engine's overlap, with it at 256 MiB slots (--slot-mib), with a 1 MiB first chunk
@@ -256,6 +258,10 @@ def test_quick_run_of_every_section_verifies_every_page(tmp_path, capsys):
         assert t["prefill header 0"] <= t["prefill gather 0"] <= t["prefill post 0"] <= t["prefill sent 0"]
         assert t["prefill header 0"] <= t["decode header 0"] <= t["decode post 0"] <= t["decode landed 0"] \
             <= t["decode scattered 0"] <= t["decode reported 0"]
+        # each end's host time by function: the decode's profiled in its receiver thread (the pipe reader's would
+        # show no function of the pipeline)
+        assert any("(pipeline.py:" in p["function"] for p in r["send_profile"])
+        assert any("(pipeline.py:" in p["function"] for p in r["recv_profile"]), r["recv_profile"]
     assert "== nccl phases of" in out_text
 
 

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from sglang_p2p_backend.engine.config import ConfigError, EngineConfig
+from sglang_p2p_backend.engine.threads import shorten_gil_switch
 from support.knobs import config_with
 
 
@@ -20,19 +21,16 @@ def test_switch_interval_knob_rejects_nonsense_naming_it(monkeypatch, raw):
         EngineConfig.from_env()
 
 
-@pytest.mark.sglang
 def test_switch_interval_is_only_ever_lowered():
-    from sglang_p2p_backend.adapter.manager import _shorten_gil_switch
-
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
-        _shorten_gil_switch(0.5)
+        shorten_gil_switch(0.5)
         assert sys.getswitchinterval() == pytest.approx(0.0005)
-        _shorten_gil_switch(2.0)  # higher than what is set: left alone
+        shorten_gil_switch(2.0)  # higher than what is set: left alone
         assert sys.getswitchinterval() == pytest.approx(0.0005)
         sys.setswitchinterval(0.005)
-        _shorten_gil_switch(0.0)  # off
+        shorten_gil_switch(0.0)  # off
         assert sys.getswitchinterval() == pytest.approx(0.005)
     finally:
         sys.setswitchinterval(before)
