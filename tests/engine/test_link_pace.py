@@ -130,6 +130,7 @@ def test_a_receiver_polls_finely_after_its_paced_wait_then_backs_off(clock):
             self._posted = collections.deque([pipeline._Posted(None, None, None, _Completion(), None,
                                                                clock.monotonic() + 60)])
             self._landed = collections.deque()
+            self._taken_back = collections.deque()
 
         def _progress(self):  # the chunk lands (and is reported: no scatter) once its receive is done
             if self._posted[0].done.done():

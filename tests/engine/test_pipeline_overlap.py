@@ -247,6 +247,68 @@ def test_overlapped_chunks_land_exactly_and_each_receive_is_posted_before_the_pr
         p.close()
 
 
+def test_headers_queued_behind_a_chunk_have_their_receives_posted_before_its_scatter_is_readied(cpu_streams):
+    """Receive-ahead from the queue: a header already queued when a chunk's receive is posted gets its receive
+    posted (and checked) before that chunk's scatter is readied, so the link moves the next chunk meanwhile; only
+    into a spare slot (two of three here), the next header waits for a slot as before."""
+    p = OverlapPair()
+    try:
+        comm = _open(p)
+        comm.hold.clear()
+        gate = threading.Event()
+        p.receiver.submit(gate.wait)  # the receiver busy: the room's headers queue up behind
+        steps: list = []
+        p.receiver.trace = lambda step, room: steps.append(step)
+        src, dst = _ids(20, 1)
+        p.sender.send(5, 0, [src], [dst])
+        gate.set()
+        _until(lambda: steps.count("readied") == 2, "the first two chunks readied")
+        chunk = ["header", "slot", "post", "checked"]
+        assert steps[:10] == chunk * 2 + ["readied", "readied"], steps
+        assert [e[0] for e in p.log if e[0] in ("posted", "prepared")] == ["posted", "posted", "prepared", "prepared"]
+        assert p.recv_pool.in_use == 2  # the third slot stays for another peer
+        comm.hold.set()
+        p.drain()
+        assert p.landed[1:] == [(5, None)] * 7 and p.pages_equal(src, dst)
+        assert all(steps.count(step) == 7 for step in chunk + ["readied", "landed", "scattered", "reported"]), steps
+        assert p.recv_pool.in_use == 0
+    finally:
+        p.close()
+
+
+def test_an_item_queued_between_headers_stops_the_receive_ahead_and_runs_after_the_chunks_before_it(cpu_streams):
+    """Anything but a header behind the chunk just posted (a callable, a new channel, the close) ends the look
+    ahead and keeps its place: it runs once the chunks announced before it are reported, before the headers after
+    it are taken."""
+    p = OverlapPair(slots=6)
+    try:
+        comm = _open(p)
+        comm.hold.clear()
+        gate = threading.Event()
+        p.receiver.submit(gate.wait)
+        order: list = []
+        p.receiver.trace = lambda step, room: order.append(step) if step in ("header", "reported") else None
+        headers = []
+
+        def control(msg):  # the callable goes in behind the room's second header
+            p.receiver.submit(msg)
+            headers.append(msg)
+            if len(headers) == 2:
+                p.receiver.submit(lambda: order.append("callable"))
+
+        p.sender.control = control
+        src, dst = _ids(9, 4)  # three chunks of three pages
+        p.sender.send(5, 0, [src], [dst])
+        gate.set()
+        _until(lambda: order.count("header") == 2, "the first two headers")
+        comm.hold.set()
+        p.drain()
+        assert order == ["header", "header", "reported", "reported", "callable", "header", "reported"], order
+        assert p.landed[1:] == [(5, None)] * 3 and p.pages_equal(src, dst) and p.recv_pool.in_use == 0
+    finally:
+        p.close()
+
+
 def test_a_chunk_is_reported_only_once_its_queued_ended_and_the_next_receive_is_posted_meanwhile(cpu_streams,
                                                                                                    monkeypatch):
     """The receiver does not wait for a launched scatter while it can post the next receive: the chunk keeps its

@@ -314,6 +314,7 @@ def _segment_msg(seg: Segment, dst_ids: Sequence[np.ndarray], heads: Optional[Pa
 
 
 ChunkDone = Callable[[int, int, Optional[str]], None]  # (room, prefill_rank, error or None)
+_EMPTY = object()  # PairReceiver._queued: nothing queued
 
 
 class _Landed(NamedTuple):
@@ -368,6 +369,8 @@ class PairReceiver(_PairEnd):
         self._posted: "collections.deque[_Posted]" = collections.deque()
         self._landed: "collections.deque[_Landed]" = collections.deque()
         self._posted_header: Optional[ChunkHeader] = None  # the header _receive last posted (error bookkeeping)
+        #: items taken from the queue to look for headers behind a chunk and not handled there: handled next, first
+        self._taken_back: "collections.deque[object]" = collections.deque()
         self.room_ids = RoomIds(copier)  # the rooms' published KV ids on the device, one upload a room
         self._thread = threading.Thread(target=self._run, name=f"p2p-recv-{peer_session}", daemon=True)
         self._thread.start()
@@ -423,6 +426,8 @@ class PairReceiver(_PairEnd):
     def _next_item(self) -> object:
         """The next queued item. While chunks are in flight, the next header is taken as soon as it comes (its
         receive is then posted behind), and they move on without waiting for one once their work is done."""
+        if self._taken_back:
+            return self._taken_back.popleft()
         while self._posted or self._landed:
             # backing off: a stalled peer must not keep this thread waking (and taking the GIL from the
             # scheduler) thousands of times a second
@@ -537,30 +542,84 @@ class PairReceiver(_PairEnd):
         try:
             buf = self._slot()
             self._mark("slot", header.room)
-            try:
-                with _stream_ctx(comm):
-                    done = comm.recv(buf[: header.nbytes])
-                self._mark("post", header.room)
-            except BaseException:
-                comm.abort()  # a post that failed may have queued part of the receive: end it before reuse
-                self._give_back(comm, [buf], self.peer_session)
-                raise
+            done = self._post(comm, header, buf)
         except TransportError as e:
             self._checked(header)
             self._settle()
             self._broken(f"pair channel with prefill {self.peer_session} broke: {e}")
             self.on_chunk(header.room, header.prefill_rank, self.broken_reason)
             return
-        verdict = self._checked(header)
-        overlaps = self._overlappable(comm, verdict)
-        stream = comm.side_stream if overlaps else comm.stream
-        self._posted.append(_Posted(header, verdict, buf, done, comm, time.monotonic() + self.io_timeout, stream,
-                                    self._prepare(header, verdict, buf, stream)))
+        first = len(self._posted)
+        overlaps = self._posted_checked(header, buf, done, comm)
         self._posted_header = header
+        if overlaps:
+            overlaps = self._receive_ahead(comm)
+        # readied after every receive the queue allowed is posted: the link moves the next chunk while this end
+        # readies the scatters (a readying is needed only by its chunk's landing)
+        for k in range(first, len(self._posted)):
+            p = self._posted[k]
+            self._posted[k] = p._replace(prepared=self._prepare(p.header, p.verdict, p.buf, p.scatter))
         if overlaps:
             self._progress()
         else:
             self._settle()  # nothing overlaps (CPU, SGLANG_P2P_OVERLAP=0, a scatter that may load a kernel)
+
+    def _post(self, comm: PairComm, header: ChunkHeader, buf: torch.Tensor) -> Completion:
+        """Post the receive of `header`'s bytes into `buf`; on failure the channel is aborted and `buf` goes back
+        once its work ended (a post that failed may have queued part of the receive)."""
+        try:
+            with _stream_ctx(comm):
+                done = comm.recv(buf[: header.nbytes])
+            self._mark("post", header.room)
+            return done
+        except BaseException:
+            comm.abort()
+            self._give_back(comm, [buf], self.peer_session)
+            raise
+
+    def _posted_checked(self, header: ChunkHeader, buf: torch.Tensor, done: Completion, comm: PairComm) -> bool:
+        """A chunk whose receive is posted: checked (in arrival order) and queued to land, its scatter not readied
+        yet; whether the next receive may be posted before it lands (`_overlappable`)."""
+        verdict = self._checked(header)
+        overlaps = self._overlappable(comm, verdict)
+        stream = comm.side_stream if overlaps else comm.stream
+        self._posted.append(_Posted(header, verdict, buf, done, comm, time.monotonic() + self.io_timeout, stream))
+        return overlaps
+
+    def _receive_ahead(self, comm: PairComm) -> bool:
+        """Post the receives of the headers already queued behind the chunk just posted, in order, while a spare
+        slot is free (never waiting for one), each checked as it is posted; stops at anything else, which is
+        handled next. Whether the last chunk posted overlaps the next receive. Only chunks that passed
+        `_overlappable` have a receive posted behind them."""
+        while True:
+            item = self._taken_back.popleft() if self._taken_back else self._queued()
+            if item is _EMPTY:
+                return True
+            buf = None
+            if (isinstance(item, ChunkHeader) and comm is self.comm and item.generation == self.generation
+                    and item.nbytes <= self.staging.slot_bytes):
+                try:
+                    buf = self.staging.try_acquire()
+                except TransportError:  # a slot that cannot be allocated: `_take` meets it again and fails the chunk
+                    buf = None
+            if buf is None:
+                self._taken_back.appendleft(item)  # the oldest item not handled: next in line
+                return True
+            self._mark("header", item.room)
+            self._mark("slot", item.room)
+            try:
+                done = self._post(comm, item, buf)
+            except TransportError:
+                self._taken_back.appendleft(item)  # the channel is aborted: `_take` fails it in order
+                return True
+            if not self._posted_checked(item, buf, done, comm):
+                return False
+
+    def _queued(self) -> object:
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return _EMPTY
 
     def _overlappable(self, comm: PairComm, verdict: ChunkVerdict) -> bool:
         """Whether the next chunk's receive may run while this one is scattered: on a channel with a side stream,
@@ -568,7 +627,11 @@ class PairReceiver(_PairEnd):
         running on the device, here the next receive, i.e. on the peer: docs/nccl.md, hazards)."""
         if not self.overlap or comm.side_stream is None:
             return False
-        return verdict.chunk is None or self.copier.loaded_for(verdict.chunk)
+        try:
+            return verdict.chunk is None or self.copier.loaded_for(verdict.chunk)
+        except Exception:  # noqa: BLE001 - not known: no overlap, the safe way
+            logger.exception("p2p receiver for %s: whether a scatter's kernel is loaded", self.peer_session)
+            return False
 
     def _prepare(self, header: ChunkHeader, verdict: ChunkVerdict, buf: torch.Tensor,
                  stream: Optional["torch.cuda.Stream"]) -> Optional[Callable[[], object]]:
