@@ -1265,6 +1265,13 @@ def tables(result: dict) -> str:
         parts.append(f"== nccl phases of {r['case']} ({r['bytes'] / 2**20:.0f} MiB, {r['chunks_slot_mib']} MiB slots, "
                      f"send() to landed p50 {r['send_us']['p50']:.0f} us): median offset from send()'s start\n"
                      + "\n".join(lines))
+        steps = xc.chunk_steps(r["phases_us"])
+        if steps:
+            tb = xc.Table([("chunk", 6)] + [(name, 10) for name in (*(c[0] for c in xc.CHUNK_STEPS), "link_wait")])
+            for row in steps:
+                tb.add(row["chunk"], *("-" if row[c] is None else f"{row[c]:.0f}"
+                                       for c in (*(c[0] for c in xc.CHUNK_STEPS), "link_wait")))
+            parts.append(f"== each chunk's steps of {r['case']} (us; xfer_cases.CHUNK_STEPS)\n{tb.render()}")
         if r.get("send_profile"):
             parts.append(f"== send() of {r['case']} under cProfile, by own time a call\n"
                          + "\n".join(render_profile(r["send_profile"], limit=16)))

@@ -247,6 +247,40 @@ def phase_offsets(events: list[tuple[str, str, int, float]]) -> list[tuple[str, 
     return sorted(medians, key=lambda kv: kv[1])
 
 
+#: chunk_steps' columns: (name, later step, earlier step); "end step" names as phase_offsets gives them, the chunk's
+#: index appended; "prev" takes the step of the chunk before
+CHUNK_STEPS = (
+    ("hop", "decode header", "prefill handed"),  # the header from the prefill's hand-off to the receiver taking it
+    ("p_gather", "prefill gather", "prefill handed"),  # the prefill queueing the chunk's gather
+    ("p_post", "prefill post", "prefill gather"),  # the prefill posting its send
+    ("d_post", "decode post", "decode slot"),  # the decode posting its receive
+    ("d_check", "decode checked", "decode post"),  # the header's checks
+    ("d_ready", "decode readied", "decode checked"),  # readying the scatter (ids on the device, the launch's args)
+    ("d_launch", "decode launched", "decode landed"),  # launching the scatter once the bytes are in
+)
+
+
+def chunk_steps(phases_us: list[tuple[str, float]]) -> list[dict]:
+    """`phase_offsets`' timeline as each chunk's step durations in us (CHUNK_STEPS; None where a step is missing),
+    and `link_wait`: how long after the previous chunk landed both ends had posted this one (positive: the link
+    had nothing to move for about that long; negative: the receive was posted ahead). Durations between medians,
+    so a step may come out slightly negative."""
+    t = dict(phases_us)
+    rows = []
+    k = 0
+    while f"decode header {k}" in t or f"prefill header {k}" in t:
+        row: dict = {"chunk": k}
+        for name, later, earlier in CHUNK_STEPS:
+            a, b = t.get(f"{later} {k}"), t.get(f"{earlier} {k}")
+            row[name] = None if a is None or b is None else round(a - b, 1)
+        posts, landed = (t.get(f"decode post {k}"), t.get(f"prefill post {k}")), t.get(f"decode landed {k - 1}")
+        row["link_wait"] = (None if k == 0 or landed is None or None in posts
+                            else round(max(posts) - landed, 1))
+        rows.append(row)
+        k += 1
+    return rows
+
+
 def ratio(reference_us: Optional[float], measured_us: Optional[float]) -> Optional[float]:
     """reference / measured (1.0 = as fast as the reference); None when either is missing."""
     if not reference_us or not measured_us:

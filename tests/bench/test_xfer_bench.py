@@ -96,6 +96,26 @@ def test_phase_offsets_time_each_step_from_its_requests_start():
                                        "prefill header 1": 400.0, "decode header 1": 500.0}, abs=0.2)
 
 
+def test_chunk_steps_turn_a_timeline_into_each_chunks_step_durations():
+    """Session 30's 4k trace, its first two chunks (docs/nccl.md): each step's duration per chunk, how long after
+    the previous chunk landed both ends had posted this one, and '-' (None) for a step the trace lacks."""
+    timeline = [("prefill start 0", 0.0), ("prefill handed 0", 50.2), ("decode header 0", 109.4),
+                ("decode slot 0", 115.9), ("prefill gather 0", 231.6), ("decode post 0", 276.6),
+                ("prefill post 0", 309.6), ("decode checked 0", 351.5), ("prefill handed 1", 356.2),
+                ("prefill gather 1", 412.9), ("prefill post 1", 472.4), ("decode readied 0", 661.4),
+                ("decode header 1", 689.6), ("decode slot 1", 694.7), ("decode landed 0", 851.0),
+                ("decode post 1", 881.5), ("decode launched 0", 940.8), ("decode checked 1", 936.8),
+                ("decode landed 1", 1255.1)]
+    rows = xc.chunk_steps(timeline)
+    assert [r["chunk"] for r in rows] == [0, 1]
+    assert rows[0] == {"chunk": 0, "hop": 59.2, "p_gather": 181.4, "p_post": 78.0, "d_post": 160.7, "d_check": 74.9,
+                       "d_ready": 309.9, "d_launch": 89.8, "link_wait": None}
+    assert rows[1]["hop"] == 333.4 and rows[1]["d_post"] == 186.8 and rows[1]["d_check"] == 55.3
+    assert rows[1]["d_ready"] is None and rows[1]["d_launch"] is None  # not in this timeline
+    assert rows[1]["link_wait"] == 30.5  # the decode's receive posted 30.5 us after chunk 0 landed
+    assert xc.chunk_steps([("prefill start 0", 0.0)]) == []
+
+
 def test_budget_bounds_repetitions():
     calls = []
     times = xc.Budget(seconds=1.0, min_reps=3, max_reps=10, warmup=2).run(lambda: calls.append(1) or 0.6)
@@ -262,7 +282,7 @@ def test_quick_run_of_every_section_verifies_every_page(tmp_path, capsys):
         # show no function of the pipeline)
         assert any("(pipeline.py:" in p["function"] for p in r["send_profile"])
         assert any("(pipeline.py:" in p["function"] for p in r["recv_profile"]), r["recv_profile"]
-    assert "== nccl phases of" in out_text
+    assert "== nccl phases of" in out_text and "== each chunk's steps of" in out_text
 
 
 @pytest.mark.slow
