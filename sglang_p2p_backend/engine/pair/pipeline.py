@@ -609,8 +609,9 @@ class PairReceiver(_PairEnd):
             self._mark("slot", item.room)
             try:
                 done = self._post(comm, item, buf)
-            except TransportError:
-                self._taken_back.appendleft(item)  # the channel is aborted: `_take` fails it in order
+            except TransportError as e:  # the channel is aborted: its chunks fail, and `_take` fails this one in order
+                logger.warning("p2p receiver for %s: a receive posted ahead failed: %s", self.peer_session, e)
+                self._taken_back.appendleft(item)
                 return True
             if not self._posted_checked(item, buf, done, comm):
                 return False
