@@ -166,6 +166,14 @@ class PairRun:
         return result
 
 
+def log_tails(result: dict, lines: int = 25) -> str:
+    """The last `lines` of every rank's log of a finished run (`run_pair`'s result): an assertion's message, so a
+    failure seen once on a loaded CI machine shows what each rank did last."""
+    workdir = result.get("workdir", "")
+    names = sorted(n for n in os.listdir(workdir) if n.endswith(".log")) if os.path.isdir(workdir) else []
+    return "\n".join(f"--- {name}:\n{_tail(os.path.join(workdir, name), lines)}" for name in names)
+
+
 def _tail(path: str, lines: int = 40) -> str:
     try:
         with open(path, errors="replace") as f:

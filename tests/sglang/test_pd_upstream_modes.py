@@ -13,7 +13,7 @@ from test_pd_transfer import (FAST_FAILURE_ENV, IPC_ENV, MOONCAKE_ENV, assert_cl
                               require_deferred_release)
 
 from sglang_p2p_backend.testing.faults import EXIT_CODE
-from sglang_p2p_backend.testing.launch import STARTUP_S, PairRun, run_pair
+from sglang_p2p_backend.testing.launch import STARTUP_S, PairRun, log_tails, run_pair
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -133,7 +133,8 @@ def test_pages_of_a_room_the_decode_failed_mid_write_are_reused_only_after_the_w
     d, (p0, p1) = result["decode"], result["ranks"]["prefill"]
     failed, written = d["requests"]["7101"], p1["requests"]["7101"]
     assert written["write_done_at"] - failed["failed_at"] > 2.0, (failed, written)  # failed mid-write
-    assert p0["requests"]["7102"]["status"] == "Success"
+    # (once on a loaded CI machine, Mooncake over TCP: 7102 still open at the deadline; the logs say why)
+    assert p0["requests"]["7102"]["status"] == "Success", (p0["requests"]["7102"], failed, written, log_tails(result))
     assert landed(d, "7102")["bad_pages_at_end"] == []
     assert failed["pages_freed_at"] >= written["write_done_at"], (failed, written)
     assert "injected: the decode's own check failed room 7101" in failed_reason(d, 7101)
