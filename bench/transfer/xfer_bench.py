@@ -401,23 +401,24 @@ class Decode:
         receiver.trace = None
         return ("trace", self.trace_rows)
 
-    def profile(self, on: bool, calls: int = 1):
-        """The receiver thread's host time under cProfile from now on (a call queued to that thread: cProfile
-        profiles the thread that enables it); switched off, its rows per one of `calls` requests."""
+    def _on_receiver(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` run on the receiver's thread once everything queued before it was handled; its value."""
         done: "queue.Queue[object]" = queue.Queue()
+        self.nccl[1].submit(lambda: done.put(fn()))
+        return done.get(timeout=IO_TIMEOUT)
+
+    def profile(self, on: bool, calls: int = 1):
+        """The receiver thread's host time under cProfile from now on (enabled on that thread: cProfile profiles
+        the thread that enables it); switched off, its rows per one of `calls` requests."""
         if on:
             self.recv_prof = cProfile.Profile()
-            self.nccl[1].submit(lambda: done.put(self.recv_prof.enable()))
-            done.get(timeout=IO_TIMEOUT)
+            self._on_receiver(self.recv_prof.enable)
             return ("ok",)
-        self.nccl[1].submit(lambda: done.put(self.recv_prof.disable()))
-        done.get(timeout=IO_TIMEOUT)
+        self._on_receiver(self.recv_prof.disable)
         return ("profile", profile_rows(self.recv_prof, calls, top=16))
 
     def mark(self):
-        done: "queue.Queue[float]" = queue.Queue()
-        self.nccl[1].submit(lambda: done.put(time.monotonic()))
-        return ("landed", done.get(timeout=IO_TIMEOUT), list(self.nccl[2][:3]))
+        return ("landed", self._on_receiver(time.monotonic), list(self.nccl[2][:3]))
 
     def ref_recv(self, nbytes: int):
         """One contiguous receive of `nbytes` on the receiver's pair channel (it is idle between cases)."""
@@ -1267,10 +1268,10 @@ def tables(result: dict) -> str:
                      + "\n".join(lines))
         steps = xc.chunk_steps(r["phases_us"])
         if steps:
-            tb = xc.Table([("chunk", 6)] + [(name, 10) for name in (*(c[0] for c in xc.CHUNK_STEPS), "link_wait")])
+            cols = (*(c[0] for c in xc.CHUNK_STEPS), "link_wait")
+            tb = xc.Table([("chunk", 6)] + [(name, 10) for name in cols])
             for row in steps:
-                tb.add(row["chunk"], *("-" if row[c] is None else f"{row[c]:.0f}"
-                                       for c in (*(c[0] for c in xc.CHUNK_STEPS), "link_wait")))
+                tb.add(row["chunk"], *("-" if row[c] is None else f"{row[c]:.0f}" for c in cols))
             parts.append(f"== each chunk's steps of {r['case']} (us; xfer_cases.CHUNK_STEPS)\n{tb.render()}")
         if r.get("send_profile"):
             parts.append(f"== send() of {r['case']} under cProfile, by own time a call\n"

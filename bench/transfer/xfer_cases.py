@@ -247,8 +247,8 @@ def phase_offsets(events: list[tuple[str, str, int, float]]) -> list[tuple[str, 
     return sorted(medians, key=lambda kv: kv[1])
 
 
-#: chunk_steps' columns: (name, later step, earlier step); "end step" names as phase_offsets gives them, the chunk's
-#: index appended; "prev" takes the step of the chunk before
+#: chunk_steps' columns: (name, later step, earlier step), both of the same chunk; "end step" names as
+#: phase_offsets gives them, the chunk's index appended
 CHUNK_STEPS = (
     ("hop", "decode header", "prefill handed"),  # the header from the prefill's hand-off to the receiver taking it
     ("p_gather", "prefill gather", "prefill handed"),  # the prefill queueing the chunk's gather
