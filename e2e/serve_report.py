@@ -4,11 +4,14 @@
 
 Several files (e.g. a no-graph and a graph run of one lease) are read as one. Per (CUDA-graph mode, prompt,
 concurrency): each backend's median of TTFT p50/p99, TPOT p50, E2E p50, output tokens/s and KV transfer time
-over its repetitions, with min-max, and p2pnccl's ratio to NIXL (tok/s higher is better; the rest lower); with
-several prefills, the busiest one's share of the requests and the slowest and fastest forward stage; and the
-py-spy profiles runs carry (`--profile-cells`).
+over its repetitions, with min-max, and p2pnccl's ratio to NIXL (tok/s higher is better; the rest lower); each
+backend's tok/s over NIXL's paired by repetition (`paired`: the run-to-run spread of one cell is ~10%, larger than
+the differences sought, and a repetition runs every backend back to back); with several prefills, the busiest
+one's share of the requests and the slowest and fastest forward stage; and the py-spy profiles runs carry
+(`--profile-cells`).
 The decode's step time at a running batch size both backends reached is printed per cell too, and
-p2pnccl's step time over each other backend's at equal running batch over every size both logged (`step_ratio`).
+p2pnccl's step time over each other backend's, and each backend's over NIXL's, at equal running batch over every
+size both logged (`step_ratio`).
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from .results import load as load_result
 
 COLORS = {"p2pnccl": "tab:green", "nixl": "tab:orange", "mooncake": "tab:blue", "p2pnccl-gil5": "tab:olive",
           "p2pnccl-kernel": "tab:purple", "p2pnccl-ce": "tab:cyan", "p2pnccl-grid132": "tab:brown",
-          "p2pnccl-spans1024": "tab:pink", "p2pnccl-grid32": "tab:gray"}
+          "p2pnccl-spans1024": "tab:pink", "p2pnccl-grid32": "tab:gray",
+          "p2pnccl-split": "tab:red", "p2pnccl-auto": "black"}
 METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "kv_ms")
 
 
@@ -31,12 +35,14 @@ def load(paths: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
     """Every file's cells, the repetitions of one (backend, mode, prompt, concurrency) pooled across files."""
     machines: list[str] = []
     cells: dict[tuple, dict[str, Any]] = {}
-    for p in paths:
+    for i, p in enumerate(paths):
         doc = load_result(p)
         machines.append(doc.get("machine", "?"))
         for c in doc.get("cells", []):
             key = (c["backend"], c["cuda_graph"], c["input_len"], c["concurrency"])
-            cells.setdefault(key, {**c, "reps": []})["reps"] += c.get("reps", [])
+            # each repetition keeps where it came from (file, position): `paired` matches runs of one repetition
+            cells.setdefault(key, {**c, "reps": []})["reps"] += [
+                {**r, "_pair": (i, j)} for j, r in enumerate(c.get("reps", []))]
     return sorted(set(machines)), [c for c in cells.values() if c["reps"]]
 
 
@@ -71,6 +77,19 @@ def step_ratio(c: dict[str, Any], other: dict[str, Any]) -> Optional[dict[str, f
         return None
     mean = sum(x * w for x, w in zip(logs, weights)) / sum(weights)
     return {"ratio": round(math.exp(mean), 3), "sizes": len(weights), "intervals": sum(weights)}
+
+
+def paired(c: dict[str, Any], ref: dict[str, Any], key: str = "output_tok_s") -> Optional[dict[str, Any]]:
+    """`c`'s `key` over `ref`'s within each repetition both ran (same file, same position: serve.py runs every
+    backend of a repetition back to back, in an order rotated by repetition): the geometric mean of those ratios,
+    the number of pairs and in how many `c` was the higher. None where they share no repetition."""
+    theirs = {r["_pair"]: r.get(key) for r in ref["reps"] if "_pair" in r}
+    ratios = [r[key] / theirs[r["_pair"]] for r in c["reps"]
+              if r.get(key) and theirs.get(r.get("_pair"))]
+    if not ratios:
+        return None
+    return {"ratio": round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 3), "pairs": len(ratios),
+            "higher": sum(x > 1 for x in ratios)}
 
 
 def _intervals(c: dict[str, Any]) -> dict[int, list[float]]:
@@ -147,6 +166,9 @@ def table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["step_ms_same_batch"] = {k: (round(sp[k], 2), round(sn[k], 2)) for k in common[-3:]}
         if p:
             row["p2pnccl_step_ratio"] = {b: step_ratio(p, c) for b, c in sorted(per.items()) if b != "p2pnccl"}
+        if n:
+            row["over_nixl"] = {b: {"paired_tok_s": paired(c, n), "step": step_ratio(c, n)}
+                                for b, c in sorted(per.items()) if b != "nixl"}
         rows.append(row)
     return rows
 
@@ -160,15 +182,22 @@ def _fmt(t: tuple) -> str:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     out = ["| graphs | prompt | conc. | backend | reps | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | E2E p50 ms | KV ms "
+           "| tok/s over NIXL's, paired by repetition (higher in) | decode step over NIXL's at equal batch (intervals) "
            "| p2pnccl's decode step over this one's at equal batch (intervals) |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         for b, v in r["backends"].items():
-            step = (r.get("p2pnccl_step_ratio") or {}).get(b)
+            vs = (r.get("over_nixl") or {}).get(b) or {}
+            pair = vs.get("paired_tok_s")
+            cols = [f"{pair['ratio']:.3f} ({pair['higher']} of {pair['pairs']})" if pair else "-",
+                    _step(vs.get("step")), _step((r.get("p2pnccl_step_ratio") or {}).get(b))]
             out.append(f"| {'yes' if r['cuda_graph'] else 'no'} | {r['input_len']} | {r['concurrency']} | {b} | {v['reps']} | "
-                       + " | ".join(_fmt(v[m]) for m in METRICS)
-                       + (f" | {step['ratio']:.3f} ({step['intervals']}) |" if step else " | - |"))
+                       + " | ".join([_fmt(v[m]) for m in METRICS] + cols) + " |")
     return "\n".join(out)
+
+
+def _step(s: Optional[dict[str, Any]]) -> str:
+    return f"{s['ratio']:.3f} ({s['intervals']})" if s else "-"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -286,6 +286,34 @@ def test_report_pools_repetitions_across_files_and_compares_with_nixl(tmp_path: 
     last = [line.rsplit("|", 2)[-2].strip() for line in md.splitlines()[2:]]
     assert last == [f"{3.3 / 2.1:.3f} (6)", "-"]  # nixl's row, p2pnccl's
     assert row["backends"]["p2pnccl"]["stages_ms"] == {}  # results from before stages were recorded
+    # paired by repetition within each file: 300/200, 330/220, 360/210 (not the medians' 330/210)
+    pair = row["over_nixl"]["p2pnccl"]["paired_tok_s"]
+    assert pair == {"ratio": round((300 / 200 * 330 / 220 * 360 / 210) ** (1 / 3), 3), "pairs": 3, "higher": 3}
+    p_row = next(line for line in md.splitlines() if "| p2pnccl |" in line)
+    assert f"| {pair['ratio']:.3f} (3 of 3) | {3.3 / 2.1:.3f} (6) |" in p_row
+
+
+def test_paired_ratio_matches_runs_of_one_repetition_and_skips_a_missing_one(tmp_path: Path):
+    import json
+
+    from e2e import serve_report
+
+    def doc(reps):
+        return {"machine": "m", "cells": [
+            {"backend": b, "input_len": 16384, "concurrency": 16, "cuda_graph": True,
+             "reps": [{"output_tok_s": x} for x in xs if x is not None]} for b, xs in reps.items()]}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    # file a: the split variant's second repetition was not run (a step limit), so only its first pairs
+    a.write_text(json.dumps(doc({"p2pnccl-split": [440.0], "nixl": [400.0, 500.0]})))
+    b.write_text(json.dumps(doc({"p2pnccl-split": [450.0, 480.0], "nixl": [500.0, 400.0]})))
+    _, cells = serve_report.load([a, b])
+    (row,) = serve_report.table(cells)
+    got = row["over_nixl"]["p2pnccl-split"]["paired_tok_s"]
+    assert got == {"ratio": round((440 / 400 * 450 / 500 * 480 / 400) ** (1 / 3), 3), "pairs": 3, "higher": 2}
+    assert "p2pnccl_step_ratio" not in row and row["over_nixl"]["p2pnccl-split"]["step"] is None
+    nixl_only = [c for c in cells if c["backend"] == "nixl"]
+    assert serve_report.paired(nixl_only[0], {"reps": []}) is None
 
 
 def test_report_takes_the_median_of_each_stage_over_the_repetitions():
