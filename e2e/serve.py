@@ -74,18 +74,23 @@ BACKEND_ENV = {
     "p2pnccl-grid32": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_IPC_PROGRAMS": "32"},
     # each chunk cut by its page runs: the long runs to the copy engines, only the short ones to the kernel
     # (ce_plan.split_runs). In those cells the kernel took 59% of the bytes, whole chunks left to it for their mean
-    # span or span count, and a matmul beside it lost ~20% whatever its grid (2 x H200, session 30)
+    # span or span count, and a matmul beside it lost ~20% whatever its grid (2 x H200, session 30). The default
+    # since session 32's runs (engine/config.py), so now the same as p2pnccl; kept so that their results' name
+    # still launches what they ran
     "p2pnccl-split": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_COPY_ENGINE": "split"},
+    # the route rule before session 32: each chunk whole to the copy engines or to the kernel, by its mean span and
+    # span count (ce_plan.choose)
+    "p2pnccl-auto": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_COPY_ENGINE": "auto"},
     "nixl": {},  # SGLang's default NIXL backend: UCX, which picks cuda_ipc between two processes of one GPU
     "mooncake": {"MC_INTRANODE_NVLINK": "true", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"},
 }
 BASE_PORT = {"p2pnccl": 33000, "nixl": 33100, "mooncake": 33200, "p2pnccl-gil5": 33300, "p2pnccl-kernel": 33400,
              "p2pnccl-ce": 33500, "p2pnccl-grid132": 33600, "p2pnccl-spans1024": 33700, "p2pnccl-grid32": 33800,
-             "p2pnccl-split": 33900}
+             "p2pnccl-split": 33900, "p2pnccl-auto": 34000}
 #: a variant's --disaggregation-transfer-backend
 TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl", "p2pnccl-kernel": "p2pnccl", "p2pnccl-ce": "p2pnccl",
                     "p2pnccl-grid132": "p2pnccl", "p2pnccl-spans1024": "p2pnccl", "p2pnccl-grid32": "p2pnccl",
-                    "p2pnccl-split": "p2pnccl"}
+                    "p2pnccl-split": "p2pnccl", "p2pnccl-auto": "p2pnccl"}
 OUTPUT_TOKENS = 64
 DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
 

@@ -21,8 +21,8 @@ case the decode checks its destination pages byte for byte against the prefill's
 page path and again after the span path). Last, `interference`: a bf16 matmul loop on a stream of its own in the
 prefill process, launched and then as one CUDA graph, timed alone and while the 16k MHA request is written back
 to back (target: at most 5% slower).
-`--copy-engine off` sends every chunk to the kernel (`on`: to the copy engines), where `auto` (the default, as
-served) sends the 16k contiguous request's 32 MiB spans into the same GPU to the copy engines.
+`--copy-engine off` sends every chunk to the kernel (`on`: to the copy engines), where `split` (the default, as
+served) and `auto` send the 16k contiguous request's 32 MiB spans into the same GPU to the copy engines.
 Writes JSON to --out (default bench/results/ipc_<machine>.json) and prints a table.
 """
 
@@ -45,6 +45,7 @@ if _ROOT not in sys.path:  # run as a script: the repository root holds `bench` 
 from bench.transfer.gpu_names import gpu_slugs  # noqa: E402
 from bench.transfer.interference import beside_writes  # noqa: E402
 from bench.transfer.pair import collect, expect, guarded, page_bytes, spawn  # noqa: E402
+from sglang_p2p_backend.engine.config import COPY_ENGINE_MODES  # noqa: E402
 
 #: regions and bytes per token in a region (bf16)
 LAYOUTS = {"mla": (61, 576 * 2), "mha": (64, 8 * 128 * 2)}
@@ -164,7 +165,7 @@ class Prefill:
         if problem:
             raise RuntimeError(f"the decode's export cannot be used: {problem}")
         self.peers = {lay: _peer(messages, lay, export, ptrs[lay]) for lay in LAYOUTS}
-        self.tr = CudaIpcTransport(dev, copy_engine=cfg.get("copy_engine", "auto"))
+        self.tr = CudaIpcTransport(dev, copy_engine=cfg.get("copy_engine", COPY_ENGINE_MODES[0]))
         t0 = time.perf_counter()
         self.tr.open_peer(SESSION, export)
         self.open_ms = (time.perf_counter() - t0) * 1e3
@@ -319,7 +320,7 @@ def _prefill(conn, cfg):
     except ImportError:
         triton_version = None
     meta = {"gpu": torch.cuda.get_device_name(p.dev), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "copy_engine": cfg.get("copy_engine", "auto"),
+            "copy_engine": cfg.get("copy_engine", COPY_ENGINE_MODES[0]),
             "triton": triton_version, "python": platform.python_version(), "open_peer_ms": p.open_ms,
             "allocations": p.allocations}
     return {"cases": rows, "latency": latency, "interference": interference, "meta": meta}
@@ -369,9 +370,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--latency-reps", type=int, default=1000, help="timed writes of the 128-token request")
     ap.add_argument("--timeout", type=float, default=480.0, help="seconds before both processes are killed")
-    ap.add_argument("--copy-engine", choices=("auto", "off", "on"), default="auto",
-                    help="the transport's route rule (SGLANG_P2P_COPY_ENGINE): auto as served, off for the kernel on "
-                         "every chunk, on for the copy engines")
+    ap.add_argument("--copy-engine", choices=COPY_ENGINE_MODES, default=COPY_ENGINE_MODES[0],
+                    help="the transport's route rule (SGLANG_P2P_COPY_ENGINE): split (the default, as served), auto "
+                         "(each chunk whole by ce_plan.choose), off for the kernel on every chunk, on for the copy "
+                         "engines")
     ns = ap.parse_args(argv)
     if ns.reps < 20:
         ap.error("--reps must be at least 20")

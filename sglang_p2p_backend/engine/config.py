@@ -13,7 +13,7 @@ AUTO = "auto"
 #: the values of SGLANG_P2P_TRANSPORT: `auto` or a forced transport (engine/transport/select.py)
 TRANSPORTS = (AUTO, "cudaipc", "nccl", "mooncake", "tcp")
 #: the values of SGLANG_P2P_COPY_ENGINE (engine/copy/ce_plan.py), the first the default
-COPY_ENGINE_MODES = ("auto", "off", "on", "split")  # the first is the default
+COPY_ENGINE_MODES = ("split", "auto", "off", "on")  # the first is the default
 #: SGLANG_P2P_NCCL_CAPS by default; 16 channels already reach contiguous speed on H200 NVLink
 DEFAULT_CAPS: tuple[Optional[int], ...] = (16, 8, 4, 2)
 
@@ -114,12 +114,15 @@ class EngineConfig:
     #: gather; 0 (the default): every chunk a whole slot. Off because it lost on 2 x H200 at every cap tried (16-64
     #: MiB: the extra chunks cost more than the shorter head saved; docs/nccl.md, session 30)
     first_chunk_mb: int = 0
-    #: SGLANG_P2P_COPY_ENGINE: how the same-host path copies a chunk: `auto` (per chunk, engine/copy/ce_plan.py's
-    #: rule), `off` (the SM copy kernel), `on` (the GPU's copy engines, cudaMemcpyBatchAsync) or `split` (per page
-    #: run: a chunk's long runs to the copy engines, its short ones to the kernel; ce_plan.split_runs)
-    copy_engine: str = "auto"
-    #: SGLANG_P2P_CE_MIN_SPAN_KIB / SGLANG_P2P_CE_MAX_SPANS: `auto`'s thresholds (a chunk goes to the copy engines
-    #: when its mean span is at least this long and it has at most this many spans), for any destination; None:
+    #: SGLANG_P2P_COPY_ENGINE: how the same-host path copies a chunk: `split` (the default; per page run: a chunk's
+    #: long runs to the copy engines, its short ones to the kernel, ce_plan.split_runs), `auto` (the whole chunk one
+    #: way, by ce_plan.choose's rule), `off` (the SM copy kernel) or `on` (the GPU's copy engines,
+    #: cudaMemcpyBatchAsync). `split` is the default since it served as fast as NIXL or faster with decode steps no
+    #: slower, where `auto` left 40-57% of the bytes to the kernel (2 x H200, docs/serving.md, session 32)
+    copy_engine: str = COPY_ENGINE_MODES[0]
+    #: SGLANG_P2P_CE_MIN_SPAN_KIB / SGLANG_P2P_CE_MAX_SPANS: the copy engines' thresholds (`split`: a page run whose
+    #: span is at least this long, at most this many spans a chunk; `auto`: a chunk whose mean span is at least this
+    #: long and has at most this many spans), for any destination; None:
     #: ce_plan's (2 MiB and 1,024 spans across GPUs, 16 MiB and 64 spans into the prefill's own GPU). Lower, the copy engines also
     #: take chunks they copy somewhat slower than the kernel, still without the prefill's SMs
     ce_min_span_kib: Optional[int] = None

@@ -66,7 +66,7 @@ def test_off_and_on_ignore_the_shape():
     assert choose("off", 1, 1 << 30) == KERNEL
     assert choose("on", 1_000_000, 2048 * 1_000_000) == COPY_ENGINE
     assert choose("on", 0, 0) == KERNEL  # nothing to copy: nothing to choose
-    with pytest.raises(ValueError, match="not one of auto, off, on"):
+    with pytest.raises(ValueError, match="not one of split, auto, off, on"):
         choose("sometimes", 1, 1)
 
 

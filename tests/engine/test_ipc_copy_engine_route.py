@@ -154,11 +154,11 @@ def test_spans_go_to_the_copy_engines_after_the_export_check(shm):
 
 def test_the_knob_is_read_once_and_checked(monkeypatch):
     monkeypatch.delenv("SGLANG_P2P_COPY_ENGINE", raising=False)
-    assert EngineConfig.from_env().copy_engine == "auto"
+    assert EngineConfig.from_env().copy_engine == "split"  # the default since session 32's serving runs
     monkeypatch.setenv("SGLANG_P2P_COPY_ENGINE", " Off ")
     assert EngineConfig.from_env().copy_engine == "off"
     monkeypatch.setenv("SGLANG_P2P_COPY_ENGINE", "yes")
-    with pytest.raises(ConfigError, match=r"SGLANG_P2P_COPY_ENGINE='yes' is not one of auto, off, on"):
+    with pytest.raises(ConfigError, match=r"SGLANG_P2P_COPY_ENGINE='yes' is not one of split, auto, off, on"):
         EngineConfig.from_env()
 
 
@@ -342,4 +342,29 @@ def test_split_sends_a_chunks_long_runs_to_the_copy_engines_and_its_short_ones_t
     lines = [r.getMessage() for r in caplog.records if "routes so far" in r.getMessage()]
     assert lines[-1] == (f"{cuda_ipc.ROUTE_LOG} routes so far: copy engines 2 chunks (0.00 GiB), "
                          "SM copy kernel 2 chunks (0.00 GiB; 2 for short spans)")
+    tr.close()
+
+
+def test_split_looks_for_runs_only_where_one_could_reach_the_threshold(shm, monkeypatch):
+    """`split` (the default) skips the run search of a chunk too short for any run to reach the span threshold
+    (after the kernel's first use, logged with exact spans), as `auto` does: a 128-token request pays no search.
+    Every chunk still takes the route split_runs gives it and its bytes land."""
+    looked = []
+    real = cuda_ipc.page_runs
+    monkeypatch.setattr(cuda_ipc, "page_runs", lambda s, d, *a: (looked.append(len(s)), real(s, d, *a))[1])
+    tr, sp, dp, sb, db, stride = _pair(shm, cuda_ipc.COPY_ENGINE_MODES[0])
+    assert tr.copy_engine == "split"
+    tr.ce_min_span = 3 * ITEM  # a run must hold 3 pages: 2-page chunks can never have one
+    chunks = [(np.array([4, 9]), np.array([0, 1])), (np.array([1, 2]), np.array([3, 4])),
+              (np.array([5, 6, 7, 12]), np.array([10, 11, 12, 19])), (np.array([0, 3]), np.array([6, 8]))]
+    for src, dst in chunks:
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, src, dst, PAGES, PAGES)
+    # searched: the first chunk (the kernel's first use) and the 4-page one; that one's run of 3 went to the
+    # copy engines beside the kernel's single page
+    assert looked == [2, 4]
+    assert [c[0] for c in shm.calls] == ["pages", "pages", "pages", "copy_engines", "pages"]
+    assert shm.calls[2] == ("pages", 1)
+    _check(sp, dp, stride, [4, 9, 1, 2, 5, 6, 7, 12, 0, 3], [0, 1, 3, 4, 10, 11, 12, 19, 6, 8])
+    counts = tr._route_tally._counts  # noqa: SLF001
+    assert {r: c[0] for r, c in counts.items()} == {ce_plan.KERNEL: 4, ce_plan.COPY_ENGINE: 1}
     tr.close()

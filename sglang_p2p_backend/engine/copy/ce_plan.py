@@ -11,11 +11,11 @@ refuses one that does, bench/transfer/strided_allocations.py. Regions join only 
 one region and the next region continues it on both sides; SGLang's layers are separate allocations, but no
 request holds page 0, the padding page, so their spans never join.)
 
-`SGLANG_P2P_COPY_ENGINE` (engine/config.py) picks the mode: `auto` (the default: `choose`'s rule per chunk, with
-the thresholds below), `off` (the kernel for every chunk), `on` (the copy engines for every chunk) or `split`
-(per page run: `split_runs` sends a chunk's long runs to the copy engines and leaves only its short ones to the
-kernel, where `auto` leaves the whole chunk to the kernel once its mean span is short or its spans too many). The
-thresholds come from `bench/transfer/xfer_bench.py`:
+`SGLANG_P2P_COPY_ENGINE` (engine/config.py) picks the mode: `split` (the default; per page run: `split_runs` sends
+a chunk's long runs to the copy engines and leaves only its short ones to the kernel), `auto` (`choose`'s rule per
+chunk, which leaves the whole chunk to the kernel once its mean span is short or its spans too many), `off` (the
+kernel for every chunk) or `on` (the copy engines for every chunk). Both rules use the thresholds below, which come
+from `bench/transfer/xfer_bench.py`:
 - across two NVLinked H100s (bench/results/xfer_nvidia-h100-x4_2026-11-2{7_a,7_b,7_c,8}.json.gz, four runs), for at
   most 64 spans a chunk, the copy engines took 0.90-0.96 of the kernel's time with spans of 18-32 MiB, 0.83-1.10
   at 4.5-8 MiB and 0.98-1.08 at 2 MiB (a 1k-token MHA request); shorter spans lost (1.06-1.6x at 1.1 MiB, a

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from sglang_p2p_backend.engine.config import COPY_ENGINE_MODES
 from sglang_p2p_backend.engine.copy.ce_plan import (COPY_ENGINE, KERNEL, SHORT_SPANS, SPLIT, coalesce,
                                                    page_chunk_shape, page_spans, route_and_reason, split_runs,
                                                    thresholds)
@@ -487,10 +488,11 @@ class CudaIpcTransport(OneSidedTransport):
 
     name = NAME
 
-    def __init__(self, device: torch.device, copy_engine: str = "auto", programs: Optional[int] = None,
+    def __init__(self, device: torch.device, copy_engine: str = COPY_ENGINE_MODES[0], programs: Optional[int] = None,
                  ce_min_span: Optional[int] = None, ce_max_spans: Optional[int] = None):
         self.device = device
-        #: SGLANG_P2P_COPY_ENGINE: off (the SM kernel), on (copy engines), auto (per chunk: ce_plan.choose)
+        #: SGLANG_P2P_COPY_ENGINE: split (the default; per page run: ce_plan.split_runs), auto (per chunk:
+        #: ce_plan.choose), off (the SM kernel), on (copy engines)
         self.copy_engine = copy_engine
         #: auto's thresholds (bytes, spans; SGLANG_P2P_CE_MIN_SPAN_KIB, SGLANG_P2P_CE_MAX_SPANS); None: ce_plan's
         self.ce_min_span, self.ce_max_spans = ce_min_span, ce_max_spans
@@ -709,11 +711,15 @@ class CudaIpcTransport(OneSidedTransport):
         """SGLANG_P2P_COPY_ENGINE=split: the chunk's long page runs to the copy engines, its short ones to the
         kernel (ce_plan.split_runs), as one write; each part counted on its route."""
         limit, min_span = thresholds(backend().copy_engines_batched(), same_gpu, self.ce_min_span, self.ce_max_spans)
-        runs = page_runs(plan.src_ids, plan.dst_ids)
-        cut = split_runs(runs[:, 2], plan.item_bytes, min_span, limit)
         regions, page_bytes = int(plan.item_bytes.size), nbytes // int(plan.src_ids.size)
-        if not cut.picked.size:
-            self._count(KERNEL, cut.kernel_runs * regions, nbytes, SHORT_SPANS)
+        cut = runs = None
+        # where no run can reach the span threshold (one run of every page would not: every 128-token request) the
+        # runs are not looked for, as in `auto` (_copy_engine_runs; the kernel's first use still logs exact spans)
+        if KERNEL not in self._routes_seen or int(plan.src_ids.size) * int(plan.item_bytes.min()) >= min_span:
+            runs = page_runs(plan.src_ids, plan.dst_ids)
+            cut = split_runs(runs[:, 2], plan.item_bytes, min_span, limit)
+        if cut is None or not cut.picked.size:
+            self._count(KERNEL, regions * (cut.kernel_runs if cut else 1), nbytes, SHORT_SPANS)
             backend().write_pages(self.device, *plan, max_programs=grid)
             return
         chosen = runs[cut.picked]  # the engines' spans straight from their runs: no second search of the ids
