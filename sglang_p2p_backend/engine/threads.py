@@ -1,5 +1,6 @@
 """What the backend's threads need of the process they run in: OS-level names (`top -H`, `/proc/PID/task/*/comm`
-and profilers show them) and a GIL switch interval short enough for them to get the GIL back promptly.
+and profilers show them), their rank's GPU as their current device, and a GIL switch interval short enough for
+them to get the GIL back promptly.
 
 Python's `threading.Thread(name=...)` names a thread for Python only (before 3.14); inside an SGLang scheduler
 every thread would otherwise show as the process's title. Linux keeps 15 bytes of a thread name.
@@ -11,6 +12,8 @@ import ctypes.util
 import logging
 import sys
 from typing import Optional
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,17 @@ def set_os_name(name: str) -> None:
         _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def use_device(device: Optional[torch.device]) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing for None or a CPU device); once, at a
+    transfer thread's start. The runtime's current device is per thread and a new thread's is device 0, whatever
+    the scheduler set in its own, so on a rank of GPU 1 every stream helper (copy/stream_ops.py's StreamOps and
+    on_stream) took its slow path: torch's device and stream context managers, three a chunk on the decode's
+    receiver, and the device set back to 0 after each use where GPU 0 had a context (the receiver's profile on
+    2 x H200, docs/nccl.md, session 32)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def shorten_gil_switch(ms: float) -> None:

@@ -108,6 +108,8 @@ class PageCopier:
     def __init__(self, views: GroupViews):
         self.views = views
         self.item_lens = item_lens(views)
+        #: the pools' device (None without a region): the receiver's thread makes it its current one
+        self.device: Optional[torch.device] = next((v.device for regions in views for v in regions), None)
         #: pages every region of a group has (the bound of its ids), worked out once: `bad_ids` runs every send()
         self._pages = [min(int(v.shape[0]) for v in regions) if regions else 0 for regions in views]
         on_cuda = any(v.is_cuda for regions in views for v in regions)
