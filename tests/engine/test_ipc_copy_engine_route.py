@@ -346,9 +346,10 @@ def test_split_sends_a_chunks_long_runs_to_the_copy_engines_and_its_short_ones_t
 
 
 def test_split_looks_for_runs_only_where_one_could_reach_the_threshold(shm, monkeypatch):
-    """`split` (the default) skips the run search of a chunk too short for any run to reach the span threshold
-    (after the kernel's first use, logged with exact spans), as `auto` does: a 128-token request pays no search.
-    Every chunk still takes the route split_runs gives it and its bytes land."""
+    """`split` (the default) builds a chunk's runs only where one could reach the span threshold (after the
+    kernel's first use, logged with exact spans): not for a chunk too short to hold one (a 128-token request pays
+    no search, as under `auto`), nor for one whose longest run is short (its breaks only). Every chunk still takes
+    the route split_runs gives it and its bytes land."""
     looked = []
     real = cuda_ipc.page_runs
     monkeypatch.setattr(cuda_ipc, "page_runs", lambda s, d, *a: (looked.append(len(s)), real(s, d, *a))[1])
@@ -356,15 +357,17 @@ def test_split_looks_for_runs_only_where_one_could_reach_the_threshold(shm, monk
     assert tr.copy_engine == "split"
     tr.ce_min_span = 3 * ITEM  # a run must hold 3 pages: 2-page chunks can never have one
     chunks = [(np.array([4, 9]), np.array([0, 1])), (np.array([1, 2]), np.array([3, 4])),
-              (np.array([5, 6, 7, 12]), np.array([10, 11, 12, 19])), (np.array([0, 3]), np.array([6, 8]))]
+              (np.array([5, 6, 7, 12]), np.array([10, 11, 12, 19])), (np.array([0, 3]), np.array([6, 8])),
+              (np.array([13, 14, 15, 16]), np.array([13, 15, 17, 18]))]  # 4 pages, no run of 3
     for src, dst in chunks:
         tr.write_pages("d", sb, db, [ITEM] * REGIONS, src, dst, PAGES, PAGES)
-    # searched: the first chunk (the kernel's first use) and the 4-page one; that one's run of 3 went to the
-    # copy engines beside the kernel's single page
+    # runs built: the first chunk (the kernel's first use) and the 4-page one with a run of 3, which went to the
+    # copy engines beside the kernel's single page; the last 4-page chunk's longest run is 2: its breaks only
     assert looked == [2, 4]
-    assert [c[0] for c in shm.calls] == ["pages", "pages", "pages", "copy_engines", "pages"]
-    assert shm.calls[2] == ("pages", 1)
-    _check(sp, dp, stride, [4, 9, 1, 2, 5, 6, 7, 12, 0, 3], [0, 1, 3, 4, 10, 11, 12, 19, 6, 8])
+    assert [c[0] for c in shm.calls] == ["pages", "pages", "pages", "copy_engines", "pages", "pages"]
+    assert shm.calls[2] == ("pages", 1) and shm.calls[-1] == ("pages", 4)
+    _check(sp, dp, stride, [4, 9, 1, 2, 5, 6, 7, 12, 0, 3, 13, 14, 15, 16],
+           [0, 1, 3, 4, 10, 11, 12, 19, 6, 8, 13, 15, 17, 18])
     counts = tr._route_tally._counts  # noqa: SLF001
-    assert {r: c[0] for r, c in counts.items()} == {ce_plan.KERNEL: 4, ce_plan.COPY_ENGINE: 1}
+    assert {r: c[0] for r, c in counts.items()} == {ce_plan.KERNEL: 5, ce_plan.COPY_ENGINE: 1}
     tr.close()

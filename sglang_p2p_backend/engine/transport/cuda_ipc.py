@@ -711,15 +711,23 @@ class CudaIpcTransport(OneSidedTransport):
         """SGLANG_P2P_COPY_ENGINE=split: the chunk's long page runs to the copy engines, its short ones to the
         kernel (ce_plan.split_runs), as one write; each part counted on its route."""
         limit, min_span = thresholds(backend().copy_engines_batched(), same_gpu, self.ce_min_span, self.ce_max_spans)
-        regions, page_bytes = int(plan.item_bytes.size), nbytes // int(plan.src_ids.size)
+        n, regions = int(plan.src_ids.size), int(plan.item_bytes.size)
+        page_bytes, min_item = nbytes // n, int(plan.item_bytes.min())
+        # The runs are built only where one can reach the span threshold: not for a chunk too short to hold such a
+        # run (every 128-token request), nor for one whose longest run is short (scattered pages: the breaks and
+        # their longest run cost about half of the runs and their cut, 4k-16k pages on a CPU). The kernel's first
+        # use builds them, for its log line's exact spans.
+        first = KERNEL not in self._routes_seen
         cut = runs = None
-        # where no run can reach the span threshold (one run of every page would not: every 128-token request) the
-        # runs are not looked for, as in `auto` (_copy_engine_runs; the kernel's first use still logs exact spans)
-        if KERNEL not in self._routes_seen or int(plan.src_ids.size) * int(plan.item_bytes.min()) >= min_span:
-            runs = page_runs(plan.src_ids, plan.dst_ids)
-            cut = split_runs(runs[:, 2], plan.item_bytes, min_span, limit)
+        kernel_spans = regions  # where the runs are not looked for: at least one a region
+        if first or n * min_item >= min_span:
+            breaks = run_breaks(plan.src_ids, plan.dst_ids)
+            kernel_spans = regions * (int(breaks.size) + 1)
+            if first or int(np.diff(breaks, prepend=0, append=n).max()) * min_item >= min_span:
+                runs = page_runs(plan.src_ids, plan.dst_ids, breaks)
+                cut = split_runs(runs[:, 2], plan.item_bytes, min_span, limit)
         if cut is None or not cut.picked.size:
-            self._count(KERNEL, regions * (cut.kernel_runs if cut else 1), nbytes, SHORT_SPANS)
+            self._count(KERNEL, kernel_spans, nbytes, SHORT_SPANS)
             backend().write_pages(self.device, *plan, max_programs=grid)
             return
         chosen = runs[cut.picked]  # the engines' spans straight from their runs: no second search of the ids
