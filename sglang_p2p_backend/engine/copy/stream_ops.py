@@ -66,11 +66,11 @@ def upload_untracked(rt: Any, dst: int, src: int, nbytes: int, stream: int, inde
 
 class on_stream:
     """`torch.cuda.stream(stream)` for a block: `stream` the calling thread's current stream on its device, the
-    one before it current again after. Where that device is the thread's current one (a transfer thread's, set by
-    its first copy or post), with torch's own two C entry points each way: torch's context manager also builds a
-    Stream object for the stream it replaces and compares devices, 15-19 us a use on the H200 hosts
-    (bench/transfer/nccl_post.py's pieces), and the NCCL path takes two or three a chunk. Elsewhere, or where
-    torch lacks those entry points, it is torch's context manager. None: nothing changes."""
+    one before it current again after. Where that device is the thread's current one (a transfer thread's: each
+    makes its rank's GPU current at its start, engine/threads.use_device), with torch's own two C entry points each
+    way: torch's context manager also builds a Stream object for the stream it replaces and compares devices, 15-19
+    us a use on the H200 hosts (bench/transfer/nccl_post.py's pieces), and the NCCL path takes two or three a chunk.
+    Elsewhere, or where torch lacks those entry points, it is torch's context manager. None: nothing changes."""
 
     __slots__ = ("stream", "_prev", "_torch")
 
