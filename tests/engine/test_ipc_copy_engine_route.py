@@ -345,11 +345,11 @@ def test_split_sends_a_chunks_long_runs_to_the_copy_engines_and_its_short_ones_t
     tr.close()
 
 
-def test_split_looks_for_runs_only_where_one_could_reach_the_threshold(shm, monkeypatch):
-    """`split` (the default) builds a chunk's runs only where one could reach the span threshold (after the
-    kernel's first use, logged with exact spans): not for a chunk too short to hold one (a 128-token request pays
-    no search, as under `auto`), nor for one whose longest run is short (its breaks only). Every chunk still takes
-    the route split_runs gives it and its bytes land."""
+def test_split_looks_for_runs_only_where_one_could_reach_the_threshold(shm, monkeypatch, caplog):
+    """`split` (the default) builds a chunk's runs only where one could reach the span threshold: not for a chunk
+    too short to hold one (a 128-token request pays no search after the kernel's first use, as under `auto`), nor
+    for one whose longest run is short (its breaks only). Every chunk still takes the route split_runs gives it,
+    its bytes land, and the kernel's first use is logged with the chunk's exact spans."""
     looked = []
     real = cuda_ipc.page_runs
     monkeypatch.setattr(cuda_ipc, "page_runs", lambda s, d, *a: (looked.append(len(s)), real(s, d, *a))[1])
@@ -359,11 +359,16 @@ def test_split_looks_for_runs_only_where_one_could_reach_the_threshold(shm, monk
     chunks = [(np.array([4, 9]), np.array([0, 1])), (np.array([1, 2]), np.array([3, 4])),
               (np.array([5, 6, 7, 12]), np.array([10, 11, 12, 19])), (np.array([0, 3]), np.array([6, 8])),
               (np.array([13, 14, 15, 16]), np.array([13, 15, 17, 18]))]  # 4 pages, no run of 3
-    for src, dst in chunks:
-        tr.write_pages("d", sb, db, [ITEM] * REGIONS, src, dst, PAGES, PAGES)
-    # runs built: the first chunk (the kernel's first use) and the 4-page one with a run of 3, which went to the
-    # copy engines beside the kernel's single page; the last 4-page chunk's longest run is 2: its breaks only
-    assert looked == [2, 4]
+    with caplog.at_level("INFO", logger=cuda_ipc.__name__):
+        for src, dst in chunks:
+            tr.write_pages("d", sb, db, [ITEM] * REGIONS, src, dst, PAGES, PAGES)
+    first = [r.getMessage() for r in caplog.records if "SM copy kernel from now on" in r.getMessage()]
+    assert first == [f"{cuda_ipc.ROUTE_LOG} SM copy kernel from now on where SGLANG_P2P_COPY_ENGINE=split picks it "
+                     f"(first: {2 * REGIONS} spans, {2 * REGIONS * ITEM} bytes)"]  # two runs of one page
+    # runs built only for the 4-page chunk with a run of 3, which went to the copy engines beside the kernel's
+    # single page; the first chunk (the kernel's first use, logged with exact spans) and the last 4-page chunk,
+    # whose longest run is 2, need their breaks only
+    assert looked == [4]
     assert [c[0] for c in shm.calls] == ["pages", "pages", "pages", "copy_engines", "pages", "pages"]
     assert shm.calls[2] == ("pages", 1) and shm.calls[-1] == ("pages", 4)
     _check(sp, dp, stride, [4, 9, 1, 2, 5, 6, 7, 12, 0, 3, 13, 14, 15, 16],

@@ -494,7 +494,8 @@ class CudaIpcTransport(OneSidedTransport):
         #: SGLANG_P2P_COPY_ENGINE: split (the default; per page run: ce_plan.split_runs), auto (per chunk:
         #: ce_plan.choose), off (the SM kernel), on (copy engines)
         self.copy_engine = copy_engine
-        #: auto's thresholds (bytes, spans; SGLANG_P2P_CE_MIN_SPAN_KIB, SGLANG_P2P_CE_MAX_SPANS); None: ce_plan's
+        #: the copy engines' thresholds, split's and auto's (bytes, spans; SGLANG_P2P_CE_MIN_SPAN_KIB,
+        #: SGLANG_P2P_CE_MAX_SPANS); None: ce_plan's
         self.ce_min_span, self.ce_max_spans = ce_min_span, ce_max_spans
         #: the route `auto` took first, logged once per route: which one a serving run used shows in its log
         self._routes_seen: set[str] = set()
@@ -716,14 +717,13 @@ class CudaIpcTransport(OneSidedTransport):
         # The runs are built only where one can reach the span threshold: not for a chunk too short to hold such a
         # run (every 128-token request), nor for one whose longest run is short (scattered pages: the breaks and
         # their longest run cost about half of the runs and their cut, 4k-16k pages on a CPU). The kernel's first
-        # use builds them, for its log line's exact spans.
-        first = KERNEL not in self._routes_seen
+        # use looks for the breaks, for its log line's exact spans.
         cut = runs = None
-        kernel_spans = regions  # where the runs are not looked for: at least one a region
-        if first or n * min_item >= min_span:
+        kernel_spans = regions  # where the breaks are not looked for: at least one a region
+        if KERNEL not in self._routes_seen or n * min_item >= min_span:
             breaks = run_breaks(plan.src_ids, plan.dst_ids)
             kernel_spans = regions * (int(breaks.size) + 1)
-            if first or int(np.diff(breaks, prepend=0, append=n).max()) * min_item >= min_span:
+            if int(np.diff(breaks, prepend=0, append=n).max()) * min_item >= min_span:
                 runs = page_runs(plan.src_ids, plan.dst_ids, breaks)
                 cut = split_runs(runs[:, 2], plan.item_bytes, min_span, limit)
         if cut is None or not cut.picked.size:
