@@ -47,7 +47,7 @@ from sglang_p2p_backend.engine.copy.memory import page_views, regions_from_lists
 from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.wire.pair_secret import IssuedSecrets, open_frames
 from sglang_p2p_backend.engine.pair.staging import StagingPool
-from sglang_p2p_backend.engine.threads import set_os_name, shorten_gil_switch, use_device
+from sglang_p2p_backend.engine.threads import enter_thread, shorten_gil_switch
 from sglang_p2p_backend.engine.transport import one_sided_transport, two_sided_transport
 from sglang_p2p_backend.engine.transport.cuda_ipc import CudaIpcTransport
 from sglang_p2p_backend.engine.transport.cuda_ipc import backend as ipc_backend
@@ -252,11 +252,7 @@ class P2pNcclKVManagerBase(CommonKVManager):
         Exception (the interpreter is going down, memory is gone) marks the manager broken, loudly."""
 
         def loop() -> None:
-            set_os_name(name)
-            try:
-                use_device(self.device)  # this rank's GPU: the copy paths' fast stream helpers need it current
-            except Exception:
-                logger.exception("p2pnccl: %s: cannot use %s (the thread goes on)", name, self.device)
+            enter_thread(name, self.device)  # this rank's GPU: the copy paths' fast stream helpers need it current
             while not self._stop.is_set():
                 try:
                     step()

@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import logging
 import sys
+import threading
 from typing import Optional
 
 import torch
@@ -43,6 +44,17 @@ def use_device(device: Optional[torch.device]) -> None:
     2 x H200, docs/nccl.md, session 32)."""
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def enter_thread(name: str, device: Optional[torch.device]) -> None:
+    """What every transfer thread does first: its OS name, then `device` as its current device. A device that
+    cannot be made current is logged and the thread goes on: its first CUDA call then fails the chunk it serves,
+    the usual way, rather than the thread dying silently."""
+    set_os_name(name)
+    try:
+        use_device(device)
+    except Exception:
+        logger.exception("p2pnccl: thread %s cannot use %s (it goes on)", threading.current_thread().name, device)
 
 
 def shorten_gil_switch(ms: float) -> None:

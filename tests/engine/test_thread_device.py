@@ -9,7 +9,6 @@ import torch
 
 from sglang_p2p_backend.engine import threads
 from sglang_p2p_backend.engine.copy.copier import PageCopier
-from sglang_p2p_backend.engine.pair import pipeline
 from sglang_p2p_backend.engine.pair.pipeline import PairReceiver
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.transport.tcp import TcpTransport
@@ -28,7 +27,7 @@ def test_only_a_cuda_device_is_made_current(monkeypatch, device, calls):
 
 def test_the_receivers_thread_makes_its_copiers_device_current_before_any_chunk(monkeypatch):
     seen = []
-    monkeypatch.setattr(pipeline, "use_device", lambda d: seen.append((d, threading.current_thread().name)))
+    monkeypatch.setattr(threads, "use_device", lambda d: seen.append((d, threading.current_thread().name)))
     _, views = pools()
     copier = PageCopier([views])
     assert copier.device == torch.device("cpu")  # the pools' device
@@ -51,7 +50,7 @@ def test_a_device_that_cannot_be_used_is_logged_and_the_receiver_goes_on(monkeyp
     def refuse(device):
         raise RuntimeError("CUDA error: invalid device ordinal")
 
-    monkeypatch.setattr(pipeline, "use_device", refuse)
+    monkeypatch.setattr(threads, "use_device", refuse)
     _, views = pools()
     transport = TcpTransport("127.0.0.1", io_timeout=5.0)
     receiver = PairReceiver(transport=transport, staging=StagingPool(transport.alloc_staging, 1024, 2),
@@ -61,7 +60,7 @@ def test_a_device_that_cannot_be_used_is_logged_and_the_receiver_goes_on(monkeyp
         done = threading.Event()
         receiver.submit(done.set)
         assert done.wait(5)
-        assert any("prefill:2: cannot use its GPU" in r.getMessage() for r in caplog.records)
+        assert any("thread p2p-recv-prefill:2 cannot use cpu (it goes on)" in r.getMessage() for r in caplog.records)
     finally:
         receiver.close()
         transport.close()
@@ -69,11 +68,10 @@ def test_a_device_that_cannot_be_used_is_logged_and_the_receiver_goes_on(monkeyp
 
 @pytest.mark.sglang
 def test_every_thread_a_kv_manager_spawns_makes_the_ranks_device_current(monkeypatch):
-    from sglang_p2p_backend.adapter import manager as manager_mod
     from sglang_p2p_backend.adapter.prefill import PrefillKVManager
 
     seen = []
-    monkeypatch.setattr(manager_mod, "use_device", lambda d: seen.append((d, threading.current_thread().name)))
+    monkeypatch.setattr(threads, "use_device", lambda d: seen.append((d, threading.current_thread().name)))
     mgr = PrefillKVManager.__new__(PrefillKVManager)  # only what _spawn reads: no SGLang server behind it
     mgr._stop, mgr._threads, mgr.device = threading.Event(), [], torch.device("cuda", 3)
     steps = []

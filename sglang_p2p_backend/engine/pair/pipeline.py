@@ -41,7 +41,7 @@ from sglang_p2p_backend.engine.copy.heads import PairHeads
 from sglang_p2p_backend.engine.copy.state_slices import StatePlan
 from sglang_p2p_backend.engine.copy.plan import Segment, plan_chunks
 from sglang_p2p_backend.engine.pair.staging import StagingPool
-from sglang_p2p_backend.engine.threads import set_os_name, use_device
+from sglang_p2p_backend.engine.threads import enter_thread
 from sglang_p2p_backend.engine.waiting import Deadline, wait_until
 from sglang_p2p_backend.engine.transport.base import Completion, PairComm, TransportError, TwoSidedTransport
 
@@ -404,11 +404,7 @@ class PairReceiver(_PairEnd):
         self.submit(lambda: self._drop("closed by the prefill (communicator pool)") if generation == self.generation else None)
 
     def _run(self) -> None:
-        set_os_name("p2p-recv")
-        try:
-            use_device(getattr(self.copier, "device", None))  # the decode's GPU (a stand-in copier may have none)
-        except Exception:  # logged; the thread goes on (a chunk's first CUDA call then fails it the usual way)
-            logger.exception("p2p receiver for %s: cannot use its GPU", self.peer_session)
+        enter_thread("p2p-recv", getattr(self.copier, "device", None))  # the decode's GPU (a stand-in copier: none)
         while True:
             item = self._next_item()
             try:
