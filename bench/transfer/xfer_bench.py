@@ -33,7 +33,8 @@ a region: a long prompt's chunks from SGLang's page-1 allocator), which also the
 - `fixed`: where a 128-token request's time goes (MLA page 64 and MHA page 16, scattered): host planning
   (checks and address translation), descriptor upload (CUDA events), launch (host time of the queueing call),
   sync (host wait), the control message (msgspec encoding of the aux row and Status, and one way over a local
-  socket); also for the copy engines and the NCCL path. Then a 4k-token contiguous request on each route: the
+  socket); the whole write and its step before the copy under the default route (split), the rest also for the copy
+  engines and the NCCL path. Then a 4k-token contiguous request on each route: the
   whole write against its copy's GPU time alone, the difference being the host time around the copy.
 - `plan`: host planning alone, no device: how the per-chunk host work grows with pages and layers.
 
@@ -73,6 +74,7 @@ from bench.transfer.gpu_names import gpu_slugs, picked  # noqa: E402
 from bench.transfer.host_profile import host_profile, profile_rows, render as render_profile  # noqa: E402
 from bench.transfer.interference import beside_writes, during_writes  # noqa: E402
 from bench.transfer.pair import SAFE_ENV, collect, expect, guarded, service_gil_switch  # noqa: E402
+from sglang_p2p_backend.engine.config import COPY_ENGINE_MODES  # noqa: E402
 
 SESSION = "127.0.0.1:17035"
 IO_TIMEOUT = 120.0
@@ -821,10 +823,12 @@ class Prefill:
         b = self.budget()
         b.max_reps, b.min_reps = max(b.max_reps, 200), 50
         out: dict = {"case": case.name, "pages": int(src_ids.size), "regions": shape.regions}
-        self.tr.copy_engine = "off"
         out["plan_us"] = xc.stats_us(b.run(lambda: host_seconds(lambda: self.tr.plan_pages(*args))))
+        # the whole write as the service takes it: the default route (split), which leaves these pages to the kernel
+        self.tr.copy_engine = out["mode"] = COPY_ENGINE_MODES[0]
         out["write_us"] = xc.stats_us(b.run(lambda: host_seconds(lambda: self.tr.write_pages(*args))))
         out["write_profile"] = host_profile(lambda: self.tr.write_pages(*args))
+        self.tr.copy_engine = "off"
         plan = self.tr.plan_pages(*args)
         if self.dev.cuda:
             c = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
@@ -887,7 +891,8 @@ class Prefill:
 
     def write_timelines(self, args: tuple) -> dict:
         """Both routes of `write_pages(*args)` as the transport takes them, step by step (`host_timeline`): the
-        checks and translation, the grid or the copy-engine spans, the wait for the forward's stream, the
+        checks and translation, the grid and the default route's plan (split: the kernel's whole chunk for these
+        requests) or the copy-engine spans, the wait for the forward's stream, the
         kernel's launch (inside it: the pinned ids and table, the device and stream set, the upload queued, the
         Triton launch) or the copy-engine call, and the wait for the copy."""
         from sglang_p2p_backend.engine.copy.ce_plan import page_chunk_shape, page_spans
@@ -920,15 +925,10 @@ class Prefill:
         def sync() -> None:
             c.ops.synchronize(stream.cuda_stream)
 
-        def route() -> None:  # what write_pages does between the plan and the copy, with auto's rule
+        def route() -> None:  # what write_pages does between the plan and the copy, with the default rule (split)
             p, same = box["plan"], self.tr._same_gpu(SESSION)  # noqa: SLF001
             box["grid"] = self.tr._grid(same, p.item_bytes)  # noqa: SLF001
-            mode, self.tr.copy_engine = self.tr.copy_engine, "auto"
-            try:
-                nbytes = int(p.src_ids.size) * self.tr._per_pool(p.item_bytes)[0]  # noqa: SLF001
-                box["breaks"] = self.tr._copy_engine_runs(p, nbytes, same)  # noqa: SLF001
-            finally:
-                self.tr.copy_engine = mode
+            box["route"] = self.tr.split_route(p, same)
 
         kernel = [("planned", plan), ("routed", route), ("waited", wait),
                   ("returned", lambda: pages.copy(*box["plan"], stream, box["grid"])), ("synchronized", sync)]

@@ -255,6 +255,8 @@ def test_quick_run_of_every_section_verifies_every_page(tmp_path, capsys):
     # where the small write's host time goes, by function: the transport's checks among them
     assert all(any(r["function"].startswith("plan_pages (cuda_ipc.py") and r["calls_per_op"] == 1.0
                    for r in f["write_profile"]) for f in result["fixed_cost"].values())
+    # ... timed under the default route, split, as the service writes
+    assert all(f["mode"] == "split" for f in result["fixed_cost"].values())
     # the larger contiguous request on both routes (on CPU: the writes only; the GPU time needs CUDA)
     large = [f["large"] for f in result["fixed_cost"].values()]
     assert sorted(x["case"] for x in large) == ["mha_p16_1024_contiguous", "mla_p64_1024_contiguous"]

@@ -229,3 +229,22 @@ def test_split_mode_follows_auto_for_chunks_it_does_not_cut():
     assert choose("split", 3, 3 * 1024) == KERNEL
     assert ce_plan.thresholds() == (ce_plan.CE_MAX_SPANS_BATCHED, ce_plan.CE_MIN_MEAN_SPAN_BYTES)
     assert ce_plan.thresholds(same_gpu=True, max_spans=7) == (7, ce_plan.CE_MIN_MEAN_SPAN_SAME_GPU_BYTES)
+
+
+def test_route_split_builds_runs_only_where_one_can_reach_the_threshold():
+    items = [64] * 3
+    # 2 pages can never hold a run of 4: nothing looked for, one kernel span a region, unless asked for exact spans
+    short = ce_plan.route_split(np.array([4, 9]), np.array([0, 1]), items, 256, 1024)
+    assert (short.runs, short.cut, short.kernel_spans, short.engines_take_any) == (None, None, 3, False)
+    assert ce_plan.route_split(np.array([4, 9]), np.array([0, 1]), items, 256, 1024, exact=True).kernel_spans == 6
+    # 6 pages in runs of 3 and 3: long enough in all, but no run reaches 4 pages: the breaks only
+    src = np.array([0, 1, 2, 10, 11, 12])
+    none = ce_plan.route_split(src, src + 50, items, 256, 1024)
+    assert (none.runs, none.cut, none.kernel_spans) == (None, None, 6)
+    # runs of 1, 8, 2 and 5 pages: the 8 and the 5 go to the copy engines, as split_runs cuts them
+    src = np.array([0, 10, 11, 12, 13, 14, 15, 16, 17, 30, 31, 40, 41, 42, 43, 44])
+    route = ce_plan.route_split(src, src + 100, items, 256, 1024)
+    assert route.engines_take_any and route.runs.tolist() == page_runs(src, src + 100).tolist()
+    assert (route.cut.picked.tolist(), route.cut.kernel_runs, route.kernel_spans) == ([1, 3], 2, 12)
+    empty = ce_plan.route_split(np.zeros(0, np.int64), np.zeros(0, np.int64), items, 1, 1)
+    assert (empty.cut, empty.kernel_spans) == (None, 3)

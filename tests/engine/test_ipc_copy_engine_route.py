@@ -351,8 +351,8 @@ def test_split_looks_for_runs_only_where_one_could_reach_the_threshold(shm, monk
     for one whose longest run is short (its breaks only). Every chunk still takes the route split_runs gives it,
     its bytes land, and the kernel's first use is logged with the chunk's exact spans."""
     looked = []
-    real = cuda_ipc.page_runs
-    monkeypatch.setattr(cuda_ipc, "page_runs", lambda s, d, *a: (looked.append(len(s)), real(s, d, *a))[1])
+    real = ce_plan.page_runs
+    monkeypatch.setattr(ce_plan, "page_runs", lambda s, d, *a: (looked.append(len(s)), real(s, d, *a))[1])
     tr, sp, dp, sb, db, stride = _pair(shm, cuda_ipc.COPY_ENGINE_MODES[0])
     assert tr.copy_engine == "split"
     tr.ce_min_span = 3 * ITEM  # a run must hold 3 pages: 2-page chunks can never have one

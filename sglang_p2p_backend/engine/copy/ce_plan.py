@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 
 from sglang_p2p_backend.engine.config import COPY_ENGINE_MODES as MODES
-from sglang_p2p_backend.engine.copy.plan import copy_descriptors, run_breaks
+from sglang_p2p_backend.engine.copy.plan import copy_descriptors, page_runs, run_breaks
 
 Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src addresses, dst addresses, lengths), int64
 
@@ -155,6 +155,40 @@ def split_runs(lens: np.ndarray, item_bytes: Sequence[int], min_span: int, max_s
     chosen = np.zeros(lens.size, dtype=bool)
     chosen[picked] = True
     return Split(np.repeat(chosen, lens), picked, int(lens.size - picked.size))
+
+
+class SplitRoute(NamedTuple):
+    """How `split` copies one whole-page chunk (`route_split`)."""
+
+    #: the chunk's page runs (`plan.page_runs`), built only where one of them can reach the span threshold
+    runs: Optional[np.ndarray]
+    #: those runs cut between the two routes (`split_runs`); None without `runs`
+    cut: Optional[Split]
+    #: the kernel's spans where it takes the whole chunk: exact where the breaks were looked for, else one a region
+    kernel_spans: int
+
+    @property
+    def engines_take_any(self) -> bool:
+        return self.cut is not None and bool(self.cut.picked.size)
+
+
+def route_split(src_ids: np.ndarray, dst_ids: np.ndarray, item_bytes: Sequence[int], min_span: int, max_spans: int,
+                exact: bool = False) -> SplitRoute:
+    """`split` mode's plan for a whole-page chunk: its runs and their cut (`split_runs`) where one run can reach
+    `min_span` bytes a region. The runs are built only there: not for a chunk too short to hold such a run (every
+    128-token request), nor for one whose longest run is short (scattered pages: the breaks and their longest run
+    cost about half of the runs and their cut, 4k-16k pages on a CPU). `exact`: look for the breaks anyway, for
+    `kernel_spans` exact (the route log's first line)."""
+    n, regions = int(np.asarray(src_ids).size), max(1, len(item_bytes))
+    min_item = int(np.min(np.asarray(item_bytes, dtype=np.int64)))
+    if not n or (not exact and n * min_item < min_span):
+        return SplitRoute(None, None, regions)
+    breaks = run_breaks(src_ids, dst_ids)
+    kernel_spans = regions * (int(breaks.size) + 1)
+    if int(np.diff(breaks, prepend=0, append=n).max()) * min_item < min_span:
+        return SplitRoute(None, None, kernel_spans)
+    runs = page_runs(src_ids, dst_ids, breaks)
+    return SplitRoute(runs, split_runs(runs[:, 2], item_bytes, min_span, max_spans), kernel_spans)
 
 
 def route_and_reason(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_span: Optional[int] = None,

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.engine.config import COPY_ENGINE_MODES
-from sglang_p2p_backend.engine.copy.ce_plan import (COPY_ENGINE, KERNEL, SHORT_SPANS, SPLIT, coalesce,
-                                                   page_chunk_shape, page_spans, route_and_reason, split_runs,
+from sglang_p2p_backend.engine.copy.ce_plan import (COPY_ENGINE, KERNEL, SHORT_SPANS, SPLIT, SplitRoute, coalesce,
+                                                   page_chunk_shape, page_spans, route_and_reason, route_split,
                                                    thresholds)
 from sglang_p2p_backend.engine.copy.plan import out_of_range_id, page_runs, run_breaks
 from sglang_p2p_backend.engine.copy.stream_ops import cuda_libraries
@@ -708,36 +708,32 @@ class CudaIpcTransport(OneSidedTransport):
             backend().write_pages(self.device, *plan, max_programs=grid or self.programs)
         return nbytes
 
+    def split_route(self, plan: "PageWrite", same_gpu: bool = False) -> SplitRoute:
+        """`split`'s plan for a checked chunk (ce_plan.route_split) under this transport's thresholds; the kernel's
+        first use looks for the chunk's breaks, for its log line's exact spans. Planning only: nothing counted or
+        copied (the transfer benchmark times it as the step before the copy)."""
+        limit, min_span = thresholds(backend().copy_engines_batched(), same_gpu, self.ce_min_span, self.ce_max_spans)
+        return route_split(plan.src_ids, plan.dst_ids, plan.item_bytes, min_span, limit,
+                           exact=KERNEL not in self._routes_seen)
+
     def _copy_split(self, plan: "PageWrite", nbytes: int, grid: Optional[int], same_gpu: bool) -> None:
         """SGLANG_P2P_COPY_ENGINE=split: the chunk's long page runs to the copy engines, its short ones to the
-        kernel (ce_plan.split_runs), as one write; each part counted on its route."""
-        limit, min_span = thresholds(backend().copy_engines_batched(), same_gpu, self.ce_min_span, self.ce_max_spans)
-        n, regions = int(plan.src_ids.size), int(plan.item_bytes.size)
-        page_bytes, min_item = nbytes // n, int(plan.item_bytes.min())
-        # The runs are built only where one can reach the span threshold: not for a chunk too short to hold such a
-        # run (every 128-token request), nor for one whose longest run is short (scattered pages: the breaks and
-        # their longest run cost about half of the runs and their cut, 4k-16k pages on a CPU). The kernel's first
-        # use looks for the breaks, for its log line's exact spans.
-        cut = runs = None
-        kernel_spans = regions  # where the breaks are not looked for: at least one a region
-        if KERNEL not in self._routes_seen or n * min_item >= min_span:
-            breaks = run_breaks(plan.src_ids, plan.dst_ids)
-            kernel_spans = regions * (int(breaks.size) + 1)
-            if int(np.diff(breaks, prepend=0, append=n).max()) * min_item >= min_span:
-                runs = page_runs(plan.src_ids, plan.dst_ids, breaks)
-                cut = split_runs(runs[:, 2], plan.item_bytes, min_span, limit)
-        if cut is None or not cut.picked.size:
-            self._count(KERNEL, kernel_spans, nbytes, SHORT_SPANS)
+        kernel (`split_route`), as one write; each part counted on its route."""
+        route = self.split_route(plan, same_gpu)
+        if not route.engines_take_any:
+            self._count(KERNEL, route.kernel_spans, nbytes, SHORT_SPANS)
             backend().write_pages(self.device, *plan, max_programs=grid)
             return
-        chosen = runs[cut.picked]  # the engines' spans straight from their runs: no second search of the ids
+        page_bytes, cut = nbytes // int(plan.src_ids.size), route.cut
+        chosen = route.runs[cut.picked]  # the engines' spans straight from their runs: no second search of the ids
         spans = page_spans(*plan, runs=chosen)
         self._count(COPY_ENGINE, int(spans[2].size), int(chosen[:, 2].sum()) * page_bytes)
         if not cut.kernel_runs:
             backend().write_copy_engines(self.device, *spans)
             return
         rest = plan._replace(src_ids=plan.src_ids[~cut.engines], dst_ids=plan.dst_ids[~cut.engines])
-        self._count(KERNEL, cut.kernel_runs * regions, int(rest.src_ids.size) * page_bytes, SHORT_SPANS)
+        self._count(KERNEL, cut.kernel_runs * int(plan.item_bytes.size), int(rest.src_ids.size) * page_bytes,
+                    SHORT_SPANS)
         backend().write_split(self.device, rest, spans, max_programs=grid)
 
     def _copy_engine_runs(self, plan: "PageWrite", nbytes: int, same_gpu: bool) -> Optional[np.ndarray]:
