@@ -95,7 +95,8 @@ def test_kv_checksum_row_travels_with_the_aux_rows_and_verifies(transport_env):
 def test_pages_altered_after_arrival_fail_the_room_by_checksum():
     needs_kv_checksum()
     plan = {"pool": POOL, "requests": [{"room": 511, "tokens": 30, "chunk_pages": 8}, {"room": 512, "tokens": 30}],
-            "kv_checksum": BOTH, "faults": {"decode": {"corrupt_after_arrival": [511]}}, "deadline_s": 40}
+            "kv_checksum": BOTH, "faults": {"decode": {"corrupt_after_arrival": [511]}}, "deadline_s": 40,
+            "linger_s": {"prefill": 3.0}}  # the last Status leaves before the prefill's sockets close (see below)
     result = run_pair(plan, env=FAST_FAILURE_ENV)
     bad, good = result["decode"]["requests"]["511"], result["decode"]["requests"]["512"]
     assert bad["num_bad_pages"] == 0, bad  # it landed intact; the page changed afterwards
@@ -115,9 +116,12 @@ def test_kv_checksum_flags_every_corrupted_room_and_no_clean_one_in_500():
     plan = {"pool": {"layout": "mla", "num_layers": 2, "page_size": 4, "num_pages": 2600},
             "requests": [{"room": r, "tokens": int(t)} for r, t in zip(rooms, rng.integers(1, 25, size=len(rooms)))],
             "kv_checksum": BOTH, "faults": {"decode": {"corrupt_after_arrival": sorted(bad)}}, "deadline_s": 240}
-    # SGLang's own timeouts and heartbeat: a mismatch fails its room at once. FAST_FAILURE_ENV's (one missed 2 s
-    # heartbeat, 8 s waits) failed the last rooms for another reason on a loaded 2-core CI machine, before their
-    # checksum was compared; the message below names what such rooms ended with
+    # The prefill's driver ends once its last room is Success, which it marks just before it sends that room's
+    # Status: it lingers so the last Statuses leave before its sockets close (on CI's loaded 2-core machine the
+    # last four corrupted rooms never learned their Success and failed otherwise, their checksum never compared).
+    # SGLang's own timeouts and heartbeat, not FAST_FAILURE_ENV's one missed 2 s heartbeat: a mismatch fails its
+    # room at once whatever they are. The message below names what a room not flagged ended with.
+    plan["linger_s"] = {"prefill": 5.0}
     result = run_pair(plan, timeout=300.0)
     got = result["decode"]["requests"]
     flagged = {r for r in rooms if got[str(r)]["status"] == "Failed"
