@@ -40,11 +40,13 @@ def test_servers_on_one_gpu_start_in_turn_and_all_stop(tmp_path):
 
 class LauncherWithStubbornChild(Server):
     """A launcher that exits at SIGTERM while its child, in the same process group, ignores SIGTERM and holds a
-    listening port (as SGLang's scheduler can outlive `launch_server`)."""
+    listening port (as SGLang's scheduler can outlive `launch_server`). Its socket is a server's: SO_REUSEADDR, as
+    uvicorn's, so a connection of the test's left closing (LAST_ACK) does not hold the port once the child is gone."""
 
     CODE = ("import os, signal, socket, subprocess, sys, time\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import signal, socket, time; "
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN); s = socket.socket(); s.bind((\"127.0.0.1\", %d)); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); s = socket.socket(); "
+            "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((\"127.0.0.1\", %d)); "
             "s.listen(); time.sleep(600)'])\n"
             "time.sleep(600)\n")
 
@@ -74,9 +76,11 @@ def test_stop_ends_a_group_whose_launcher_went_first_and_frees_its_port(tmp_path
     t0 = time.monotonic()
     stack.stop(grace_s=1.0)
     assert time.monotonic() - t0 < 8 and s.proc.poll() is not None
-    probe = socket.socket()
+    probe = socket.socket()  # the next server on the port, as uvicorn binds: refused only while a listener is left
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         probe.bind(("127.0.0.1", port))  # the child's listening socket is gone with it
+        probe.listen()
     finally:
         probe.close()
 
