@@ -76,6 +76,10 @@ def limit_inbound(sock: zmq.Socket, max_bytes: int) -> None:
             time.sleep(0.01)
 
 
+#: how long ZMQ keeps delivering what was queued on a socket closed to stay within `max_sockets` (least recently used)
+EVICTED_LINGER_MS = 2000
+
+
 class _Endpoint:
     def __init__(self, sock: zmq.Socket):
         self.sock = sock
@@ -127,7 +131,9 @@ class ControlChannel:
             self._sockets.move_to_end(endpoint)
         for old in evicted:
             with old.lock:
-                old.sock.close()
+                # a peer still live, unlike forget()'s: what was just queued for it (a room's Status) is delivered in
+                # the background for a moment, where linger 0 would drop it and leave that room to its timeout
+                old.sock.close(linger=EVICTED_LINGER_MS)
         return entry
 
     def send(self, endpoint: str, msg: messages.Message, block: bool = True) -> None:
