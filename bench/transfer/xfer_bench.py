@@ -34,8 +34,8 @@ a region: a long prompt's chunks from SGLang's page-1 allocator), which also the
   (checks and address translation), descriptor upload (CUDA events), launch (host time of the queueing call),
   sync (host wait), the control message (msgspec encoding of the aux row and Status, and one way over a local
   socket); the whole write and its step before the copy under the default route (split), the rest also for the copy
-  engines and the NCCL path. Then a 4k-token contiguous request on each route: the
-  whole write against its copy's GPU time alone, the difference being the host time around the copy.
+  engines and the NCCL path. Then a 4k-token contiguous request on each route: the whole write against its copy's
+  GPU time alone, the difference being the host time around the copy.
 - `plan`: host planning alone, no device: how the per-chunk host work grows with pages and layers.
 
 Writes one JSON (default bench/results/xfer_<machine>.json) with the machine named, and prints a table per

@@ -1,7 +1,8 @@
 """A control socket closed because the channel holds `max_sockets` (least recently used first) still delivers what
 was queued on it: a Status sent to one decode just before a message to another evicts its socket would otherwise be
 dropped with it (ZMQ discards a closed socket's unsent messages at linger 0), and that room would wait on the
-decode until its timeout; with strangers about, any of them could evict a live peer's socket that way. (The next
+decode until its timeout. A rank opens sockets only to peers it serves or registers with, so this takes more than
+SGLANG_P2P_MAX_PEERS of them. (The next
 message to that peer goes on a new connection, so across an eviction it may overtake the evicted socket's: the
 decode's checks at Success already refuse a room whose chunks did not all land.)"""
 
