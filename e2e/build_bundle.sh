@@ -138,6 +138,9 @@ build_sglang() {
   # Cryptodome (1.4 MiB packed): blobfile imports it only to sign Google Cloud Storage requests; without it the
   # archive and the repository together fit the 64 MiB a device call carries
   find "$W/sglang" -name "*.pyi" -delete
+  # tvm_ffi's libbacktrace sources (its library is built in) and jedi's RECORD (0.7 MiB unpacked): room the repository
+  # outgrew. Other RECORD files must stay: tvm_ffi finds xgrammar's bindings library through its package's RECORD
+  rm -rf "$W/sglang"/tvm_ffi/3rdparty/libbacktrace "$W/sglang"/jedi-*.dist-info/RECORD
   # transformers 5.12.1 pins tokenizers <=0.23.0; the host ships 0.23.2, which works for our use
   sed -i 's/"tokenizers": "tokenizers>=0.22.0,<=0.23.0"/"tokenizers": "tokenizers>=0.22.0,<=0.24.0"/' \
     "$W/sglang/transformers/dependency_versions_table.py"
