@@ -32,13 +32,17 @@ def _engine_path(argv: Optional[list[str]]) -> None:
     sys.path.insert(0, root)
 
 
-#: (name, regions, bytes a token of a region, tokens a page, tokens, scattered, the decode on the prefill's GPU):
-#: a request's one chunk
-CASES = (("mha_p16_4096_contiguous", 64, 2048, 16, 4096, False, False),
-         ("mla_p64_4096_contiguous", 61, 1152, 64, 4096, False, False),
-         ("mha_p16_4096_scattered", 64, 2048, 16, 4096, True, False),
-         ("mla_p64_4096_contiguous_same_gpu", 61, 1152, 64, 4096, False, True),
-         ("mla_p64_128_scattered", 61, 1152, 64, 128, True, False))
+#: (name, regions, bytes a token of a region, tokens a page, tokens, where the pages land, the decode on the
+#: prefill's GPU): a request's one chunk. `mixed` (xfer_cases: three quarters of the pages in 4 runs, the rest single
+#: pages) at 16k page 1 is the chunk `split` cuts between the two routes; at 4k its runs are too short for the engines
+CASES = (("mha_p16_4096_contiguous", 64, 2048, 16, 4096, "contiguous", False),
+         ("mla_p64_4096_contiguous", 61, 1152, 64, 4096, "contiguous", False),
+         ("mha_p16_4096_scattered", 64, 2048, 16, 4096, "scattered", False),
+         ("mla_p64_4096_contiguous_same_gpu", 61, 1152, 64, 4096, "contiguous", True),
+         ("mla_p64_128_scattered", 61, 1152, 64, 128, "scattered", False),
+         ("mha_p1_4096_scattered", 64, 2048, 1, 4096, "scattered", False),
+         ("mha_p1_4096_mixed", 64, 2048, 1, 4096, "mixed", False),
+         ("mha_p1_16384_mixed", 64, 2048, 1, 16384, "mixed", False))
 POOL_TOKENS = 131072
 #: (name, regions, bytes a token of a region, tokens a page, tokens): the NCCL path's first chunk of a request
 NCCL_CASES = (("nccl_mha_p1_1024", 64, 2048, 1, 1024), ("nccl_mla_p64_4096", 61, 1152, 64, 4096),
@@ -57,8 +61,11 @@ class NoCopy:
     def write_copy_engines(self, *_a, **_k) -> None:
         pass
 
+    def write_split(self, *_a, **_k) -> None:
+        pass
 
-def time_case(name: str, regions: int, token_bytes: int, page: int, tokens: int, scattered: bool, same_gpu: bool,
+
+def time_case(name: str, regions: int, token_bytes: int, page: int, tokens: int, dest: str, same_gpu: bool,
               batches: int, calls: int) -> dict:
     import numpy as np
 
@@ -69,9 +76,17 @@ def time_case(name: str, regions: int, token_bytes: int, page: int, tokens: int,
     stride = 1 << 34  # addresses only: regions far apart, nothing is read or written
     src_bases = [(1 << 44) + r * stride for r in range(regions)]
     dst_bases = [(1 << 45) + r * stride for r in range(regions)]
-    if scattered:
+    if dest == "scattered":
         rng = np.random.default_rng(0)
         src_ids, dst_ids = rng.permutation(pool_pages)[:pages], rng.permutation(pool_pages)[:pages]
+    elif dest == "mixed":
+        try:
+            from bench.transfer import xfer_cases as xc
+        except ImportError:  # run as a script with --engine-root: the module beside this file
+            import xfer_cases as xc  # type: ignore[no-redef]
+
+        src_ids, dst_ids = xc.page_ids(xc.Case(xc.Shape(name, regions, token_bytes, page), tokens, dest),
+                                       pool_pages, pool_pages)
     else:
         src_ids, dst_ids = np.arange(100, 100 + pages), np.arange(7, 7 + pages)
     import torch

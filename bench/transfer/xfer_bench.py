@@ -1113,14 +1113,14 @@ def prefill_main(conn, cfg):
 
 # -- host planning alone ----------------------------------------------------------------------------------------
 
-def plan_section(shapes, tokens, reps_s: float) -> list[dict]:
+def plan_section(shapes, tokens, reps_s: float, dests=xc.DESTS) -> list[dict]:
     """Per-request host planning of each path, no device and no memory behind the addresses: the IPC page
-    write's checks and translation, the copy-engine spans, the one-sided descriptors, the NCCL chunk plan and
+    write's checks and translation, `split`'s route (across GPUs), the copy-engine spans, the one-sided descriptors, the NCCL chunk plan and
     headers. Also MLA at 4k scattered with 8 to 128 layers."""
     import types
 
     from sglang_p2p_backend.engine.config import EngineConfig
-    from sglang_p2p_backend.engine.copy.ce_plan import page_chunk_shape, page_spans
+    from sglang_p2p_backend.engine.copy.ce_plan import page_chunk_shape, page_spans, route_split, thresholds
     from sglang_p2p_backend.engine.copy.plan import copy_descriptors, plan_chunks
     from sglang_p2p_backend.engine.copy.span_copy import plan_tiles
     from sglang_p2p_backend.engine.pair.pipeline import _segment_msg
@@ -1129,9 +1129,10 @@ def plan_section(shapes, tokens, reps_s: float) -> list[dict]:
     from sglang_p2p_backend.engine.wire.messages import IpcRegion
 
     slot = EngineConfig().slot_bytes
+    limit, min_span = thresholds()
     rows = []
     extra = [xc.Case(xc.Shape(f"mla_p64_{n}layers", n, 1152, 64), 4096, "scattered") for n in (8, 32, 128)]
-    for case in xc.cases(shapes, tokens) + extra:
+    for case in xc.cases(shapes, tokens, dests) + extra:
         shape = case.shape
         src_pages, dst_pages = xc.pool_pages(shape, tokens)
         src_ids, dst_ids = xc.page_ids(case, src_pages, dst_pages)
@@ -1162,6 +1163,9 @@ def plan_section(shapes, tokens, reps_s: float) -> list[dict]:
             "ipc_plan_pages_us": t(lambda: tr.plan_pages(SESSION, src_bases, dst_bases, items, src_ids, dst_ids,
                                                          src_pages, dst_pages)),
             "ce_rule_us": t(lambda: page_chunk_shape(src_ids, dst_ids, items)),
+            # split's plan (the default route; CudaIpcTransport.split_route under the thresholds across GPUs, after
+            # its first use): the step between the checks and the copy
+            "split_route_us": t(lambda: route_split(plan.src_ids, plan.dst_ids, plan.item_bytes, min_span, limit)),
             "ce_spans_us": t(lambda: page_spans(*plan)), "ce_spans": int(spans[2].size),
             "onesided_descriptors_us": t(lambda: copy_descriptors(src_bases, dst_bases, items, src_ids, dst_ids)),
             "descriptors": int(desc[2].size),
@@ -1312,10 +1316,11 @@ def tables(result: dict) -> str:
                 lines += [f"    {mode} write under cProfile, by own time a call:", *render_profile(r["write_profile"])]
         parts.append(f"== fixed cost of {f['case']} ({f['pages']} pages x {f['regions']} regions)\n" + "\n".join(lines))
     if result.get("plan"):
-        tb = xc.Table([("case", 34), ("pages", 7), ("ipc plan", 10), ("ce rule", 9), ("ce spans", 10), ("#spans", 8),
-                       ("descr", 10), ("tiles", 10), ("nccl", 9)])
+        tb = xc.Table([("case", 34), ("pages", 7), ("ipc plan", 10), ("ce rule", 9), ("split", 8), ("ce spans", 10),
+                       ("#spans", 8), ("descr", 10), ("tiles", 10), ("nccl", 9)])
         for r in result["plan"]:
-            tb.add(r["case"], r["pages"], r["ipc_plan_pages_us"]["p50"], r["ce_rule_us"]["p50"],
+            split = r["split_route_us"]["p50"] if "split_route_us" in r else "-"  # results before 2026-11-30
+            tb.add(r["case"], r["pages"], r["ipc_plan_pages_us"]["p50"], r["ce_rule_us"]["p50"], split,
                    r["ce_spans_us"]["p50"], r["ce_spans"], r["onesided_descriptors_us"]["p50"],
                    r["span_tiles_us"]["p50"], r["nccl_plan_and_headers_us"]["p50"])
         parts.append(f"== plan: host planning alone, us p50\n{tb.render()}")
@@ -1398,7 +1403,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     result: dict = {"machine": machine, "meta": meta(torch, ns.quick), "targets": xc.TARGETS}
     if "plan" in sections:  # host work alone: full-size shapes even with --quick (nothing is allocated)
-        result["plan"] = plan_section(xc.SHAPES, xc.TOKENS, 0.02 if ns.quick else 0.05)
+        result["plan"] = plan_section(xc.SHAPES, xc.TOKENS, 0.02 if ns.quick else 0.05, dests)
     device_sections = sections - {"plan"}
     if device_sections:
         gpus = torch.cuda.device_count() if cuda else 0

@@ -11,6 +11,7 @@ def test_host_plan_times_every_case_through_the_transport(tmp_path, monkeypatch)
     routes = []
     monkeypatch.setattr(host_plan.NoCopy, "write_copy_engines", lambda self, *a, **k: routes.append("copy_engine"))
     monkeypatch.setattr(host_plan.NoCopy, "write_pages", lambda self, *a, **k: routes.append("kernel"))
+    monkeypatch.setattr(host_plan.NoCopy, "write_split", lambda self, *a, **k: routes.append("split"))
     out = tmp_path / "hp.json"
     assert host_plan.main(["--out", str(out), "--batches", "1", "--calls", "3"]) == 0
     doc = json.loads(out.read_text())
@@ -20,6 +21,7 @@ def test_host_plan_times_every_case_through_the_transport(tmp_path, monkeypatch)
     assert [r["case"] for r in doc["rows"]] == [c[0] for c in host_plan.CASES] + nccl
     assert all(r["us_best"] > 0 and len(r["us_batches"]) == 1 for r in doc["rows"])
     # 203 writes a case (200 warm-up, 3 timed): the contiguous ones across GPUs on the copy engines; the scattered
-    # one, the same-GPU one (under 16 MiB a region) and the 128-token one on the kernel
-    assert routes == ["copy_engine"] * 406 + ["kernel"] * 609
+    # ones, the same-GPU one (under 16 MiB a region), the 128-token one and the 4k mixed one (runs of 768 pages
+    # of 2 KiB, under the 2 MiB a span) on the kernel; the 16k mixed one split between the two
+    assert routes == ["copy_engine"] * 406 + ["kernel"] * 1015 + ["split"] * 203
     assert isinstance(cuda_ipc.backend(), cuda_ipc.CudaBackend)  # the stand-in is removed again

@@ -237,10 +237,16 @@ def test_route_split_builds_runs_only_where_one_can_reach_the_threshold():
     short = ce_plan.route_split(np.array([4, 9]), np.array([0, 1]), items, 256, 1024)
     assert (short.runs, short.cut, short.kernel_spans, short.engines_take_any) == (None, None, 3, False)
     assert ce_plan.route_split(np.array([4, 9]), np.array([0, 1]), items, 256, 1024, exact=True).kernel_spans == 6
-    # 6 pages in runs of 3 and 3: long enough in all, but no run reaches 4 pages: the breaks only
+    # 6 pages in runs of 3 and 3: long enough in all, but no run reaches 4 pages, which may_hold_run sees without
+    # the breaks; exact, the breaks are found (2 runs)
     src = np.array([0, 1, 2, 10, 11, 12])
     none = ce_plan.route_split(src, src + 50, items, 256, 1024)
-    assert (none.runs, none.cut, none.kernel_spans) == (None, None, 6)
+    assert (none.runs, none.cut, none.kernel_spans) == (None, None, 3)
+    assert ce_plan.route_split(src, src + 50, items, 256, 1024, exact=True).kernel_spans == 6
+    # ids out of order pass that first look (6 - 3 == 3 apart) though their runs are 1, 2 and 1 pages: the breaks
+    # then say no run reaches 4, and no runs are built
+    odd = ce_plan.route_split(np.array([0, 5, 6, 3]), np.array([0, 5, 6, 3]) + 50, items, 256, 1024)
+    assert (odd.runs, odd.cut, odd.kernel_spans) == (None, None, 9)
     # runs of 1, 8, 2 and 5 pages: the 8 and the 5 go to the copy engines, as split_runs cuts them
     src = np.array([0, 10, 11, 12, 13, 14, 15, 16, 17, 30, 31, 40, 41, 42, 43, 44])
     route = ce_plan.route_split(src, src + 100, items, 256, 1024)
@@ -248,3 +254,43 @@ def test_route_split_builds_runs_only_where_one_can_reach_the_threshold():
     assert (route.cut.picked.tolist(), route.cut.kernel_runs, route.kernel_spans) == ([1, 3], 2, 12)
     empty = ce_plan.route_split(np.zeros(0, np.int64), np.zeros(0, np.int64), items, 1, 1)
     assert (empty.cut, empty.kernel_spans) == (None, 3)
+
+
+def test_run_helpers_agree_with_the_runs_themselves_on_random_ids():
+    """may_hold_run never rules out a chunk that holds a run of the length asked (it may let one through that
+    does not), longest_run is the longest of page_runs, run_pages the fewest pages reaching the span."""
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        n = int(rng.integers(1, 60))
+        # runs of random lengths at random places, sometimes out of order, sometimes one side shuffled
+        lens = rng.integers(1, 12, size=n)
+        src = np.concatenate([np.arange(k) + int(rng.integers(0, 10_000)) for k in lens])[:n].astype(np.int64)
+        dst = src + 5_000 if rng.random() < 0.7 else rng.permutation(src) + 5_000
+        runs = page_runs(src, dst)
+        longest = int(runs[:, 2].max())
+        assert ce_plan.longest_run(run_breaks(src, dst), src.size) == longest
+        for need in range(1, 14):
+            if longest >= need:
+                assert ce_plan.may_hold_run(src, dst, need), (src.tolist(), dst.tolist(), need)
+    assert not ce_plan.may_hold_run(np.arange(3), np.arange(3), 4)
+    assert ce_plan.may_hold_run(np.arange(3), np.arange(3), 3)
+    assert [ce_plan.run_pages([64, 32], b) for b in (0, 1, 32, 33, 64, 65)] == [1, 1, 1, 2, 2, 3]
+    # a region of empty items never reaches a span: such a chunk stays whole on the kernel
+    assert ce_plan.run_pages([], 1 << 20) == ce_plan.run_pages([64, 0], 1) == ce_plan.NO_RUN
+    empty_region = ce_plan.route_split(np.arange(8), np.arange(8), [64, 0], 64, 1024, exact=True)
+    assert (empty_region.cut, empty_region.kernel_spans) == (None, 2)
+
+
+def test_split_runs_one_run_and_many_cut_as_the_rule_says():
+    """The single-run shortcut and the general path give what the rule says: runs whose every region span
+    reaches min_span, the longest first up to max_spans // regions of them."""
+    rng = np.random.default_rng(3)
+    items = [48, 64]
+    for _ in range(300):
+        lens = rng.integers(1, 40, size=int(rng.integers(1, 6)))
+        min_span, max_spans = int(rng.integers(1, 2_000)), int(rng.integers(0, 9))
+        cut = ce_plan.split_runs(lens, items, min_span, max_spans)
+        long = [i for i, k in enumerate(lens) if k * 48 >= min_span]
+        want = sorted(sorted(long, key=lambda i: -lens[i])[:max_spans // 2])
+        assert cut.picked.tolist() == want and cut.kernel_runs == lens.size - len(want)
+        assert cut.engines.tolist() == [i in want for i, k in enumerate(lens) for _ in range(k)]

@@ -145,16 +145,53 @@ def split_runs(lens: np.ndarray, item_bytes: Sequence[int], min_span: int, max_s
     single pages to thousands, and `auto`, judging the chunk by its mean span and span count, left all of it to the
     kernel (36-59% of the bytes in the two-GPU serving runs: docs/serving.md); here the kernel keeps only the short
     runs, whose bytes are few. `lens`: the chunk's run lengths in pages (`plan.page_runs(...)[:, 2]`)."""
-    lens = np.asarray(lens, dtype=np.int64)
-    regions = max(1, len(item_bytes))
-    long = lens * int(np.min(np.asarray(item_bytes, dtype=np.int64))) >= min_span
-    picked = np.flatnonzero(long)
-    most = max_spans // regions
+    return _cut(np.asarray(lens, dtype=np.int64), run_pages(item_bytes, min_span), max_spans // max(1, len(item_bytes)))
+
+
+def _cut(lens: np.ndarray, need: int, most: int) -> Split:
+    """`split_runs` with its thresholds worked out: runs of at least `need` pages, at most `most` of them."""
+    if lens.size == 1:  # one run (a contiguous chunk): no search
+        take = bool(lens[0] >= need) and most >= 1
+        return Split(np.full(int(lens[0]), take), np.arange(int(take), dtype=np.int64), int(not take))
+    picked = np.flatnonzero(lens >= need)
     if picked.size > most:  # the longest runs carry the most bytes: those go, the rest stay on the kernel
         picked = np.sort(picked[np.argsort(-lens[picked], kind="stable")[:most]])
     chosen = np.zeros(lens.size, dtype=bool)
     chosen[picked] = True
     return Split(np.repeat(chosen, lens), picked, int(lens.size - picked.size))
+
+
+#: `run_pages` where no run can reach the span: a region of empty items (or none at all)
+NO_RUN = 1 << 62
+
+
+def run_pages(item_bytes: Sequence[int], min_span: int) -> int:
+    """The fewest pages a run needs for every region's span of it to reach `min_span` bytes (at least 1;
+    `NO_RUN` where a region's items are empty, since its spans never grow)."""
+    if min_span <= 0:
+        return 1
+    least = int(np.asarray(item_bytes, dtype=np.int64).min()) if len(item_bytes) else 0
+    return -(-int(min_span) // least) if least > 0 else NO_RUN
+
+
+def longest_run(breaks: np.ndarray, n: int) -> int:
+    """The longest run of n paired page ids whose runs start at `breaks` (`plan.run_breaks`)."""
+    if not breaks.size:
+        return n
+    longest = max(int(breaks[0]), n - int(breaks[-1]))
+    return max(longest, int((breaks[1:] - breaks[:-1]).max())) if breaks.size > 1 else longest
+
+
+def may_hold_run(src_ids: np.ndarray, dst_ids: np.ndarray, need: int) -> bool:
+    """False only where no run of `need` consecutive pages on both sides can be among the ids: a run of that
+    length from position i has ids[i + need - 1] - ids[i] == need - 1 on both sides. Cheaper than finding the
+    breaks (one subtraction a side, no index array), so a scattered chunk is ruled out first."""
+    k = need - 1
+    if k <= 0:
+        return src_ids.size > 0
+    if src_ids.size <= k:
+        return False
+    return bool(((src_ids[k:] - src_ids[:-k] == k) & (dst_ids[k:] - dst_ids[:-k] == k)).any())
 
 
 class SplitRoute(NamedTuple):
@@ -176,19 +213,20 @@ def route_split(src_ids: np.ndarray, dst_ids: np.ndarray, item_bytes: Sequence[i
                 exact: bool = False) -> SplitRoute:
     """`split` mode's plan for a whole-page chunk: its runs and their cut (`split_runs`) where one run can reach
     `min_span` bytes a region. The runs are built only there: not for a chunk too short to hold such a run (every
-    128-token request), nor for one whose longest run is short (scattered pages: the breaks and their longest run
-    cost about half of the runs and their cut, 4k-16k pages on a CPU). `exact`: look for the breaks anyway, for
-    `kernel_spans` exact (the route log's first line)."""
-    n, regions = int(np.asarray(src_ids).size), max(1, len(item_bytes))
-    min_item = int(np.min(np.asarray(item_bytes, dtype=np.int64)))
-    if not n or (not exact and n * min_item < min_span):
+    128-token request), nor for one that `may_hold_run` rules out (scattered pages). It runs between a write's
+    checks and its copy, on every chunk, so it is a handful of array operations (docs/bench.md: its host time).
+    `exact`: look for the breaks anyway, for `kernel_spans` exact (the route log's first line)."""
+    s, d = np.asarray(src_ids), np.asarray(dst_ids)
+    n, regions = int(s.size), max(1, len(item_bytes))
+    need = run_pages(item_bytes, min_span)
+    if not n or (not exact and (n < need or not may_hold_run(s, d, need))):
         return SplitRoute(None, None, regions)
-    breaks = run_breaks(src_ids, dst_ids)
+    breaks = run_breaks(s, d)
     kernel_spans = regions * (int(breaks.size) + 1)
-    if int(np.diff(breaks, prepend=0, append=n).max()) * min_item < min_span:
+    if longest_run(breaks, n) < need:
         return SplitRoute(None, None, kernel_spans)
-    runs = page_runs(src_ids, dst_ids, breaks)
-    return SplitRoute(runs, split_runs(runs[:, 2], item_bytes, min_span, max_spans), kernel_spans)
+    runs = page_runs(s, d, breaks)
+    return SplitRoute(runs, _cut(runs[:, 2], need, max_spans // regions), kernel_spans)
 
 
 def route_and_reason(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_span: Optional[int] = None,
