@@ -439,7 +439,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             return
         if published is None or msg.session not in published.prefills:
             return  # a late status of a concluded room, or of a room this prefill does not serve
-        self.arrivals.final(msg.room, msg.prefill_rank, success, msg.reason)
+        self.arrivals.final(msg.room, msg.prefill_rank, success, msg.reason, msg.chunks, msg.session)
 
     def _on_sglang_frames(self, frames: List[bytes], sender: Optional[str]) -> None:
         if ABORT_ACK_TAG is not None and frames and frames[0] == ABORT_ACK_TAG and sender is not None:

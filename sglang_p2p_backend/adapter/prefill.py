@@ -596,14 +596,14 @@ class PrefillKVManager(P2pNcclKVManagerBase):
                        skip: Optional[str] = None) -> Callable[[], None]:
         """What sends the room's Status to its real decode ranks but `skip`, taken from the room's destinations
         now (a clear may drop them before it runs)."""
-        targets = [info.session for info in list((self.transfer_infos.get(room) or {}).values())
-                   if not info.is_dummy and info.session != skip]
-        msg = wire.Status(self.session, room, self.prefill_rank, int(status), reason)
+        infos = [info for info in list((self.transfer_infos.get(room) or {}).values())
+                 if not info.is_dummy and info.session != skip]
 
         def send() -> None:
-            for session in targets:
-                if session in self.decode_peers:
-                    self._control_send(session, msg, block)
+            for info in infos:  # each names the chunk headers it was sent, counted when the Status goes
+                if info.session in self.decode_peers:
+                    self._control_send(info.session, wire.Status(self.session, room, self.prefill_rank, int(status),
+                                                                 reason, info.next_seq.sent), block)
 
         return send
 

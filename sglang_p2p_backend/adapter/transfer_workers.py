@@ -14,7 +14,6 @@ task (SGLang's --enable-trace) records a slice per chunk and one per decode rank
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import queue
 import time
@@ -46,6 +45,20 @@ _NO_ROOM_BACKOFF_S = 0.05
 _NO_IDS = np.zeros(0, dtype=np.int32)
 
 
+class ChunkSeq:
+    """Numbers a room's chunk headers to one decode rank (0, 1, ...; called by the one worker that owns the peer)
+    and keeps how many it handed out: the count the room's Status names (`wire.Status.chunks`)."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def __call__(self) -> int:
+        seq, self.sent = self.sent, self.sent + 1
+        return seq
+
+
 @dataclass
 class TransferInfo:
     """One decode rank's destinations for one room. Field names follow Mooncake's, which Common code reads
@@ -59,7 +72,7 @@ class TransferInfo:
     required_dst_info_num: int
     decode_prefix_len: int
     is_dummy: bool
-    next_seq: Callable[[], int] = field(default_factory=lambda: itertools.count().__next__)
+    next_seq: ChunkSeq = field(default_factory=ChunkSeq)
 
     @property
     def endpoint(self) -> str:

@@ -3,8 +3,9 @@ was queued on it: a Status sent to one decode just before a message to another e
 dropped with it (ZMQ discards a closed socket's unsent messages at linger 0), and that room would wait on the
 decode until its timeout. A rank opens sockets only to peers it serves or registers with, so this takes more than
 SGLANG_P2P_MAX_PEERS of them. (The next
-message to that peer goes on a new connection, so across an eviction it may overtake the evicted socket's: the
-decode's checks at Success already refuse a room whose chunks did not all land.)"""
+message to that peer goes on a new connection, so across an eviction it may overtake the evicted socket's: a
+Status names the room's chunk count, and the decode holds a Success until that many landed,
+tests/sglang/test_status_chunk_count.py.)"""
 
 import zmq
 

@@ -25,8 +25,8 @@ MAGIC = b"P2P1"
 # 3: head ranges (different attention TP on MHA pools); 4: CUDA IPC export (same host); 5: pair secrets (every
 # message after registration carries the secret its receiver issued: pair_secret.py), aux rows in the agreement,
 # RoomFailed; 6: refusals carry no pair secret, PeerReleased; 7: per-tensor state sharding in the agreement
-# (state components sliced over attention TP: engine/copy/state_slices.py)
-PROTOCOL_VERSION = 7
+# (state components sliced over attention TP: engine/copy/state_slices.py); 8: Status carries the room's chunk count
+PROTOCOL_VERSION = 8
 
 # static bounds of wire fields: generous for any deployment, small enough that nothing sized by them is costly
 Session = Annotated[str, Meta(min_length=3, max_length=200)]
@@ -290,6 +290,10 @@ class Status(msgspec.Struct, tag=True):
     prefill_rank: Rank
     status: Annotated[int, Meta(ge=0, le=8)]
     reason: Short = ""
+    #: how many ChunkHeaders of the room this prefill rank sent the receiving decode rank (two-sided chunks; 0 where
+    #: every chunk went one-sided): the decode counts a Success only once that many were announced and landed, so
+    #: a Status that overtook the room's last header (a new socket after an evicted one) waits for it
+    chunks: Count = 0
 
 
 Message = Union[
