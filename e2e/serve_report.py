@@ -9,6 +9,8 @@ backend's tok/s over NIXL's paired by repetition (`paired`: the run-to-run sprea
 the differences sought, and a repetition runs every backend back to back); with several prefills, the busiest
 one's share of the requests and the slowest and fastest forward stage; and the py-spy profiles runs carry
 (`--profile-cells`).
+With `--markdown`, a second table gives SGLang's stage times a run's requests spent (prefill queue, bootstrap,
+forward and transfer, the decode's wait after the transfer) with their min-max, so a slow run's stage stands out.
 The decode's step time at a running batch size both backends reached is printed per cell too, and
 p2pnccl's step time over each other backend's, and each backend's over NIXL's, at equal running batch over every
 size both logged (`step_ratio`).
@@ -111,6 +113,24 @@ def stages(c: dict[str, Any]) -> dict[str, dict[str, float]]:
     return {role: {k: round(statistics.median(v), 3) for k, v in sorted(per.items())} for role, per in out.items()}
 
 
+#: SGLang's stage times the stage table shows (role, stage, heading): where a slow run's first tokens waited
+STAGE_COLUMNS = (("prefill", "queue_time", "prefill queue"), ("prefill", "prefill_bootstrap", "prefill bootstrap"),
+                 ("prefill", "prefill_forward", "prefill forward"),
+                 ("prefill", "prefill_transfer_kv_cache", "prefill transfer"),
+                 ("decode", "decode_transferred", "decode transferred"))
+
+
+def stage_spread(c: dict[str, Any]) -> dict[str, tuple]:
+    """Heading -> (median, min, max) over the repetitions of each STAGE_COLUMNS stage's mean ms, so one run's
+    outlier stage shows beside the others (empty for results taken before stages were recorded)."""
+    out = {}
+    for role, stage, heading in STAGE_COLUMNS:
+        xs = [r["stages_ms"][role][stage] for r in c["reps"] if stage in ((r.get("stages_ms") or {}).get(role) or {})]
+        if xs:
+            out[heading] = (round(statistics.median(xs), 3), round(min(xs), 3), round(max(xs), 3))
+    return out
+
+
 def prefill_spread(c: dict[str, Any]) -> dict[str, Optional[float]]:
     """Over the repetitions (medians): the busiest prefill's share of a run's requests, and the slowest and
     fastest prefill's forward stage (serve.py's `prefills`; empty for results taken before it was recorded)."""
@@ -153,6 +173,7 @@ def table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"cuda_graph": graph, "input_len": plen, "concurrency": conc, "backends": {}}
         for b, c in sorted(per.items()):
             row["backends"][b] = {m: med(c, m) for m in METRICS} | {"reps": len(c["reps"]), "stages_ms": stages(c),
+                                                                   "stage_spread": stage_spread(c),
                                                                    "prefills": prefill_spread(c)}
         p, n = per.get("p2pnccl"), per.get("nixl")
         if p and n:
@@ -194,6 +215,21 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             out.append(f"| {'yes' if r['cuda_graph'] else 'no'} | {r['input_len']} | {r['concurrency']} | {b} | {v['reps']} | "
                        + " | ".join([_fmt(v[m]) for m in METRICS] + cols) + " |")
     return "\n".join(out)
+
+
+def stages_markdown(rows: list[dict[str, Any]]) -> str:
+    """SGLang's stage times per cell and backend (median of the runs' means, min-max), or "" where no result
+    recorded them."""
+    heads = [h for _, _, h in STAGE_COLUMNS]
+    out = ["| graphs | prompt | conc. | backend | " + " | ".join(f"{h} ms" for h in heads) + " |",
+           "| --- | --- | --- | --- | " + " | ".join("---" for _ in heads) + " |"]
+    for r in rows:
+        for b, v in r["backends"].items():
+            spread = v.get("stage_spread") or {}
+            if spread:
+                out.append(f"| {'yes' if r['cuda_graph'] else 'no'} | {r['input_len']} | {r['concurrency']} | {b} | "
+                           + " | ".join(_fmt(spread.get(h, (None, None, None))) for h in heads) + " |")
+    return "\n".join(out) if len(out) > 2 else ""
 
 
 def _step(s: Optional[dict[str, Any]]) -> str:
@@ -248,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.markdown:
         print(f"Machine: {', '.join(machines)}\n")
         print(markdown(rows))
+        stage_table = stages_markdown(rows)
+        if stage_table:
+            print(f"\nSGLang's stage times (median of the runs' means, min-max):\n\n{stage_table}")
         for p in profiles(cells):
             what = "the GIL's holder, first prefill" if p["gil"] else "first prefill"
             print(f"\npy-spy, {what} of {p['backend']} {p['input_len']}x{p['concurrency']} (repetition "

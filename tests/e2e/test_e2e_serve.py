@@ -512,3 +512,24 @@ def test_step_ratio_weighs_every_shared_batch_size_and_leaves_out_idle_gaps():
     want = round(math.exp((2 * math.log(1.5) + math.log(1.1)) / 3), 3)
     assert got == {"ratio": want, "sizes": 2, "intervals": 3}
     assert serve_report.step_ratio(mine, cell([(24, 6.0, 9)])) is None
+
+
+def test_stage_table_shows_each_backends_stage_medians_and_an_outlier_runs_range():
+    from e2e import serve_report
+
+    def rep(queue: float, transferred: float) -> dict:
+        return {"output_tok_s": 1.0, "stages_ms": {"prefill": {"queue_time": queue, "prefill_forward": 50.0},
+                                                   "decode": {"decode_transferred": transferred}}}
+
+    cells = [{"backend": "p2pnccl", "input_len": 4096, "concurrency": 16, "cuda_graph": True,
+              "reps": [rep(13.4, 84.0), rep(45.8, 170.4), rep(19.0, 103.0)]},
+             {"backend": "nixl", "input_len": 4096, "concurrency": 16, "cuda_graph": True, "reps": [{"output_tok_s": 1.0}]}]
+    (row,) = serve_report.table(cells)
+    assert row["backends"]["p2pnccl"]["stage_spread"] == {"prefill queue": (19.0, 13.4, 45.8),
+                                                          "prefill forward": (50.0, 50.0, 50.0),
+                                                          "decode transferred": (103.0, 84.0, 170.4)}
+    md = serve_report.stages_markdown([row]).splitlines()
+    assert md[0].startswith("| graphs | prompt | conc. | backend | prefill queue ms | prefill bootstrap ms |")
+    # nixl's runs recorded no stages: no row; a stage a backend lacks is "-"
+    assert md[2:] == ["| yes | 4096 | 16 | p2pnccl | 19.0 (13.4-45.8) | - | 50.0 | - | 103.0 (84.0-170.4) |"]
+    assert serve_report.stages_markdown([serve_report.table(cells[1:])[0]]) == ""
