@@ -94,6 +94,14 @@ IPC_MODES = ("kernel", "copy_engine")
 TRANSPORT_MODE = {"kernel": "off", "copy_engine": "on", "split": "split"}
 #: cases with more copy-engine spans than this get fewer repetitions (a batch of ~1M spans takes long)
 MANY_SPANS = 1 << 16
+
+
+def engine_spans(mode: str, spans: int) -> int:
+    """The spans an ipc row's write gives the copy engines one by one, which bound its repetitions (`budget`): all
+    of them under `copy_engine`; none under `kernel` or `split` (split hands the engines only long runs, at most
+    CE_MAX_SPANS_BATCHED spans a chunk; its row's `spans` counts the kernel's too). Until 2026-11-30 split's rows
+    were held to the few repetitions of the copy engines' (10 against the kernel's 42-100)."""
+    return spans if mode == "copy_engine" else 0
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 
 
@@ -625,7 +633,7 @@ class Prefill:
         self.ask("zero", w.dst_ids)
         self.tr.copy_engine = TRANSPORT_MODE[mode]
         spans = w.spans[mode]
-        times = self.budget(spans if mode != "kernel" else 0).run(lambda: host_seconds(w.write))
+        times = self.budget(engine_spans(mode, spans)).run(lambda: host_seconds(w.write))
         _, got = self.ask("hash", w.dst_ids, want="hash")
         nbytes = case.shape.nbytes(case.tokens)
         t = xc.stats_us(times)

@@ -427,3 +427,10 @@ def test_the_split_route_on_mixed_pages_is_timed_checked_and_run_beside_the_matm
     regions = next(sh.regions for sh in xc.QUICK_SHAPES if sh.name == "mha_p1")
     assert result["ipc"][1]["spans"] == (4 + 256) * regions
     assert [r["mode"] for r in result["interference"] if r["case"] == "mha_p1_1024_mixed"] == ["kernel", "split"]
+
+
+def test_only_the_copy_engines_row_is_held_to_few_repetitions_by_its_spans():
+    """split's row counts the kernel's spans too (a 4k page-1 chunk: 65,792), but the engines take only its long
+    runs: it is timed as often as the kernel's, not ten times like a million-span copy-engine batch."""
+    assert xfer_bench.engine_spans("copy_engine", 262144) == 262144
+    assert xfer_bench.engine_spans("split", 262144) == xfer_bench.engine_spans("kernel", 262144) == 0
