@@ -102,15 +102,21 @@ def _intervals(c: dict[str, Any]) -> dict[int, list[float]]:
     return out
 
 
-def stages(c: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Role -> stage -> median over the repetitions of the stage's mean ms (serve.py's `stages_ms`; empty for
-    results taken before it was recorded)."""
+def _stage_values(c: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """Role -> stage -> each repetition's mean ms (serve.py's `stages_ms`; empty for results taken before it was
+    recorded)."""
     out: dict[str, dict[str, list[float]]] = {}
     for r in c["reps"]:
         for role, per in (r.get("stages_ms") or {}).items():
             for stage, ms in per.items():
                 out.setdefault(role, {}).setdefault(stage, []).append(ms)
-    return {role: {k: round(statistics.median(v), 3) for k, v in sorted(per.items())} for role, per in out.items()}
+    return out
+
+
+def stages(c: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Role -> stage -> median over the repetitions of the stage's mean ms."""
+    return {role: {k: round(statistics.median(v), 3) for k, v in sorted(per.items())}
+            for role, per in _stage_values(c).items()}
 
 
 #: SGLang's stage times the stage table shows (role, stage, heading): where a slow run's first tokens waited
@@ -123,9 +129,9 @@ STAGE_COLUMNS = (("prefill", "queue_time", "prefill queue"), ("prefill", "prefil
 def stage_spread(c: dict[str, Any]) -> dict[str, tuple]:
     """Heading -> (median, min, max) over the repetitions of each STAGE_COLUMNS stage's mean ms, so one run's
     outlier stage shows beside the others (empty for results taken before stages were recorded)."""
-    out = {}
+    values, out = _stage_values(c), {}
     for role, stage, heading in STAGE_COLUMNS:
-        xs = [r["stages_ms"][role][stage] for r in c["reps"] if stage in ((r.get("stages_ms") or {}).get(role) or {})]
+        xs = values.get(role, {}).get(stage)
         if xs:
             out[heading] = (round(statistics.median(xs), 3), round(min(xs), 3), round(max(xs), 3))
     return out
