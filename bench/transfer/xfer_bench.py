@@ -18,7 +18,9 @@ a region: a long prompt's chunks from SGLang's page-1 allocator), which also the
   destination pages and compares them with the prefill's source pages (every byte counts). With two GPUs the
   4k/16k MHA page-16 and MLA cases run again with the decode's pool on the prefill's GPU (`same_gpu`, against
   one device-to-device copy). `rule` says which mode won each case and where the crossover lies (what
-  engine/copy/ce_plan.py's thresholds are set from).
+  engine/copy/ce_plan.py's thresholds are set from). `--interleave` times the `--ipc-modes` in turn, one write of
+  each a round (each mode's own write checked first), and each mode's write step by step: for an A/B of two
+  routes whose difference is smaller than what drifts between two blocks of repetitions.
 - `nccl`: `PairSender.send` -> `PairReceiver` over NCCL (fused gather, staging slots, fused scatter), timed
   from send() to the decode's last scatter, against ONE contiguous NCCL send of the same bytes on the same
   pair communicator.
@@ -61,7 +63,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -269,6 +271,8 @@ class PreparedWrite:
     spans: dict  # mode -> spans
     write: Callable[[], Any]
     ref: dict
+    #: write_pages' arguments (the steps of --interleave)
+    args: tuple = ()
 
 
 def pool_hash(regions, ids: np.ndarray, trace: Callable[[str], None] = lambda what: None) -> np.ndarray:
@@ -354,6 +358,9 @@ class Decode:
         idx = self.torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.pool[0].device)
         for t in self.pool:
             t.index_fill_(0, idx, 0)
+        if self.dev.type == "cuda":  # the fills done before the answer: the prefill's next write must land after them, not
+            # under them (--interleave's one checked write a mode met 2 GiB of fills still running on 1 x H200)
+            self.torch.cuda.synchronize(self.pool[0].device)
         return ("ok",)
 
     def nccl_start(self, slot_bytes: int, slots: int, overlap: bool = True):
@@ -623,31 +630,75 @@ class Prefill:
         limit, min_span = thresholds()
         cut = split_runs(page_runs(src_ids, dst_ids)[:, 2], items, min_span, limit)
         spans["split"] = (cut.picked.size + cut.kernel_runs) * shape.regions
-        write = lambda: self.tr.write_pages(SESSION, bases, dst_ptrs, items, src_ids, dst_ids,  # noqa: E731
-                                            src_pages, dst_pages)
-        return PreparedWrite(case, gpu, dst_ids, want, spans, write, self.reference(shape.nbytes(case.tokens), gpu))
+        args = (SESSION, bases, dst_ptrs, items, src_ids, dst_ids, src_pages, dst_pages)
+        write = lambda: self.tr.write_pages(*args)  # noqa: E731
+        return PreparedWrite(case, gpu, dst_ids, want, spans, write, self.reference(shape.nbytes(case.tokens), gpu),
+                             args)
 
     def ipc_write(self, w: PreparedWrite, mode: str) -> dict:
         """Time `w`'s write in `mode` (into zeroed pages), then check every destination page it wrote."""
-        case = w.case
         self.ask("zero", w.dst_ids)
         self.tr.copy_engine = TRANSPORT_MODE[mode]
-        spans = w.spans[mode]
-        times = self.budget(engine_spans(mode, spans)).run(lambda: host_seconds(w.write))
+        times = self.budget(engine_spans(mode, w.spans[mode])).run(lambda: host_seconds(w.write))
+        return self._ipc_row(w, mode, times, self._bad_pages(w))
+
+    def _bad_pages(self, w: PreparedWrite) -> int:
+        """How many of `w`'s destination pages do not hold the source's bytes now."""
         _, got = self.ask("hash", w.dst_ids, want="hash")
+        return int(np.count_nonzero(got != w.want))
+
+    def _ipc_row(self, w: PreparedWrite, mode: str, times: list[float], bad_pages: int) -> dict:
+        case, spans = w.case, w.spans[mode]
         nbytes = case.shape.nbytes(case.tokens)
         t = xc.stats_us(times)
         return {"case": case.name, "shape": case.shape.name, "tokens": case.tokens, "dest": case.dest,
                 "mode": mode, "decode_gpu": w.gpu, "bytes": nbytes, "pages": int(w.dst_ids.size),
                 "spans": spans, "mean_span": nbytes / max(spans, 1), "write_us": t,
                 "write_gbps": nbytes / t["p50"] / 1e3, "ref": w.ref,
-                "ratio": xc.ratio(w.ref["gpu_us"]["p50"], t["p50"]), "bad_pages": int(np.count_nonzero(got != w.want))}
+                "ratio": xc.ratio(w.ref["gpu_us"]["p50"], t["p50"]), "bad_pages": bad_pages}
 
     def ipc_case(self, case: xc.Case, pool: list, dst_ptrs: list, dst_pages: int, gpu: int) -> list[dict]:
         w = self.ipc_prepare(case, pool, dst_ptrs, dst_pages, gpu)
-        rows = [self.ipc_write(w, mode) for mode in self.cfg.get("ipc_modes", IPC_MODES)
-                if self.time_left(f"ipc {case.name} {mode} (gpu {gpu})")]
+        modes = self.cfg.get("ipc_modes", IPC_MODES)
+        if self.cfg.get("interleave"):
+            rows = self.ipc_interleaved(w, modes) if self.time_left(f"ipc {case.name} interleaved (gpu {gpu})") else []
+        else:
+            rows = [self.ipc_write(w, mode) for mode in modes if self.time_left(f"ipc {case.name} {mode} (gpu {gpu})")]
         self.tr.copy_engine = "off"
+        return rows
+
+    def ipc_interleaved(self, w: PreparedWrite, modes: Sequence[str]) -> list[dict]:
+        """--interleave: `w`'s write in each of `modes` in turn, one write a mode a round, so whatever drifts while a
+        case runs (clocks, another process) weighs on every mode alike; each mode's bytes checked after a write of
+        its own into zeroed pages first, and its write step by step after (`route_steps`). Session 34 had `split`
+        117-450 us slower than the kernel on chunks where both launch the same kernel, each timed in a block of its
+        own after the other's."""
+        modes = list(dict.fromkeys(modes))
+        bad = {}
+        for mode in modes:
+            self.ask("zero", w.dst_ids)
+            self.tr.copy_engine = TRANSPORT_MODE[mode]
+            w.write()
+            bad[mode] = self._bad_pages(w)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+
+        def one_round() -> float:
+            spent = 0.0
+            for m in modes:
+                self.tr.copy_engine = TRANSPORT_MODE[m]
+                times[m].append(host_seconds(w.write))
+                spent += times[m][-1]
+            return spent
+
+        b = self.budget(max(engine_spans(m, w.spans[m]) for m in modes))
+        b.run(one_round)
+        rows = []
+        for m in modes:
+            row = self._ipc_row(w, m, times[m][b.warmup:], bad[m])
+            row["interleaved"] = True
+            if self.dev.cuda:
+                row["steps_us"] = self.route_steps(w.args, m)
+            rows.append(row)
         return rows
 
     # -- the kernel's grid
@@ -933,16 +984,45 @@ class Prefill:
         def sync() -> None:
             c.ops.synchronize(stream.cuda_stream)
 
-        def route() -> None:  # what write_pages does between the plan and the copy, with the default rule (split)
-            p, same = box["plan"], self.tr._same_gpu(SESSION)  # noqa: SLF001
-            box["grid"] = self.tr._grid(same, p.item_bytes)  # noqa: SLF001
-            box["route"] = self.tr.split_route(p, same)
-
-        kernel = [("planned", plan), ("routed", route), ("waited", wait),
-                  ("returned", lambda: pages.copy(*box["plan"], stream, box["grid"])), ("synchronized", sync)]
+        kernel = self._kernel_steps(args, box, split=True)
         ce = [("planned", plan), ("spans", spans), ("waited", wait), ("called", ce_call), ("synchronized", sync)]
         return {"kernel": host_timeline(kernel, self.budget(), copier=pages),
                 "copy_engine": host_timeline(ce, self.budget())}
+
+    def _kernel_steps(self, args: tuple, box: dict, split: bool) -> list[tuple[str, Callable[[], Any]]]:
+        """`host_timeline`'s steps of a `write_pages(*args)` the kernel copies whole: the checks and translation,
+        the grid and (`split`) split's plan, the wait for the forward's stream, the launch, the wait for the copy;
+        `box` keeps what one step hands the next."""
+        from sglang_p2p_backend.engine.transport.cuda_ipc import backend
+
+        c = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
+
+        def plan() -> None:
+            box["plan"] = self.tr.plan_pages(*args)
+
+        def route() -> None:  # what write_pages does between the plan and the copy
+            p, same = box["plan"], self.tr._same_gpu(SESSION)  # noqa: SLF001
+            box["grid"] = self.tr._grid(same, p.item_bytes)  # noqa: SLF001
+            if split:
+                box["route"] = self.tr.split_route(p, same)
+
+        return [("planned", plan), ("routed", route), ("waited", lambda: backend().ordered(self.dev_t)),
+                ("returned", lambda: c.pages.copy(*box["plan"], c.stream, box["grid"])),
+                ("synchronized", lambda: c.ops.synchronize(c.stream.cuda_stream))]
+
+    def route_steps(self, args: tuple, mode: str) -> dict:
+        """`mode`'s write of `args` step by step (`_kernel_steps`) where it launches the kernel alone: always under
+        `kernel`, under `split` where its plan leaves the whole chunk to the kernel; {} otherwise."""
+        from sglang_p2p_backend.engine.transport.cuda_ipc import backend
+
+        if mode == "split":
+            p = self.tr.plan_pages(*args)
+            if self.tr.split_route(p, self.tr._same_gpu(SESSION)).engines_take_any:  # noqa: SLF001
+                return {}
+        elif mode != "kernel":
+            return {}
+        return host_timeline(self._kernel_steps(args, {}, split=mode == "split"), self.budget(),
+                             copier=backend()._copiers(self.dev_t).pages)  # noqa: SLF001
 
     def fixed_large(self, shape: xc.Shape, pool: list, dst_ptrs: list, dst_pages: int) -> dict:
         """What a 4k-token contiguous request's write spends beside the copy: on each route, the whole
@@ -1260,7 +1340,11 @@ def tables(result: dict) -> str:
         for r in rows:
             tb.add(r["case"], r["mode"], r["bytes"] / 2**20, r["spans"], r["write_us"]["p50"], r["write_us"]["p99"],
                    r["write_gbps"], r["ref"]["gpu_us"]["p50"], r["ratio"], r["bad_pages"])
-        parts.append(f"== {key}: {title}\n{tb.render()}")
+        parts.append(f"== {key}: {title}{' (modes in turn, --interleave)' if rows[0].get('interleaved') else ''}\n"
+                     f"{tb.render()}")
+        for r in rows:
+            if r.get("steps_us"):
+                parts.append(f"  {r['case']} {r['mode']} steps (us, median): {_steps(r['steps_us'])}")
     if result.get("nccl"):
         # the minimum beside the p50: on a shared host the p50s of one case moved ~10% between runs of the same
         # code (docs/nccl.md, session 28), the minimums less; an A/B wants both, and runs in turn
@@ -1374,6 +1458,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ipc-modes", type=parse_ipc_modes, default=list(IPC_MODES), metavar="LIST",
                     help="the same-host routes the ipc and interference sections time (default kernel,copy_engine; "
                          "split: SGLANG_P2P_COPY_ENGINE=split, e.g. with --dests mixed)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="time the --ipc-modes of an ipc case in turn, one write each a round (not each in a block "
+                         "of its own), and each one's steps")
     ap.add_argument("--first-chunk-mib", type=parse_first_chunk_mib, default=[], metavar="LIST",
                     help="first-chunk caps (MiB; 0: every chunk a whole slot) to run the nccl cases at besides the "
                          "default (SGLANG_P2P_FIRST_CHUNK_MB), overlap on, the default slots, e.g. 0,16,64")
@@ -1417,7 +1504,7 @@ def main(argv=None) -> int:
         gpus = torch.cuda.device_count() if cuda else 0
         cfg = {"quick": not cuda, "prefill_gpu": 0, "decode_gpu": 1 if gpus >= 2 else 0, "budget_s": ns.budget_s,
                "case_s": ns.case_s, "max_reps": ns.max_reps, "sections": device_sections, "programs": ns.programs,
-               "programs_case": list(ns.programs_case), "slot_mib": ns.slot_mib, "first_chunk_mib": ns.first_chunk_mib, "ipc_modes": ns.ipc_modes, "dests": dests,
+               "programs_case": list(ns.programs_case), "slot_mib": ns.slot_mib, "first_chunk_mib": ns.first_chunk_mib, "ipc_modes": ns.ipc_modes, "interleave": ns.interleave, "dests": dests,
                "interference_shape": INTERFERENCE_CASE[0] if INTERFERENCE_CASE[0] in names else names[0],
                "shapes": [s.__dict__ for s in shapes], "tokens": tokens}
         import multiprocessing as mp

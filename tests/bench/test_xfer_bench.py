@@ -434,3 +434,22 @@ def test_only_the_copy_engines_row_is_held_to_few_repetitions_by_its_spans():
     runs: it is timed as often as the kernel's, not ten times like a million-span copy-engine batch."""
     assert xfer_bench.engine_spans("copy_engine", 262144) == 262144
     assert xfer_bench.engine_spans("split", 262144) == xfer_bench.engine_spans("kernel", 262144) == 0
+
+
+def test_interleave_times_each_mode_once_a_round_and_checks_each_modes_own_write(tmp_path, capsys):
+    """--interleave: one row a mode (a mode named twice is timed once), each with as many timed writes as the
+    other (one of each a round), its own write checked page by page, and the table says the modes ran in turn."""
+    out = tmp_path / "interleave.json"
+    rc = xfer_bench.main(["--quick", "--out", str(out), "--case-s", "0.02", "--max-reps", "7", "--sections", "ipc",
+                          "--shapes", "mha_p16", "--tokens", "1024", "--dests", "scattered,contiguous",
+                          "--ipc-modes", "kernel,split,kernel", "--interleave"])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["pass"]["verified"] is True
+    rows = result["ipc"]
+    assert [(r["case"], r["mode"]) for r in rows] == [
+        ("mha_p16_1024_scattered", "kernel"), ("mha_p16_1024_scattered", "split"),
+        ("mha_p16_1024_contiguous", "kernel"), ("mha_p16_1024_contiguous", "split")]
+    assert all(r["interleaved"] and r["bad_pages"] == 0 for r in rows)
+    for case in ("mha_p16_1024_scattered", "mha_p16_1024_contiguous"):
+        assert len({r["write_us"]["n"] for r in rows if r["case"] == case}) == 1
+    assert "(modes in turn, --interleave)" in capsys.readouterr().out

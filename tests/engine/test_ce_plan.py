@@ -243,9 +243,9 @@ def test_route_split_builds_runs_only_where_one_can_reach_the_threshold():
     none = ce_plan.route_split(src, src + 50, items, 256, 1024)
     assert (none.runs, none.cut, none.kernel_spans) == (None, None, 3)
     assert ce_plan.route_split(src, src + 50, items, 256, 1024, exact=True).kernel_spans == 6
-    # ids out of order pass that first look (6 - 3 == 3 apart) though their runs are 1, 2 and 1 pages: the breaks
-    # then say no run reaches 4, and no runs are built
-    odd = ce_plan.route_split(np.array([0, 5, 6, 3]), np.array([0, 5, 6, 3]) + 50, items, 256, 1024)
+    # ids out of order pass both first looks (every second id 2 apart, the ends 3 apart) though their runs are 1, 1
+    # and 2 pages: the breaks then say no run reaches 4, and no runs are built
+    odd = ce_plan.route_split(np.array([0, 5, 2, 3]), np.array([0, 5, 2, 3]) + 50, items, 256, 1024)
     assert (odd.runs, odd.cut, odd.kernel_spans) == (None, None, 9)
     # runs of 1, 8, 2 and 5 pages: the 8 and the 5 go to the copy engines, as split_runs cuts them
     src = np.array([0, 10, 11, 12, 13, 14, 15, 16, 17, 30, 31, 40, 41, 42, 43, 44])
@@ -279,6 +279,23 @@ def test_run_helpers_agree_with_the_runs_themselves_on_random_ids():
     assert ce_plan.run_pages([], 1 << 20) == ce_plan.run_pages([64, 0], 1) == ce_plan.NO_RUN
     empty_region = ce_plan.route_split(np.arange(8), np.arange(8), [64, 0], 64, 1024, exact=True)
     assert (empty_region.cut, empty_region.kernel_spans) == (None, 2)
+
+
+def test_may_hold_run_finds_one_planted_run_at_every_offset_and_none_one_page_short():
+    """Its first look at every (need // 2)-th id only must not miss a run that starts anywhere: one run of exactly
+    `need` pages planted at each offset among scattered pages is found, and one page shorter is not."""
+    rng = np.random.default_rng(11)
+    for need in (4, 5, 16, 33, 64):
+        n = 4 * need + 7
+        # ids with gaps of at least 2 on both sides, shuffled: no run of 2 anywhere but the planted one
+        base = rng.permutation(np.arange(0, 40 * n, 2, dtype=np.int64))[:n]
+        other = rng.permutation(np.arange(1, 40 * n, 2, dtype=np.int64))[:n]
+        for length, found in ((need, True), (need - 1, False)):
+            for at in range(n - length + 1):
+                src, dst = base.copy(), other.copy()
+                src[at:at + length] = 100 * n + np.arange(length)
+                dst[at:at + length] = 200 * n + np.arange(length)
+                assert ce_plan.may_hold_run(src, dst, need) is found, (need, length, at)
 
 
 def test_split_runs_one_run_and_many_cut_as_the_rule_says():

@@ -170,8 +170,15 @@ def run_pages(item_bytes: Sequence[int], min_span: int) -> int:
     `NO_RUN` where a region's items are empty, since its spans never grow)."""
     if min_span <= 0:
         return 1
-    least = int(np.asarray(item_bytes, dtype=np.int64).min()) if len(item_bytes) else 0
-    return -(-int(min_span) // least) if least > 0 else NO_RUN
+    return pages_reaching(int(np.asarray(item_bytes, dtype=np.int64).min()) if len(item_bytes) else 0, min_span)
+
+
+def pages_reaching(least_item: int, min_span: int) -> int:
+    """`run_pages` of a pool whose smallest item is `least_item` bytes (a transport keeps it per pool, so the
+    chunk's route does not reduce the item sizes again)."""
+    if min_span <= 0:
+        return 1
+    return -(-int(min_span) // least_item) if least_item > 0 else NO_RUN
 
 
 def longest_run(breaks: np.ndarray, n: int) -> int:
@@ -191,6 +198,13 @@ def may_hold_run(src_ids: np.ndarray, dst_ids: np.ndarray, need: int) -> bool:
         return src_ids.size > 0
     if src_ids.size <= k:
         return False
+    # a run over `need` positions holds a multiple m of s = need // 2 with m + s inside it too, so its ids differ
+    # by s there on both sides: every s-th id alone (a few dozen for a 16k-page chunk) rules out most chunks
+    s = need // 2
+    if s >= 2:
+        a, b = src_ids[::s], dst_ids[::s]
+        if not ((a[1:] - a[:-1] == s) & (b[1:] - b[:-1] == s)).any():
+            return False
     return bool(((src_ids[k:] - src_ids[:-k] == k) & (dst_ids[k:] - dst_ids[:-k] == k)).any())
 
 
@@ -210,15 +224,17 @@ class SplitRoute(NamedTuple):
 
 
 def route_split(src_ids: np.ndarray, dst_ids: np.ndarray, item_bytes: Sequence[int], min_span: int, max_spans: int,
-                exact: bool = False) -> SplitRoute:
+                exact: bool = False, need: Optional[int] = None) -> SplitRoute:
     """`split` mode's plan for a whole-page chunk: its runs and their cut (`split_runs`) where one run can reach
     `min_span` bytes a region. The runs are built only there: not for a chunk too short to hold such a run (every
     128-token request), nor for one that `may_hold_run` rules out (scattered pages). It runs between a write's
     checks and its copy, on every chunk, so it is a handful of array operations (docs/bench.md: its host time).
-    `exact`: look for the breaks anyway, for `kernel_spans` exact (the route log's first line)."""
+    `exact`: look for the breaks anyway, for `kernel_spans` exact (the route log's first line). `need`:
+    `run_pages(item_bytes, min_span)`, where the caller keeps it."""
     s, d = np.asarray(src_ids), np.asarray(dst_ids)
     n, regions = int(s.size), max(1, len(item_bytes))
-    need = run_pages(item_bytes, min_span)
+    if need is None:
+        need = run_pages(item_bytes, min_span)
     if not n or (not exact and (n < need or not may_hold_run(s, d, need))):
         return SplitRoute(None, None, regions)
     breaks = run_breaks(s, d)

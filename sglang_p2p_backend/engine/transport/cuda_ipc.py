@@ -41,8 +41,8 @@ import torch
 
 from sglang_p2p_backend.engine.config import COPY_ENGINE_MODES
 from sglang_p2p_backend.engine.copy.ce_plan import (COPY_ENGINE, KERNEL, SHORT_SPANS, SPLIT, SplitRoute, coalesce,
-                                                   page_chunk_shape, page_spans, route_and_reason, route_split,
-                                                   thresholds)
+                                                   page_chunk_shape, page_spans, pages_reaching, route_and_reason,
+                                                   route_split, thresholds)
 from sglang_p2p_backend.engine.copy.plan import out_of_range_id, page_runs, run_breaks
 from sglang_p2p_backend.engine.copy.stream_ops import cuda_libraries
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
@@ -481,6 +481,17 @@ class PageWrite(NamedTuple):
     dst_ids: np.ndarray
 
 
+class PoolFacts(NamedTuple):
+    """What a chunk's route and grid need of its pool's item sizes (`CudaIpcTransport._per_pool`)."""
+
+    #: bytes a page of every region
+    page_bytes: int
+    #: the page kernel's programs an SM into this GPU (`same_gpu_programs_per_sm`)
+    same_gpu_per_sm: int
+    #: the smallest item, which sets the run length split needs (ce_plan.pages_reaching)
+    least_item: int
+
+
 class CudaIpcTransport(OneSidedTransport):
     """Decode: exports its regions (`register`, `export`). Prefill: maps peers (`open_peer`, `forget_peer`) and
     writes chunks (`write`). Each peer is used by the one transfer worker that owns it; the lock only guards
@@ -513,7 +524,9 @@ class CudaIpcTransport(OneSidedTransport):
         #: same for every chunk of a registration, so only the page ids are checked per chunk
         self._pools: dict[str, tuple[IpcMapping, tuple, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         #: the last read-only item-size array `_per_pool` saw, with what it derived from it
-        self._pool_items: Optional[tuple[np.ndarray, tuple[int, int]]] = None
+        self._pool_items: Optional[tuple[np.ndarray, PoolFacts]] = None
+        #: split's thresholds (most spans, least span) by what they depend on (`_split_thresholds`)
+        self._split_limits: dict[tuple, tuple[int, int]] = {}
         self._lock = threading.Lock()
 
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
@@ -632,18 +645,18 @@ class CudaIpcTransport(OneSidedTransport):
         if same_gpu and self.device.type == "cuda":
             if self._sms is None:  # asked once, not every chunk
                 self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            return self._per_pool(item_bytes)[1] * self._sms
+            return self._per_pool(item_bytes).same_gpu_per_sm * self._sms
         return None
 
-    def _per_pool(self, item_bytes: Sequence[int]) -> tuple[int, int]:
-        """(bytes a page of every region, same-GPU programs an SM) of a pool's item sizes: kept for the last
-        read-only array (`_pool`'s, the same object for every chunk of a peer), else computed (3 us a chunk on
-        the dev VM for the two numpy reductions)."""
+    def _per_pool(self, item_bytes: Sequence[int]) -> "PoolFacts":
+        """What the route and the grid need of a pool's item sizes: kept for the last read-only array (`_pool`'s,
+        the same object for every chunk of a peer), else computed (3 us a chunk on the dev VM for the numpy
+        reductions)."""
         last = self._pool_items
         if last is not None and item_bytes is last[0]:
             return last[1]
         items = np.asarray(item_bytes, dtype=np.int64)
-        derived = (int(items.sum()), same_gpu_programs_per_sm(items))
+        derived = PoolFacts(int(items.sum()), same_gpu_programs_per_sm(items), int(items.min()) if items.size else 0)
         if isinstance(item_bytes, np.ndarray) and not item_bytes.flags.writeable and item_bytes.base is None:
             self._pool_items = (item_bytes, derived)
         return derived
@@ -696,7 +709,7 @@ class CudaIpcTransport(OneSidedTransport):
         """The device half of `write_pages`: copy a checked plan (the kernel, its grid bounded by `grid`, else by
         SGLANG_P2P_IPC_PROGRAMS; or the copy engines where SGLANG_P2P_COPY_ENGINE says so for this chunk, into a
         decode on this GPU when `same_gpu`) and wait; returns the bytes copied."""
-        nbytes = int(plan.src_ids.size) * self._per_pool(plan.item_bytes)[0]
+        nbytes = int(plan.src_ids.size) * self._per_pool(plan.item_bytes).page_bytes
         if self.copy_engine == SPLIT:
             self._copy_split(plan, nbytes, grid or self.programs, same_gpu)
             return nbytes
@@ -712,9 +725,22 @@ class CudaIpcTransport(OneSidedTransport):
         """`split`'s plan for a checked chunk (ce_plan.route_split) under this transport's thresholds; the kernel's
         first use looks for the chunk's breaks, for its log line's exact spans. Planning only: nothing counted or
         copied (the transfer benchmark times it as the step before the copy)."""
-        limit, min_span = thresholds(backend().copy_engines_batched(), same_gpu, self.ce_min_span, self.ce_max_spans)
+        limit, min_span = self._split_thresholds(same_gpu)
         return route_split(plan.src_ids, plan.dst_ids, plan.item_bytes, min_span, limit,
-                           exact=KERNEL not in self._routes_seen)
+                           exact=KERNEL not in self._routes_seen,
+                           need=pages_reaching(self._per_pool(plan.item_bytes).least_item, min_span))
+
+    def _split_thresholds(self, same_gpu: bool) -> tuple[int, int]:
+        """ce_plan.thresholds for `split_route`, kept by what they depend on (the backend's batch call, the
+        destination, the two knobs): on 1 x H200 the route's step took 6.5-11 us of every write against the
+        kernel's 2-3.6, most of it asking the backend and reducing the item sizes again for each chunk."""
+        b = backend()
+        key = (b, same_gpu, self.ce_min_span, self.ce_max_spans)
+        got = self._split_limits.get(key)
+        if got is None:
+            got = self._split_limits[key] = thresholds(b.copy_engines_batched(), same_gpu, self.ce_min_span,
+                                                       self.ce_max_spans)
+        return got
 
     def _copy_split(self, plan: "PageWrite", nbytes: int, grid: Optional[int], same_gpu: bool) -> None:
         """SGLANG_P2P_COPY_ENGINE=split: the chunk's long page runs to the copy engines, its short ones to the
