@@ -9,7 +9,6 @@ sockets are left out."""
 
 import threading
 import time
-from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,7 +24,7 @@ if not hasattr(common, "AbortAck"):
 
 from sglang_p2p_backend.adapter.conn import P2pNcclKVReceiver  # noqa: E402
 from sglang_p2p_backend.adapter.decode import DecodeKVManager, PrefillPeer  # noqa: E402
-from sglang_p2p_backend.engine.config import EngineConfig  # noqa: E402
+from support.decode_manager import bare_decode_manager  # noqa: E402
 
 ROOM = 41
 P0, P1 = ("10.0.0.1", 5000), ("10.0.0.1", 5001)  # the room's prefill server: ranks 0 and 1
@@ -38,20 +37,11 @@ def session(rank_ip_port) -> str:
 
 def decode_manager(sent: list) -> DecodeKVManager:
     """A decode manager through its own `_init_role` (no transports, no threads), registered with P0, P1 and Q0."""
-    mgr = DecodeKVManager.__new__(DecodeKVManager)
-    mgr.config = EngineConfig()
-    mgr.enable_deferred_decode_kv_release = True
-    mgr.two_sided = mgr.one_sided = mgr.ipc = None
-    mgr.views, mgr.device = [None], None
-    mgr._start_heartbeat_checker_thread = lambda: None
-    mgr.request_status, mgr.required_prefill_response_num_table, mgr.prefill_response_tracker = {}, {}, {}
-    mgr.addr_to_rooms_tracker = {"prefill:8998": set()}
-    mgr._deferred_abort_ack_tracker, mgr._deferred_abort_generation = {}, 0
-    mgr.failure_lock, mgr.failure_records = threading.Lock(), {}
-    mgr.dropped = Counter()
-    mgr.session, mgr.incarnation, mgr.local_ip, mgr.rank_port = "10.0.0.9:7000", 1, "10.0.0.9", 7000
-    mgr.control = SimpleNamespace(send_frames=lambda endpoint, frames, block=True: sent.append((endpoint, frames)))
-    mgr._init_role()
+    mgr = bare_decode_manager(
+        enable_deferred_decode_kv_release=True, addr_to_rooms_tracker={"prefill:8998": set()},
+        _deferred_abort_ack_tracker={}, _deferred_abort_generation=0,
+        session="10.0.0.9:7000", incarnation=1, local_ip="10.0.0.9", rank_port=7000,
+        control=SimpleNamespace(send_frames=lambda endpoint, frames, block=True: sent.append((endpoint, frames))))
     for rank, peer in [(0, P0), (1, P1), (0, Q0)]:
         mgr.prefills[session(peer)] = PrefillPeer("accepted", time.monotonic(), prefill_rank=rank)
     return mgr

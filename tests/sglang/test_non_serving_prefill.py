@@ -8,16 +8,15 @@ receiver for the two-sided case; no sockets, no transport (the receiver has no c
 
 import threading
 import time
-from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from sglang.srt.disaggregation.base.conn import KVPoll
+from support.decode_manager import bare_decode_manager
 
-from sglang_p2p_backend.adapter.decode import DecodeKVManager, PrefillPeer, published_room
-from sglang_p2p_backend.engine.config import EngineConfig
+from sglang_p2p_backend.adapter.decode import PrefillPeer, published_room
 from sglang_p2p_backend.engine.pair.liveness import PeerWatch
 from sglang_p2p_backend.engine.wire import messages as wire
 
@@ -36,19 +35,12 @@ class _Copier:
 def decode():
     """A decode rank registered with both prefill ranks, the room published to SERVER only."""
     sent: list = []
-    mgr = DecodeKVManager.__new__(DecodeKVManager)
-    mgr.config = EngineConfig()
-    mgr.two_sided, mgr.one_sided, mgr.ipc = SimpleNamespace(name="tcp"), None, None
-    mgr.staging, mgr.copier = SimpleNamespace(slot_bytes=1 << 10), _Copier()
-    mgr.views, mgr.device, mgr.session = [None], None, "10.0.0.9:7000"
-    mgr._start_heartbeat_checker_thread = lambda: None
-    mgr.request_status, mgr.required_prefill_response_num_table, mgr.prefill_response_tracker = {}, {}, {}
-    mgr.failure_lock, mgr.failure_records = threading.Lock(), {}
-    mgr.dropped, mgr.watch, mgr.broken = Counter(), PeerWatch(timeout_s=30), None
-    mgr._control_send = lambda session, msg, block=True: sent.append((session, msg))
-    mgr.aux = [np.full(n * 4, 0xEE, dtype=np.uint8) for n in AUX_LENS]  # 4 rows each, the last request's bytes
-    mgr.kv_args = SimpleNamespace(aux_data_ptrs=[a.ctypes.data for a in mgr.aux], aux_item_lens=AUX_LENS)
-    mgr._init_role()
+    aux = [np.full(n * 4, 0xEE, dtype=np.uint8) for n in AUX_LENS]  # 4 rows each, the last request's bytes
+    mgr = bare_decode_manager(
+        two_sided=SimpleNamespace(name="tcp"), staging=SimpleNamespace(slot_bytes=1 << 10), copier=_Copier(),
+        session="10.0.0.9:7000", watch=PeerWatch(timeout_s=30), broken=None,
+        _control_send=lambda session, msg, block=True: sent.append((session, msg)), aux=aux,
+        kv_args=SimpleNamespace(aux_data_ptrs=[a.ctypes.data for a in aux], aux_item_lens=AUX_LENS))
     for peer in (SERVER, STRANGER):
         mgr.prefills[peer] = PrefillPeer("accepted", time.monotonic(), prefill_rank=0)
     mgr.request_status[ROOM] = KVPoll.WaitingForInput

@@ -8,20 +8,18 @@ The decode is driven through its inbound path (`_on_message`) and its own `_init
 present (so not two-sided only); chunks land as the receiver reports them (`arrivals.landed`). The prefill's
 Status is built by its own `_status_sender` from the room's destinations."""
 
-import threading
 import time
-from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from sglang.srt.disaggregation.base.conn import KVPoll
+from support.decode_manager import bare_decode_manager
 
-from sglang_p2p_backend.adapter.decode import DecodeKVManager, PrefillPeer, published_room
+from sglang_p2p_backend.adapter.decode import PrefillPeer, published_room
 from sglang_p2p_backend.adapter.prefill import PrefillKVManager
 from sglang_p2p_backend.adapter.transfer_workers import TransferInfo
-from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.pair.liveness import PeerWatch
 from sglang_p2p_backend.engine.wire import messages as wire
 
@@ -38,18 +36,11 @@ class _Copier:
 @pytest.fixture
 def decode():
     """A decode rank with a two-sided and a one-sided path, registered with PREFILL, ROOM published to it."""
-    mgr = DecodeKVManager.__new__(DecodeKVManager)
-    mgr.config = EngineConfig()
-    mgr.two_sided, mgr.one_sided, mgr.ipc = SimpleNamespace(name="tcp"), SimpleNamespace(name="mooncake"), None
-    mgr.staging, mgr.copier = SimpleNamespace(slot_bytes=1 << 10), _Copier()
-    mgr.views, mgr.device, mgr.session = [None], None, DECODE
-    mgr._start_heartbeat_checker_thread = lambda: None
-    mgr.request_status, mgr.required_prefill_response_num_table, mgr.prefill_response_tracker = {}, {}, {}
-    mgr.failure_lock, mgr.failure_records = threading.Lock(), {}
-    mgr.dropped, mgr.watch, mgr.broken = Counter(), PeerWatch(timeout_s=30), None
-    mgr._control_send = lambda session, msg, block=True: None
-    mgr.kv_args = SimpleNamespace(aux_data_ptrs=[], aux_item_lens=[])
-    mgr._init_role()
+    mgr = bare_decode_manager(
+        two_sided=SimpleNamespace(name="tcp"), one_sided=SimpleNamespace(name="mooncake"),
+        staging=SimpleNamespace(slot_bytes=1 << 10), copier=_Copier(), session=DECODE,
+        watch=PeerWatch(timeout_s=30), broken=None, _control_send=lambda session, msg, block=True: None,
+        kv_args=SimpleNamespace(aux_data_ptrs=[], aux_item_lens=[]))
     mgr.prefills[PREFILL] = PrefillPeer("accepted", time.monotonic(), prefill_rank=0)
     mgr.request_status[ROOM], mgr.prefill_response_tracker[ROOM] = KVPoll.WaitingForInput, set()  # its receiver's
     mgr.publish(ROOM, published_room(np.arange(10, 20, dtype=np.int32), None, [], [PREFILL]))

@@ -8,16 +8,16 @@ counted). Both SGLang trackers are run under whichever release is installed; the
 The interleaving is forced: the room's status table runs the receiver's clear() right after the status was read."""
 
 import threading
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import numpy as np
 import pytest
 
 from sglang.srt.disaggregation.base.conn import KVPoll
+from support.decode_manager import bare_decode_manager
 
 from sglang_p2p_backend.adapter.conn import P2pNcclKVReceiver
-from sglang_p2p_backend.adapter.decode import DecodeKVManager, published_room
-from sglang_p2p_backend.engine.config import EngineConfig
+from sglang_p2p_backend.adapter.decode import published_room
 
 pytestmark = pytest.mark.sglang
 
@@ -41,16 +41,10 @@ def room(tracker: str):
     """A decode rank with ROOM published to one prefill rank, and the room's receiver; `tracker`: which SGLang
     release's table of ranks that reported Success (0.5.17 creates a room's set on first use, 0.5.23 with its
     receiver)."""
-    mgr = DecodeKVManager.__new__(DecodeKVManager)
-    mgr.config = EngineConfig()
-    mgr.two_sided = mgr.one_sided = mgr.ipc = None
-    mgr.views, mgr.device = [None], None
-    mgr._start_heartbeat_checker_thread = lambda: None
-    mgr.request_status, mgr.required_prefill_response_num_table = Interleaved(), {ROOM: 1}
-    mgr.prefill_response_tracker = defaultdict(set) if tracker == "0.5.17" else {ROOM: set()}
-    mgr.addr_to_rooms_tracker = defaultdict(set, {"prefill:8998": {ROOM}})
-    mgr.failure_lock, mgr.failure_records, mgr.dropped = threading.Lock(), {}, Counter()
-    mgr._init_role()
+    mgr = bare_decode_manager(
+        request_status=Interleaved(), required_prefill_response_num_table={ROOM: 1},
+        prefill_response_tracker=defaultdict(set) if tracker == "0.5.17" else {ROOM: set()},
+        addr_to_rooms_tracker=defaultdict(set, {"prefill:8998": {ROOM}}))
     mgr.request_status[ROOM] = KVPoll.WaitingForInput
     mgr.publish(ROOM, published_room(np.arange(4, dtype=np.int32), 1, [], [PREFILL]))
     r = P2pNcclKVReceiver.__new__(P2pNcclKVReceiver)
