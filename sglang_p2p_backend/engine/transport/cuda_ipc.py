@@ -671,32 +671,33 @@ class CudaIpcTransport(OneSidedTransport):
             raise TransportError(f"decode rank {session} is not mapped through CUDA IPC")
         src_ids = np.asarray(src_ids, dtype=np.int64).reshape(-1)
         dst_ids = np.asarray(dst_ids, dtype=np.int64).reshape(-1)
-        items = np.asarray(item_bytes, dtype=np.int64)
+        regions = len(item_bytes)
         if src_ids.size != dst_ids.size:
             raise TransportError(f"{src_ids.size} source pages but {dst_ids.size} destination pages; nothing was written")
-        if not (len(src_bases) == len(dst_bases) == items.size):
+        if not (len(src_bases) == len(dst_bases) == regions):
             raise TransportError(f"{len(src_bases)} source regions, {len(dst_bases)} destination regions and "
-                                 f"{items.size} item sizes do not pair up; nothing was written")
-        if not src_ids.size or not items.size:
+                                 f"{regions} item sizes do not pair up; nothing was written")
+        if not src_ids.size or not regions:
             return None
         for name, ids, bound in (("destination", dst_ids, dst_pages), ("source", src_ids, src_pages)):
             bad = out_of_range_id(ids, bound)
             if bad is not None:
                 raise TransportError(f"{name} page {bad} is outside the pool's {bound} pages; nothing was written")
-        src, mapped, items = self._pool(session, m, src_bases, dst_bases, item_bytes, items, dst_pages)
+        src, mapped, items = self._pool(session, m, src_bases, dst_bases, item_bytes, dst_pages)
         return PageWrite(src, mapped, items, src_ids, dst_ids)
 
     def _pool(self, session: str, m: IpcMapping, src_bases: Sequence[int], dst_bases: Sequence[int],
-              item_bytes: Sequence[int], items: np.ndarray,
-              dst_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              item_bytes: Sequence[int], dst_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(source bases, destination bases in this process, item bytes) of peer `session`'s chunk, read-only:
         translated once per registration and pool, not per chunk (the same values give the same result; a
-        remapped peer has a new mapping, and its first chunk translates again). `items`: `item_bytes` as int64."""
-        # the caller's sequences as they are (an int and a numpy int of one value compare equal), not `items`
+        remapped peer has a new mapping, and its first chunk translates again). The item sizes become an array
+        only then: a chunk of the same pool compares the caller's sequences and converts nothing."""
+        # the caller's sequences as they are (an int and a numpy int of one value compare equal)
         key = (tuple(src_bases), tuple(dst_bases), tuple(item_bytes), int(dst_pages))
         hit = self._pools.get(session)
         if hit is not None and hit[0] is m and hit[1] == key:
             return hit[2]
+        items = np.asarray(item_bytes, dtype=np.int64)
         # one span per destination region, the whole pool: inside the export, or nothing moves
         mapped = m.table.translate(np.asarray(dst_bases, dtype=np.int64), items * int(dst_pages))
         pool = tuple(_read_only(a) for a in (np.array(src_bases, dtype=np.int64), mapped, np.array(items)))
