@@ -64,11 +64,28 @@ def steps(c: dict[str, Any]) -> dict[int, float]:
 IDLE_GAP_RATIO = 2.0
 
 
-def step_ratio(c: dict[str, Any], other: dict[str, Any]) -> Optional[dict[str, float]]:
+def step_ratio(c: dict[str, Any], other: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The decode's step time of `c` over `other`'s at equal running batch: the geometric mean over every batch
     size both logged, each weighted by the fewer of its intervals (sizes where an idle gap shows are left out,
-    IDLE_GAP_RATIO); with the sizes and intervals it rests on. None where they share no size."""
-    mine, theirs = _intervals(c), _intervals(other)
+    IDLE_GAP_RATIO); with the sizes and intervals it rests on, and (`without_one`, where both sides have two runs
+    or more) the lowest and highest ratio with one run of each side left out, every pair in turn. A cell of a few
+    intervals a size can move far on one run: session 34's 1k x 16 gave 1.172 over all four runs a side and
+    1.021-1.377 without one. None where they share no size."""
+    got = _step_ratio(_intervals(c), _intervals(other))
+    if got is None:
+        return None
+    mine, theirs = c["reps"], other["reps"]
+    if len(mine) > 1 and len(theirs) > 1:
+        ratios = [r["ratio"] for i in range(len(mine)) for j in range(len(theirs))
+                  if (r := _step_ratio(_intervals({"reps": mine[:i] + mine[i + 1:]}),
+                                       _intervals({"reps": theirs[:j] + theirs[j + 1:]}))) is not None]
+        if ratios:
+            got["without_one"] = (min(ratios), max(ratios))
+    return got
+
+
+def _step_ratio(mine: dict[int, list[float]], theirs: dict[int, list[float]]) -> Optional[dict[str, Any]]:
+    """`step_ratio` of two cells' intervals by batch size (`_intervals`)."""
     logs, weights = [], []
     for n in sorted(set(mine) & set(theirs)):
         r = statistics.median(mine[n]) / statistics.median(theirs[n])
@@ -209,8 +226,8 @@ def _fmt(t: tuple) -> str:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     out = ["| graphs | prompt | conc. | backend | reps | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | E2E p50 ms | KV ms "
-           "| tok/s over NIXL's, paired by repetition (higher in) | decode step over NIXL's at equal batch (intervals) "
-           "| p2pnccl's decode step over this one's at equal batch (intervals) |",
+           "| tok/s over NIXL's, paired by repetition (higher in) | decode step over NIXL's at equal batch (intervals; "
+           "range without one run a side) | p2pnccl's decode step over this one's at equal batch (intervals; range) |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         for b, v in r["backends"].items():
@@ -239,7 +256,10 @@ def stages_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def _step(s: Optional[dict[str, Any]]) -> str:
-    return f"{s['ratio']:.3f} ({s['intervals']})" if s else "-"
+    if not s:
+        return "-"
+    spread = s.get("without_one")
+    return f"{s['ratio']:.3f} ({s['intervals']}" + (f"; {spread[0]:.3f}-{spread[1]:.3f})" if spread else ")")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

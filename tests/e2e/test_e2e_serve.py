@@ -282,15 +282,19 @@ def test_report_pools_repetitions_across_files_and_compares_with_nixl(tmp_path: 
     md = serve_report.markdown([row])
     assert "| yes | 1024 | 64 | p2pnccl | 3 | 330.0 (300.0-360.0) |" in md
     # the last column: p2pnccl's step over NIXL's at batch 40 (3.3 against 2.1 ms), six intervals each
-    assert row["p2pnccl_step_ratio"] == {"nixl": {"ratio": round(3.3 / 2.1, 3), "sizes": 1, "intervals": 6}}
+    # and with one run of each side left out, every pair in turn: the medians of the two runs kept, 3.15-3.45
+    # against 2.05-2.15 ms
+    spread = (round(3.15 / 2.15, 3), round(3.45 / 2.05, 3))
+    assert row["p2pnccl_step_ratio"] == {"nixl": {"ratio": round(3.3 / 2.1, 3), "sizes": 1, "intervals": 6,
+                                                  "without_one": spread}}
     last = [line.rsplit("|", 2)[-2].strip() for line in md.splitlines()[2:]]
-    assert last == [f"{3.3 / 2.1:.3f} (6)", "-"]  # nixl's row, p2pnccl's
+    assert last == [f"{3.3 / 2.1:.3f} (6; {spread[0]:.3f}-{spread[1]:.3f})", "-"]  # nixl's row, p2pnccl's
     assert row["backends"]["p2pnccl"]["stages_ms"] == {}  # results from before stages were recorded
     # paired by repetition within each file: 300/200, 330/220, 360/210 (not the medians' 330/210)
     pair = row["over_nixl"]["p2pnccl"]["paired_tok_s"]
     assert pair == {"ratio": round((300 / 200 * 330 / 220 * 360 / 210) ** (1 / 3), 3), "pairs": 3, "higher": 3}
     p_row = next(line for line in md.splitlines() if "| p2pnccl |" in line)
-    assert f"| {pair['ratio']:.3f} (3 of 3) | {3.3 / 2.1:.3f} (6) |" in p_row
+    assert f"| {pair['ratio']:.3f} (3 of 3) | {3.3 / 2.1:.3f} (6; {spread[0]:.3f}-{spread[1]:.3f}) |" in p_row
 
 
 def test_paired_ratio_matches_runs_of_one_repetition_and_skips_a_missing_one(tmp_path: Path):
@@ -510,8 +514,24 @@ def test_step_ratio_weighs_every_shared_batch_size_and_leaves_out_idle_gaps():
     got = serve_report.step_ratio(mine, theirs)
     # sizes 8 (ratio 1.5, weight 2) and 16 (ratio 1.1, weight 1); 3 (2x) is a wait, 24 and 40 are not shared
     want = round(math.exp((2 * math.log(1.5) + math.log(1.1)) / 3), 3)
-    assert got == {"ratio": want, "sizes": 2, "intervals": 3}
+    assert got == {"ratio": want, "sizes": 2, "intervals": 3}  # one run a side: no range without one
     assert serve_report.step_ratio(mine, cell([(24, 6.0, 9)])) is None
+
+
+def test_step_ratio_says_how_far_one_run_of_each_side_moves_it():
+    """Two runs a side: the ratio over all of them, and its lowest and highest with one run of each side left out
+    (each pair in turn), so a cell that rests on one slow run shows it."""
+    from e2e import serve_report
+
+    def cell(*runs):
+        return {"reps": [{"decode_steps": [{"running": 16, "step_ms_p50": ms, "intervals": 1}]} for ms in runs]}
+
+    got = serve_report.step_ratio(cell(2.0, 4.0), cell(2.0, 2.0))
+    # all runs: medians 3.0 against 2.0. Without one: 2.0 against 2.0, or 4.0 against 2.0, which is twice the
+    # other and so read as a wait (IDLE_GAP_RATIO): those pairs share no size and give no ratio
+    assert got == {"ratio": 1.5, "sizes": 1, "intervals": 2, "without_one": (1.0, 1.0)}
+    got = serve_report.step_ratio(cell(2.0, 3.0), cell(2.0, 2.0))
+    assert got == {"ratio": 1.25, "sizes": 1, "intervals": 2, "without_one": (1.0, 1.5)}
 
 
 def test_stage_table_shows_each_backends_stage_medians_and_an_outlier_runs_range():
