@@ -32,12 +32,17 @@ class RouteTally:
     def add(self, route: str, nbytes: int, reason: str = "") -> Optional[str]:
         """Count one chunk of `nbytes` on `route` (`reason`: why the rule sent it there, ce_plan's
         route_and_reason; "" for none); a summary line when one is due, else None."""
-        with self._lock:
-            c = self._counts.setdefault(route, [0, 0])
+        with self._lock:  # on every chunk's path: nothing built where the entries exist (setdefault's default is)
+            c = self._counts.get(route)
+            if c is None:
+                c = self._counts[route] = [0, 0]
             c[0] += 1
             c[1] += nbytes
             if reason:
-                self._reasons.setdefault(route, Counter())[reason] += 1
+                why = self._reasons.get(route)
+                if why is None:
+                    why = self._reasons[route] = Counter()
+                why[reason] += 1
             now = self._clock()
             if now < self._next:
                 return None
