@@ -41,8 +41,8 @@ MODEL = "llama-anchor"
 MAX_TOTAL_TOKENS = 65536
 BASE_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--skip-server-warmup",
               "--enable-metrics", "--log-level", "info", "--mem-fraction-static", "0.7",
-              "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--cuda-graph-backend-prefill", "disabled", "--sleep-on-idle",
-              "--decode-log-interval", "20"]
+              "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--cuda-graph-backend-prefill", "disabled",
+              "--sleep-on-idle", "--decode-log-interval", "20"]
 # --decode-log-interval 20 (SGLang's default 40): the decode's step time at equal batch is read from these lines
 # (decode_log.py), and at concurrency 16 a run gave only 1-5 intervals a batch size, so one run moved the ratio to
 # NIXL's from 1.02 to 1.38 (serve_report's range without one run, session 35); twice the lines, the same for

@@ -358,8 +358,9 @@ class Decode:
         idx = self.torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.pool[0].device)
         for t in self.pool:
             t.index_fill_(0, idx, 0)
-        if self.dev.type == "cuda":  # the fills done before the answer: the prefill's next write must land after them, not
-            # under them (--interleave's one checked write a mode met 2 GiB of fills still running on 1 x H200)
+        if self.dev.type == "cuda":
+            # the fills done before the answer: the prefill's next write must land after them, not under them
+            # (--interleave's one checked write a mode met 2 GiB of fills still running on 1 x H200)
             self.torch.cuda.synchronize(self.pool[0].device)
         return ("ok",)
 
@@ -1504,7 +1505,8 @@ def main(argv=None) -> int:
         gpus = torch.cuda.device_count() if cuda else 0
         cfg = {"quick": not cuda, "prefill_gpu": 0, "decode_gpu": 1 if gpus >= 2 else 0, "budget_s": ns.budget_s,
                "case_s": ns.case_s, "max_reps": ns.max_reps, "sections": device_sections, "programs": ns.programs,
-               "programs_case": list(ns.programs_case), "slot_mib": ns.slot_mib, "first_chunk_mib": ns.first_chunk_mib, "ipc_modes": ns.ipc_modes, "interleave": ns.interleave, "dests": dests,
+               "programs_case": list(ns.programs_case), "slot_mib": ns.slot_mib, "first_chunk_mib": ns.first_chunk_mib, "ipc_modes": ns.ipc_modes,
+               "interleave": ns.interleave, "dests": dests,
                "interference_shape": INTERFERENCE_CASE[0] if INTERFERENCE_CASE[0] in names else names[0],
                "shapes": [s.__dict__ for s in shapes], "tokens": tokens}
         import multiprocessing as mp
