@@ -960,11 +960,9 @@ class Prefill:
         from sglang_p2p_backend.engine.transport.cuda_ipc import backend
 
         c = backend()._copiers(self.dev_t)  # noqa: SLF001 - the path write_pages takes
-        pages, stream = c.pages, c.stream
         box: dict = {}
-
-        def plan() -> None:
-            box["plan"] = self.tr.plan_pages(*args)
+        kernel = self._kernel_steps(args, box, split=True)
+        shared = dict(kernel)  # the checks, the wait for the forward's stream and for the copy: the same on both
 
         def rule() -> None:  # what copy_pages finds of the ids for the per-chunk rule, on either route
             p = box["plan"]
@@ -976,18 +974,12 @@ class Prefill:
             p = box["plan"]
             box["spans"] = page_spans(*p, runs=page_runs(p.src_ids, p.dst_ids, box["breaks"]))
 
-        def wait() -> None:
-            backend().ordered(self.dev_t)
-
         def ce_call() -> None:
             backend().queue_copy_engines(c, *box["spans"])
 
-        def sync() -> None:
-            c.ops.synchronize(stream.cuda_stream)
-
-        kernel = self._kernel_steps(args, box, split=True)
-        ce = [("planned", plan), ("spans", spans), ("waited", wait), ("called", ce_call), ("synchronized", sync)]
-        return {"kernel": host_timeline(kernel, self.budget(), copier=pages),
+        ce = [("planned", shared["planned"]), ("spans", spans), ("waited", shared["waited"]), ("called", ce_call),
+              ("synchronized", shared["synchronized"])]
+        return {"kernel": host_timeline(kernel, self.budget(), copier=c.pages),
                 "copy_engine": host_timeline(ce, self.budget())}
 
     def _kernel_steps(self, args: tuple, box: dict, split: bool) -> list[tuple[str, Callable[[], Any]]]:
