@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from . import client, config, decode_log, procstat, promparse, results, stats
+from . import client, config, decode_log, procstat, promparse, results, room_times, stats
 from .servers import Server, Stack, exit_on_sigterm, failure_report
 
 MODEL = "llama-anchor"
@@ -86,16 +86,25 @@ BACKEND_ENV = {
     # the route rule before session 32: each chunk whole to the copy engines or to the kernel, by its mean span and
     # span count (ce_plan.choose)
     "p2pnccl-auto": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_COPY_ENGINE": "auto"},
+    # p2pnccl with each room's transfer steps logged by the prefill (SGLANG_P2P_ROOM_TIMES, adapter/room_times.py;
+    # `room_times_ms` in the results): where SGLang's KV time of a 4k request at concurrency 1, 4.1-5.0 ms against a
+    # 1.6 ms write in the transfer benchmark (2 x H200, session 36), goes
+    "p2pnccl-times": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1"},
+    # the same with the GIL switch interval at 0.1 ms instead of 0.5: each time a transfer worker wakes (its queue,
+    # the copy's end) it waits up to that long for a scheduler thread that runs Python without pause
+    "p2pnccl-times-gil01": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1",
+                            "SGLANG_P2P_GIL_SWITCH_MS": "0.1"},
     "nixl": {},  # SGLang's default NIXL backend: UCX, which picks cuda_ipc between two processes of one GPU
     "mooncake": {"MC_INTRANODE_NVLINK": "true", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"},
 }
 BASE_PORT = {"p2pnccl": 33000, "nixl": 33100, "mooncake": 33200, "p2pnccl-gil5": 33300, "p2pnccl-kernel": 33400,
              "p2pnccl-ce": 33500, "p2pnccl-grid132": 33600, "p2pnccl-spans1024": 33700, "p2pnccl-grid32": 33800,
-             "p2pnccl-split": 33900, "p2pnccl-auto": 34000}
+             "p2pnccl-split": 33900, "p2pnccl-auto": 34000, "p2pnccl-times": 34100, "p2pnccl-times-gil01": 34200}
 #: a variant's --disaggregation-transfer-backend
 TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl", "p2pnccl-kernel": "p2pnccl", "p2pnccl-ce": "p2pnccl",
                     "p2pnccl-grid132": "p2pnccl", "p2pnccl-spans1024": "p2pnccl", "p2pnccl-grid32": "p2pnccl",
-                    "p2pnccl-split": "p2pnccl", "p2pnccl-auto": "p2pnccl"}
+                    "p2pnccl-split": "p2pnccl", "p2pnccl-auto": "p2pnccl", "p2pnccl-times": "p2pnccl",
+                    "p2pnccl-times-gil01": "p2pnccl"}
 OUTPUT_TOKENS = 64
 DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
 
@@ -243,6 +252,7 @@ class Probe:
     def __enter__(self) -> "Probe":
         self.kv0, self.st0, self.each0 = self._snapshot()
         self.log0 = decode_log.offset(self.pair.decode[self.mode].log)
+        self.prefill_log0 = [decode_log.offset(p.log) for p in self.pair.prefills]
         self.cpu0 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
         return self
 
@@ -250,6 +260,8 @@ class Probe:
         self.cpu1 = {role: procstat.thread_cpu(pid) if pid else {} for role, pid in self.procs.items()}
         self.kv1, self.st1, self.each1 = self._snapshot()
         self.log_text = decode_log.read_since(self.pair.decode[self.mode].log, self.log0)
+        self.prefill_text = "".join(decode_log.read_since(p.log, start)
+                                    for p, start in zip(self.pair.prefills, self.prefill_log0))
 
     def figures(self) -> dict[str, Any]:
         kv = promparse.mean_between(self.kv0, self.kv1)
@@ -258,6 +270,7 @@ class Probe:
             "stages_ms": {role: stage_means_ms(self.st0[role], self.st1[role]) for role in self.st1},
             "prefills": per_prefill(self.each0, self.each1),
             "decode_steps": decode_log.summarize(decode_log.step_times(self.log_text)),
+            "room_times_ms": room_times.summarize(room_times.parse(self.prefill_text)),
             "cpu": {role: procstat.cpu_between(self.cpu0[role], self.cpu1[role],
                                                {**procstat.os_thread_names(pid), **self.names[role]} if pid else {})[:8]
                     for role, pid in self.procs.items()},

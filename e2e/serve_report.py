@@ -154,6 +154,33 @@ def stage_spread(c: dict[str, Any]) -> dict[str, tuple]:
     return out
 
 
+def running_batch(c: dict[str, Any]) -> Optional[dict[str, float]]:
+    """The decode's running batch over every logged interval of the cell's runs (mean and median): a backend
+    whose requests reach the decode sooner runs larger batches, and its TPOT is then longer at the same step
+    time (`step_ratio` compares the steps at equal batch). None where no run logged one."""
+    xs = [n for n, v in _intervals(c).items() for _ in v]
+    if not xs:
+        return None
+    return {"mean": round(sum(xs) / len(xs), 1), "median": statistics.median(xs), "intervals": len(xs)}
+
+
+#: the prefill's room steps the batch table shows (e2e/room_times.py's gaps, SGLANG_P2P_ROOM_TIMES)
+ROOM_GAPS = ("queued->last_queued", "last_queued->picked", "picked->ready", "ready->launched", "launched->written",
+             "ready->written", "written->concluded", "concluded->seen")
+
+
+def room_steps(c: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Over the runs that timed their rooms (`room_times_ms`): the rooms, and the median over the runs of each
+    step's median gap (ms) and of the whole span to Success seen. None where no run did."""
+    runs = [r["room_times_ms"] for r in c["reps"] if r.get("room_times_ms")]
+    if not runs:
+        return None
+    m = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
+    return {"rooms": sum(r["rooms"] for r in runs),
+            "gaps": {g: m([r["gaps"][g] for r in runs if g in r["gaps"]]) for g in ROOM_GAPS},
+            "seen": m([r["at"]["seen"] for r in runs if "seen" in r["at"]])}
+
+
 def prefill_spread(c: dict[str, Any]) -> dict[str, Optional[float]]:
     """Over the repetitions (medians): the busiest prefill's share of a run's requests, and the slowest and
     fastest prefill's forward stage (serve.py's `prefills`; empty for results taken before it was recorded)."""
@@ -197,7 +224,9 @@ def table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for b, c in sorted(per.items()):
             row["backends"][b] = {m: med(c, m) for m in METRICS} | {"reps": len(c["reps"]), "stages_ms": stages(c),
                                                                    "stage_spread": stage_spread(c),
-                                                                   "prefills": prefill_spread(c)}
+                                                                   "prefills": prefill_spread(c),
+                                                                   "running_batch": running_batch(c),
+                                                                   "room_steps": room_steps(c)}
         p, n = per.get("p2pnccl"), per.get("nixl")
         if p and n:
             ratio = {}
@@ -253,6 +282,29 @@ def stages_markdown(rows: list[dict[str, Any]]) -> str:
                 out.append(f"| {'yes' if r['cuda_graph'] else 'no'} | {r['input_len']} | {r['concurrency']} | {b} | "
                            + " | ".join(_fmt(spread.get(h, (None, None, None))) for h in heads) + " |")
     return "\n".join(out) if len(out) > 2 else ""
+
+
+def batch_markdown(rows: list[dict[str, Any]]) -> str:
+    """Per cell and backend: the decode's running batch (mean and median over the logged intervals) and, where
+    the prefill timed its rooms, each step's median gap and the span from a room's first chunk queued to its
+    Success seen by SGLang's poll; "" where no result holds either."""
+    out = ["| graphs | prompt | conc. | backend | decode batch mean (median) | rooms timed | "
+           + " | ".join(f"{g} ms" for g in ROOM_GAPS) + " | queued->seen ms |",
+           "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in ROOM_GAPS) + " | --- |"]
+    for r in rows:
+        for b, v in r["backends"].items():
+            batch, rooms = v.get("running_batch"), v.get("room_steps")
+            if not batch and not rooms:
+                continue
+            cols = [f"{batch['mean']:.1f} ({batch['median']:g})" if batch else "-", str(rooms["rooms"]) if rooms else "-"]
+            cols += [_ms((rooms or {}).get("gaps", {}).get(g)) for g in ROOM_GAPS] + [_ms((rooms or {}).get("seen"))]
+            out.append(f"| {'yes' if r['cuda_graph'] else 'no'} | {r['input_len']} | {r['concurrency']} | {b} | "
+                       + " | ".join(cols) + " |")
+    return "\n".join(out) if len(out) > 2 else ""
+
+
+def _ms(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _step(s: Optional[dict[str, Any]]) -> str:
@@ -313,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         stage_table = stages_markdown(rows)
         if stage_table:
             print(f"\nSGLang's stage times (median of the runs' means, min-max):\n\n{stage_table}")
+        batch_table = batch_markdown(rows)
+        if batch_table:
+            print(f"\nThe decode's running batch, and the prefill's room steps where it timed them (medians over the "
+                  f"runs):\n\n{batch_table}")
         for p in profiles(cells):
             what = "the GIL's holder, first prefill" if p["gil"] else "first prefill"
             print(f"\npy-spy, {what} of {p['backend']} {p['input_len']}x{p['concurrency']} (repetition "

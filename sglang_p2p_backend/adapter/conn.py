@@ -150,6 +150,7 @@ class P2pNcclKVSender(CommonKVSender):
             # it SGLang counts from the last chunk's queueing only, which leaves out a chunked request's earlier
             # chunks; 0.5.23 names the choice `reports_transfer_latency`)
             self._transfer_metric.transfer_latency_s = time.perf_counter() - self._transfer_start_time
+            self.kv_mgr.room_times.seen(self.bootstrap_room)
         return status
 
     def failure_exception(self):

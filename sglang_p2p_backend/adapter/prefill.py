@@ -48,6 +48,7 @@ from sglang_p2p_backend.adapter.deferred_release import DeferredRelease
 from sglang_p2p_backend.adapter.peer_slots import PeerSlots
 from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
 from sglang_p2p_backend.adapter.next_attempts import NextAttempts
+from sglang_p2p_backend.adapter.room_times import RoomTimes
 from sglang_p2p_backend.adapter import tracing
 from sglang_p2p_backend.engine.pair.channels import PairChannels
 from sglang_p2p_backend.adapter.same_host import SameHostPath
@@ -111,6 +112,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         self.same_host = SameHostPath(self.ipc, self.local_memory, self.device, self.decode_peers,
                                       self._common_transports, self.config.max_peers)
         self.release = DeferredRelease(self, self.decode_peers, self._fail_or_bury, self.drop)
+        self.room_times = RoomTimes(self.config.room_times)
         self.workers = TransferWorkers(
             count=self.config.workers,
             spawn=self._spawn,
@@ -133,6 +135,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             local=self.local_memory,
             fail_room=self._fail_room,
             succeed=self._succeed,
+            times=self.room_times,
         )
 
     # ------------------------------------------------------------------ SGLang's sender
@@ -161,6 +164,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             indices_event = None
         if self.kv_digest is not None:
             self.kv_digest.sent(bootstrap_room, kv_indices)
+        self.room_times.mark(bootstrap_room, "queued")
         self.workers.add(TransferTask(
             bootstrap_room,
             kv_indices if indices_event is not None else np.array(kv_indices, dtype=np.int32, copy=True),
@@ -522,6 +526,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
 
         if self.kv_digest is not None:
             self.kv_digest.forget(room)  # a failed room's pages (a succeeded one's went at its Success)
+        self.room_times.forget(room)
 
         for msg in self.next_attempts.release(room, cleared):
             self._on_metadata(msg)

@@ -24,7 +24,8 @@ from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.transport.onesided import OneSidedSender, session_address
 from sglang_p2p_backend.engine.copy.plan import PlanError
 from sglang_p2p_backend.engine.transport.base import TransportError
-from sglang_p2p_backend.engine.transport.cuda_ipc import CudaIpcTransport, IpcUnavailable, check_export, reachable
+from sglang_p2p_backend.engine.transport.cuda_ipc import (CudaIpcTransport, IpcUnavailable, backend, check_export,
+                                                          reachable)
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +127,8 @@ class SameHostPath:
                 return False
         self._sender.send(peer, src, dst, None, heads, unsettled, state)
         return True
+
+    def last_queued(self) -> Optional[float]:
+        """When this thread's last chunk copy was queued on the device, before its wait (perf_counter; None
+        where the backend does not record it): a room's time from its copy queued to its end is the device's."""
+        return backend().last_queued()

@@ -26,6 +26,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sglang_p2p_backend.adapter import tracing
 from sglang_p2p_backend.adapter.deferred_release import DeferredRelease
+from sglang_p2p_backend.adapter.room_times import RoomTimes
 from sglang_p2p_backend.adapter.same_host import SameHostPath
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.pair.channels import PairChannels
@@ -112,8 +113,8 @@ class TransferWorkers:
     why a decode rank was refused (`rejected`) or stopped being live (`departed`), the heads each takes
     (`heads`) and its spans of every state component's items (`state`, empty: whole items); which transport
     serves a peer now (`route`) and the transports themselves; `fail_room(room, reason)` and `succeed(room)`
-    (this rank's state, then Status to the decode ranks). `spawn(step, name)` runs `step` on a thread until the
-    manager closes."""
+    (this rank's state, then Status to the decode ranks); `times`, where each room's steps are timed
+    (room_times.py). `spawn(step, name)` runs `step` on a thread until the manager closes."""
 
     def __init__(
         self,
@@ -139,6 +140,7 @@ class TransferWorkers:
         local: LocalMemory,
         fail_room: Callable[[int, str], None],
         succeed: Callable[[int], None],
+        times: Optional[RoomTimes] = None,
     ):
         self.request_status = request_status
         self.destinations = destinations
@@ -160,6 +162,8 @@ class TransferWorkers:
         self.local = local
         self.fail_room = fail_room
         self.succeed = succeed
+        #: each room's steps timed (SGLANG_P2P_ROOM_TIMES; off: nothing recorded)
+        self.times = times or RoomTimes(False)
         self.shards: List["queue.SimpleQueue[object]"] = [queue.SimpleQueue() for _ in range(count)]
         for i, shard in enumerate(self.shards):
             spawn(lambda s=shard: self._transfer_step(s), f"p2p-transfer-{i}")
@@ -196,6 +200,7 @@ class TransferWorkers:
                 self.channels.reset(task.session)
             self.same_host.reset(task.session)
             return
+        self.times.mark(task.room, "picked")
         self.release.begin(task.room)
         if task.trace is not None:
             tracing.worker_start(task.trace)
@@ -224,6 +229,7 @@ class TransferWorkers:
             task.indices_event.synchronize()
             task.indices_event = None
             task.kv_indices = np.array(task.kv_indices, dtype=np.int32, copy=True)
+        self.times.mark(room, "ready")
         alive = lambda: self.request_status.get(room) not in (None, KVPoll.Failed)  # noqa: E731
         for session, info in list(infos.items()):
             if info.is_dummy:
@@ -255,8 +261,10 @@ class TransferWorkers:
             finally:
                 if task.trace is not None:
                     tracing.session_slice(task.trace, started, session)
+        self.times.mark(room, "written")
         if task.is_last and alive():
             self.succeed(room)
+            self.times.mark(room, "concluded")
 
     def _why_gone(self, session: str) -> str:
         """Why a decode rank is not live here: refused, declared dead or released (recorded before it left the
@@ -279,6 +287,7 @@ class TransferWorkers:
             if route == "cudaipc":
                 if not self.same_host.send(peer, src, dst, heads, unsettled, state):
                     continue  # not mappable after all: routed again (NCCL)
+                self.times.mark(room, "launched", self.same_host.last_queued)
                 if aux is not None:
                     self._send_aux(session, room, *aux)
                 return

@@ -144,6 +144,10 @@ class EngineConfig:
     #: (the prefill of the pages it sent, the decode of the pages it holds; adapter/kv_digest.py), which the
     #: end-to-end checks compare by room; costs a synchronous hash of the room's pages on the pool's device
     test_kv_digest: bool = False
+    #: SGLANG_P2P_ROOM_TIMES=1: the prefill logs each room's transfer steps, as milliseconds from its first chunk
+    #: queued, when SGLang's poll first sees its Success (adapter/room_times.py): where SGLang's
+    #: kv_transfer_latency_ms goes beyond the write; one INFO line a request
+    room_times: bool = False
 
     @property
     def ce_min_span_bytes(self) -> Optional[int]:
@@ -187,4 +191,5 @@ class EngineConfig:
             mooncake_force_tcp=env.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"),
             test_corrupt_kv_file=env.get("SGLANG_P2P_TEST_CORRUPT_KV_FILE") or None,
             test_kv_digest=_choice("SGLANG_P2P_TEST_KV_DIGEST", ("0", "1")) == "1",
+            room_times=_choice("SGLANG_P2P_ROOM_TIMES", ("0", "1")) == "1",
         )

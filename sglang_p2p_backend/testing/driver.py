@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import logging
 import os
 import signal
 from typing import Optional
 
+from sglang_p2p_backend.adapter import room_times
 from sglang_p2p_backend.testing.decode_role import DecodeRole
 from sglang_p2p_backend.testing.launch import one_gpu_env
 from sglang_p2p_backend.testing.plan import dp_rank_of, requests, touch, wait_for
@@ -42,6 +44,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if plan.get("share_gpu"):  # both roles on one GPU over NCCL: before anything starts NCCL
         os.environ.update(one_gpu_env(f"{ns.role}{ns.rank}"))
     os.environ.update(plan.get("env", {}).get(ns.role, {}))  # per-role settings (mismatch tests)
+    if os.environ.get("SGLANG_P2P_ROOM_TIMES") == "1":  # INFO lines, shown as a server at --log-level info shows them
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger(room_times.__name__).setLevel(logging.INFO)
     role = ROLES[ns.role](plan, ns.rank)
     with open(os.path.join(plan["workdir"], f"{ns.role}-{ns.rank}.session"), "w") as f:
         f.write(role.mgr.session)  # where a test's hostile sender finds this rank's control socket

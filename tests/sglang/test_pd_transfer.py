@@ -12,6 +12,7 @@ cases exercise the control plane and staging, which do not depend on the transpo
 """
 
 import importlib.util
+import re
 import threading
 import time
 from pathlib import Path
@@ -109,11 +110,24 @@ def test_staging_shorter_than_a_request_back_pressures_without_loss():
         "requests": [{"room": 20 + i, "tokens": 64 * 9 + i, "chunk_pages": 4} for i in range(4)],
         "deadline_s": 90,
     }
-    result = run_pair(plan, env={"SGLANG_P2P_STAGING_MB": "1", "SGLANG_P2P_STAGING_SLOTS": "2"}, timeout=150)
+    result = run_pair(plan, env={"SGLANG_P2P_STAGING_MB": "1", "SGLANG_P2P_STAGING_SLOTS": "2",
+                                 "SGLANG_P2P_ROOM_TIMES": "1"}, timeout=150)
     assert_all_landed(result, [20, 21, 22, 23])
     for room in ("20", "21", "22", "23"):  # SGLang's kv_transfer_latency_ms: the first chunk queued -> Success
         sent = result["prefill"]["requests"][room]
         assert sent["latency_s"] is not None and abs(sent["latency_s"] - sent["transfer_s"]) < 0.1, sent
+    # SGLANG_P2P_ROOM_TIMES: one line a room, its three chunks (9 pages, 4 a chunk), the last chunk's steps in
+    # order (no copy queued on a GPU over tcp; `concluded` missing where the poll saw the Success first), and its
+    # Success seen where SGLang's latency ends
+    log = Path(result["workdir"], "prefill-0.log").read_text()
+    timed = {int(m.group(1)): m for m in re.finditer(r"p2pnccl: room times (\d+) chunks (\d+): ([^\n]*)", log)}
+    assert sorted(timed) == [20, 21, 22, 23], log[-2000:]
+    for room, m in timed.items():
+        steps = [(k, float(v)) for k, v in re.findall(r"(\w+) ([0-9.]+)", m.group(3))]
+        assert m.group(2) == "3" and [k for k, _ in steps if k != "concluded"] == [
+            "last_queued", "picked", "ready", "written", "seen"], m.group(0)
+        assert [v for _, v in steps] == sorted(v for _, v in steps), m.group(0)
+        assert abs(steps[-1][1] - 1e3 * result["prefill"]["requests"][str(room)]["latency_s"]) < 50, m.group(0)
 
 
 def failed_reason(side: dict, room: int) -> str:

@@ -33,6 +33,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 
@@ -147,6 +148,11 @@ class IpcBackend:
         self.write_pages(device, *pages, max_programs=max_programs)
         self.write_copy_engines(device, *spans)
 
+    def last_queued(self) -> Optional[float]:
+        """When this thread's last write had its copy queued on the device, before its wait (time.perf_counter);
+        None where the backend does not record it (a stand-in)."""
+        return None
+
 
 class CudaBackend(IpcBackend):
     """The few CUDA runtime/driver calls this transport needs, on the libraries torch already loaded, and the
@@ -248,9 +254,13 @@ class CudaBackend(IpcBackend):
         try:
             c.ops.after_current(c.stream.cuda_stream)
             queue(c)
+            self._local.queued_at = time.perf_counter()  # `last_queued`: host time and device time of a write apart
             c.ops.synchronize(c.stream.cuda_stream)
         finally:
             c.ops.leave(prev)
+
+    def last_queued(self) -> Optional[float]:
+        return getattr(self._local, "queued_at", None)
 
     def write(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
         self._write_ordered(device, lambda c: c.spans.copy(src, dst, lens, c.stream))

@@ -1,0 +1,104 @@
+"""SGLANG_P2P_ROOM_TIMES: the prefill's steps of a room timed and logged at Success, read back by the serve phase."""
+
+from e2e import room_times, serve_report
+
+from sglang_p2p_backend.adapter.room_times import RoomTimes
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def timed(enabled: bool = True, limit: int = 4096):
+    clock, lines = Clock(), []
+    return RoomTimes(enabled, limit, clock, lines.append), clock, lines
+
+
+def test_a_rooms_steps_are_milliseconds_from_its_first_chunk_and_the_last_chunks_replace_the_earlier():
+    times, clock, lines = timed()
+    for step, at in [("queued", 0.0), ("picked", 0.4), ("ready", 0.5), ("written", 2.0), ("queued", 3.0),
+                     ("picked", 3.25), ("ready", 3.5), ("written", 5.0), ("concluded", 5.125)]:
+        clock.t = 100.0 + at / 1e3
+        times.mark(7, step)
+    clock.t = 100.0 + 6.5 / 1e3
+    line = times.seen(7)
+    assert line == ("p2pnccl: room times 7 chunks 2: last_queued 3.000, picked 3.250, ready 3.500, written 5.000, "
+                    "concluded 5.125, seen 6.500")
+    assert lines == [line]
+    assert times.seen(7) is None  # forgotten at its Success: a second look logs nothing
+    (room,) = room_times.parse("noise\n[2026-11-30 21:00:00] " + line + "\nmore noise")
+    assert room == {"chunks": 2.0, "last_queued": 3.0, "picked": 3.25, "ready": 3.5, "written": 5.0,
+                    "concluded": 5.125, "seen": 6.5}
+
+
+def test_a_step_at_a_given_time_is_marked_at_that_time_unless_it_is_unknown_or_before_the_chunk_was_ready():
+    times, clock, lines = timed()
+    times.mark(3, "queued")
+    clock.t += 0.001
+    times.mark(3, "ready")
+    times.mark(3, "launched", lambda: None)  # the backend does not record it
+    times.mark(3, "launched", lambda: 100.0)  # an earlier write's: before this chunk was ready
+    clock.t += 0.003
+    times.mark(3, "written")
+    assert times.seen(3) == "p2pnccl: room times 3 chunks 1: last_queued 0.000, ready 1.000, written 4.000, seen 4.000"
+    clock.t = 100.0
+    times.mark(4, "queued")
+    times.mark(4, "ready")
+    times.mark(4, "launched", lambda: 100.0 + 0.0025)
+    clock.t = 100.0 + 0.004
+    assert "ready 0.000, launched 2.500, seen 4.000" in times.seen(4)
+
+
+def test_off_nothing_is_kept_and_a_room_opens_only_at_its_first_chunk_queued():
+    off, clock, lines = timed(enabled=False)
+    off.mark(1, "queued")
+    assert off.seen(1) is None and lines == [] and not off._rooms
+    on, clock, lines = timed()
+    on.mark(2, "picked")  # queued before the times were on (or dropped for the bound): not timed
+    assert on.seen(2) is None and lines == []
+
+
+def test_at_most_limit_rooms_are_kept_the_oldest_dropped_and_a_forgotten_room_logs_nothing():
+    times, clock, lines = timed(limit=2)
+    for room in (1, 2, 3):
+        times.mark(room, "queued")
+    assert list(times._rooms) == [2, 3]
+    times.forget(3)
+    assert times.seen(1) is None and times.seen(3) is None and times.seen(2) is not None
+    assert len(lines) == 1 and lines[0] == "p2pnccl: room times 2 chunks 1: last_queued 0.000, seen 0.000"
+
+
+def test_a_runs_rooms_summarize_to_each_steps_median_and_the_gaps_between_steps():
+    rooms = [{"chunks": 1.0, "last_queued": 0.0, "picked": p, "ready": p, "written": p + 1.6, "concluded": p + 1.7,
+              "seen": p + 2.0 + s} for p, s in [(0.2, 0.0), (0.6, 1.0), (0.4, 0.5)]]
+    got = room_times.summarize(rooms)
+    assert got["rooms"] == 3 and got["chunks_p50"] == 1.0
+    assert got["at"]["picked"] == 0.4 and got["at"]["seen"] == 2.9
+    assert got["gaps"] == {"queued->last_queued": 0.0, "last_queued->picked": 0.4, "picked->ready": 0.0,
+                           "written->concluded": 0.1, "concluded->seen": 0.8, "ready->written": 1.6}
+    assert room_times.summarize([]) is None
+
+
+def test_the_report_shows_the_decode_batch_and_the_room_steps_of_each_backend():
+    summary = room_times.summarize([{"chunks": 1.0, "last_queued": 0.0, "picked": 0.5, "ready": 0.5, "written": 2.0,
+                                     "concluded": 2.25, "seen": 4.0}])
+    steps = [{"running": 10, "step_ms_p50": 5.0, "intervals": 3}, {"running": 20, "step_ms_p50": 6.0, "intervals": 1}]
+    cells = [{"backend": "p2pnccl", "input_len": 4096, "concurrency": 1, "cuda_graph": True,
+              "reps": [{"output_tok_s": 1.0, "decode_steps": steps, "room_times_ms": summary}]},
+             {"backend": "nixl", "input_len": 4096, "concurrency": 1, "cuda_graph": True,
+              "reps": [{"output_tok_s": 1.0}]}]
+    (row,) = serve_report.table(cells)
+    p = row["backends"]["p2pnccl"]
+    assert p["running_batch"] == {"mean": 12.5, "median": 10, "intervals": 4}
+    assert p["room_steps"]["rooms"] == 1 and p["room_steps"]["seen"] == 4.0
+    assert p["room_steps"]["gaps"]["ready->written"] == 1.5
+    md = serve_report.batch_markdown([row]).splitlines()
+    # NIXL's run logged neither: no row
+    # no `launched` (not the same-host path): its two gaps are "-", the write whole is there
+    assert md[2:] == ["| yes | 4096 | 1 | p2pnccl | 12.5 (10) | 1 | 0.000 | 0.500 | 0.000 | - | - | 1.500 | 0.250 "
+                      "| 1.750 | 4.000 |"]
+    assert serve_report.batch_markdown(serve_report.table(cells[1:])) == ""
