@@ -20,7 +20,8 @@ a region: a long prompt's chunks from SGLang's page-1 allocator), which also the
   one device-to-device copy). `rule` says which mode won each case and where the crossover lies (what
   engine/copy/ce_plan.py's thresholds are set from). `--interleave` times the `--ipc-modes` in turn, one write of
   each a round (each mode's own write checked first), and each mode's write step by step: for an A/B of two
-  routes whose difference is smaller than what drifts between two blocks of repetitions.
+  routes whose difference is smaller than what drifts between two blocks of repetitions. `--idle-ms` sleeps
+  before each of those writes, so each finds the GPUs and the link idle, as a request at concurrency 1 does.
 - `nccl`: `PairSender.send` -> `PairReceiver` over NCCL (fused gather, staging slots, fused scatter), timed
   from send() to the decode's last scatter, against ONE contiguous NCCL send of the same bytes on the same
   pair communicator.
@@ -682,11 +683,15 @@ class Prefill:
             w.write()
             bad[mode] = self._bad_pages(w)
         times: dict[str, list[float]] = {m: [] for m in modes}
+        idle, idled = self.cfg.get("idle_ms", 0.0) / 1e3, {m: 0 for m in modes}
 
         def one_round() -> float:
             spent = 0.0
             for m in modes:
                 self.tr.copy_engine = TRANSPORT_MODE[m]
+                if idle:  # --idle-ms: the GPUs and the link left idle first, as between requests at concurrency 1
+                    time.sleep(idle)
+                    idled[m] += 1
                 times[m].append(host_seconds(w.write))
                 spent += times[m][-1]
             return spent
@@ -697,6 +702,7 @@ class Prefill:
         for m in modes:
             row = self._ipc_row(w, m, times[m][b.warmup:], bad[m])
             row["interleaved"] = True
+            row["idle_ms"], row["idle_waits"] = self.cfg.get("idle_ms", 0.0), idled[m]
             if self.dev.cuda:
                 row["steps_us"] = self.route_steps(w.args, m)
             rows.append(row)
@@ -1333,7 +1339,9 @@ def tables(result: dict) -> str:
         for r in rows:
             tb.add(r["case"], r["mode"], r["bytes"] / 2**20, r["spans"], r["write_us"]["p50"], r["write_us"]["p99"],
                    r["write_gbps"], r["ref"]["gpu_us"]["p50"], r["ratio"], r["bad_pages"])
-        parts.append(f"== {key}: {title}{' (modes in turn, --interleave)' if rows[0].get('interleaved') else ''}\n"
+        idle = f", {rows[0]['idle_ms']:g} ms idle before each write" if rows[0].get("idle_ms") else ""
+        turn = f" (modes in turn, --interleave{idle})" if rows[0].get("interleaved") else ""
+        parts.append(f"== {key}: {title}{turn}\n"
                      f"{tb.render()}")
         for r in rows:
             if r.get("steps_us"):
@@ -1454,6 +1462,10 @@ def main(argv=None) -> int:
     ap.add_argument("--interleave", action="store_true",
                     help="time the --ipc-modes of an ipc case in turn, one write each a round (not each in a block "
                          "of its own), and each one's steps")
+    ap.add_argument("--idle-ms", type=float, default=0.0,
+                    help="with --interleave: sleep this long before each timed write, so each finds the GPUs and the "
+                         "link idle as a request at concurrency 1 does (SGLang's KV time of one 4k request was twice "
+                         "the back-to-back write's on 2 x H200); pair it with --max-reps")
     ap.add_argument("--first-chunk-mib", type=parse_first_chunk_mib, default=[], metavar="LIST",
                     help="first-chunk caps (MiB; 0: every chunk a whole slot) to run the nccl cases at besides the "
                          "default (SGLANG_P2P_FIRST_CHUNK_MB), overlap on, the default slots, e.g. 0,16,64")
@@ -1465,6 +1477,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="CPU: the same driver with stand-ins and small pools")
     ns = ap.parse_args(argv)
     sections = set(picked(ap, ns.sections, SECTIONS, "sections"))
+    if ns.idle_ms < 0 or (ns.idle_ms and not ns.interleave):
+        ap.error(f"--idle-ms {ns.idle_ms:g}: give a non-negative time, with --interleave")
     dests = tuple(d.strip() for d in ns.dests.split(",") if d.strip())
     for d in dests:
         try:
@@ -1498,7 +1512,7 @@ def main(argv=None) -> int:
         cfg = {"quick": not cuda, "prefill_gpu": 0, "decode_gpu": 1 if gpus >= 2 else 0, "budget_s": ns.budget_s,
                "case_s": ns.case_s, "max_reps": ns.max_reps, "sections": device_sections, "programs": ns.programs,
                "programs_case": list(ns.programs_case), "slot_mib": ns.slot_mib, "first_chunk_mib": ns.first_chunk_mib, "ipc_modes": ns.ipc_modes,
-               "interleave": ns.interleave, "dests": dests,
+               "interleave": ns.interleave, "idle_ms": ns.idle_ms, "dests": dests,
                "interference_shape": INTERFERENCE_CASE[0] if INTERFERENCE_CASE[0] in names else names[0],
                "shapes": [s.__dict__ for s in shapes], "tokens": tokens}
         import multiprocessing as mp

@@ -453,3 +453,20 @@ def test_interleave_times_each_mode_once_a_round_and_checks_each_modes_own_write
     for case in ("mha_p16_1024_scattered", "mha_p16_1024_contiguous"):
         assert len({r["write_us"]["n"] for r in rows if r["case"] == case}) == 1
     assert "(modes in turn, --interleave)" in capsys.readouterr().out
+
+
+def test_idle_ms_sleeps_before_every_timed_write_and_needs_interleave(tmp_path, capsys):
+    """--idle-ms: each write of a round finds the devices idle for that long first (a sleep outside the timed write,
+    as between requests at concurrency 1); the rows and the table say so. Without --interleave it is refused."""
+    out = tmp_path / "idle.json"
+    rc = xfer_bench.main(["--quick", "--out", str(out), "--case-s", "0.02", "--max-reps", "4", "--sections", "ipc",
+                          "--shapes", "mha_p16", "--tokens", "1024", "--dests", "contiguous",
+                          "--ipc-modes", "kernel,split", "--interleave", "--idle-ms", "30"])
+    rows = json.loads(out.read_text())["ipc"]
+    assert rc == 0 and [r["idle_ms"] for r in rows] == [30.0, 30.0]
+    # every write of every round, the two warm-up rounds' too, slept first
+    assert [r["idle_waits"] for r in rows] == [r["write_us"]["n"] + xc.Budget(0).warmup for r in rows]
+    assert rows[0]["write_us"]["n"] > 0 and rows[0]["write_us"]["p50"] < 30e3  # the sleep is not timed
+    assert "(modes in turn, --interleave, 30 ms idle before each write)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        xfer_bench.main(["--quick", "--sections", "ipc", "--idle-ms", "30"])
