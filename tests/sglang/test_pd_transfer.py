@@ -130,6 +130,21 @@ def test_staging_shorter_than_a_request_back_pressures_without_loss():
         assert abs(steps[-1][1] - 1e3 * result["prefill"]["requests"][str(room)]["latency_s"]) < 50, m.group(0)
 
 
+def test_room_times_split_a_same_host_write_at_its_copy_queued():
+    """SGLANG_P2P_ROOM_TIMES on the same-host path (its CPU stand-in): each room's line has the step `launched`,
+    the copy queued by the backend of the worker's own thread, between the chunk ready and written."""
+    plan = {"pool": {"layout": "mha", "num_layers": 3, "page_size": 4, "num_pages": 64},
+            "requests": [{"room": 40 + i, "tokens": 40, "chunk_pages": 4} for i in range(3)], "deadline_s": 60}
+    result = run_pair(plan, env={**IPC_ENV, "SGLANG_P2P_ROOM_TIMES": "1"})
+    assert_all_landed(result, [40, 41, 42])
+    log = Path(result["workdir"], "prefill-0.log").read_text()
+    lines = re.findall(r"p2pnccl: room times (\d+) chunks (\d+): ([^\n]*)", log)
+    assert sorted(int(room) for room, _, _ in lines) == [40, 41, 42], log[-2000:]
+    for room, chunks, steps in lines:
+        got = dict((k, float(v)) for k, v in re.findall(r"(\w+) ([0-9.]+)", steps))
+        assert chunks == "3" and got["ready"] <= got["launched"] <= got["written"] <= got["seen"], steps
+
+
 def failed_reason(side: dict, room: int) -> str:
     r = side["requests"][str(room)]
     assert r["status"] == "Failed", r

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import Optional
 
@@ -40,6 +41,7 @@ class ShmBackend(IpcBackend):
         self._own: dict[int, shared_memory.SharedMemory] = {}  # base -> segment this process created
         self._opened: dict[int, shared_memory.SharedMemory] = {}  # base -> segment mapped from a peer
         self._lock = threading.Lock()
+        self._local = threading.local()  # per transfer thread: when its last write started (`last_queued`)
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor in a new shared segment (the pools of a role that exports)."""
@@ -93,8 +95,12 @@ class ShmBackend(IpcBackend):
             return len(self._opened)
 
     def write(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        self._local.queued_at = time.perf_counter()  # as CudaBackend records its copy queued, before its wait
         for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
             ctypes.memmove(d, s, n)
+
+    def last_queued(self) -> Optional[float]:
+        return getattr(self._local, "queued_at", None)
 
     def close(self) -> None:
         with self._lock:
