@@ -25,8 +25,9 @@ PREFIX = "p2pnccl: room times"
 
 
 class RoomTimes:
-    """Per room, the first time of each step (a later chunk's `last_queued` .. `written` replace the earlier
-    chunk's); at most `limit` rooms, the oldest dropped first (a room that fails is never seen)."""
+    """Per room, when each step happened: `queued` of its first chunk, the other steps of its latest chunk (each
+    chunk's replace the one's before); at most `limit` rooms, the oldest dropped first (a room that fails is never
+    seen, and its clear forgets it)."""
 
     def __init__(self, enabled: bool, limit: int = 4096, clock: Callable[[], float] = time.perf_counter,
                  log: Callable[[str], None] = logger.info):
