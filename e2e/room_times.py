@@ -15,11 +15,12 @@ _STEP = re.compile(r"(\w+) (-?[0-9.]+)")
 
 
 def parse(text: str) -> list[dict[str, float]]:
-    """Each room's line in `text` as {step: ms from its first chunk queued, "chunks": n}."""
+    """Each room's line in `text` as {"room": its id, "chunks": n, step: ms from its first chunk queued, ...}, the
+    steps in the line's order."""
     rooms = []
     for m in _LINE.finditer(text):
         steps = {k: float(v) for k, v in _STEP.findall(m.group(3)) if k in STEPS}
-        rooms.append({"chunks": float(m.group(2)), **steps})
+        rooms.append({"room": int(m.group(1)), "chunks": float(m.group(2)), **steps})
     return rooms
 
 

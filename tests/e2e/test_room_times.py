@@ -31,7 +31,7 @@ def test_a_rooms_steps_are_milliseconds_from_its_first_chunk_and_the_last_chunks
     assert lines == [line]
     assert times.seen(7) is None  # forgotten at its Success: a second look logs nothing
     (room,) = room_times.parse("noise\n[2026-11-30 21:00:00] " + line + "\nmore noise")
-    assert room == {"chunks": 2.0, "last_queued": 3.0, "picked": 3.25, "ready": 3.5, "written": 5.0,
+    assert room == {"room": 7, "chunks": 2.0, "last_queued": 3.0, "picked": 3.25, "ready": 3.5, "written": 5.0,
                     "concluded": 5.125, "seen": 6.5}
 
 

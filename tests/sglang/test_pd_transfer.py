@@ -12,12 +12,12 @@ cases exercise the control plane and staging, which do not depend on the transpo
 """
 
 import importlib.util
-import re
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from e2e import room_times
 from support import kv_digests
 from support.shm_ipc import IPC_STANDIN
 
@@ -120,14 +120,13 @@ def test_staging_shorter_than_a_request_back_pressures_without_loss():
     # order (no copy queued on a GPU over tcp; `concluded` missing where the poll saw the Success first), and its
     # Success seen where SGLang's latency ends
     log = Path(result["workdir"], "prefill-0.log").read_text()
-    timed = {int(m.group(1)): m for m in re.finditer(r"p2pnccl: room times (\d+) chunks (\d+): ([^\n]*)", log)}
+    timed = {r.pop("room"): r for r in room_times.parse(log)}
     assert sorted(timed) == [20, 21, 22, 23], log[-2000:]
-    for room, m in timed.items():
-        steps = [(k, float(v)) for k, v in re.findall(r"(\w+) ([0-9.]+)", m.group(3))]
-        assert m.group(2) == "3" and [k for k, _ in steps if k != "concluded"] == [
-            "last_queued", "picked", "ready", "written", "seen"], m.group(0)
-        assert [v for _, v in steps] == sorted(v for _, v in steps), m.group(0)
-        assert abs(steps[-1][1] - 1e3 * result["prefill"]["requests"][str(room)]["latency_s"]) < 50, m.group(0)
+    for room, r in timed.items():
+        assert r.pop("chunks") == 3 and [k for k in r if k != "concluded"] == [
+            "last_queued", "picked", "ready", "written", "seen"], r
+        assert list(r.values()) == sorted(r.values()), r
+        assert abs(r["seen"] - 1e3 * result["prefill"]["requests"][str(room)]["latency_s"]) < 50, r
 
 
 def test_room_times_split_a_same_host_write_at_its_copy_queued():
@@ -138,11 +137,10 @@ def test_room_times_split_a_same_host_write_at_its_copy_queued():
     result = run_pair(plan, env={**IPC_ENV, "SGLANG_P2P_ROOM_TIMES": "1"})
     assert_all_landed(result, [40, 41, 42])
     log = Path(result["workdir"], "prefill-0.log").read_text()
-    lines = re.findall(r"p2pnccl: room times (\d+) chunks (\d+): ([^\n]*)", log)
-    assert sorted(int(room) for room, _, _ in lines) == [40, 41, 42], log[-2000:]
-    for room, chunks, steps in lines:
-        got = dict((k, float(v)) for k, v in re.findall(r"(\w+) ([0-9.]+)", steps))
-        assert chunks == "3" and got["ready"] <= got["launched"] <= got["written"] <= got["seen"], steps
+    timed = room_times.parse(log)
+    assert sorted(r["room"] for r in timed) == [40, 41, 42], log[-2000:]
+    for r in timed:
+        assert r["chunks"] == 3 and r["ready"] <= r["launched"] <= r["written"] <= r["seen"], r
 
 
 def failed_reason(side: dict, room: int) -> str:
