@@ -94,17 +94,25 @@ BACKEND_ENV = {
     # the copy's end) it waits up to that long for a scheduler thread that runs Python without pause
     "p2pnccl-times-gil01": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1",
                             "SGLANG_P2P_GIL_SWITCH_MS": "0.1"},
+    # room times with the copy queued by the transfer worker, as before session 37 (SGLANG_P2P_IPC_LAUNCH=worker),
+    # beside `p2pnccl-times`, where SGLang's scheduler thread queues it (the default since)
+    "p2pnccl-times-worker": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1",
+                             "SGLANG_P2P_IPC_LAUNCH": "worker"},
+    # plain p2pnccl with the copy queued by the transfer worker (SGLANG_P2P_IPC_LAUNCH=worker), as before session 37
+    "p2pnccl-worker": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_IPC_LAUNCH": "worker"},
     "nixl": {},  # SGLang's default NIXL backend: UCX, which picks cuda_ipc between two processes of one GPU
     "mooncake": {"MC_INTRANODE_NVLINK": "true", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK"},
 }
 BASE_PORT = {"p2pnccl": 33000, "nixl": 33100, "mooncake": 33200, "p2pnccl-gil5": 33300, "p2pnccl-kernel": 33400,
              "p2pnccl-ce": 33500, "p2pnccl-grid132": 33600, "p2pnccl-spans1024": 33700, "p2pnccl-grid32": 33800,
-             "p2pnccl-split": 33900, "p2pnccl-auto": 34000, "p2pnccl-times": 34100, "p2pnccl-times-gil01": 34200}
+             "p2pnccl-split": 33900, "p2pnccl-auto": 34000, "p2pnccl-times": 34100, "p2pnccl-times-gil01": 34200,
+             "p2pnccl-times-worker": 34300, "p2pnccl-worker": 34400}
 #: a variant's --disaggregation-transfer-backend
 TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl", "p2pnccl-kernel": "p2pnccl", "p2pnccl-ce": "p2pnccl",
                     "p2pnccl-grid132": "p2pnccl", "p2pnccl-spans1024": "p2pnccl", "p2pnccl-grid32": "p2pnccl",
                     "p2pnccl-split": "p2pnccl", "p2pnccl-auto": "p2pnccl", "p2pnccl-times": "p2pnccl",
-                    "p2pnccl-times-gil01": "p2pnccl"}
+                    "p2pnccl-times-gil01": "p2pnccl", "p2pnccl-times-worker": "p2pnccl",
+                    "p2pnccl-worker": "p2pnccl"}
 OUTPUT_TOKENS = 64
 DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
 

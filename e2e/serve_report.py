@@ -165,8 +165,8 @@ def running_batch(c: dict[str, Any]) -> Optional[dict[str, float]]:
 
 
 #: the prefill's room steps the batch table shows (e2e/room_times.py's gaps, SGLANG_P2P_ROOM_TIMES)
-ROOM_GAPS = ("queued->last_queued", "last_queued->picked", "picked->ready", "ready->launched", "launched->written",
-             "ready->written", "written->concluded", "concluded->seen")
+ROOM_GAPS = ("queued->last_queued", "last_queued->picked", "picked->ready", "ready->planned", "planned->launched",
+             "ready->launched", "launched->written", "ready->written", "written->concluded", "concluded->seen")
 
 
 def room_steps(c: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -178,6 +178,7 @@ def room_steps(c: dict[str, Any]) -> Optional[dict[str, Any]]:
     m = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
     return {"rooms": sum(r["rooms"] for r in runs),
             "gaps": {g: m([r["gaps"][g] for r in runs if g in r["gaps"]]) for g in ROOM_GAPS},
+            **{k: m([r[k] for r in runs if k in r]) for k in ("cpu_launched", "runq_written")},
             "seen": m([r["at"]["seen"] for r in runs if "seen" in r["at"]])}
 
 
@@ -289,15 +290,17 @@ def batch_markdown(rows: list[dict[str, Any]]) -> str:
     the prefill timed its rooms, each step's median gap and the span from a room's first chunk queued to its
     Success seen by SGLang's poll; "" where no result holds either."""
     out = ["| graphs | prompt | conc. | backend | decode batch mean (median) | rooms timed | "
-           + " | ".join(f"{g} ms" for g in ROOM_GAPS) + " | queued->seen ms |",
-           "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in ROOM_GAPS) + " | --- |"]
+           + " | ".join(f"{g} ms" for g in ROOM_GAPS) + " | worker CPU ready->launched ms | worker run-queue wait ready->written ms | "
+           "queued->seen ms |",
+           "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in ROOM_GAPS) + " | --- | --- | --- |"]
     for r in rows:
         for b, v in r["backends"].items():
             batch, rooms = v.get("running_batch"), v.get("room_steps")
             if not batch and not rooms:
                 continue
             cols = [f"{batch['mean']:.1f} ({batch['median']:g})" if batch else "-", str(rooms["rooms"]) if rooms else "-"]
-            cols += [_ms((rooms or {}).get("gaps", {}).get(g)) for g in ROOM_GAPS] + [_ms((rooms or {}).get("seen"))]
+            cols += [_ms((rooms or {}).get("gaps", {}).get(g)) for g in ROOM_GAPS]
+            cols += [_ms((rooms or {}).get(k)) for k in ("cpu_launched", "runq_written", "seen")]
             out.append(f"| {'yes' if r['cuda_graph'] else 'no'} | {r['input_len']} | {r['concurrency']} | {b} | "
                        + " | ".join(cols) + " |")
     return "\n".join(out) if len(out) > 2 else ""

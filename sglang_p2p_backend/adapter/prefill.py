@@ -136,6 +136,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             fail_room=self._fail_room,
             succeed=self._succeed,
             times=self.room_times,
+            launch_in_add=self.config.ipc_launch == "scheduler",
         )
 
     # ------------------------------------------------------------------ SGLang's sender

@@ -12,8 +12,10 @@ goes through the one-sided sender (engine/transport/onesided.py) that Mooncake u
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, List, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from sglang_p2p_backend.adapter.bounded import Bounded
@@ -24,8 +26,9 @@ from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.transport.onesided import OneSidedSender, session_address
 from sglang_p2p_backend.engine.copy.plan import PlanError
 from sglang_p2p_backend.engine.transport.base import TransportError
-from sglang_p2p_backend.engine.transport.cuda_ipc import (CudaIpcTransport, IpcUnavailable, backend, check_export,
-                                                          reachable)
+from sglang_p2p_backend.engine.copy.launches import Launch
+from sglang_p2p_backend.engine.transport.cuda_ipc import (CudaIpcTransport, IpcUnavailable, WriteMarks, backend,
+                                                          check_export, reachable)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,12 @@ class SameHostPath:
         #: decode ranks the CUDA IPC path cannot serve (why), until they register again
         self.failed: dict[str, str] = Bounded(max_peers)
         self._checked: dict[str, wire.PeerRegister] = Bounded(max_peers)  # registrations that passed
+        # a peer's memory is (un)mapped only once no launch into it is running: `launch` holds this while it
+        # checks the mapping and queues; a worker holds it while it waits for the peer's last launch and
+        # (un)maps (`_settled`)
+        self._mapping = threading.Lock()
+        #: each peer's last launch (SGLang's thread has at most one running: cuda_ipc's `launch`)
+        self._launched: dict[str, Launch] = Bounded(max_peers)
 
     def problem(self, reg: wire.PeerRegister) -> Optional[str]:
         """Why this rank cannot copy into decode rank `reg` through CUDA IPC (None: it can try to map it)."""
@@ -104,9 +113,22 @@ class SameHostPath:
         self._checked.pop(session, None)
 
     def reset(self, session: str) -> None:
-        """Worker side of ResetPeer: the old process's memory is unmapped before anything else is sent."""
+        """Worker side of ResetPeer: the old process's memory is unmapped before anything else is sent (after
+        the last launch into it ran)."""
         if self.ipc is not None:
-            self.ipc.forget_peer(session)
+            with self._mapping:
+                self._settled(session)
+                self.ipc.forget_peer(session)
+
+    def _settled(self, session: str) -> None:
+        """Wait for the peer's last launch (under `_mapping`); a copy that failed is its own chunk's worker's to
+        report."""
+        launched = self._launched.pop(session, None)
+        if launched is not None:
+            try:
+                launched.wait()
+            except Exception as e:  # noqa: BLE001 - reported where that chunk's worker waits for it
+                logger.debug("p2pnccl: a launch into decode rank %s failed: %r", session, e)
 
     def send(self, peer: wire.PeerRegister, src: list, dst: list, heads: Optional[PairHeads],
              unsettled: Callable[[], None], state: Sequence[Optional[StatePlan]] = ()) -> bool:
@@ -117,7 +139,9 @@ class SameHostPath:
         session = peer.session
         if not self.ipc.mapped(session, peer.ipc):
             try:
-                self.ipc.open_peer(session, peer.ipc)
+                with self._mapping:  # a new process behind the session: the old mapping goes once idle
+                    self._settled(session)
+                    self.ipc.open_peer(session, peer.ipc)
             except IpcUnavailable as e:
                 self._off(session, f"mapping its pools failed: {e}")
                 # with SGLANG_P2P_TRANSPORT=cudaipc on either side there is no other transport to this decode
@@ -128,7 +152,27 @@ class SameHostPath:
         self._sender.send(peer, src, dst, None, heads, unsettled, state)
         return True
 
-    def last_queued(self) -> Optional[float]:
-        """When this thread's last chunk copy was queued on the device, before its wait (perf_counter; None
-        where the backend does not record it): a room's time from its copy queued to its end is the device's."""
-        return backend().last_queued()
+    def launch(self, peer: wire.PeerRegister, src: np.ndarray, dst: np.ndarray,
+               unsettled: Callable[[], None]) -> Optional[Launch]:
+        """The KV pages `src` -> `dst` of one chunk queued on this thread, whole pages to a peer already mapped,
+        the wait left to the returned Launch (SGLANG_P2P_IPC_LAUNCH=scheduler: SGLang's thread queues, the
+        worker waits). None, nothing queued, where the peer is not mapped yet (its worker maps it), a worker
+        (un)maps a peer at this moment, or this thread cannot launch now (cuda_ipc's `launch`); errors as
+        `send`'s, with nothing left running. Never waits: it runs on SGLang's scheduler thread."""
+        if self.ipc is None or not self._mapping.acquire(blocking=False):  # a worker (un)maps a peer now
+            return None
+        try:
+            if not self.ipc.mapped(peer.session, peer.ipc):
+                return None
+            got = backend().launch(self.device, lambda: self._sender.send(peer, [src], [dst], None, None, unsettled))
+            if got is None:
+                return None
+            self._launched[peer.session] = got[1]
+            return got[1]
+        finally:
+            self._mapping.release()
+
+    def last_write(self) -> Optional[WriteMarks]:
+        """This thread's last chunk copy's host steps (planned, queued on the device before its wait; None where
+        the backend does not record them): a room's time from its copy queued to its end is the device's."""
+        return backend().last_write()

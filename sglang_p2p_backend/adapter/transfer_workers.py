@@ -33,6 +33,7 @@ from sglang_p2p_backend.engine.pair.channels import PairChannels
 from sglang_p2p_backend.engine.pair.comm_budget import NoRoom
 from sglang_p2p_backend.engine.wire.control import ControlChannel, ControlError
 from sglang_p2p_backend.engine.copy.heads import PairHeads
+from sglang_p2p_backend.engine.copy.launches import Launch
 from sglang_p2p_backend.engine.copy.state_slices import StatePlan
 from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
 from sglang_p2p_backend.engine.transport.onesided import OneSidedSender, aux_descriptors
@@ -97,6 +98,10 @@ class TransferTask:
     indices_event: Any = None
     #: set: the chunk is traced (SGLang's --enable-trace, tracing.py); None costs nothing
     trace: Optional[tracing.ChunkTrace] = None
+    #: set: the chunk's copy was queued as it was handed over (`TransferWorkers.add`); its worker waits for it
+    launch: Optional[Launch] = None
+    #: counted in flight from `add` on (a launched chunk), not from when a worker takes it
+    counted: bool = False
 
 
 @dataclass
@@ -141,6 +146,7 @@ class TransferWorkers:
         fail_room: Callable[[int, str], None],
         succeed: Callable[[int], None],
         times: Optional[RoomTimes] = None,
+        launch_in_add: bool = False,
     ):
         self.request_status = request_status
         self.destinations = destinations
@@ -164,6 +170,8 @@ class TransferWorkers:
         self.succeed = succeed
         #: each room's steps timed (SGLANG_P2P_ROOM_TIMES; off: nothing recorded)
         self.times = times or RoomTimes(False)
+        #: SGLANG_P2P_IPC_LAUNCH=scheduler: a same-host chunk's copy is queued by `add`, on SGLang's thread
+        self.launch_in_add = launch_in_add
         self.shards: List["queue.SimpleQueue[object]"] = [queue.SimpleQueue() for _ in range(count)]
         for i, shard in enumerate(self.shards):
             spawn(lambda s=shard: self._transfer_step(s), f"p2p-transfer-{i}")
@@ -189,7 +197,45 @@ class TransferWorkers:
         if not infos:
             return
         real = sorted(s for s, i in infos.items() if not i.is_dummy)
+        if self.launch_in_add and len(real) == 1:
+            self._launch(task, infos[real[0]])
         self._shard_of(real[0] if real else "").put(task)
+
+    def _launch(self, task: TransferTask, info: TransferInfo) -> None:
+        """Queue the chunk's copy here, on SGLang's scheduler thread, whose CPU is busy and warm: a worker woken
+        for it first waits for a CPU and the GIL, then plans cold (docs/serving.md). Only the plain case: whole
+        pages of KV, no state, to one decode rank on the same-host path already mapped, nothing to wait for
+        first. Anything else, or any error, leaves the chunk to its worker, which copies it (again) and reports
+        what fails; the chunk is counted in flight from here, so an abort's ACK waits for the copy."""
+        session = info.session
+        if (task.wait_event is not None or (task.is_last and task.state_indices) or session not in self.peers
+                or self.heads.get(session) is not None or self.released() is not None):
+            return
+        try:
+            if task.indices_event is not None:  # the page ids' copy from the device: only when it already ran
+                query = getattr(task.indices_event, "query", None)
+                if query is None or not query():
+                    return
+                task.indices_event = None
+                task.kv_indices = np.array(task.kv_indices, dtype=np.int32, copy=True)
+            if self.route(session) != "cudaipc":
+                return
+            self.times.mark(task.room, "ready")
+        except Exception as e:  # noqa: BLE001 - never into SGLang's scheduler: the worker copies it and reports
+            logger.debug("p2pnccl: room %s chunk left to its worker: %r", task.room, e)
+            return
+        self.release.begin(task.room)  # before the copy is queued: an abort racing it must wait for it
+        try:
+            task.launch = self.same_host.launch(self.peers[session], task.kv_indices,
+                                                info.dst_kv_indices[task.index_slice],
+                                                lambda: self.release.poison(task.room))
+        except Exception as e:  # noqa: BLE001 - as above (a launch that raises left nothing running)
+            logger.debug("p2pnccl: room %s chunk left to its worker: %r", task.room, e)
+        if task.launch is None:  # nothing queued: counted again when its worker takes it
+            self.release.end(task.room)
+            return
+        task.counted = True
+        self.times.mark_write(task.room, self.same_host.last_write)
 
     def _transfer_step(self, shard: "queue.SimpleQueue[object]") -> None:
         task = shard.get()
@@ -201,7 +247,8 @@ class TransferWorkers:
             self.same_host.reset(task.session)
             return
         self.times.mark(task.room, "picked")
-        self.release.begin(task.room)
+        if not task.counted:
+            self.release.begin(task.room)
         if task.trace is not None:
             tracing.worker_start(task.trace)
         try:
@@ -216,6 +263,12 @@ class TransferWorkers:
 
     def _process(self, task: TransferTask) -> None:
         room = task.room
+        launched, failed = task.launch, None
+        if launched is not None:  # before anything may end the task: the pages stay in use until the copy ran
+            try:
+                launched.wait()
+            except Exception as e:  # noqa: BLE001 - a copy that failed fails the room below
+                failed = e
         if task.wait_event is not None:
             task.wait_event.synchronize()
         infos = self.destinations.get(room)
@@ -229,7 +282,8 @@ class TransferWorkers:
             task.indices_event.synchronize()
             task.indices_event = None
             task.kv_indices = np.array(task.kv_indices, dtype=np.int32, copy=True)
-        self.times.mark(room, "ready")
+        if launched is None:
+            self.times.mark(room, "ready")  # a launched chunk was ready when `add` queued it
         alive = lambda: self.request_status.get(room) not in (None, KVPoll.Failed)  # noqa: E731
         for session, info in list(infos.items()):
             if info.is_dummy:
@@ -252,6 +306,13 @@ class TransferWorkers:
                     src.append(np.asarray(ids, dtype=np.int32).reshape(-1) if usable else _NO_IDS)
                     dst.append(info.dst_state_indices[c] if usable else _NO_IDS)
             aux = (task.aux_index, info.dst_aux_index) if task.is_last and task.aux_index is not None and info.dst_aux_index >= 0 else None
+            if launched is not None:  # its only real decode rank: the copy ran (or failed) above
+                if failed is not None:
+                    self.fail_room(room, f"KV transfer to decode rank {session} failed: {failed}")
+                    return
+                if aux is not None:
+                    self._send_aux(session, room, *aux)
+                continue
             started = time.perf_counter()
             try:
                 self._deliver(info, src, dst, aux, alive, heads, self.state.get(session, ()))
@@ -287,7 +348,7 @@ class TransferWorkers:
             if route == "cudaipc":
                 if not self.same_host.send(peer, src, dst, heads, unsettled, state):
                     continue  # not mappable after all: routed again (NCCL)
-                self.times.mark(room, "launched", self.same_host.last_queued)
+                self.times.mark_write(room, self.same_host.last_write)
                 if aux is not None:
                     self._send_aux(session, room, *aux)
                 return

@@ -14,6 +14,8 @@ AUTO = "auto"
 TRANSPORTS = (AUTO, "cudaipc", "nccl", "mooncake", "tcp")
 #: the values of SGLANG_P2P_COPY_ENGINE (engine/copy/ce_plan.py), the first the default
 COPY_ENGINE_MODES = ("split", "auto", "off", "on")  # the first is the default
+#: SGLANG_P2P_IPC_LAUNCH: which thread queues a same-host copy (EngineConfig.ipc_launch); the first is the default
+IPC_LAUNCH_MODES = ("scheduler", "worker")
 #: SGLANG_P2P_NCCL_CAPS by default; 16 channels already reach contiguous speed on H200 NVLink
 DEFAULT_CAPS: tuple[Optional[int], ...] = (16, 8, 4, 2)
 
@@ -132,6 +134,12 @@ class EngineConfig:
     #: 32 KiB and up); bench/transfer/xfer_bench.py --programs measures write time against what the grid takes
     #: from the forward pass beside it
     ipc_programs: Optional[int] = None
+    #: SGLANG_P2P_IPC_LAUNCH: which thread queues a same-host chunk's copy. `scheduler` (the default): SGLang's
+    #: scheduler thread, as it hands the chunk over, and the transfer worker only waits for it and sends Status
+    #: (a chunk that cannot go so, the worker copies). `worker`: the worker does both. A worker woken from sleep
+    #: took 0.6-0.9 ms of a 4k request's 3.4 ms KV time in service to take the chunk and queue it, at 5-9x the
+    #: host time of the same write in the transfer benchmark (2 x H200, docs/serving.md, session 37)
+    ipc_launch: str = IPC_LAUNCH_MODES[0]
     #: SGLANG_P2P_NCCL_SO_PATH, else SGLang's own SGLANG_NCCL_SO_PATH (one variable points both at another
     #: libnccl); None: the libnccl.so.2 torch loaded
     nccl_library: Optional[str] = None
@@ -187,6 +195,7 @@ class EngineConfig:
             ce_min_span_kib=_number("SGLANG_P2P_CE_MIN_SPAN_KIB", cls.ce_min_span_kib, int),
             ce_max_spans=_number("SGLANG_P2P_CE_MAX_SPANS", cls.ce_max_spans, int),
             ipc_programs=_number("SGLANG_P2P_IPC_PROGRAMS", cls.ipc_programs, int),
+            ipc_launch=_choice("SGLANG_P2P_IPC_LAUNCH", IPC_LAUNCH_MODES),
             nccl_library=env.get("SGLANG_P2P_NCCL_SO_PATH") or env.get("SGLANG_NCCL_SO_PATH") or None,
             mooncake_force_tcp=env.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"),
             test_corrupt_kv_file=env.get("SGLANG_P2P_TEST_CORRUPT_KV_FILE") or None,

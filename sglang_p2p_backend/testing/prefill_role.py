@@ -41,6 +41,10 @@ class _IdsLanding:
             self.ids.copy_(torch.from_numpy(np.asarray(self.pages, dtype=np.int64)))
             self.waited_by = threading.current_thread().name
 
+    def query(self) -> bool:
+        """As CUDA's: whether the copy has ended, without waiting (it ends only when a thread waits here)."""
+        return self.waited_by is not None
+
 
 def _serve_bootstrap(host: str, port: int, parent: int) -> None:
     from sglang.srt.plugins import load_plugins
@@ -136,16 +140,47 @@ class PrefillRole(Role):
         mgr, current = self.mgr, threading.local()
         process = mgr.workers._process
 
+        launch = mgr.workers._launch
+
+        def pause_of(room) -> float:
+            return float(delay.get(str(room), 0) if isinstance(delay, dict) else delay or 0)
+
+        def tracked_launch(task, info):
+            """A chunk whose copy SGLang's thread queues (SGLANG_P2P_IPC_LAUNCH=scheduler): its write is in flight
+            until its worker's wait returns, so the delay goes there."""
+            current.room, current.launching = task.room, True
+            try:
+                return launch(task, info)
+            finally:
+                current.launching = False
+
         def tracked_process(task):
             current.room = task.room
             if getattr(task, "trace", None) is not None:  # chunks that carry a trace context (test_trace_spans.py)
                 self.traced_chunks[task.room] = self.traced_chunks.get(task.room, 0) + 1
+            if task.launch is not None:
+                wait, room = task.launch.wait, task.room
+
+                def delayed_wait():
+                    if pause_of(room):
+                        time.sleep(pause_of(room))
+                    try:
+                        return wait()
+                    finally:
+                        self.write_done_at[room] = time.time()
+
+                task.launch.wait = delayed_wait
             return process(task)
 
         def delayed(send: Callable) -> Callable:
             def wrapper(*a, **kw):
                 room = getattr(current, "room", None)
-                pause = float(delay.get(str(room), 0) if isinstance(delay, dict) else delay or 0)
+                if getattr(current, "launching", False):  # queued only: its worker's wait is the write's end
+                    out = send(*a, **kw)
+                    if isinstance(out, int):
+                        self.sent_bytes[room] = self.sent_bytes.get(room, 0) + out
+                    return out
+                pause = pause_of(room)
                 if pause:
                     time.sleep(pause)
                 try:
@@ -159,6 +194,7 @@ class PrefillRole(Role):
             return wrapper
 
         mgr.workers._process = tracked_process
+        mgr.workers._launch = tracked_launch
         if getattr(mgr, "one_sided_sender", None) is not None:
             mgr.one_sided_sender.send = delayed(mgr.one_sided_sender.send)
         if getattr(mgr, "ipc", None) is not None:

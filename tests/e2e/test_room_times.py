@@ -1,8 +1,11 @@
 """SGLANG_P2P_ROOM_TIMES: the prefill's steps of a room timed and logged at Success, read back by the serve phase."""
 
+import os
+
 from e2e import room_times, serve_report
 
-from sglang_p2p_backend.adapter.room_times import RoomTimes
+from sglang_p2p_backend.adapter.room_times import RoomTimes, runq_wait
+from sglang_p2p_backend.engine.transport.cuda_ipc import WriteMarks
 
 
 class Clock:
@@ -15,7 +18,7 @@ class Clock:
 
 def timed(enabled: bool = True, limit: int = 4096):
     clock, lines = Clock(), []
-    return RoomTimes(enabled, limit, clock, lines.append), clock, lines
+    return RoomTimes(enabled, limit, clock, lines.append, runq=lambda: None), clock, lines
 
 
 def test_a_rooms_steps_are_milliseconds_from_its_first_chunk_and_the_last_chunks_replace_the_earlier():
@@ -35,22 +38,51 @@ def test_a_rooms_steps_are_milliseconds_from_its_first_chunk_and_the_last_chunks
                     "concluded": 5.125, "seen": 6.5}
 
 
-def test_a_step_at_a_given_time_is_marked_at_that_time_unless_it_is_unknown_or_before_the_chunk_was_ready():
-    times, clock, lines = timed()
+def test_a_writes_marks_give_its_host_steps_and_cpu_unless_unknown_or_from_before_the_chunk_was_ready():
+    cpu, runq = Clock(), Clock()
+    lines: list = []
+    clock = Clock()
+    times = RoomTimes(True, 4096, clock, lines.append, cpu, runq)
     times.mark(3, "queued")
     clock.t += 0.001
     times.mark(3, "ready")
-    times.mark(3, "launched", lambda: None)  # the backend does not record it
-    times.mark(3, "launched", lambda: 100.0)  # an earlier write's: before this chunk was ready
+    times.mark_write(3, lambda: None)  # the backend does not record them
+    times.mark_write(3, lambda: WriteMarks(100.0, 100.0005, 0.0))  # an earlier write's: before this chunk was ready
     clock.t += 0.003
     times.mark(3, "written")
-    assert times.seen(3) == "p2pnccl: room times 3 chunks 1: last_queued 0.000, ready 1.000, written 4.000, seen 4.000"
-    clock.t = 100.0
+    assert times.seen(3) == ("p2pnccl: room times 3 chunks 1: last_queued 0.000, ready 1.000, written 4.000, seen 4.000, "
+                             "runq_written 0.000")
+    # the write planned 0.5 ms and queued 2.5 ms after ready, its thread busy 0.25 ms of the 2.5
+    clock.t, cpu.t = 100.0, 7.0
     times.mark(4, "queued")
     times.mark(4, "ready")
-    times.mark(4, "launched", lambda: 100.0 + 0.0025)
-    clock.t = 100.0 + 0.004
-    assert "ready 0.000, launched 2.500, seen 4.000" in times.seen(4)
+    times.mark_write(4, lambda: WriteMarks(100.0005, 100.0025, 7.00025))
+    clock.t, runq.t = 100.004, 100.00125  # and waited 1.25 ms for a CPU from ready to written
+    times.mark(4, "written")
+    line = times.seen(4)
+    assert line.endswith("ready 0.000, planned 0.500, launched 2.500, written 4.000, seen 4.000, cpu_launched 0.250, "
+                         "runq_written 1.250"), line
+    (room,) = room_times.parse(line)
+    assert room["planned"] == 0.5 and room["launched"] == 2.5 and room["cpu_launched"] == 0.25
+    assert room["runq_written"] == 1.25 and room_times.summarize([room])["runq_written"] == 1.25
+    # a later chunk's ready drops the earlier chunk's write: a chunk that wrote nothing here shows none
+    clock.t = 100.0
+    times.mark(5, "queued")
+    times.mark(5, "ready")
+    times.mark_write(5, lambda: WriteMarks(100.0005, 100.001, 7.0005))
+    times.mark(5, "queued")
+    clock.t = 100.002
+    times.mark(5, "ready")
+    assert times.seen(5) == "p2pnccl: room times 5 chunks 2: last_queued 0.000, ready 2.000, seen 2.000"
+
+
+def test_the_run_queue_wait_is_the_kernels_figure_for_this_thread():
+    got = runq_wait()
+    if got is None:  # a kernel without schedstat: the figure is left out, never guessed
+        assert not os.path.exists("/proc/thread-self/schedstat")
+        return
+    with open("/proc/thread-self/schedstat") as f:
+        assert 0 <= got <= int(f.read().split()[1]) / 1e9
 
 
 def test_off_nothing_is_kept_and_a_room_opens_only_at_its_first_chunk_queued():
@@ -98,7 +130,7 @@ def test_the_report_shows_the_decode_batch_and_the_room_steps_of_each_backend():
     assert p["room_steps"]["gaps"]["ready->written"] == 1.5
     md = serve_report.batch_markdown([row]).splitlines()
     # NIXL's run logged neither: no row
-    # no `launched` (not the same-host path): its two gaps are "-", the write whole is there
-    assert md[2:] == ["| yes | 4096 | 1 | p2pnccl | 12.5 (10) | 1 | 0.000 | 0.500 | 0.000 | - | - | 1.500 | 0.250 "
-                      "| 1.750 | 4.000 |"]
+    # no `planned` or `launched` (not the same-host path): their gaps, the CPU and the wait are "-", the write whole is there
+    assert md[2:] == ["| yes | 4096 | 1 | p2pnccl | 12.5 (10) | 1 | 0.000 | 0.500 | 0.000 | - | - | - | - | 1.500 "
+                      "| 0.250 | 1.750 | - | - | 4.000 |"]
     assert serve_report.batch_markdown(serve_report.table(cells[1:])) == ""

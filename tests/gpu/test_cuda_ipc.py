@@ -20,6 +20,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -220,6 +222,31 @@ def _prefill_one(tr: CudaIpcTransport, conn, layout: str, page_size: int, seed: 
         tr.write(SESSION, s, d, n)
         spans, merged = spans + len(n), merged + int((n > item).sum())
 
+    chunk_launches = len(direct)  # the chunks' own (the launches below are counted too)
+    # launched (SGLANG_P2P_IPC_LAUNCH=scheduler: one thread queues, another waits): the first chunk again (the
+    # same bytes), behind tens of ms of GPU time on the current stream, so it is still running when asked
+    lo, hi = chunks[0]
+
+    def rewrite():
+        return tr.write_pages(SESSION, bases, peer.kv_ptrs, [item] * len(bases), src[lo:hi], dst[lo:hi], PAGES, PAGES)
+
+    torch.cuda._sleep(50_000_000)
+    began = time.perf_counter()
+    first = backend().launch(dev, rewrite)
+    # its host steps as this thread's backend recorded them (SGLANG_P2P_ROOM_TIMES reads them)
+    marks = {"began": began, "cpu_now": time.thread_time(), **backend().last_write()._asdict()}
+    launches = {"bytes": first[0], "done_at_once": first[1].done(),
+                "refused_while_running": backend().launch(dev, rewrite) is None}
+    waiter = threading.Thread(target=first[1].wait)  # the worker's part, on another thread
+    waiter.start()
+    waiter.join(IO_TIMEOUT)
+    marks["waited"] = time.perf_counter()
+    launches["done_after_wait"] = first[1].done()
+    again = backend().launch(dev, rewrite)
+    launches["launched_again"] = again is not None
+    if again is not None:
+        again[1].wait()
+
     # (a) writes outside the export, each batch with a valid span first (into a page nobody writes)
     spare = int(np.setdiff1d(np.arange(PAGES), dst)[0])
     ok_s, ok_d, ok_n = chunk_descriptors(local, peer, [np.array([0])], [np.array([spare])])
@@ -249,8 +276,8 @@ def _prefill_one(tr: CudaIpcTransport, conn, layout: str, page_size: int, seed: 
     if forget:
         tr.forget_peer(SESSION)
     conn.send(("written", src, dst, seed))
-    return {"spans": spans, "merged_spans": merged, "page_chunks": page_chunks, "direct_launches": len(direct),
-            "refused": refused, "export": export}
+    return {"spans": spans, "merged_spans": merged, "page_chunks": page_chunks, "direct_launches": chunk_launches,
+            "refused": refused, "export": export, "marks": marks, "launches": launches, "chunk0": hi - lo}
 
 
 def _prefill_cases(conn, cases, copy_engine: str = "off"):
@@ -337,6 +364,17 @@ def test_scattered_chunks_land_byte_exact_and_nothing_else_changes(transfers, la
     assert prefill["page_chunks"] >= 2  # half the chunks went through the page-table kernel
     # ... each by the direct launch (the kernel compiled before the slow fill the first one waits for)
     assert prefill["direct_launches"] == prefill["page_chunks"]
+    # the launch's copy was planned and queued within the call, behind tens of ms of GPU time: its wait comes
+    # after `launched`, so a room's host and device time split there
+    m = prefill["marks"]
+    assert m["began"] <= m["planned"] <= m["launched"] < m["waited"], m
+    assert m["waited"] - m["launched"] > 0.01 > m["launched"] - m["planned"], m
+    assert 0 < m["launched_cpu"] <= m["cpu_now"], m
+    # a launch returns with its copy still queued behind the GPU's work, refuses the thread's next launch until it
+    # ran (its page ids wait in pinned memory), and is done once another thread waited for it
+    ln = prefill["launches"]
+    assert ln == {"bytes": prefill["chunk0"] * _item(layout, page_size) * LAYOUTS[layout][0], "done_at_once": False,
+                  "refused_while_running": True, "done_after_wait": True, "launched_again": True}, ln
     assert not decode["bad_written"], f"destination pages differ from their source: {decode['bad_written']}"
     assert not decode["nonzero_other"], f"pages nobody wrote changed: {decode['nonzero_other']}"
 

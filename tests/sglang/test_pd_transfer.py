@@ -123,6 +123,9 @@ def test_staging_shorter_than_a_request_back_pressures_without_loss():
     timed = {r.pop("room"): r for r in room_times.parse(log)}
     assert sorted(timed) == [20, 21, 22, 23], log[-2000:]
     for room, r in timed.items():
+        # the worker's run-queue wait from ready to written, where the kernel keeps it: within that span
+        runq = r.pop("runq_written", 0.0)
+        assert 0 <= runq <= r["written"] - r["ready"] + 0.5, r
         assert r.pop("chunks") == 3 and [k for k in r if k != "concluded"] == [
             "last_queued", "picked", "ready", "written", "seen"], r
         assert list(r.values()) == sorted(r.values()), r
@@ -130,8 +133,9 @@ def test_staging_shorter_than_a_request_back_pressures_without_loss():
 
 
 def test_room_times_split_a_same_host_write_at_its_copy_queued():
-    """SGLANG_P2P_ROOM_TIMES on the same-host path (its CPU stand-in): each room's line has the step `launched`,
-    the copy queued by the backend of the worker's own thread, between the chunk ready and written."""
+    """SGLANG_P2P_ROOM_TIMES on the same-host path (its CPU stand-in): each room's line has the steps `planned`
+    and `launched`, the copy planned and queued by the backend of the worker's own thread, between the chunk ready
+    and written, and the CPU that thread spent from ready to launched."""
     plan = {"pool": {"layout": "mha", "num_layers": 3, "page_size": 4, "num_pages": 64},
             "requests": [{"room": 40 + i, "tokens": 40, "chunk_pages": 4} for i in range(3)], "deadline_s": 60}
     result = run_pair(plan, env={**IPC_ENV, "SGLANG_P2P_ROOM_TIMES": "1"})
@@ -140,7 +144,8 @@ def test_room_times_split_a_same_host_write_at_its_copy_queued():
     timed = room_times.parse(log)
     assert sorted(r["room"] for r in timed) == [40, 41, 42], log[-2000:]
     for r in timed:
-        assert r["chunks"] == 3 and r["ready"] <= r["launched"] <= r["written"] <= r["seen"], r
+        assert r["chunks"] == 3 and r["ready"] <= r["planned"] <= r["launched"] <= r["written"] <= r["seen"], r
+        assert 0 <= r["cpu_launched"] <= r["launched"] - r["ready"] + 0.5, r  # CPU time within the span
 
 
 def failed_reason(side: dict, room: int) -> str:

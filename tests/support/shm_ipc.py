@@ -19,7 +19,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from sglang_p2p_backend.engine.transport.cuda_ipc import IpcBackend, IpcUnavailable
+from sglang_p2p_backend.engine.copy.launches import Launch
+from sglang_p2p_backend.engine.transport.cuda_ipc import IpcBackend, IpcUnavailable, WriteMarks
 from sglang_p2p_backend.testing.role import IPC_BACKEND_ENV
 
 _HANDLE_BYTES = 64
@@ -36,12 +37,34 @@ def _address(shm: shared_memory.SharedMemory) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
 
 
+def _move(spans: list) -> None:
+    for s, d, n in spans:
+        ctypes.memmove(d, s, n)
+
+
+class _Deferred(Launch):
+    """Spans queued by `ShmBackend.launch`: copied by the first `wait()`, on its thread (the GPU's part)."""
+
+    def __init__(self, spans: list):
+        self._spans, self._done = spans, False
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self) -> None:
+        with self._lock:
+            if not self._done:
+                _move(self._spans)
+                self._done = True
+
+
 class ShmBackend(IpcBackend):
     def __init__(self) -> None:
         self._own: dict[int, shared_memory.SharedMemory] = {}  # base -> segment this process created
         self._opened: dict[int, shared_memory.SharedMemory] = {}  # base -> segment mapped from a peer
         self._lock = threading.Lock()
-        self._local = threading.local()  # per transfer thread: when its last write started (`last_queued`)
+        self._local = threading.local()  # per transfer thread: its last write's marks (`last_write`)
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor in a new shared segment (the pools of a role that exports)."""
@@ -95,12 +118,34 @@ class ShmBackend(IpcBackend):
             return len(self._opened)
 
     def write(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
-        self._local.queued_at = time.perf_counter()  # as CudaBackend records its copy queued, before its wait
-        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
-            ctypes.memmove(d, s, n)
+        now = time.perf_counter()  # as CudaBackend records its copy planned and queued, before its wait
+        self._local.marks = WriteMarks(now, now, time.thread_time())
+        spans = list(zip(src.tolist(), dst.tolist(), lens.tolist()))
+        pending = getattr(self._local, "pending", None)
+        if pending is not None:  # inside `launch`: the bytes move when the launch is waited for, as a GPU's would
+            pending.extend(spans)
+            return
+        _move(spans)
 
-    def last_queued(self) -> Optional[float]:
-        return getattr(self._local, "queued_at", None)
+    def launch(self, device: torch.device, write):
+        """As CudaBackend's: the writes queued (here: kept) and left to the returned launch, which copies them when
+        waited for, on the waiting thread; refused while this thread's last launch has not been waited for."""
+        last = getattr(self._local, "launched", None)
+        if last is not None and not last.done():
+            return None
+        self._local.pending = pending = []
+        try:
+            result = write()
+        except BaseException:
+            _move(pending)  # what was queued runs before the error is raised (nothing left running)
+            raise
+        finally:
+            self._local.pending = None
+        self._local.launched = launched = _Deferred(pending)
+        return result, launched
+
+    def last_write(self) -> Optional[WriteMarks]:
+        return getattr(self._local, "marks", None)
 
     def close(self) -> None:
         with self._lock:

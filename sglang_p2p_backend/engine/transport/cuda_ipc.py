@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from sglang_p2p_backend.engine.config import COPY_ENGINE_MODES
 from sglang_p2p_backend.engine.copy.ce_plan import (COPY_ENGINE, KERNEL, SHORT_SPANS, SPLIT, SplitRoute, coalesce,
                                                    page_chunk_shape, page_spans, pages_reaching, route_and_reason,
                                                    route_split, thresholds)
+from sglang_p2p_backend.engine.copy.launches import DONE, EventLaunch, EventPool, Launch
 from sglang_p2p_backend.engine.copy.plan import out_of_range_id, page_runs, run_breaks
 from sglang_p2p_backend.engine.copy.stream_ops import cuda_libraries
 from sglang_p2p_backend.engine.wire.messages import IpcExport, IpcRegion
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
     from sglang_p2p_backend.engine.copy.stream_ops import StreamOps
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_P = ctypes.c_void_p
 #: what the log line of a route's first use starts with (e2e/shape_serve.py collects these lines)
 ROUTE_LOG = "p2pnccl: same-host chunks on the"
 
@@ -91,6 +94,16 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+class WriteMarks(NamedTuple):
+    """A same-host write's host steps as the writing thread recorded them (`IpcBackend.last_write`): its copy
+    planned (checked and routed, the runtime calls next) and queued on the device (perf_counter), and the thread's
+    CPU time at the second."""
+
+    planned: float
+    launched: float
+    launched_cpu: float
 
 
 class IpcBackend:
@@ -148,10 +161,16 @@ class IpcBackend:
         self.write_pages(device, *pages, max_programs=max_programs)
         self.write_copy_engines(device, *spans)
 
-    def last_queued(self) -> Optional[float]:
-        """When this thread's last write had its copy queued on the device, before its wait (time.perf_counter);
-        None where the backend does not record it (a stand-in)."""
+    def last_write(self) -> Optional["WriteMarks"]:
+        """This thread's last write's host steps (its copy planned, queued on the device before its wait); None
+        where the backend does not record them (a stand-in)."""
         return None
+
+    def launch(self, device: torch.device, write: Callable[[], T]) -> Optional[tuple[T, Launch]]:
+        """Run `write` (writes of this backend on this thread) with their waits left to the returned Launch,
+        which any thread may wait on; `write`'s result beside it. None, nothing run, where this thread cannot
+        launch now. Default: the writes run as they are (a stand-in that copies at once) and nothing is left."""
+        return write(), DONE
 
 
 class CudaBackend(IpcBackend):
@@ -236,7 +255,7 @@ class CudaBackend(IpcBackend):
             ops = StreamOps(self.rt, device, drv=self.drv)
             # priority 0 is CUDA's lowest: the forward passes of this process go first where both are ready
             mine[device] = Copiers(SpanCopier(device), PageCopier(device, ops=ops),
-                                   torch.cuda.Stream(device=device, priority=0), ops)
+                                   torch.cuda.Stream(device=device, priority=0), ops, EventPool(self.rt, ops.index))
         return mine[device]
 
     def ordered(self, device: torch.device) -> "Copiers":
@@ -248,19 +267,52 @@ class CudaBackend(IpcBackend):
 
     def _write_ordered(self, device: torch.device, queue: Callable[["Copiers"], None]) -> None:
         """One write: this thread's copy stream ordered after the current one, the copy queued (`queue`), the
-        wait for it; `device` current throughout (a launch needs it)."""
+        wait for it (inside `launch`: the Launch's); `device` current throughout (a launch needs it)."""
+        planned = time.perf_counter()
         c = self._copiers(device)
         prev = c.ops.enter()
         try:
             c.ops.after_current(c.stream.cuda_stream)
             queue(c)
-            self._local.queued_at = time.perf_counter()  # `last_queued`: host time and device time of a write apart
-            c.ops.synchronize(c.stream.cuda_stream)
+            # `last_write`: a write's host time and device time apart (SGLANG_P2P_ROOM_TIMES)
+            self._local.marks = WriteMarks(planned, time.perf_counter(), time.thread_time())
+            if getattr(self._local, "launching", None) != device:
+                c.ops.synchronize(c.stream.cuda_stream)
         finally:
             c.ops.leave(prev)
 
-    def last_queued(self) -> Optional[float]:
-        return getattr(self._local, "queued_at", None)
+    def launch(self, device: torch.device, write: Callable[[], T]) -> Optional[tuple[T, Launch]]:
+        """`write` with its copies' wait left to one event recorded behind them on this thread's copy stream.
+        Refused (None) while this thread's last launch still runs: its page ids wait in this thread's pinned
+        memory for their upload, which the next write would overwrite; and when this thread's events are all
+        held by launches nobody waited for yet. A write that raises leaves nothing running (its queued copies
+        are waited for here first)."""
+        last = getattr(self._local, "launched", None)
+        if last is not None and not last.done():
+            return None
+        c = self._copiers(device)
+        prev = c.ops.enter()
+        try:
+            event = c.events.take()
+            if event is None:
+                return None
+            self._local.launching = device
+            try:
+                result = write()
+                c.ops.check(c.events.rt.cudaEventRecord(event, _P(c.stream.cuda_stream)), "cudaEventRecord")
+            except BaseException:
+                c.events.give(event)
+                c.ops.synchronize(c.stream.cuda_stream)
+                raise
+            finally:
+                self._local.launching = None
+        finally:
+            c.ops.leave(prev)
+        self._local.launched = launched = EventLaunch(c.events, event)
+        return result, launched
+
+    def last_write(self) -> Optional["WriteMarks"]:
+        return getattr(self._local, "marks", None)
 
     def write(self, device: torch.device, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
         self._write_ordered(device, lambda c: c.spans.copy(src, dst, lens, c.stream))
@@ -323,6 +375,8 @@ class Copiers(NamedTuple):
     stream: torch.cuda.Stream
     #: ordering, upload and wait by runtime calls on the stream's handle
     ops: "StreamOps"
+    #: the events of this thread's launches (`CudaBackend.launch`)
+    events: EventPool
 
 
 _backend: Optional[IpcBackend] = None

@@ -1,0 +1,240 @@
+"""SGLANG_P2P_IPC_LAUNCH=scheduler: a same-host chunk's copy queued by `TransferWorkers.add` on SGLang's thread,
+its worker waiting for it. Which chunks go so, how each is counted in flight (an abort's ACK waits for exactly
+the copies queued), and what the worker does with a copy that failed or a room that ended meanwhile. The parts
+around the workers are small fakes: each test drives `add` and the worker's step itself, on this thread."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+from sglang_p2p_backend.adapter.transfer_workers import TransferInfo, TransferTask, TransferWorkers
+from sglang_p2p_backend.engine.copy.launches import Launch
+from sglang_p2p_backend.engine.copy.stream_ops import CudaCallError
+
+SESSION = "127.0.0.1:4001"
+
+
+class FakeLaunch(Launch):
+    def __init__(self, error: Exception | None = None):
+        self.error, self.waits = error, 0
+
+    def done(self) -> bool:
+        return self.waits > 0
+
+    def wait(self) -> None:
+        self.waits += 1
+        if self.error is not None:
+            raise self.error
+
+
+class FakeSameHost:
+    """`launch` answers as told (a Launch, None for a refusal, or an exception); `send` records the worker's copy."""
+
+    def __init__(self, answer):
+        self.answer, self.launched, self.sent = answer, [], []
+
+    def launch(self, peer, src, dst, unsettled):
+        self.launched.append((peer.session, src.tolist(), dst.tolist()))
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+    def send(self, peer, src, dst, heads, unsettled, state=()):
+        self.sent.append((peer.session, [s.tolist() for s in src], [d.tolist() for d in dst]))
+        return True
+
+    def last_write(self):
+        return None
+
+
+class Counts:
+    """DeferredRelease's counting, as the tests need it: begin/end per room, what ran at zero."""
+
+    def __init__(self):
+        self.in_flight, self.drained = {}, []
+
+    def begin(self, room):
+        self.in_flight[room] = self.in_flight.get(room, 0) + 1
+
+    def end(self, room):
+        self.in_flight[room] -= 1
+        if not self.in_flight[room]:
+            self.drained.append(room)
+
+    def poison(self, room):
+        raise AssertionError("nothing here fails unsettled")
+
+
+def workers(answer, *, route="cudaipc", heads=None, launch_in_add=True):
+    status = {7: KVPoll.WaitingForInput}
+    info = TransferInfo(session=SESSION, room=7, dst_kv_indices=np.arange(100, 110, dtype=np.int32), dst_aux_index=-1,
+                        dst_state_indices=[], required_dst_info_num=1, decode_prefix_len=0, is_dummy=False)
+    failed, succeeded = [], []
+    w = TransferWorkers(
+        count=1, spawn=lambda step, name: None, request_status=status, destinations={7: {SESSION: info}},
+        peers={SESSION: SimpleNamespace(session=SESSION)}, rejected={}, departed={}, heads={SESSION: heads},
+        state={}, route=lambda s: route, channels=None, same_host=FakeSameHost(answer), released=lambda: None,
+        one_sided=None, release=Counts(), control=None, session="p", prefill_rank=0, local=SimpleNamespace(state=[]),
+        fail_room=lambda room, why: (failed.append((room, why)), status.__setitem__(room, KVPoll.Failed)),
+        succeed=lambda room: succeeded.append(room), launch_in_add=launch_in_add)
+    return w, status, failed, succeeded
+
+
+def task(is_last=True, **kw) -> TransferTask:
+    return TransferTask(7, np.arange(3, 6, dtype=np.int32), slice(2, 5), is_last, None, None, **kw)
+
+
+def step(w: TransferWorkers) -> TransferTask:
+    """The worker's turn: the task `add` queued, processed on this thread."""
+    queued = w.shards[0].get_nowait()
+    w.shards[0].put(queued)
+    w._transfer_step(w.shards[0])
+    return queued
+
+
+def test_a_plain_chunk_is_queued_in_add_counted_from_there_and_its_worker_only_waits_and_concludes():
+    launch = FakeLaunch()
+    w, status, failed, succeeded = workers(launch)
+    t = task()
+    w.add(t)
+    # queued here with the chunk's own ids and its slice of the decode's: counted in flight until its worker ends
+    assert w.same_host.launched == [(SESSION, [3, 4, 5], [102, 103, 104])]
+    assert t.launch is launch and t.counted and w.release.in_flight == {7: 1}
+    step(w)
+    assert launch.waits == 1 and w.same_host.sent == []  # waited for, not copied again
+    assert succeeded == [7] and failed == []
+    assert w.release.in_flight == {7: 0} and w.release.drained == [7]
+
+
+@pytest.mark.parametrize("answer", [None, RuntimeError("cudaMemcpyBatchAsync refused")], ids=["refused", "raised"])
+def test_a_launch_refused_or_raising_is_not_counted_and_its_worker_copies_the_chunk(answer):
+    w, status, failed, succeeded = workers(answer)
+    t = task()
+    w.add(t)  # an exception never reaches SGLang's thread
+    assert t.launch is None and not t.counted
+    assert w.release.in_flight == {7: 0} and w.release.drained == [7]  # nothing in flight: an ACK may go at once
+    step(w)
+    assert w.same_host.sent == [(SESSION, [[3, 4, 5]], [[102, 103, 104]])]
+    assert succeeded == [7] and failed == []
+
+
+@pytest.mark.parametrize("case", ["state", "heads", "wait_event", "nccl", "ids_copy_running", "off"])
+def test_chunks_other_than_plain_whole_pages_to_one_mapped_same_host_rank_go_to_the_worker(case):
+    kw, heads, route = {}, None, "cudaipc"
+    if case == "state":
+        kw = {"state_indices": [np.array([1])]}
+    elif case == "wait_event":
+        kw = {"wait_event": SimpleNamespace(synchronize=lambda: None)}
+    elif case == "ids_copy_running":
+        kw = {"indices_event": SimpleNamespace(query=lambda: False, synchronize=lambda: None)}
+    elif case == "heads":
+        heads = SimpleNamespace(src=SimpleNamespace(count=2))
+    elif case == "nccl":
+        route = "nccl"
+    w, *_ = workers(FakeLaunch(), route=route, heads=heads, launch_in_add=case != "off")
+    t = TransferTask(7, np.arange(3, 6, dtype=np.int32), slice(2, 5), True, None, kw.get("state_indices"),
+                     kw.get("wait_event"), kw.get("indices_event"))
+    w.add(t)
+    assert w.same_host.launched == [] and t.launch is None and w.release.in_flight == {}
+
+
+def test_page_ids_whose_copy_already_ran_are_read_and_the_chunk_is_queued_in_add():
+    ids = np.array([3, 4, 5], dtype=np.int64)  # SGLang's host tensor, its copy from the device ended
+    w, *_ = workers(FakeLaunch())
+    t = TransferTask(7, ids, slice(2, 5), True, None, None, None, SimpleNamespace(query=lambda: True))
+    w.add(t)
+    assert w.same_host.launched == [(SESSION, [3, 4, 5], [102, 103, 104])]
+    assert t.indices_event is None and t.kv_indices.dtype == np.int32
+
+
+def test_a_failed_copy_fails_the_room_naming_the_decode_rank_and_ends_its_count():
+    launch = FakeLaunch(CudaCallError("cudaEventSynchronize on cuda:0 failed: an illegal memory access (error 700)"))
+    w, status, failed, succeeded = workers(launch)
+    w.add(task())
+    step(w)
+    assert succeeded == [] and len(failed) == 1
+    room, why = failed[0]
+    assert room == 7 and why.startswith(f"KV transfer to decode rank {SESSION} failed: ") and "error 700" in why
+    assert w.release.in_flight == {7: 0}
+
+
+def test_a_room_that_ended_while_its_copy_ran_is_waited_for_before_its_count_ends():
+    launch = FakeLaunch()
+    w, status, failed, succeeded = workers(launch)
+    w.add(task())
+    status[7] = KVPoll.Failed  # aborted meanwhile: the copy still runs into the decode's pages
+    step(w)
+    assert launch.waits == 1 and succeeded == [] and failed == []
+    assert w.release.drained == [7]  # the ACK's moment: after the wait
+
+
+class FakeIpc:
+    """The transport's mapping calls: which export each session has mapped, and what the last launch into a
+    session had done when its mapping was dropped or replaced."""
+
+    def __init__(self, launches: list):
+        self.maps, self.launches, self.dropped = {}, launches, []
+
+    def mapped(self, session, export):
+        return self.maps.get(session) is export
+
+    def forget_peer(self, session):
+        self.dropped.append((session, [ln.waits for ln in self.launches]))
+        self.maps.pop(session, None)
+
+    def open_peer(self, session, export):
+        self.forget_peer(session)
+        self.maps[session] = export
+
+
+class LaunchingBackend:
+    """cuda_ipc's backend as SameHostPath.launch uses it: each launch runs its write and returns a FakeLaunch."""
+
+    def __init__(self, launches: list):
+        self.launches = launches
+
+    def launch(self, device, write):
+        self.launches.append(FakeLaunch())
+        return write(), self.launches[-1]
+
+
+def same_host_path(monkeypatch):
+    from sglang_p2p_backend.adapter import same_host
+
+    launches: list = []
+    monkeypatch.setattr(same_host, "backend", lambda: LaunchingBackend(launches))
+    ipc = FakeIpc(launches)
+    path = same_host.SameHostPath(None, SimpleNamespace(kv=[], state=[], aux=[]), None, {}, lambda reg: [], 8)
+    path.ipc = ipc
+    path._sender = SimpleNamespace(send=lambda *a: 0)
+    return path, ipc, launches
+
+
+def test_a_peers_memory_is_unmapped_or_replaced_only_after_its_last_launch_ran(monkeypatch):
+    path, ipc, launches = same_host_path(monkeypatch)
+    old, new = SimpleNamespace(session=SESSION, ipc=object()), SimpleNamespace(session=SESSION, ipc=object())
+    ids = np.arange(3, dtype=np.int32)
+    assert path.launch(old, ids, ids, lambda: None) is None and launches == []  # not mapped yet: its worker maps
+    ipc.maps[SESSION] = old.ipc
+    first = path.launch(old, ids, ids, lambda: None)
+    assert first is launches[0] and first.waits == 0
+    path.reset(SESSION)  # ResetPeer: the old process's mapping goes once the launch into it ran
+    assert ipc.dropped == [(SESSION, [1])]
+    ipc.maps[SESSION] = old.ipc
+    path.launch(old, ids, ids, lambda: None)
+    path.send(new, [ids], [ids], None, lambda: None)  # a new process behind the session: mapped afresh, after it
+    assert ipc.dropped[-1] == (SESSION, [1, 1]) and ipc.maps[SESSION] is new.ipc
+
+
+def test_a_launch_never_waits_for_a_worker_that_maps_a_peer(monkeypatch):
+    path, ipc, launches = same_host_path(monkeypatch)
+    peer = SimpleNamespace(session=SESSION, ipc=object())
+    ipc.maps[SESSION] = peer.ipc
+    with path._mapping:  # a worker (un)mapping a peer now: SGLang's thread leaves the chunk to its worker
+        assert path.launch(peer, np.arange(3), np.arange(3), lambda: None) is None
+    assert launches == [] and path.launch(peer, np.arange(3), np.arange(3), lambda: None) is launches[0]
