@@ -64,8 +64,8 @@ class RoomTimes:
 
     def mark(self, room: int, step: str) -> None:
         """Step `step` of `room` now; `queued` opens the room (its later chunks' count as `last_queued`), `ready`
-        also reads this thread's CPU clock and run-queue wait (the worker's, which then plans, queues and waits for
-        the write), `written` the wait again."""
+        also reads this thread's CPU clock and run-queue wait (the thread that then plans and queues the copy: the
+        worker, or SGLang's for a launched chunk), `written` the wait again where it is the same thread."""
         if not self.enabled:
             return
         now = self._clock()
@@ -82,7 +82,8 @@ class RoomTimes:
                 times[step] = now
                 if step == "ready":
                     times["ready_cpu"] = self._cpu()
-                    for earlier in ("planned", "launched", CPU, RUNQ, "ready_runq", "ready_thread"):  # an earlier chunk's
+                    # what an earlier chunk's write left
+                    for earlier in ("planned", "launched", CPU, RUNQ, "ready_runq", "ready_thread"):
                         times.pop(earlier, None)
                     if runq is not None:
                         times["ready_runq"], times["ready_thread"] = runq, threading.get_ident()

@@ -6,8 +6,10 @@ moves the chunk to every real decode rank of the room: one copy kernel into a sa
 (same_host.py), two-sided over the pair channel (engine/pair/channels.py), or one-sided with Mooncake
 (engine/transport/onesided.py), only the heads that rank owns when its attention TP differs
 (engine/copy/heads.py; a rank holding a replica another rank sends moves no KV) and only its slice of each state
-item (engine/copy/state_slices.py); after the last chunk, Status. Every
-task is counted in flight while it runs (deferred_release.py), so an aborted room's ACK waits for it. A traced
+item (engine/copy/state_slices.py); after the last chunk, Status. A plain same-host chunk's copy is queued by
+`add` itself, on SGLang's thread, and its worker only waits for it (SGLANG_P2P_IPC_LAUNCH; docs/design.md). Every
+task is counted in flight while it runs (deferred_release.py; a launched one from `add`), so an aborted room's ACK
+waits for it. A traced
 task (SGLang's --enable-trace) records a slice per chunk and one per decode rank in it (tracing.py).
 """
 
@@ -202,10 +204,10 @@ class TransferWorkers:
         self._shard_of(real[0] if real else "").put(task)
 
     def _launch(self, task: TransferTask, info: TransferInfo) -> None:
-        """Queue the chunk's copy here, on SGLang's scheduler thread, whose CPU is busy and warm: a worker woken
-        for it first waits for a CPU and the GIL, then plans cold (docs/serving.md). Only the plain case: whole
-        pages of KV, no state, to one decode rank on the same-host path already mapped, nothing to wait for
-        first. Anything else, or any error, leaves the chunk to its worker, which copies it (again) and reports
+        """Queue the chunk's copy here, on SGLang's scheduler thread, which holds the GIL already: a worker woken
+        for it first waits for the GIL, then plans and queues it as slowly (docs/serving.md, session 37). Only the
+        plain case: whole pages of KV, no state, to one decode rank on the same-host path already mapped, nothing
+        to wait for first. Anything else, or any error, leaves the chunk to its worker, which copies it (again) and reports
         what fails; the chunk is counted in flight from here, so an abort's ACK waits for the copy."""
         session = info.session
         if (task.wait_event is not None or (task.is_last and task.state_indices) or session not in self.peers
