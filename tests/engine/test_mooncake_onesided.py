@@ -124,3 +124,43 @@ def test_local_memory_lists_every_region_for_registration() -> None:
     m = Side(9, AUX_ITEMS).memory()
     assert len(m.regions()) == REGIONS + 1 + len(AUX_ITEMS)
     assert all(length > 0 for _, length in m.regions())
+
+
+class PageTableMemcpy(MemcpyTransport):
+    """A `PageTableTransport` (the CUDA IPC path's shape): whole pages applied page by page, every call recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.page_calls: list[tuple] = []
+
+    def write_pages(self, session, src_bases, dst_bases, item_bytes, src_ids, dst_ids, src_pages, dst_pages) -> int:
+        self.page_calls.append((src_bases, item_bytes, src_pages))
+        for s, d, n in zip(src_bases, dst_bases, item_bytes):
+            for a, b in zip(np.asarray(src_ids).tolist(), np.asarray(dst_ids).tolist()):
+                ctypes.memmove(int(d) + b * n, int(s) + a * n, n)
+        return len(src_ids) * sum(item_bytes)
+
+
+def test_a_whole_page_chunk_is_one_page_table_write_its_regions_read_once_per_registration() -> None:
+    prefill, decode = Side(1, AUX_ITEMS), Side(2, AUX_ITEMS)
+    local, peer, t = prefill.memory(), decode.register(), PageTableMemcpy()
+    sender = OneSidedSender(t, local, whole_pages=True)
+    src, dst = np.array([3, 4, 9], dtype=np.int32), np.array([0, 1, 30], dtype=np.int32)
+    assert sender.send(peer, [src], [dst]) == 3 * ITEM * REGIONS
+    assert sender.send(peer, [src + 1], [dst + 1], state=()) == 3 * ITEM * REGIONS
+    # no state, no aux: nothing but the page-table write (no empty descriptor batch after it)
+    assert t.calls == [] and len(t.page_calls) == 2
+    for r in range(REGIONS):
+        for a, b in zip([3, 4, 5, 9, 10], [0, 1, 2, 30, 31]):
+            assert bytes(decode.kv[r][b * ITEM:(b + 1) * ITEM]) == bytes(prefill.kv[r][a * ITEM:(a + 1) * ITEM])
+    # the regions as write_pages takes them, made once: the same objects every chunk
+    (bases, items, pages), second = t.page_calls[0], t.page_calls[1]
+    assert bases == tuple(a.ctypes.data for a in prefill.kv) and items == (ITEM,) * REGIONS and pages == PAGES
+    assert second[0] is bases and second[1] is items
+    # another list of regions (a memory registered again): read afresh
+    sender.local = prefill.memory()
+    sender.send(peer, [src], [dst])
+    assert t.page_calls[-1][0] is not bases and t.page_calls[-1][0] == bases
+    # an aux row still goes as descriptors after the pages
+    sender.send(peer, [src], [dst], aux=(1, 2))
+    assert len(t.calls) == 1
