@@ -152,6 +152,10 @@ class SameHostPath:
         self._sender.send(peer, src, dst, None, heads, unsettled, state)
         return True
 
+    def mapped(self, peer: wire.PeerRegister) -> bool:
+        """Whether this registration of the peer is mapped here (a dict lookup: SGLang's thread asks it first)."""
+        return self.ipc is not None and self.ipc.mapped(peer.session, peer.ipc)
+
     def launch(self, peer: wire.PeerRegister, src: np.ndarray, dst: np.ndarray,
                unsettled: Callable[[], None]) -> Optional[Launch]:
         """The KV pages `src` -> `dst` of one chunk queued on this thread, whole pages to a peer already mapped,

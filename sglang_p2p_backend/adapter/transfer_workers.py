@@ -220,7 +220,8 @@ class TransferWorkers:
                     return
                 task.indices_event = None
                 task.kv_indices = np.array(task.kv_indices, dtype=np.int32, copy=True)
-            if self.route(session) != "cudaipc":
+            # a peer this path has not mapped (another host, or its first chunk) is its worker's: no routing here
+            if not self.same_host.mapped(self.peers[session]) or self.route(session) != "cudaipc":
                 return
             self.times.mark(task.room, "ready")
         except Exception as e:  # noqa: BLE001 - never into SGLang's scheduler: the worker copies it and reports

@@ -36,7 +36,10 @@ class FakeSameHost:
     """`launch` answers as told (a Launch, None for a refusal, or an exception); `send` records the worker's copy."""
 
     def __init__(self, answer):
-        self.answer, self.launched, self.sent = answer, [], []
+        self.answer, self.launched, self.sent, self.is_mapped = answer, [], [], True
+
+    def mapped(self, peer):
+        return self.is_mapped
 
     def launch(self, peer, src, dst, unsettled):
         self.launched.append((peer.session, src.tolist(), dst.tolist()))
@@ -123,7 +126,7 @@ def test_a_launch_refused_or_raising_is_not_counted_and_its_worker_copies_the_ch
     assert succeeded == [7] and failed == []
 
 
-@pytest.mark.parametrize("case", ["state", "heads", "wait_event", "nccl", "ids_copy_running", "off"])
+@pytest.mark.parametrize("case", ["state", "heads", "wait_event", "nccl", "ids_copy_running", "off", "unmapped"])
 def test_chunks_other_than_plain_whole_pages_to_one_mapped_same_host_rank_go_to_the_worker(case):
     kw, heads, route = {}, None, "cudaipc"
     if case == "state":
@@ -137,10 +140,15 @@ def test_chunks_other_than_plain_whole_pages_to_one_mapped_same_host_rank_go_to_
     elif case == "nccl":
         route = "nccl"
     w, *_ = workers(FakeLaunch(), route=route, heads=heads, launch_in_add=case != "off")
+    w.same_host.is_mapped = case != "unmapped"
+    routed = []
+    w.route = lambda s: routed.append(s) or route
     t = TransferTask(7, np.arange(3, 6, dtype=np.int32), slice(2, 5), True, None, kw.get("state_indices"),
                      kw.get("wait_event"), kw.get("indices_event"))
     w.add(t)
     assert w.same_host.launched == [] and t.launch is None and w.release.in_flight == {}
+    if case == "unmapped":  # not this path's peer (yet): SGLang's thread does not even route it
+        assert routed == []
 
 
 def test_page_ids_whose_copy_already_ran_are_read_and_the_chunk_is_queued_in_add():
