@@ -145,14 +145,20 @@ class PrefillRole(Role):
         def pause_of(room) -> float:
             return float(delay.get(str(room), 0) if isinstance(delay, dict) else delay or 0)
 
+        launched_at: dict[int, float] = {}
+
         def tracked_launch(task, info):
             """A chunk whose copy SGLang's thread queues (SGLANG_P2P_IPC_LAUNCH=scheduler): its write is in flight
-            until its worker's wait returns, so the delay goes there."""
+            from here until its worker's wait returns, which the delay holds back to this moment plus the delay
+            (a copy runs from its launch, whenever its worker gets to waiting for it)."""
             current.room, current.launching = task.room, True
+            started = time.monotonic()
             try:
                 return launch(task, info)
             finally:
                 current.launching = False
+                if task.launch is not None:
+                    launched_at[id(task)] = started
 
         def tracked_process(task):
             current.room = task.room
@@ -160,10 +166,10 @@ class PrefillRole(Role):
                 self.traced_chunks[task.room] = self.traced_chunks.get(task.room, 0) + 1
             if task.launch is not None:
                 wait, room = task.launch.wait, task.room
+                until = launched_at.pop(id(task), time.monotonic()) + pause_of(room)
 
                 def delayed_wait():
-                    if pause_of(room):
-                        time.sleep(pause_of(room))
+                    time.sleep(max(0.0, until - time.monotonic()))
                     try:
                         return wait()
                     finally:
