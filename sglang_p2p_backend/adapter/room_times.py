@@ -32,6 +32,8 @@ CPU = "cpu_launched"
 RUNQ = "runq_written"
 #: the kernel's per-thread scheduler figures: CPU ns, run-queue wait ns, time slices
 _SCHEDSTAT = "/proc/thread-self/schedstat"
+#: the prefix of the log line (e2e/room_times.py reads it back)
+PREFIX = "p2pnccl: room times"
 
 
 def runq_wait() -> Optional[float]:
@@ -41,8 +43,6 @@ def runq_wait() -> Optional[float]:
             return int(f.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
-#: the prefix of the log line (e2e/room_times.py reads it back)
-PREFIX = "p2pnccl: room times"
 
 
 class RoomTimes:

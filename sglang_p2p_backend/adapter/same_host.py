@@ -166,7 +166,7 @@ class SameHostPath:
         if self.ipc is None or not self._mapping.acquire(blocking=False):  # a worker (un)maps a peer now
             return None
         try:
-            if not self.ipc.mapped(peer.session, peer.ipc):
+            if not self.mapped(peer):
                 return None
             got = backend().launch(self.device, lambda: self._sender.send(peer, [src], [dst], None, None, unsettled))
             if got is None:

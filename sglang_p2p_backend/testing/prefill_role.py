@@ -181,12 +181,9 @@ class PrefillRole(Role):
         def delayed(send: Callable) -> Callable:
             def wrapper(*a, **kw):
                 room = getattr(current, "room", None)
-                if getattr(current, "launching", False):  # queued only: its worker's wait is the write's end
-                    out = send(*a, **kw)
-                    if isinstance(out, int):
-                        self.sent_bytes[room] = self.sent_bytes.get(room, 0) + out
-                    return out
-                pause = pause_of(room)
+                # queued only (a launch): its delay and its end are its worker's wait's (tracked_process)
+                queued_only = getattr(current, "launching", False)
+                pause = 0.0 if queued_only else pause_of(room)
                 if pause:
                     time.sleep(pause)
                 try:
@@ -195,7 +192,8 @@ class PrefillRole(Role):
                         self.sent_bytes[room] = self.sent_bytes.get(room, 0) + out
                     return out
                 finally:
-                    self.write_done_at[room] = time.time()
+                    if not queued_only:
+                        self.write_done_at[room] = time.time()
 
             return wrapper
 

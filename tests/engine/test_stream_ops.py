@@ -9,8 +9,9 @@ import ctypes
 import pytest
 import torch
 
+from sglang_p2p_backend.engine.copy.launches import EventLaunch, EventPool
 from sglang_p2p_backend.engine.copy.stream_ops import (EVENT_DISABLE_TIMING, MEMCPY_HOST_TO_DEVICE, CudaCallError,
-                                                       StreamOps)
+                                                       StreamOps, event_done)
 
 EVENT = 0xE7
 CURRENT = {1: 0x5100, 0: 0x5000}  # the caller's current stream on each device
@@ -238,3 +239,31 @@ def test_on_stream_of_another_device_is_torchs_context_manager_and_none_is_nothi
     with on_stream(None) as got:
         assert got is None
     assert seen == [("enter", 9), ("exit", 9)]
+
+
+def test_an_events_answer_reads_as_run_not_yet_or_a_failure_named_with_its_call():
+    codes = iter([600, 0, 700])
+    rt = FakeRuntime()
+    rt.cudaEventQuery = lambda event: next(codes)
+    assert event_done(rt, EVENT, 1) is False  # cudaErrorNotReady: queued work still running
+    assert event_done(rt, EVENT, 1) is True
+    with pytest.raises(CudaCallError, match="cudaEventQuery on cuda:1 failed: an illegal memory access"):
+        event_done(rt, EVENT, 1)
+
+
+def test_a_launch_is_waited_for_once_its_event_going_back_to_a_bounded_pool():
+    rt = FakeRuntime()
+    answers = [600]
+    rt.cudaEventQuery = lambda event: answers[-1]
+    rt.cudaEventSynchronize = lambda event: rt.calls.append(("cudaEventSynchronize", _value(event))) or 0
+    pool = EventPool(rt, 1, limit=2)
+    first, second = pool.take(), pool.take()
+    assert pool.take() is None  # every event held by a launch nobody waited for: the caller does not launch
+    launch = EventLaunch(pool, first)
+    assert launch.done() is False
+    launch.wait()
+    launch.wait()  # a second wait asks nothing more
+    assert [c for c in rt.calls if c[0] == "cudaEventSynchronize"] == [("cudaEventSynchronize", EVENT)]
+    answers.append(700)  # waited for: done without asking the event, which is the pool's again
+    assert launch.done() is True and pool.take() is first
+    pool.give(second)

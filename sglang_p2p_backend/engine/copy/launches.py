@@ -10,11 +10,9 @@ import ctypes
 import threading
 from typing import Any, List, Optional
 
-from sglang_p2p_backend.engine.copy.stream_ops import EVENT_DISABLE_TIMING, check_call
+from sglang_p2p_backend.engine.copy.stream_ops import EVENT_DISABLE_TIMING, check_call, event_done
 
 _P = ctypes.c_void_p
-#: cudaEventQuery's answer while the work before the event has not run yet
-_NOT_READY = 600
 
 
 class Launch:
@@ -93,13 +91,7 @@ class EventLaunch(Launch):
     def done(self) -> bool:
         """Asked by the launching thread only, which alone records events again: until the waiter has given the
         event back, it is this launch's (no lock: a query must not wait behind the waiter's synchronize)."""
-        if self._waited:
-            return True
-        code = self._pool.rt.cudaEventQuery(self._event)
-        if code == _NOT_READY:
-            return False
-        check_call(self._pool.rt, code, "cudaEventQuery", self._pool.index)
-        return True
+        return self._waited or event_done(self._pool.rt, self._event, self._pool.index)
 
     def wait(self) -> None:
         """Wait for the copies (the GIL is released meanwhile: ctypes drops it); the event goes back to its pool

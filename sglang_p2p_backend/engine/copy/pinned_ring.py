@@ -18,14 +18,13 @@ import threading
 import numpy as np
 import torch
 
-from sglang_p2p_backend.engine.copy.stream_ops import EVENT_DISABLE_TIMING, check_call, cuda_libraries, upload_untracked
+from sglang_p2p_backend.engine.copy.stream_ops import (EVENT_DISABLE_TIMING, check_call, cuda_libraries, event_done,
+                                                       upload_untracked)
 
 #: slots of the ring: more than the uploads in flight at once (a room's ids on each of a few streams)
 SLOTS = 8
 #: int64 ids a slot holds: a 64k-token room at page size 1 (512 KiB a slot, 4 MiB pinned a device)
 SLOT_ITEMS = 1 << 16
-#: cudaEventQuery's answer while the work before the event has not run yet
-_NOT_READY = 600
 
 
 class PinnedRing:
@@ -54,11 +53,7 @@ class PinnedRing:
 
     def _free(self, k: int) -> bool:
         """Whether slot k's last copy has run (a slot never used: its event never recorded reads as done)."""
-        code = self._rt.cudaEventQuery(self._events[k])
-        if code == _NOT_READY:
-            return False
-        check_call(self._rt, code, "cudaEventQuery", self.index)
-        return True
+        return event_done(self._rt, self._events[k], self.index)
 
     def upload(self, ids: np.ndarray) -> torch.Tensor:
         """`ids` as an int64 tensor on the device, its copy queued on the current stream (unchecked: the caller

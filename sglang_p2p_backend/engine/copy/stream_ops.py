@@ -54,6 +54,20 @@ def check_call(rt: Any, code: int, what: str, index: int) -> None:
         raise CudaCallError(f"{what} on cuda:{index} failed: {why}")
 
 
+#: cudaEventQuery's answer while the work before the event has not run yet
+EVENT_NOT_READY = 600
+
+
+def event_done(rt: Any, event: Any, index: int) -> bool:
+    """Whether the work queued before `event` has run (an event never recorded reads as done), without waiting;
+    CudaCallError for any other answer of cudaEventQuery (a failed copy)."""
+    code = rt.cudaEventQuery(event)
+    if code == EVENT_NOT_READY:
+        return False
+    check_call(rt, code, "cudaEventQuery", index)
+    return True
+
+
 def upload_untracked(rt: Any, dst: int, src: int, nbytes: int, stream: int, index: int) -> None:
     """Queue a copy of `nbytes` from pinned host memory at `src` to device memory at `dst` on `stream` (raw
     handles) with the runtime itself. For pinned buffers kept for the process's life: torch's `copy_` from a pinned
