@@ -129,15 +129,18 @@ def parse_dump(text: str) -> dict[int, str]:
     return names
 
 
-def record(pid: int, pyspy: Optional[str], seconds: float, out: Path, rate: int = 200, gil: bool = False) -> str:
+def record(pid: int, pyspy: Optional[str], seconds: float, out: Path, rate: int = 200, gil: bool = False,
+           native: bool = False) -> str:
     """Start ``py-spy record`` on `pid` for `seconds` in the background; returns an error or ''. The caller
     waits with `wait_record`. `gil`: only the thread holding the GIL is sampled, so each thread's share of the
-    samples is its share of the GIL."""
+    samples is its share of the GIL. `native`: C frames too (py-spy --native, which pauses the process for each
+    sample: py-spy refuses native frames without)."""
     if not pyspy:
         return "no py-spy"
     try:
         proc = subprocess.Popen([pyspy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
-                                 str(rate), "--format", "raw", "--threads", "--nonblocking", *(["--gil"] if gil else []),
+                                 str(rate), "--format", "raw", "--threads", *(["--native"] if native else ["--nonblocking"]),
+                                 *(["--gil"] if gil else []),
                                  "--output", str(out)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     except OSError as e:

@@ -8,39 +8,65 @@ import re
 import statistics
 from typing import Optional
 
-from sglang_p2p_backend.adapter.room_times import CPU, PREFIX, RUNQ, STEPS
+from sglang_p2p_backend.adapter.room_times import CPU, CPU_STEPS, PREFIX, RUNQ, STEPS
+from sglang_p2p_backend.engine.transport.cuda_ipc import WRITE_STEPS
 
+#: the steps of a write on the thread that queued its copy, in order: each gap's wall time and CPU time
+#: (`host_steps`)
+HOST_STEPS = ("ready", *WRITE_STEPS, "planned", "launched")
 _LINE = re.compile(re.escape(PREFIX) + r" (\d+) chunks (\d+): ([^\n]*)")
 _STEP = re.compile(r"(\w+) (-?[0-9.]+)")
 
 
 def parse(text: str) -> list[dict[str, float]]:
     """Each room's line in `text` as {"room": its id, "chunks": n, step: ms from its first chunk queued, ...,
-    "cpu_launched" and "runq_written": ms where the line has them}, the steps in the line's order."""
+    "cpu_launched", "cpu_<step>" and "runq_written": ms where the line has them}, the steps in the line's order."""
     rooms = []
     for m in _LINE.finditer(text):
-        steps = {k: float(v) for k, v in _STEP.findall(m.group(3)) if k in STEPS or k in (CPU, RUNQ)}
+        steps = {k: float(v) for k, v in _STEP.findall(m.group(3)) if k in STEPS or k in (CPU, *CPU_STEPS, RUNQ)}
         rooms.append({"room": int(m.group(1)), "chunks": float(m.group(2)), **steps})
     return rooms
 
 
 def summarize(rooms: list[dict[str, float]]) -> Optional[dict[str, object]]:
     """{"rooms": n, "chunks_p50", "at": {step: median ms}, "gaps": {"a->b": median of b - a}} over the rooms that
-    reached both steps, and "cpu_launched" and "runq_written" (the medians of the rooms that have them) where any
-    has; None without rooms (the servers did not log them)."""
+    reached both steps, and "cpu_launched", each "cpu_<step>" and "runq_written" (the medians of the rooms that
+    have them) where any has; None without rooms (the servers did not log them)."""
     if not rooms:
         return None
     at = {s: round(statistics.median(r[s] for r in rooms if s in r), 3)
           for s in STEPS[1:] if any(s in r for r in rooms)}
     gaps = {}
-    # and the write's host part and the write whole, with or without the steps between
-    for a, b in [*zip(STEPS, STEPS[1:]), ("ready", "launched"), ("ready", "written")]:
+    # and the write's host part, SGLang's thread's whole launch and the write whole, with or without the steps between
+    for a, b in [*zip(STEPS, STEPS[1:]), ("ready", "launched"), ("ready", "returned"), ("ready", "written")]:
         xs = [r[b] - r.get(a, 0.0) for r in rooms if b in r and (a in r or a == STEPS[0])]
         if xs:
             gaps[f"{a}->{b}"] = round(statistics.median(xs), 3)
     out = {"rooms": len(rooms), "chunks_p50": statistics.median(r["chunks"] for r in rooms), "at": at, "gaps": gaps}
-    for k in (CPU, RUNQ):
+    for k in (CPU, *CPU_STEPS, RUNQ):
         xs = [r[k] for r in rooms if k in r]
         if xs:
             out[k] = round(statistics.median(xs), 3)
+    host = host_steps(rooms)
+    if host:
+        out["host_steps"] = host
+    return out
+
+
+def _cpu(room: dict[str, float], step: str) -> Optional[float]:
+    """The queuing thread's CPU ms from `ready` to `step` in `room` (0 at `ready`), None where not recorded."""
+    return 0.0 if step == "ready" and CPU in room else room.get(f"cpu_{step}")
+
+
+def host_steps(rooms: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per gap between neighbouring HOST_STEPS: {"wall": median ms, "cpu": median ms of the thread's CPU} over
+    the rooms that recorded both ends of both; where wall time passes without CPU the thread waited (the GIL, a
+    lock)."""
+    out = {}
+    for a, b in zip(HOST_STEPS, HOST_STEPS[1:]):
+        pairs = [(r[b] - r[a], _cpu(r, b) - _cpu(r, a)) for r in rooms
+                 if a in r and b in r and _cpu(r, a) is not None and _cpu(r, b) is not None]
+        if pairs:
+            out[f"{a}->{b}"] = {"wall": round(statistics.median(p[0] for p in pairs), 3),
+                                "cpu": round(statistics.median(p[1] for p in pairs), 3)}
     return out

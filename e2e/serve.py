@@ -32,7 +32,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from . import client, config, decode_log, procstat, promparse, results, room_times, stats
 from .servers import Server, Stack, exit_on_sigterm, failure_report
@@ -98,6 +98,19 @@ BACKEND_ENV = {
     # beside `p2pnccl-times`, where SGLang's scheduler thread queues it (the default since)
     "p2pnccl-times-worker": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1",
                              "SGLANG_P2P_IPC_LAUNCH": "worker"},
+    # room times with the copy engines' thresholds of a decode on another GPU (2 MiB spans, 64 a chunk) also into
+    # the prefill's own GPU: a one-GPU host then routes a 4k request's chunk (64 spans of 8 MiB) as two GPUs do
+    "p2pnccl-times-ce": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1", "SGLANG_P2P_CE_MIN_SPAN_KIB": "2048",
+                         "SGLANG_P2P_CE_MAX_SPANS": "64"},
+    # the same with every chunk routed by the rule, as before session 38 (SGLANG_P2P_ALONE_KERNEL=0): a request alone
+    # on its prefill gives its chunk to the copy engines too
+    "p2pnccl-times-ce-rule": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1",
+                              "SGLANG_P2P_CE_MIN_SPAN_KIB": "2048", "SGLANG_P2P_CE_MAX_SPANS": "64",
+                              "SGLANG_P2P_ALONE_KERNEL": "0"},
+    # p2pnccl and its room times with a request alone routed by the rule too (SGLANG_P2P_ALONE_KERNEL=0), as before
+    # session 38: across GPUs its 4k chunk then takes the copy engines, whose batch call held SGLang's thread 0.5 ms
+    "p2pnccl-rule": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ALONE_KERNEL": "0"},
+    "p2pnccl-times-rule": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1", "SGLANG_P2P_ALONE_KERNEL": "0"},
     # plain p2pnccl with the copy queued by the transfer worker (SGLANG_P2P_IPC_LAUNCH=worker), as before session 37
     "p2pnccl-worker": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_IPC_LAUNCH": "worker"},
     "nixl": {},  # SGLang's default NIXL backend: UCX, which picks cuda_ipc between two processes of one GPU
@@ -106,13 +119,15 @@ BACKEND_ENV = {
 BASE_PORT = {"p2pnccl": 33000, "nixl": 33100, "mooncake": 33200, "p2pnccl-gil5": 33300, "p2pnccl-kernel": 33400,
              "p2pnccl-ce": 33500, "p2pnccl-grid132": 33600, "p2pnccl-spans1024": 33700, "p2pnccl-grid32": 33800,
              "p2pnccl-split": 33900, "p2pnccl-auto": 34000, "p2pnccl-times": 34100, "p2pnccl-times-gil01": 34200,
-             "p2pnccl-times-worker": 34300, "p2pnccl-worker": 34400}
+             "p2pnccl-times-worker": 34300, "p2pnccl-worker": 34400, "p2pnccl-times-ce": 34500,
+             "p2pnccl-times-ce-rule": 34600, "p2pnccl-rule": 34700, "p2pnccl-times-rule": 34800}
 #: a variant's --disaggregation-transfer-backend
 TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl", "p2pnccl-kernel": "p2pnccl", "p2pnccl-ce": "p2pnccl",
                     "p2pnccl-grid132": "p2pnccl", "p2pnccl-spans1024": "p2pnccl", "p2pnccl-grid32": "p2pnccl",
                     "p2pnccl-split": "p2pnccl", "p2pnccl-auto": "p2pnccl", "p2pnccl-times": "p2pnccl",
                     "p2pnccl-times-gil01": "p2pnccl", "p2pnccl-times-worker": "p2pnccl",
-                    "p2pnccl-worker": "p2pnccl"}
+                    "p2pnccl-worker": "p2pnccl", "p2pnccl-times-ce": "p2pnccl",
+                    "p2pnccl-times-ce-rule": "p2pnccl", "p2pnccl-rule": "p2pnccl", "p2pnccl-times-rule": "p2pnccl"}
 OUTPUT_TOKENS = 64
 DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
 
@@ -306,19 +321,32 @@ PROFILE_MARKERS = ("sglang_p2p_backend/", "sglang/srt/disaggregation/", "nixl", 
 RECORD_S = 4
 
 
+class Recording(NamedTuple):
+    """How `one_run` records the first prefill scheduler with py-spy: for `seconds` at `rate` samples a second;
+    `gil`: only the thread that holds the GIL (each thread's samples are then its share of the GIL); `native`:
+    with the C frames under the Python ones (where a runtime call spends its time)."""
+
+    seconds: float = RECORD_S
+    rate: int = 200
+    gil: bool = False
+    native: bool = False
+
+
 def one_run(pair: Pair, mode: str, plen: int, conc: int, seed: int, pyspy: Optional[str],
-            rounds: int = 2, record: Optional[Path] = None, gil: bool = False) -> dict[str, Any]:
-    """One closed-loop run through the pair's LB. `record`: where py-spy (non-blocking, 200 Hz) writes the first
-    prefill scheduler's stacks for RECORD_S seconds of the run; the row gets `pyspy_prefill` (per thread, the
-    samples within our plugin, SGLang's disaggregation code and the peers' modules). `gil`: only the thread that
-    holds the GIL is sampled (each thread's samples are then its share of the GIL)."""
+            rounds: int = 2, record: Optional[Path] = None, how: Recording = Recording(),
+            output_tokens: int = OUTPUT_TOKENS) -> dict[str, Any]:
+    """One closed-loop run through the pair's LB, `output_tokens` an answer. `record`: where py-spy (non-blocking)
+    writes the first prefill scheduler's stacks during the run's first seconds, as `how` says; the row gets
+    `pyspy_prefill` (per thread, the samples within our plugin, SGLang's disaggregation code and the peers'
+    modules)."""
     prompts = client.random_prompts(requests_for(conc, rounds), plen, seed=seed)
     with Probe(pair, mode, pyspy) as probe:
         err = None
         if record is not None:
             pid = probe.procs.get("prefill")
-            err = procstat.record(pid, pyspy, RECORD_S, record, gil=gil) if pid else "no scheduler process found"
-        records, wall = asyncio.run(client.closed_loop(pair.lb[mode].url, prompts, conc, OUTPUT_TOKENS))
+            err = (procstat.record(pid, pyspy, how.seconds, record, rate=how.rate, gil=how.gil, native=how.native)
+                   if pid else "no scheduler process found")
+        records, wall = asyncio.run(client.closed_loop(pair.lb[mode].url, prompts, conc, output_tokens))
     s = stats.summarize_run(records, wall)
     row = {"ttft_p50_ms": s["ttft_ms_p50"], "ttft_p99_ms": s["ttft_ms_p99"], "tpot_p50_ms": tpot_ms_p50(records),
            "e2e_p50_ms": s["e2e_ms_p50"], "output_tok_s": s["output_throughput"], "failed": s["num_failed"],
@@ -327,7 +355,7 @@ def one_run(pair: Pair, mode: str, plen: int, conc: int, seed: int, pyspy: Optio
     if record is not None:
         err = err or procstat.wait_record(record)
         row["pyspy_prefill"] = {"error": err} if err else procstat.samples_within(record.read_text(), PROFILE_MARKERS)[:4]
-        if gil:
+        if how.gil:
             row["pyspy_prefill_gil"] = True
     return row
 
@@ -374,13 +402,13 @@ def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[st
         reps: int, extra: dict[str, list[tuple[int, int]]], do_profile: bool, machine: str, pyspy: Optional[str],
         deadline: float, rounds: int = 2, decode_gpu: int = 0, max_total_tokens: int = MAX_TOTAL_TOKENS,
         chunked_prefill_size: int = 0, profiled: frozenset[tuple[int, int]] = frozenset(),
-        gil: bool = False) -> dict[str, Any]:
-    """`profiled`: cells whose first repetition records each backend's prefill scheduler with py-spy (`one_run`;
-    `gil`: only the thread holding the GIL)."""
+        how: Recording = Recording(), output_tokens: int = OUTPUT_TOKENS) -> dict[str, Any]:
+    """`profiled`: cells whose first repetition records each backend's prefill scheduler with py-spy (`one_run`,
+    as `how` says); `output_tokens` an answer in the measured runs."""
     res: dict[str, Any] = {"machine": machine, "model": MODEL, "flags": server_flags(max_total_tokens, chunked_prefill_size),
                            "mode_flags": MODE_FLAGS, "gpus": {"prefill": 0, "decode": decode_gpu},
                            "backend_env": {b: BACKEND_ENV[b] for b in [*backends, *extra]},
-                           "output_tokens": OUTPUT_TOKENS, "requests": {str(c): requests_for(c, rounds) for _, c in cells},
+                           "output_tokens": output_tokens, "requests": {str(c): requests_for(c, rounds) for _, c in cells},
                            "lb": "sglang_p2p_lb --policy random (one prefill, one decode: forwards only)",
                            "cells": [], "profile": [], "servers": {}}
     save = lambda: results.write_json(out, res)  # noqa: E731
@@ -394,7 +422,7 @@ def run(models: Path, logs: Path, out: Path, backends: list[str], modes: list[st
                     res["profile"] += profile(ready[b], logs, pyspy)
                     save()
         measure(ready, modes, cells, backends, extra, reps, res, save, pyspy, deadline, rounds,
-                (logs if pyspy else None, profiled), gil)
+                (logs if pyspy else None, profiled), how, output_tokens)
     return res
 
 
@@ -436,13 +464,14 @@ def warm_up(ready: dict[str, Any], modes: list[str], cells: Sequence[tuple[int, 
 def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]], backends: list[str],
             extra: dict[str, list[tuple[int, int]]], reps: int, res: dict[str, Any], save: Any,
             pyspy: Optional[str], deadline: float, rounds: int = 2,
-            record: tuple[Optional[Path], frozenset[tuple[int, int]]] = (None, frozenset()), gil: bool = False) -> None:
+            record: tuple[Optional[Path], frozenset[tuple[int, int]]] = (None, frozenset()),
+            how: Recording = Recording(), output_tokens: int = OUTPUT_TOKENS) -> None:
     """Every cell `reps` times, the backends of a cell in an order rotated by repetition; res["cells"] and
     res["summary"] grow (and are saved) after every run, res["stopped"] says where a deadline cut it short.
 
     A run starts only if the longest earlier run of its cell (any backend) still fits before `deadline`: a
     run killed at the step's own limit would be lost whole, with the time it took. `record`: (folder, cells):
-    the first repetition of each of those cells profiles every backend's first prefill (`one_run`)."""
+    the first repetition of each of those cells profiles every backend's first prefill (`one_run`, as `how` says)."""
     table: dict[tuple, dict[str, Any]] = {}
     took: dict[tuple, float] = {}  # (mode, prompt, concurrency) -> the longest run of that cell so far (s)
     folder, profiled = record
@@ -471,7 +500,7 @@ def measure(ready: dict[str, Any], modes: list[str], cells: list[tuple[int, int]
                     folder is not None and rep == 0 and (plen, conc) in profiled) else None
                 try:
                     r = one_run(ready[b], mode, plen, conc, seed=1000 * plen + conc + 7919 * rep, pyspy=pyspy,
-                                rounds=rounds, record=path, gil=gil)
+                                rounds=rounds, record=path, how=how, output_tokens=output_tokens)
                 except SystemExit as e:  # the step's SIGTERM (servers.exit_on_sigterm): the file says where
                     res["stopped"] = f"killed (exit {e.code}) in repetition {rep} during {b} {plen}x{conc}: that run is lost"
                     save()
@@ -507,6 +536,13 @@ def main(argv: list[str] | None = None) -> int:
                     "backend's prefill scheduler with py-spy for a few seconds (`pyspy_prefill` in the run)")
     ap.add_argument("--profile-gil", action="store_true", help="with --profile-cells: sample only the thread that "
                     "holds the GIL, so each thread's samples are its share of the GIL")
+    ap.add_argument("--profile-seconds", type=float, default=RECORD_S, help="with --profile-cells: seconds of py-spy "
+                    "from the run's start")
+    ap.add_argument("--profile-rate", type=int, default=Recording.rate, help="with --profile-cells: samples a second")
+    ap.add_argument("--profile-native", action="store_true", help="with --profile-cells: the C frames too (py-spy "
+                    "--native: which runtime call a step spends its time in)")
+    ap.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="tokens an answer in the measured runs "
+                    "(1: the prefill and the KV transfer are most of each request)")
     a = ap.parse_args(argv)
     extra = {}
     for item in filter(None, a.extra.split(";")):
@@ -516,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     a.logs.mkdir(parents=True, exist_ok=True)
     res = run(a.models, a.logs, a.out, a.backends.split(","), a.modes.split(","), parse_cells(a.cells), a.reps, extra,
               a.profile, a.machine, a.pyspy or None, config.deadline_from_env(), a.rounds, a.decode_gpu,
-              a.max_total_tokens, a.chunked_prefill_size, frozenset(parse_cells(a.profile_cells)), a.profile_gil)
+              a.max_total_tokens, a.chunked_prefill_size, frozenset(parse_cells(a.profile_cells)),
+              Recording(a.profile_seconds, a.profile_rate, a.profile_gil, a.profile_native), a.output_tokens)
     bad = [b for b, s in res["servers"].items() if s.get("status") != "ok"]
     print(json.dumps({"servers": res["servers"], "stopped": res.get("stopped")}, default=str)[:2000], flush=True)
     return 1 if bad or res.get("stopped") else 0

@@ -24,6 +24,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
+from . import room_times
 from .results import load as load_result
 
 COLORS = {"p2pnccl": "tab:green", "nixl": "tab:orange", "mooncake": "tab:blue", "p2pnccl-gil5": "tab:olive",
@@ -179,6 +180,9 @@ def room_steps(c: dict[str, Any]) -> Optional[dict[str, Any]]:
     return {"rooms": sum(r["rooms"] for r in runs),
             "gaps": {g: m([r["gaps"][g] for r in runs if g in r["gaps"]]) for g in ROOM_GAPS},
             **{k: m([r[k] for r in runs if k in r]) for k in ("cpu_launched", "runq_written")},
+            "host_steps": {g: {k: m([r["host_steps"][g][k] for r in runs if g in r.get("host_steps", {})])
+                               for k in ("wall", "cpu")}
+                           for g in {g for r in runs for g in r.get("host_steps", {})}},
             "seen": m([r["at"]["seen"] for r in runs if "seen" in r["at"]])}
 
 
@@ -306,6 +310,23 @@ def batch_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) if len(out) > 2 else ""
 
 
+def host_steps_markdown(rows: list[dict[str, Any]]) -> str:
+    """Per cell and backend that timed its rooms' writes step by step: each host step's wall and CPU ms on the
+    thread that queued the copy (medians over the runs of the runs' medians); "" where none did."""
+    gaps = [f"{a}->{b}" for a, b in zip(room_times.HOST_STEPS, room_times.HOST_STEPS[1:])]
+    out = ["| graphs | prompt | conc. | backend | " + " | ".join(f"{g} wall / CPU ms" for g in gaps) + " |",
+           "| --- | --- | --- | --- | " + " | ".join("---" for _ in gaps) + " |"]
+    for r in rows:
+        for b, v in r["backends"].items():
+            host = (v.get("room_steps") or {}).get("host_steps")
+            if not host:
+                continue
+            cols = [f"{_ms(host[g]['wall'])} / {_ms(host[g]['cpu'])}" if g in host else "-" for g in gaps]
+            out.append(f"| {'yes' if r['cuda_graph'] else 'no'} | {r['input_len']} | {r['concurrency']} | {b} | "
+                       + " | ".join(cols) + " |")
+    return "\n".join(out) if len(out) > 2 else ""
+
+
 def _ms(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -372,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         if batch_table:
             print(f"\nThe decode's running batch, and the prefill's room steps where it timed them (medians over the "
                   f"runs):\n\n{batch_table}")
+        host_table = host_steps_markdown(rows)
+        if host_table:
+            print(f"\nThe write's host steps on the thread that queued the copy (wall / CPU, medians over the runs):"
+                  f"\n\n{host_table}")
         for p in profiles(cells):
             what = "the GIL's holder, first prefill" if p["gil"] else "first prefill"
             print(f"\npy-spy, {what} of {p['backend']} {p['input_len']}x{p['concurrency']} (repetition "

@@ -26,6 +26,15 @@ PIDFILE_ENV = "E2E_PIDFILE"
 LAUNCH_TIMEOUT_S = 300.0
 
 
+#: how far a server's --nccl-port lies from its HTTP port (`nccl_port`): the e2e servers' ports are 30000-36000
+NCCL_PORT_DELTA = 20000
+
+
+def nccl_port(port: int) -> int:
+    """The --nccl-port of the SGLang server on HTTP port `port`: distinct for distinct ports, inside 1024-65535."""
+    return port + NCCL_PORT_DELTA if port + NCCL_PORT_DELTA <= 65535 else port - NCCL_PORT_DELTA
+
+
 @dataclass
 class Server:
     """One SGLang server (mode "null" = not disaggregated) or one LB (mode "lb")."""
@@ -67,6 +76,11 @@ class Server:
             cmd += ["--disaggregation-mode", self.mode, "--disaggregation-transfer-backend", str(self.backend)]
             if self.mode == "prefill":
                 cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        if "--nccl-port" not in self.args:
+            # SGLang's default is a port the OS found free a moment before: two servers started together once drew
+            # the same one and the later failed to start (EADDRINUSE, 1 x H200, session 38); one derived from this
+            # server's own port cannot collide with another's
+            cmd += ["--nccl-port", str(nccl_port(self.port))]
         return cmd + self.args
 
     def alive(self) -> bool:

@@ -64,6 +64,9 @@ class NoCopy:
     def write_split(self, *_a, **_k) -> None:
         pass
 
+    def note(self, *_a, **_k) -> None:
+        pass
+
 
 def time_case(name: str, regions: int, token_bytes: int, page: int, tokens: int, dest: str, same_gpu: bool,
               batches: int, calls: int) -> dict:

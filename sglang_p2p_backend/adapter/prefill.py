@@ -137,6 +137,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             succeed=self._succeed,
             times=self.room_times,
             launch_in_add=self.config.ipc_launch == "scheduler",
+            alone=self._alone if self.config.alone_kernel else (lambda room: False),
         )
 
     # ------------------------------------------------------------------ SGLang's sender
@@ -192,6 +193,12 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             ipc=lambda: self.same_host.usable(session),
         )
         return self.selector.choose(session, facts).transport
+
+    def _alone(self, room: int) -> bool:
+        """Whether `room` is the only request on this rank: every request SGLang holds here, from its bootstrap to
+        its transfer's end, has a live sender (`owned_rooms`), so no other forward pass runs or waits."""
+        owned = self.owned_rooms
+        return len(owned) == 1 and room in owned
 
     def _common_transports(self, reg: wire.PeerRegister) -> List[str]:
         offered = [t for t in reg.transports if (t != "mooncake" or reg.mooncake_session) and (t != "cudaipc" or reg.ipc)]

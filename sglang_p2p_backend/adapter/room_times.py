@@ -8,24 +8,29 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from typing import Callable, Optional
 
-from sglang_p2p_backend.engine.transport.cuda_ipc import WriteMarks
+from sglang_p2p_backend.engine.transport.cuda_ipc import WRITE_STEPS, WriteMarks
 
 logger = logging.getLogger(__name__)
 
 #: a room's steps in order: its first chunk queued (SGLang's send()), its last chunk queued, that chunk taken by a
-#: transfer worker, its waits (SGLang's event, the page ids' copy) ended, its copy planned (checked and routed, the
-#: runtime calls next) and queued on the GPU (these two on the same-host path only: before `launched` is host time,
-#: after it the device's and the wait's), written to every decode rank, the room concluded here (Success marked,
-#: Status sent) and Success seen by SGLang's poll. `concluded` is missing where the poll saw the Success first (it
-#: is marked before the Status goes)
-STEPS = ("queued", "last_queued", "picked", "ready", "planned", "launched", "written", "concluded", "seen")
-#: after the steps: the CPU time the worker's thread spent from `ready` to `launched` (ms). Below that span's wall
+#: transfer worker, its waits (SGLang's event, the page ids' copy) ended, its page write entered, its ids checked
+#: and its route chosen (cuda_ipc.WRITE_STEPS), its copy planned (the runtime calls next) and queued on the GPU
+#: (these on the same-host path only: before `launched` is host time, after it the device's and the wait's), the
+#: launch returned to SGLang's thread (a chunk that thread queued), written to every decode rank, the room concluded
+#: here (Success marked, Status sent) and Success seen by SGLang's poll. `concluded` is missing where the poll saw
+#: the Success first (it is marked before the Status goes). A chunk SGLang's thread queued is `ready` before `picked`
+STEPS = ("queued", "last_queued", "picked", "ready", *WRITE_STEPS, "planned", "launched", "returned", "written",
+         "concluded", "seen")
+#: after the steps: the CPU time the queuing thread spent from `ready` to `launched` (ms). Below that span's wall
 #: time, the rest of it the thread waited (for the GIL, a lock, the OS), not computed
 CPU = "cpu_launched"
+#: and from `ready` to each host step of the write before it (ms): where the CPU went
+CPU_STEPS = tuple(f"cpu_{s}" for s in (*WRITE_STEPS, "planned"))
 #: and the time it was ready to run but waited for a CPU from `ready` to `written` (ms; the kernel's run-queue
 #: wait, /proc/thread-self/schedstat, where Linux keeps it): the OS's part of those waits; a wait that is neither
 #: is a blocked one (the GIL, a lock)
@@ -36,11 +41,28 @@ _SCHEDSTAT = "/proc/thread-self/schedstat"
 PREFIX = "p2pnccl: room times"
 
 
+class _ThreadFile:
+    """A file descriptor that one thread keeps open (in `_open`, a threading.local): closed when the thread ends."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+_open = threading.local()
+
+
 def runq_wait() -> Optional[float]:
-    """This thread's run-queue wait so far (s), None where the kernel does not keep it."""
+    """This thread's run-queue wait so far (s), None where the kernel does not keep it. Each thread keeps the file
+    open and reads it again from its start: opening it took ~80 us of a launch on SGLang's thread in service
+    (py-spy, docs/serving.md, session 38), a read of the open file ~3 us."""
     try:
-        with open(_SCHEDSTAT) as f:
-            return int(f.read().split()[1]) / 1e9
+        f = getattr(_open, "schedstat", None)
+        if f is None:
+            f = _open.schedstat = _ThreadFile(_SCHEDSTAT)
+        return int(os.pread(f.fd, 256, 0).split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
 
@@ -83,7 +105,8 @@ class RoomTimes:
                 if step == "ready":
                     times["ready_cpu"] = self._cpu()
                     # what an earlier chunk's write left
-                    for earlier in ("planned", "launched", CPU, RUNQ, "ready_runq", "ready_thread"):
+                    for earlier in (*WRITE_STEPS, "planned", "launched", "returned", CPU, *CPU_STEPS, RUNQ,
+                                    "ready_runq", "ready_thread"):
                         times.pop(earlier, None)
                     if runq is not None:
                         times["ready_runq"], times["ready_thread"] = runq, threading.get_ident()
@@ -92,9 +115,10 @@ class RoomTimes:
                     times[RUNQ] = runq - times["ready_runq"]  # chunk's `ready` is SGLang's thread's, not its worker's
 
     def mark_write(self, room: int, marks: Callable[[], Optional[WriteMarks]]) -> None:
-        """`planned` and `launched` of `room`'s chunk from its write's `marks()` (asked only while timing; None:
-        the backend does not record them), and the CPU the thread spent from `ready` to `launched`. Marks from
-        before the chunk was ready are an earlier write's (this one queued nothing) and are left out."""
+        """`planned`, `launched` and the write's noted steps of `room`'s chunk from its write's `marks()` (asked
+        only while timing; None: the backend does not record them), and the CPU the thread spent from `ready` to
+        each. Marks from before the chunk was ready are an earlier write's (this one queued nothing, or a step
+        an earlier write that failed noted) and are left out."""
         if not self.enabled:
             return
         m = marks()
@@ -105,8 +129,14 @@ class RoomTimes:
             if times is None or m.planned < times.get("ready", m.planned):
                 return
             times["planned"], times["launched"] = m.planned, m.launched
-            if "ready_cpu" in times:
-                times[CPU] = m.launched_cpu - times["ready_cpu"]
+            cpu0 = times.get("ready_cpu")
+            if cpu0 is not None:
+                times[CPU] = m.launched_cpu - cpu0
+            for step, wall, cpu in m.steps:
+                if wall >= times.get("ready", wall):
+                    times[step] = wall
+                    if cpu0 is not None:
+                        times[f"cpu_{step}"] = cpu - cpu0
 
     def _room(self, room: int, step: str) -> Optional[dict[str, float]]:
         """`room`'s record (under the lock), opened by `queued`; None where it was not opened (before this was on,
@@ -138,9 +168,9 @@ class RoomTimes:
 
 
 def line_of(room: int, times: dict[str, float]) -> str:
-    """`PREFIX room R chunks N: step ms, ...[, cpu_launched ms][, runq_written ms]` (the steps it reached, from
-    its first chunk queued; the CPU time and the run-queue wait where both ends were recorded)."""
+    """`PREFIX room R chunks N: step ms, ...[, cpu_launched ms, cpu_<step> ms...][, runq_written ms]` (the steps it
+    reached, from its first chunk queued; the CPU times and the run-queue wait where both ends were recorded)."""
     t0 = times["queued"]
     steps = [f"{s} {1e3 * (times[s] - t0):.3f}" for s in STEPS[1:] if s in times]
-    steps += [f"{k} {1e3 * times[k]:.3f}" for k in (CPU, RUNQ) if k in times]
+    steps += [f"{k} {1e3 * times[k]:.3f}" for k in (CPU, *CPU_STEPS, RUNQ) if k in times]
     return f"{PREFIX} {room} chunks {int(times['chunks'])}: {', '.join(steps)}"

@@ -131,11 +131,11 @@ class SameHostPath:
                 logger.debug("p2pnccl: a launch into decode rank %s failed: %r", session, e)
 
     def send(self, peer: wire.PeerRegister, src: list, dst: list, heads: Optional[PairHeads],
-             unsettled: Callable[[], None], state: Sequence[Optional[StatePlan]] = ()) -> bool:
+             unsettled: Callable[[], None], state: Sequence[Optional[StatePlan]] = (), alone: bool = False) -> bool:
         """Copy one chunk into the decode's pages and wait for it (the aux row is the caller's: it goes on the
         control channel). False: the peer cannot be mapped (now remembered) and the caller routes again;
         TransportError when `cudaipc` is forced or the copy failed; `unsettled` is called when a failed copy
-        cannot prove it stopped."""
+        cannot prove it stopped. `alone`: no forward pass runs beside this copy (the transport's quickest route)."""
         session = peer.session
         if not self.ipc.mapped(session, peer.ipc):
             try:
@@ -149,7 +149,7 @@ class SameHostPath:
                     raise TransportError(f"decode rank {session} is reachable only through CUDA IPC "
                                          f"(SGLANG_P2P_TRANSPORT=cudaipc), which failed here: {e}; use auto or nccl") from e
                 return False
-        self._sender.send(peer, src, dst, None, heads, unsettled, state)
+        self._sender.send(peer, src, dst, None, heads, unsettled, state, alone)
         return True
 
     def mapped(self, peer: wire.PeerRegister) -> bool:
@@ -157,18 +157,20 @@ class SameHostPath:
         return self.ipc is not None and self.ipc.mapped(peer.session, peer.ipc)
 
     def launch(self, peer: wire.PeerRegister, src: np.ndarray, dst: np.ndarray,
-               unsettled: Callable[[], None]) -> Optional[Launch]:
+               unsettled: Callable[[], None], alone: bool = False) -> Optional[Launch]:
         """The KV pages `src` -> `dst` of one chunk queued on this thread, whole pages to a peer already mapped,
         the wait left to the returned Launch (SGLANG_P2P_IPC_LAUNCH=scheduler: SGLang's thread queues, the
         worker waits). None, nothing queued, where the peer is not mapped yet (its worker maps it), a worker
         (un)maps a peer at this moment, or this thread cannot launch now (cuda_ipc's `launch`); errors as
-        `send`'s, with nothing left running. Never waits: it runs on SGLang's scheduler thread."""
+        `send`'s, with nothing left running (`alone` as `send`'s). Never waits: it runs on SGLang's scheduler
+        thread."""
         if self.ipc is None or not self._mapping.acquire(blocking=False):  # a worker (un)maps a peer now
             return None
         try:
             if not self.mapped(peer):
                 return None
-            got = backend().launch(self.device, lambda: self._sender.send(peer, [src], [dst], None, None, unsettled))
+            got = backend().launch(self.device, lambda: self._sender.send(peer, [src], [dst], None, None, unsettled,
+                                                                          alone=alone))
             if got is None:
                 return None
             self._launched[peer.session] = got[1]

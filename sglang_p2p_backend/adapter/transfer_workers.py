@@ -119,7 +119,8 @@ class TransferWorkers:
     (`request_status`) and each room's destinations (`destinations`); the live decode registrations (`peers`),
     why a decode rank was refused (`rejected`) or stopped being live (`departed`), the heads each takes
     (`heads`) and its spans of every state component's items (`state`, empty: whole items); which transport
-    serves a peer now (`route`) and the transports themselves; `fail_room(room, reason)` and `succeed(room)`
+    serves a peer now (`route`) and the transports themselves; `alone(room)`: whether `room` is the only request
+    on this rank (no forward pass will run beside its last chunk's copy); `fail_room(room, reason)` and `succeed(room)`
     (this rank's state, then Status to the decode ranks); `times`, where each room's steps are timed
     (room_times.py). `spawn(step, name)` runs `step` on a thread until the manager closes."""
 
@@ -149,6 +150,7 @@ class TransferWorkers:
         succeed: Callable[[int], None],
         times: Optional[RoomTimes] = None,
         launch_in_add: bool = False,
+        alone: Callable[[int], bool] = lambda room: False,
     ):
         self.request_status = request_status
         self.destinations = destinations
@@ -174,6 +176,7 @@ class TransferWorkers:
         self.times = times or RoomTimes(False)
         #: SGLANG_P2P_IPC_LAUNCH=scheduler: a same-host chunk's copy is queued by `add`, on SGLang's thread
         self.launch_in_add = launch_in_add
+        self.alone = alone
         self.shards: List["queue.SimpleQueue[object]"] = [queue.SimpleQueue() for _ in range(count)]
         for i, shard in enumerate(self.shards):
             spawn(lambda s=shard: self._transfer_step(s), f"p2p-transfer-{i}")
@@ -231,7 +234,7 @@ class TransferWorkers:
         try:
             task.launch = self.same_host.launch(self.peers[session], task.kv_indices,
                                                 info.dst_kv_indices[task.index_slice],
-                                                lambda: self.release.poison(task.room))
+                                                lambda: self.release.poison(task.room), self._alone(task))
         except Exception as e:  # noqa: BLE001 - as above (a launch that raises left nothing running)
             logger.debug("p2pnccl: room %s chunk left to its worker: %r", task.room, e)
         if task.launch is None:  # nothing queued: counted again when its worker takes it
@@ -239,6 +242,7 @@ class TransferWorkers:
             return
         task.counted = True
         self.times.mark_write(task.room, self.same_host.last_write)
+        self.times.mark(task.room, "returned")
 
     def _transfer_step(self, shard: "queue.SimpleQueue[object]") -> None:
         task = shard.get()
@@ -318,7 +322,7 @@ class TransferWorkers:
                 continue
             started = time.perf_counter()
             try:
-                self._deliver(info, src, dst, aux, alive, heads, self.state.get(session, ()))
+                self._deliver(info, src, dst, aux, alive, heads, self.state.get(session, ()), self._alone(task))
             except (TransportError, ControlError, PlanError) as e:
                 self.fail_room(room, f"KV transfer to decode rank {session} failed: {e}")
                 return
@@ -335,11 +339,18 @@ class TransferWorkers:
         live table, so a worker racing its departure names the cause), else never registered."""
         return self.rejected.get(session) or self.departed.get(session) or "it is not registered"
 
+    def _alone(self, task: TransferTask) -> bool:
+        """Whether no forward pass runs beside this chunk's copy: the last chunk of the only request on this rank
+        (an earlier chunk's next forward pass is queued behind it)."""
+        return task.is_last and self.alone(task.room)
+
     def _deliver(self, info: TransferInfo, src: list, dst: list, aux: Optional[tuple], alive: Callable[[], bool],
-                 heads: Optional[PairHeads] = None, state: Sequence[Optional[StatePlan]] = ()) -> None:
+                 heads: Optional[PairHeads] = None, state: Sequence[Optional[StatePlan]] = (),
+                 alone: bool = False) -> None:
         """One chunk to one decode rank over the transport `auto` picks now (`heads`: only that head range of
         the KV pages; `state[c]`: only those spans of state component c's items). Lack of communicator memory
-        never fails it: the peer goes to Mooncake when it can, else the chunk waits for room (until the room ends)."""
+        never fails it: the peer goes to Mooncake when it can, else the chunk waits for room (until the room ends).
+        `alone`: no forward pass runs beside its copy (the same-host path's quickest route)."""
         session, room = info.session, info.room
         unsettled = lambda: self.release.poison(room)  # noqa: E731
         waiting_since = None
@@ -349,7 +360,7 @@ class TransferWorkers:
                 raise TransportError(self._why_gone(session))
             route = self.route(session)
             if route == "cudaipc":
-                if not self.same_host.send(peer, src, dst, heads, unsettled, state):
+                if not self.same_host.send(peer, src, dst, heads, unsettled, state, alone):
                     continue  # not mappable after all: routed again (NCCL)
                 self.times.mark_write(room, self.same_host.last_write)
                 if aux is not None:

@@ -140,6 +140,12 @@ class EngineConfig:
     #: took 0.6-0.9 ms of a 4k request's 3.4 ms KV time in service to take the chunk and queue it, at 5-9x the
     #: host time of the same write in the transfer benchmark (2 x H200, docs/serving.md, session 37)
     ipc_launch: str = IPC_LAUNCH_MODES[0]
+    #: SGLANG_P2P_ALONE_KERNEL=1 (the default): under `split` and `auto` the last chunk of the only request on a
+    #: prefill rank, bound for a decode on another GPU, goes whole to the SM copy kernel, since no forward pass runs
+    #: beside its copy then (a decode on the same GPU may run its steps there: the rule stands); the copy
+    #: engines' host time for a 4k request's 64 spans (0.5-0.7 ms on SGLang's thread, against ~0.1 ms to queue the
+    #: kernel) is what a request alone waits for (docs/serving.md, session 38). 0: every chunk by the rule
+    alone_kernel: bool = True
     #: SGLANG_P2P_NCCL_SO_PATH, else SGLang's own SGLANG_NCCL_SO_PATH (one variable points both at another
     #: libnccl); None: the libnccl.so.2 torch loaded
     nccl_library: Optional[str] = None
@@ -196,6 +202,7 @@ class EngineConfig:
             ce_max_spans=_number("SGLANG_P2P_CE_MAX_SPANS", cls.ce_max_spans, int),
             ipc_programs=_number("SGLANG_P2P_IPC_PROGRAMS", cls.ipc_programs, int),
             ipc_launch=_choice("SGLANG_P2P_IPC_LAUNCH", IPC_LAUNCH_MODES),
+            alone_kernel=_choice("SGLANG_P2P_ALONE_KERNEL", ("1", "0")) == "1",
             nccl_library=env.get("SGLANG_P2P_NCCL_SO_PATH") or env.get("SGLANG_NCCL_SO_PATH") or None,
             mooncake_force_tcp=env.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"),
             test_corrupt_kv_file=env.get("SGLANG_P2P_TEST_CORRUPT_KV_FILE") or None,

@@ -168,14 +168,14 @@ def test_only_the_first_repetition_of_a_profiled_cell_records(monkeypatch, tmp_p
     later repetitions none."""
     asked: list = []
 
-    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None, gil=False):
-        asked.append((pair, plen, record.name if record else None, gil))
+    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None, how=serve.Recording(), output_tokens=64):
+        asked.append((pair, plen, record.name if record else None, how.gil))
         return _run_row()
 
     monkeypatch.setattr(serve, "one_run", fake_run)
     serve.measure({"a": "a", "b": "b"}, ["graph"], [(1024, 16), (4096, 1)], ["a", "b"], {}, 2, {"cells": []},
                   lambda: None, "py-spy", deadline=serve.time.monotonic() + 60, record=(tmp_path, frozenset({(1024, 16)})),
-                  gil=True)
+                  how=serve.Recording(gil=True))
     named = [(p, n, r) for p, n, r, _ in asked if r]
     assert named == [("a", 1024, "pyspy-a-prefill-graph-1024x16.txt"), ("b", 1024, "pyspy-b-prefill-graph-1024x16.txt")]
     assert len(asked) == 8 and all(gil for *_, gil in asked)
@@ -442,7 +442,7 @@ def test_a_run_that_would_end_past_the_deadline_is_not_started(monkeypatch):
     lengths = {1024: 100.0, 128: 5.0}
     ran: list[tuple[str, int]] = []
 
-    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None, gil=False):
+    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None, how=serve.Recording(), output_tokens=64):
         ran.append((pair, plen))
         now[0] += lengths[plen]
         return _run_row()
@@ -485,7 +485,7 @@ def test_the_warm_up_runs_each_loaded_cell_once_per_backend(monkeypatch):
 def test_a_run_killed_by_the_step_limit_is_named_in_the_saved_result(monkeypatch):
     """The step's SIGTERM ends the run in progress (SystemExit 143): the result saved says which run was lost,
     and the exit goes on."""
-    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None, gil=False):
+    def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None, how=serve.Recording(), output_tokens=64):
         if pair == "b":
             raise SystemExit(143)
         return _run_row()

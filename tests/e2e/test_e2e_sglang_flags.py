@@ -72,3 +72,17 @@ def test_sglangs_pd_tests_collect_with_the_plugin_and_use_the_local_model(tmp_pa
     assert p.returncode == 0, p.stdout + p.stderr
     assert "3 tests collected" in p.stdout
     assert f"MODELS {{'{tmp_path / 'llama-tiny'}'}}" in p.stdout
+
+
+def test_each_server_gets_an_nccl_port_of_its_own_unless_its_flags_name_one():
+    """SGLang's default --nccl-port is one the OS found free a moment before; two servers started at once can
+    draw the same one. Every rendered SGLang server names its own, from its HTTP port."""
+    from e2e.servers import nccl_port
+
+    p, d, lb = config.pd_pair("m", Path("/models/llama-tiny"), "p2pnccl", 31000, config.CHECK_FLAGS, gpus=1)
+    ports = {s.name: s.command()[s.command().index("--nccl-port") + 1] for s in (p, d)}
+    assert ports == {p.name: "51000", d.name: "51001"}
+    assert "--nccl-port" not in lb.command()
+    mine = config.reference("m", Path("/models/llama-tiny"), 31010, 0, [*config.CHECK_FLAGS, "--nccl-port", "40001"])
+    assert mine.command().count("--nccl-port") == 1 and mine.command()[-1] == "40001"
+    assert nccl_port(50000) == 30000 and len({nccl_port(q) for q in range(30000, 36000)}) == 6000

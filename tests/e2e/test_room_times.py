@@ -134,3 +134,40 @@ def test_the_report_shows_the_decode_batch_and_the_room_steps_of_each_backend():
     assert md[2:] == ["| yes | 4096 | 1 | p2pnccl | 12.5 (10) | 1 | 0.000 | 0.500 | 0.000 | - | - | - | - | 1.500 "
                       "| 0.250 | 1.750 | - | - | 4.000 |"]
     assert serve_report.batch_markdown(serve_report.table(cells[1:])) == ""
+
+
+def test_a_writes_noted_steps_give_each_host_step_with_the_cpu_the_thread_spent_to_it():
+    """The steps the transport noted before `planned` (entered, checked, routed) go on the line in order with the
+    queuing thread's CPU time from `ready` to each; a step noted before the chunk was ready (an earlier write that
+    failed) is left out; the serve phase reads each gap's wall and CPU time back."""
+    cpu, clock, lines = Clock(), Clock(), []
+    times = RoomTimes(True, 4096, clock, lines.append, cpu, runq=lambda: None)
+    clock.t, cpu.t = 100.0, 7.0
+    times.mark(6, "queued")
+    times.mark(6, "ready")
+    steps = (("routed", 99.9, 6.9), ("entered", 100.0001, 7.0001), ("checked", 100.0003, 7.0002),
+             ("routed", 100.0006, 7.0003), ("planned", 100.0008, 7.0004))
+    times.mark_write(6, lambda: WriteMarks(100.0008, 100.0018, 7.0009, steps))
+    clock.t = 100.002
+    times.mark(6, "returned")
+    clock.t = 100.004
+    times.mark(6, "written")
+    line = times.seen(6)
+    assert line == ("p2pnccl: room times 6 chunks 1: last_queued 0.000, ready 0.000, entered 0.100, checked 0.300, "
+                    "routed 0.600, planned 0.800, launched 1.800, returned 2.000, written 4.000, seen 4.000, "
+                    "cpu_launched 0.900, cpu_entered 0.100, cpu_checked 0.200, cpu_routed 0.300, cpu_planned 0.400")
+    (room,) = room_times.parse(line)
+    got = room_times.summarize([room])
+    assert got["gaps"]["ready->returned"] == 2.0 and got["gaps"]["launched->returned"] == 0.2
+    host = got["host_steps"]
+    assert host == {"ready->entered": {"wall": 0.1, "cpu": 0.1}, "entered->checked": {"wall": 0.2, "cpu": 0.1},
+                    "checked->routed": {"wall": 0.3, "cpu": 0.1}, "routed->planned": {"wall": 0.2, "cpu": 0.1},
+                    "planned->launched": {"wall": 1.0, "cpu": 0.5}}
+    cells = [{"backend": "p2pnccl-times", "input_len": 4096, "concurrency": 1, "cuda_graph": True,
+              "reps": [{"output_tok_s": 1.0, "room_times_ms": got}]}]
+    md = serve_report.host_steps_markdown(serve_report.table(cells)).splitlines()
+    assert md[2] == ("| yes | 4096 | 1 | p2pnccl-times | 0.100 / 0.100 | 0.200 / 0.100 | 0.300 / 0.100 | 0.200 / 0.100 "
+                     "| 1.000 / 0.500 |"), md
+    # a room without the steps (another path, an older log) has no row
+    del cells[0]["reps"][0]["room_times_ms"]["host_steps"]
+    assert serve_report.host_steps_markdown(serve_report.table(cells)) == ""

@@ -376,3 +376,46 @@ def test_split_looks_for_runs_only_where_one_could_reach_the_threshold(shm, monk
     counts = tr._route_tally._counts  # noqa: SLF001
     assert {r: c[0] for r, c in counts.items()} == {ce_plan.KERNEL: 5, ce_plan.COPY_ENGINE: 1}
     tr.close()
+
+
+@pytest.mark.parametrize("mode, alone_route", [("split", "pages"), ("auto", "pages"), ("on", "copy_engines"),
+                                               ("off", "pages")])
+def test_a_chunk_alone_on_the_gpu_goes_whole_to_the_kernel_under_split_and_auto(shm, caplog, monkeypatch, mode,
+                                                                               alone_route):
+    """`alone` (the last chunk of the only request on the prefill rank), into another GPU: `split` and `auto` give
+    it whole to the kernel, counted so, where their rule gives the same chunk to the copy engines; `on` and `off`
+    are the user's word and stay as they are. The bytes land either way."""
+    from sglang_p2p_backend.engine.transport.route_tally import RouteTally
+
+    tr, sp, dp, sb, db, stride = _pair(shm, mode)
+    monkeypatch.setattr(tr, "_same_gpu", lambda session: False)  # the stand-in's pools count as one GPU
+    tr._route_tally = RouteTally(cuda_ipc.ROUTE_LOG, every_s=0.0)  # noqa: SLF001
+    tr.ce_min_span, tr.ce_max_spans = ITEM, 64  # any run would take the copy engines by the rule
+    ids = np.arange(6)
+    with caplog.at_level("INFO", logger=cuda_ipc.__name__):
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, ids, ids + 10, PAGES, PAGES, alone=True)
+        tr.write_pages("d", sb, db, [ITEM] * REGIONS, ids + 6, ids + 4, PAGES, PAGES)
+    rule_route = "pages" if mode == "off" else "copy_engines"
+    assert [c[0] for c in shm.calls] == [alone_route, rule_route]
+    _check(sp, dp, stride, [*range(12)], [*range(10, 16), *range(4, 10)])
+    lines = [r.getMessage() for r in caplog.records if "routes so far" in r.getMessage()]
+    if mode in ("split", "auto"):
+        assert lines[-1] == (f"{cuda_ipc.ROUTE_LOG} routes so far: copy engines 1 chunks (0.00 GiB), "
+                             "SM copy kernel 1 chunks (0.00 GiB; 1 alone on the GPU)")
+        # the kernel's first line gives the chunk's exact spans: one run a region
+        first = [r.getMessage() for r in caplog.records if "SM copy kernel from now on" in r.getMessage()]
+        assert first and first[0].endswith(f"(first: {REGIONS} spans, {6 * REGIONS * ITEM} bytes)")
+    tr.close()
+
+
+def test_a_chunk_alone_into_its_own_gpu_is_routed_by_the_rule(shm):
+    """A decode on the prefill's own GPU may run its steps on the SMs a kernel would take: `alone` changes nothing
+    there."""
+    tr, sp, dp, sb, db, stride = _pair(shm, "split")
+    assert tr._same_gpu("d")  # noqa: SLF001 - the stand-in's segments are one "GPU"
+    tr.ce_min_span, tr.ce_max_spans = ITEM, 64
+    ids = np.arange(6)
+    tr.write_pages("d", sb, db, [ITEM] * REGIONS, ids, ids + 10, PAGES, PAGES, alone=True)
+    assert [c[0] for c in shm.calls] == ["copy_engines"]
+    _check(sp, dp, stride, ids, ids + 10)
+    tr.close()

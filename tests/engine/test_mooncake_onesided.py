@@ -132,9 +132,12 @@ class PageTableMemcpy(MemcpyTransport):
     def __init__(self) -> None:
         super().__init__()
         self.page_calls: list[tuple] = []
+        self.alone: list[bool] = []
 
-    def write_pages(self, session, src_bases, dst_bases, item_bytes, src_ids, dst_ids, src_pages, dst_pages) -> int:
+    def write_pages(self, session, src_bases, dst_bases, item_bytes, src_ids, dst_ids, src_pages, dst_pages,
+                    alone=False) -> int:
         self.page_calls.append((src_bases, item_bytes, src_pages))
+        self.alone.append(alone)
         for s, d, n in zip(src_bases, dst_bases, item_bytes):
             for a, b in zip(np.asarray(src_ids).tolist(), np.asarray(dst_ids).tolist()):
                 ctypes.memmove(int(d) + b * n, int(s) + a * n, n)
@@ -164,3 +167,6 @@ def test_a_whole_page_chunk_is_one_page_table_write_its_regions_read_once_per_re
     # an aux row still goes as descriptors after the pages
     sender.send(peer, [src], [dst], aux=(1, 2))
     assert len(t.calls) == 1
+    # the caller's word that no forward pass runs beside this chunk reaches the page-table write
+    sender.send(peer, [src], [dst], alone=True)
+    assert t.alone == [False] * 4 + [True]

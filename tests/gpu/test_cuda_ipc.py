@@ -370,6 +370,11 @@ def test_scattered_chunks_land_byte_exact_and_nothing_else_changes(transfers, la
     assert m["began"] <= m["planned"] <= m["launched"] < m["waited"], m
     assert m["waited"] - m["launched"] > 0.01 > m["launched"] - m["planned"], m
     assert 0 < m["launched_cpu"] <= m["cpu_now"], m
+    # ... after the write's own host steps, in order (room times show each, with the thread's CPU time at it)
+    assert [s[0] for s in m["steps"]] == ["entered", "checked", "routed", "planned"], m
+    walls, cpus = [s[1] for s in m["steps"]], [s[2] for s in m["steps"]]
+    assert m["began"] <= walls[0] and walls == sorted(walls) and walls[-1] == m["planned"], m
+    assert cpus == sorted(cpus) and cpus[-1] <= m["launched_cpu"], m
     # a launch returns with its copy still queued behind the GPU's work, refuses the thread's next launch until it
     # ran (its page ids wait in pinned memory), and is done once another thread waited for it
     ln = prefill["launches"]

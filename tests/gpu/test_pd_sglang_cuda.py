@@ -35,6 +35,17 @@ pytestmark = [
 
 from sglang_p2p_backend.testing.launch import run_pair  # noqa: E402
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _plugin_registered():
+    """The role processes find p2pnccl through SGLang's plugin entry point: without it every case would fail at
+    start with "'p2pnccl' is not a valid TransferBackend" in its logs only. Said once, with the fix."""
+    from importlib.metadata import entry_points
+
+    if not any(e.name == "p2pnccl" for e in entry_points(group="sglang.srt.plugins")):
+        pytest.fail("the p2pnccl plugin's entry point is not installed: pip install -e . here, or on a GPU host put "
+                    "e2e/run_all.sh's $E2E_ROOT/plugin on PYTHONPATH (docs/e2e.md)", pytrace=False)
+
 LAYOUTS = {
     "mla": {"layout": "mla", "num_layers": 61, "head_dim": 576},
     "mha": {"layout": "mha", "num_layers": 32, "kv_heads": 8, "head_dim": 128},

@@ -37,18 +37,21 @@ class FakeSameHost:
 
     def __init__(self, answer):
         self.answer, self.launched, self.sent, self.is_mapped = answer, [], [], True
+        self.alone: list[bool] = []  # each copy's `alone`, launched or sent
 
     def mapped(self, peer):
         return self.is_mapped
 
-    def launch(self, peer, src, dst, unsettled):
+    def launch(self, peer, src, dst, unsettled, alone=False):
         self.launched.append((peer.session, src.tolist(), dst.tolist()))
+        self.alone.append(alone)
         if isinstance(self.answer, Exception):
             raise self.answer
         return self.answer
 
-    def send(self, peer, src, dst, heads, unsettled, state=()):
+    def send(self, peer, src, dst, heads, unsettled, state=(), alone=False):
         self.sent.append((peer.session, [s.tolist() for s in src], [d.tolist() for d in dst]))
+        self.alone.append(alone)
         return True
 
     def last_write(self):
@@ -73,7 +76,7 @@ class Counts:
         raise AssertionError("nothing here fails unsettled")
 
 
-def workers(answer, *, route="cudaipc", heads=None, launch_in_add=True):
+def workers(answer, *, route="cudaipc", heads=None, launch_in_add=True, alone=lambda room: False):
     status = {7: KVPoll.WaitingForInput}
     info = TransferInfo(session=SESSION, room=7, dst_kv_indices=np.arange(100, 110, dtype=np.int32), dst_aux_index=-1,
                         dst_state_indices=[], required_dst_info_num=1, decode_prefix_len=0, is_dummy=False)
@@ -84,7 +87,7 @@ def workers(answer, *, route="cudaipc", heads=None, launch_in_add=True):
         state={}, route=lambda s: route, channels=None, same_host=FakeSameHost(answer), released=lambda: None,
         one_sided=None, release=Counts(), control=None, session="p", prefill_rank=0, local=SimpleNamespace(state=[]),
         fail_room=lambda room, why: (failed.append((room, why)), status.__setitem__(room, KVPoll.Failed)),
-        succeed=lambda room: succeeded.append(room), launch_in_add=launch_in_add)
+        succeed=lambda room: succeeded.append(room), launch_in_add=launch_in_add, alone=alone)
     return w, status, failed, succeeded
 
 
@@ -219,7 +222,7 @@ def same_host_path(monkeypatch):
     ipc = FakeIpc(launches)
     path = same_host.SameHostPath(None, SimpleNamespace(kv=[], state=[], aux=[]), None, {}, lambda reg: [], 8)
     path.ipc = ipc
-    path._sender = SimpleNamespace(send=lambda *a: 0)
+    path._sender = SimpleNamespace(send=lambda *a, **kw: 0)
     return path, ipc, launches
 
 
@@ -246,3 +249,38 @@ def test_a_launch_never_waits_for_a_worker_that_maps_a_peer(monkeypatch):
     with path._mapping:  # a worker (un)mapping a peer now: SGLang's thread leaves the chunk to its worker
         assert path.launch(peer, np.arange(3), np.arange(3), lambda: None) is None
     assert launches == [] and path.launch(peer, np.arange(3), np.arange(3), lambda: None) is launches[0]
+
+
+@pytest.mark.parametrize("launch_in_add", [True, False], ids=["launched", "worker"])
+def test_only_the_last_chunk_of_the_only_request_is_copied_as_alone(launch_in_add):
+    """`alone` reaches the copy (SGLang's thread's launch or the worker's) only for a room's last chunk, and only
+    while the prefill says the room is its only request: an earlier chunk's next forward pass, or another
+    request's, runs beside the copy."""
+    only: set = {7}
+    w, status, failed, succeeded = workers(None if not launch_in_add else FakeLaunch(), launch_in_add=launch_in_add,
+                                           alone=lambda room: only == {room})
+    for t, others in ((task(is_last=False), set()), (task(), {8}), (task(), set())):
+        only.clear()
+        only.update({7} | others)
+        w.add(t)
+        step(w)
+    assert w.same_host.alone == [False, False, True]
+    assert succeeded == [7, 7] and failed == []
+
+
+def test_the_prefill_counts_a_room_alone_while_it_is_the_only_request_with_a_sender_and_the_knob_turns_it_off(
+        monkeypatch):
+    from sglang_p2p_backend.adapter.prefill import PrefillKVManager
+    from sglang_p2p_backend.engine.config import ConfigError, EngineConfig
+
+    alone = PrefillKVManager._alone
+    assert alone(SimpleNamespace(owned_rooms={7}), 7)
+    assert not alone(SimpleNamespace(owned_rooms={7, 8}), 7)  # another request is bootstrapping, waiting or sending
+    assert not alone(SimpleNamespace(owned_rooms={8}), 7) and not alone(SimpleNamespace(owned_rooms=set()), 7)
+    monkeypatch.delenv("SGLANG_P2P_ALONE_KERNEL", raising=False)
+    assert EngineConfig.from_env().alone_kernel
+    monkeypatch.setenv("SGLANG_P2P_ALONE_KERNEL", "0")
+    assert not EngineConfig.from_env().alone_kernel
+    monkeypatch.setenv("SGLANG_P2P_ALONE_KERNEL", "yes")
+    with pytest.raises(ConfigError, match=r"SGLANG_P2P_ALONE_KERNEL='yes' is not one of 1, 0"):
+        EngineConfig.from_env()

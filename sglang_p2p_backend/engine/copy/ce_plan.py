@@ -102,6 +102,10 @@ def page_spans(src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: S
 #: they are more than the span cap (checked first)
 SHORT_SPANS = "for short spans"
 MANY_SPANS = "over the span cap"
+#: why `split` and `auto` left a chunk whole to the kernel without asking their rule: it is the last chunk of the
+#: only request on its prefill rank, bound for another GPU, so no forward pass runs beside its copy, and the kernel is
+#: queued in a fraction of the copy engines' host time (SGLANG_P2P_ALONE_KERNEL)
+ALONE = "alone on the GPU"
 
 
 def choose(mode: str, spans: int, nbytes: int, batched: bool = True, min_mean_span: Optional[int] = None,

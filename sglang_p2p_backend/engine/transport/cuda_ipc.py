@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from sglang_p2p_backend.engine.config import COPY_ENGINE_MODES
-from sglang_p2p_backend.engine.copy.ce_plan import (COPY_ENGINE, KERNEL, SHORT_SPANS, SPLIT, SplitRoute, coalesce,
+from sglang_p2p_backend.engine.copy.ce_plan import (ALONE, COPY_ENGINE, KERNEL, SHORT_SPANS, SPLIT, SplitRoute, coalesce,
                                                    page_chunk_shape, page_spans, pages_reaching, route_and_reason,
                                                    route_split, thresholds)
 from sglang_p2p_backend.engine.copy.launches import DONE, EventLaunch, EventPool, Launch
@@ -96,14 +96,21 @@ def boot_id() -> str:
         return ""
 
 
+#: the host steps of a page write the transport notes before its copy is `planned` (`IpcBackend.note`): the write
+#: entered, its ids checked against both pools, its route chosen
+WRITE_STEPS = ("entered", "checked", "routed")
+
+
 class WriteMarks(NamedTuple):
     """A same-host write's host steps as the writing thread recorded them (`IpcBackend.last_write`): its copy
     planned (checked and routed, the runtime calls next) and queued on the device (perf_counter), and the thread's
-    CPU time at the second."""
+    CPU time at the second. `steps`: (step, perf_counter, CPU time) of each step noted before `planned`
+    (WRITE_STEPS, those the write passed), then `planned` itself."""
 
     planned: float
     launched: float
     launched_cpu: float
+    steps: tuple[tuple[str, float, float], ...] = ()
 
 
 class IpcBackend:
@@ -165,6 +172,10 @@ class IpcBackend:
         """This thread's last write's host steps (its copy planned, queued on the device before its wait); None
         where the backend does not record them (a stand-in)."""
         return None
+
+    def note(self, step: str, first: bool = False) -> None:
+        """This thread's write reached host step `step` (`first`: the write's first step, earlier notes are
+        dropped); `last_write` gives them back in its `steps`. Default: nothing kept."""
 
     def launch(self, device: torch.device, write: Callable[[], T]) -> Optional[tuple[T, Launch]]:
         """Run `write` (writes of this backend on this thread) with their waits left to the returned Launch,
@@ -265,17 +276,25 @@ class CudaBackend(IpcBackend):
         c.ops.after_current(c.stream.cuda_stream)
         return c
 
+    def note(self, step: str, first: bool = False) -> None:
+        # ~0.5 us a step (two clocks): kept on every write, so room times need no switch down here
+        notes = self._local.__dict__.setdefault("notes", [])
+        if first:
+            notes.clear()
+        notes.append((step, time.perf_counter(), time.thread_time()))
+
     def _write_ordered(self, device: torch.device, queue: Callable[["Copiers"], None]) -> None:
         """One write: this thread's copy stream ordered after the current one, the copy queued (`queue`), the
         wait for it (inside `launch`: the Launch's); `device` current throughout (a launch needs it)."""
-        planned = time.perf_counter()
+        self.note("planned")
+        notes, self._local.notes = self._local.notes, []
         c = self._copiers(device)
         prev = c.ops.enter()
         try:
             c.ops.after_current(c.stream.cuda_stream)
             queue(c)
             # `last_write`: a write's host time and device time apart (SGLANG_P2P_ROOM_TIMES)
-            self._local.marks = WriteMarks(planned, time.perf_counter(), time.thread_time())
+            self._local.marks = WriteMarks(notes[-1][1], time.perf_counter(), time.thread_time(), tuple(notes))
             if getattr(self._local, "launching", None) != device:
                 c.ops.synchronize(c.stream.cuda_stream)
         finally:
@@ -386,6 +405,9 @@ _backend_lock = threading.Lock()
 def backend() -> IpcBackend:
     """The installed backend (CUDA unless a test installed another)."""
     global _backend
+    b = _backend  # set once: the lock only for the first call (a write asks for it a few times)
+    if b is not None:
+        return b
     with _backend_lock:
         if _backend is None:
             _backend = CudaBackend()
@@ -682,16 +704,20 @@ class CudaIpcTransport(OneSidedTransport):
             logger.info("%s", line)
 
     def write_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
-                    src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> int:
+                    src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int,
+                    alone: bool = False) -> int:
         """Copy pages src_ids of this rank's regions into pages dst_ids of peer `session`'s (dst_bases: its
         addresses, each region `dst_pages` items long) with one launch, and wait; returns the bytes copied.
         Checked before anything moves (TransportError, nothing written): the id arrays pair up, every id is
-        inside its pool, and every destination region lies wholly inside a region the decode exported."""
+        inside its pool, and every destination region lies wholly inside a region the decode exported.
+        `alone`: nothing runs on this GPU's SMs beside this copy (`copy_pages`)."""
+        backend().note("entered", first=True)
         plan = self.plan_pages(session, src_bases, dst_bases, item_bytes, src_ids, dst_ids, src_pages, dst_pages)
         if plan is None:
             return 0
+        backend().note("checked")
         same_gpu = self._same_gpu(session)
-        return self.copy_pages(plan, self._grid(same_gpu, plan.item_bytes), same_gpu)
+        return self.copy_pages(plan, self._grid(same_gpu, plan.item_bytes), same_gpu, alone)
 
     def _same_gpu(self, session: str) -> bool:
         """Whether peer `session`'s pools are on this rank's GPU (False for a peer not mapped)."""
@@ -770,15 +796,29 @@ class CudaIpcTransport(OneSidedTransport):
                 self._pools[session] = (m, key, pool)
         return pool
 
-    def copy_pages(self, plan: "PageWrite", grid: Optional[int] = None, same_gpu: bool = False) -> int:
+    def copy_pages(self, plan: "PageWrite", grid: Optional[int] = None, same_gpu: bool = False,
+                   alone: bool = False) -> int:
         """The device half of `write_pages`: copy a checked plan (the kernel, its grid bounded by `grid`, else by
         SGLANG_P2P_IPC_PROGRAMS; or the copy engines where SGLANG_P2P_COPY_ENGINE says so for this chunk, into a
-        decode on this GPU when `same_gpu`) and wait; returns the bytes copied."""
+        decode on this GPU when `same_gpu`) and wait; returns the bytes copied. `alone` (the caller knows no
+        forward pass of this rank runs beside this copy): into another GPU, `split` and `auto` give the chunk whole
+        to the kernel, which is queued in ~0.1 ms of host time where the copy engines took 0.5-0.7 ms for a 4k
+        request's 64 spans in service (docs/serving.md, session 38); the SMs it takes, nobody else wanted then. A
+        decode on this GPU may be running its own steps on them, so there the rule stands."""
         nbytes = int(plan.src_ids.size) * self._per_pool(plan.item_bytes).page_bytes
+        if alone and not same_gpu and self.copy_engine in (SPLIT, "auto"):
+            # the chunk's spans are counted only for the kernel's first log line
+            spans = (page_chunk_shape(plan.src_ids, plan.dst_ids, plan.item_bytes)[0] if KERNEL not in self._routes_seen
+                     else int(plan.item_bytes.size))
+            backend().note("routed")
+            self._count(KERNEL, spans, nbytes, ALONE)
+            backend().write_pages(self.device, *plan, max_programs=grid or self.programs)
+            return nbytes
         if self.copy_engine == SPLIT:
             self._copy_split(plan, nbytes, grid or self.programs, same_gpu)
             return nbytes
         breaks = self._copy_engine_runs(plan, nbytes, same_gpu)
+        backend().note("routed")
         if breaks is not None:
             backend().write_copy_engines(self.device, *page_spans(*plan, runs=page_runs(plan.src_ids, plan.dst_ids,
                                                                                           breaks)))
@@ -811,6 +851,7 @@ class CudaIpcTransport(OneSidedTransport):
         """SGLANG_P2P_COPY_ENGINE=split: the chunk's long page runs to the copy engines, its short ones to the
         kernel (`split_route`), as one write; each part counted on its route."""
         route = self.split_route(plan, same_gpu)
+        backend().note("routed")
         if not route.engines_take_any:
             self._count(KERNEL, route.kernel_spans, nbytes, SHORT_SPANS)
             backend().write_pages(self.device, *plan, max_programs=grid)

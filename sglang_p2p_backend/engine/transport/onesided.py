@@ -108,7 +108,8 @@ class PageTableTransport(Protocol):
     """A one-sided transport that copies whole pages from a page-id table in one launch (CUDA IPC)."""
 
     def write_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
-                    src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int) -> int: ...
+                    src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int,
+                    alone: bool = False) -> int: ...
 
 
 def _nothing() -> None:
@@ -149,15 +150,17 @@ class OneSidedSender:
         heads: Optional[PairHeads] = None,
         unsettled: Callable[[], None] = _nothing,
         state: Sequence[Optional[StatePlan]] = (),
+        alone: bool = False,
     ) -> int:
         """One batch write of the chunk (and aux row); returns bytes written. Raises PlanError when the ids
         do not pair up, TransportError when the write fails (Mooncake then skips the peer until it registers
-        again). Any error but a `settled` one calls `unsettled` before it propagates."""
+        again). Any error but a `settled` one calls `unsettled` before it propagates. `alone`: no forward pass
+        runs beside this chunk's copy (a page-table transport may then take its quickest route)."""
         try:
             session = self.address(peer)
             moved = 0
             if self.whole_pages and heads is None:
-                moved = self._write_kv_pages(session, peer, src_ids[0], dst_ids[0])
+                moved = self._write_kv_pages(session, peer, src_ids[0], dst_ids[0], alone)
                 if aux is None and not any(len(ids) for ids in src_ids[1:]):
                     return moved  # nothing else in the chunk
                 src_ids, dst_ids = [_NO_IDS, *src_ids[1:]], [_NO_IDS, *dst_ids[1:]]
@@ -171,11 +174,12 @@ class OneSidedSender:
             unsettled()
             raise
 
-    def _write_kv_pages(self, session: str, peer: PeerRegister, src: np.ndarray, dst: np.ndarray) -> int:
+    def _write_kv_pages(self, session: str, peer: PeerRegister, src: np.ndarray, dst: np.ndarray,
+                        alone: bool = False) -> int:
         """Whole KV pages src -> dst of every region in one launch (ids as SGLang gave them)."""
         bases, items, pages_a_region = self._kv_pool()
         pages: PageTableTransport = self.transport  # type: ignore[assignment]
-        return pages.write_pages(session, bases, peer.kv_ptrs, items, src, dst, pages_a_region, peer.kv_pages)
+        return pages.write_pages(session, bases, peer.kv_ptrs, items, src, dst, pages_a_region, peer.kv_pages, alone)
 
     def _kv_pool(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """This rank's KV regions as `write_pages` takes them: bases, item sizes, the fewest items a region has.
