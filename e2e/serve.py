@@ -99,7 +99,9 @@ BACKEND_ENV = {
     "p2pnccl-times-worker": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1",
                              "SGLANG_P2P_IPC_LAUNCH": "worker"},
     # room times with the copy engines' thresholds of a decode on another GPU (2 MiB spans, 64 a chunk) also into
-    # the prefill's own GPU: a one-GPU host then routes a 4k request's chunk (64 spans of 8 MiB) as two GPUs do
+    # the prefill's own GPU: a one-GPU host then routes a 4k request's chunk (64 spans of 8 MiB) as two GPUs do.
+    # Session 38's one-GPU runs of it gave a request alone the kernel; since then SGLANG_P2P_ALONE_KERNEL leaves a
+    # decode on the prefill's own GPU to the rule, so on one GPU it now routes as `p2pnccl-times-ce-rule` does
     "p2pnccl-times-ce": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1", "SGLANG_P2P_CE_MIN_SPAN_KIB": "2048",
                          "SGLANG_P2P_CE_MAX_SPANS": "64"},
     # the same with every chunk routed by the rule, as before session 38 (SGLANG_P2P_ALONE_KERNEL=0): a request alone

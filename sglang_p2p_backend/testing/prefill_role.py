@@ -354,4 +354,5 @@ class PrefillRole(Role):
             "owned_rooms": sorted(m.owned_rooms),
             "ipc_failed": dict(m.same_host.failed),
             "ipc_mapped": m.ipc.mapped_peers() if m.ipc is not None else [],
+            "ipc_routes": m.ipc.route_counts() if m.ipc is not None else {},
         }

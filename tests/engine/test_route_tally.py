@@ -29,3 +29,13 @@ def test_the_kernel_summary_says_which_threshold_kept_its_chunks():
     now[0] = 10.0
     assert t.add(COPY_ENGINE, 1 << 30) == ("p routes so far: copy engines 1 chunks (1.00 GiB), SM copy kernel 4 chunks "
                                            "(4.00 GiB; 2 for short spans; 1 over the span cap)")
+
+
+def test_the_counts_so_far_are_there_between_summaries():
+    t = RouteTally("p", every_s=1e9, clock=lambda: 0.0)
+    assert t.counts() == {}
+    t.add(COPY_ENGINE, 100)
+    t.add(KERNEL, 7, "alone on the GPU")
+    t.add(KERNEL, 5)
+    assert t.counts() == {COPY_ENGINE: {"chunks": 1, "bytes": 100, "why": {}},
+                          KERNEL: {"chunks": 2, "bytes": 12, "why": {"alone on the GPU": 1}}}

@@ -104,3 +104,28 @@ def test_auto_takes_the_same_host_path_and_falls_back_when_the_export_is_unusabl
         if not want_mapped:
             # nothing mapped, yet every page arrived: the two-sided path carried it
             assert "does not cover registered" in " ".join(left["ipc_failed"].values()), left["ipc_failed"]
+
+
+@pytest.mark.parametrize("alone_kernel", ["1", "0"])
+def test_a_request_alone_takes_the_kernel_for_its_last_chunk_into_another_gpu(alone_kernel):
+    # prefill and decode on two "GPUs" of one host, the copy engines' thresholds low enough for every chunk: one
+    # request alone on the prefill sends its earlier chunks by the rule (the copy engines: its next chunk's forward
+    # pass runs beside them) and its last to the kernel; SGLANG_P2P_ALONE_KERNEL=0 routes every chunk by the rule.
+    # The bytes land either way
+    from support.shm_ipc import DEVICE_ENV
+
+    ce = {"SGLANG_P2P_CE_MIN_SPAN_KIB": "1", "SGLANG_P2P_CE_MAX_SPANS": "1024", "SGLANG_P2P_ALONE_KERNEL": alone_kernel}
+    plan = _plan(env={"prefill": {DEVICE_ENV: "shm-gpu0", **ce}, "decode": {DEVICE_ENV: "shm-gpu1"}})
+    plan["pool"]["head_dim"] = 576  # pages of 4.5 KiB a layer: every span reaches the 1 KiB threshold
+    result = run_pair(plan, env={**FAST, **IPC})
+    d, p = result["decode"], result["prefill"]
+    r = d["requests"]["81"]
+    assert r["status"] == "Success" and r["num_bad_pages"] == 0 and r["aux_room_ok"], r
+    assert d["untouched_violations"] == []
+    routes = p["leftovers"]["ipc_routes"]
+    chunks = -(-31 // 8)  # 121 tokens in pages of 4: 31 pages, 8 a chunk
+    if alone_kernel == "1":
+        assert routes["copy_engine"]["chunks"] == chunks - 1, routes
+        assert routes["kernel"]["chunks"] == 1 and routes["kernel"]["why"] == {"alone on the GPU": 1}, routes
+    else:
+        assert routes == {"copy_engine": {"chunks": chunks, "bytes": routes["copy_engine"]["bytes"], "why": {}}}, routes

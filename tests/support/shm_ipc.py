@@ -24,6 +24,9 @@ from sglang_p2p_backend.engine.transport.cuda_ipc import IpcBackend, IpcUnavaila
 from sglang_p2p_backend.testing.role import IPC_BACKEND_ENV
 
 _HANDLE_BYTES = 64
+#: the "GPU" this process's segments are on (`device_id`): every role's is "shm" unless a test names another, which
+#: puts prefill and decode on two "GPUs" of one host (the same-host path's cross-GPU rules apply)
+DEVICE_ENV = "P2P_TEST_SHM_DEVICE"
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: a role's environment (`PairRun`'s env) in which the test driver installs this stand-in: the driver imports
 #: it by name, so tests/ goes on that process's path (last: nothing of the suite may shadow a real module)
@@ -77,10 +80,11 @@ class ShmBackend(IpcBackend):
         return device.type == "cpu"
 
     def device_id(self, device: torch.device) -> str:
-        return "shm"
+        return os.environ.get(DEVICE_ENV, "shm")
 
     def reach(self, device: torch.device, device_id: str) -> Optional[str]:
-        return None if device_id == "shm" and device.type == "cpu" else f"not a shared-memory segment ({device_id})"
+        return (None if device_id.startswith("shm") and device.type == "cpu"
+                else f"not a shared-memory segment ({device_id})")
 
     def allocation(self, ptr: int) -> tuple[int, int]:
         with self._lock:

@@ -703,6 +703,10 @@ class CudaIpcTransport(OneSidedTransport):
         if line is not None:
             logger.info("%s", line)
 
+    def route_counts(self) -> dict[str, dict]:
+        """The chunks and bytes each copy route took so far, and why (route_tally.RouteTally.counts)."""
+        return self._route_tally.counts()
+
     def write_pages(self, session: str, src_bases: Sequence[int], dst_bases: Sequence[int], item_bytes: Sequence[int],
                     src_ids: np.ndarray, dst_ids: np.ndarray, src_pages: int, dst_pages: int,
                     alone: bool = False) -> int:

@@ -49,6 +49,12 @@ class RouteTally:
             self._next = now + self.every_s
             return self._line()
 
+    def counts(self) -> dict[str, dict]:
+        """{route: {"chunks": n, "bytes": b, "why": {reason: chunks}}} so far (a test's or a report's view)."""
+        with self._lock:
+            return {r: {"chunks": c[0], "bytes": c[1], "why": dict(self._reasons.get(r, {}))}
+                    for r, c in self._counts.items()}
+
     def _line(self) -> str:
         order = [r for r in ROUTE_NAMES if r in self._counts] + sorted(set(self._counts) - set(ROUTE_NAMES))
         parts = [f"{ROUTE_NAMES.get(r, r)} {self._counts[r][0]} chunks ({self._counts[r][1] / 2**30:.2f} GiB"
