@@ -169,16 +169,17 @@ def test_only_the_first_repetition_of_a_profiled_cell_records(monkeypatch, tmp_p
     asked: list = []
 
     def fake_run(pair, mode, plen, conc, seed, pyspy, rounds=2, record=None, how=serve.Recording(), output_tokens=64):
-        asked.append((pair, plen, record.name if record else None, how.gil))
+        asked.append((pair, plen, record.name if record else None, (how.gil, how.rate, output_tokens)))
         return _run_row()
 
     monkeypatch.setattr(serve, "one_run", fake_run)
     serve.measure({"a": "a", "b": "b"}, ["graph"], [(1024, 16), (4096, 1)], ["a", "b"], {}, 2, {"cells": []},
                   lambda: None, "py-spy", deadline=serve.time.monotonic() + 60, record=(tmp_path, frozenset({(1024, 16)})),
-                  how=serve.Recording(gil=True))
+                  how=serve.Recording(gil=True, rate=1000), output_tokens=1)
     named = [(p, n, r) for p, n, r, _ in asked if r]
     assert named == [("a", 1024, "pyspy-a-prefill-graph-1024x16.txt"), ("b", 1024, "pyspy-b-prefill-graph-1024x16.txt")]
-    assert len(asked) == 8 and all(gil for *_, gil in asked)
+    # every run with the recording's settings and the answers' length it was given
+    assert len(asked) == 8 and all(how == (True, 1000, 1) for *_, how in asked)
 
 
 def test_a_gil_record_samples_only_the_gils_holder(monkeypatch, tmp_path: Path):
@@ -194,6 +195,10 @@ def test_a_gil_record_samples_only_the_gils_holder(monkeypatch, tmp_path: Path):
     assert procstat.record(42, "py-spy", 4, tmp_path / "b.txt") == ""
     assert "--gil" in started[0] and "--gil" not in started[1]
     assert started[0][:4] == ["py-spy", "record", "--pid", "42"] and "--nonblocking" in started[0]
+    # native frames: py-spy takes them only while it pauses the process, so without --nonblocking
+    assert procstat.record(42, "py-spy", 4, tmp_path / "c.txt", rate=1000, native=True) == ""
+    assert "--native" in started[2] and "--nonblocking" not in started[2]
+    assert started[2][started[2].index("--rate") + 1] == "1000"
 
 
 def test_without_pyspy_the_profile_says_why():
