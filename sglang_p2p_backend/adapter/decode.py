@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -91,6 +92,9 @@ class DecodeKVManager(P2pNcclKVManagerBase):
 
     def _init_role(self) -> None:
         self.prefills: Dict[str, PrefillPeer] = {}
+        #: a registration's state turning and its held frames going out, against SGLang's thread holding or sending
+        #: (`send_to_prefill`): nothing is appended to a list already sent, nor sent ahead of what was held
+        self._held_lock = threading.Lock()
         #: rooms waiting for KV: what each published (the only pages its chunks may write)
         self.live_rooms: Dict[int, checks.Published] = {}
         #: the RoomMetadata each live room sent each prefill rank: sent again when that rank released us
@@ -171,12 +175,14 @@ class DecodeKVManager(P2pNcclKVManagerBase):
 
     def send_to_prefill(self, endpoint: str, frames: List[bytes], block: bool = True) -> None:
         """Send to prefill rank `endpoint`, or hold until it answered the registration. Raises ControlError."""
-        peer = self.prefills.get(endpoint)
-        if peer is not None and peer.state == "pending":
-            if len(peer.held) >= _HELD_MAX:
-                raise ControlError(f"prefill rank {endpoint} has not answered the registration; {_HELD_MAX} messages wait")
-            peer.held.append(frames)
-            return
+        with self._held_lock:
+            peer = self.prefills.get(endpoint)
+            if peer is not None and peer.state == "pending":
+                if len(peer.held) >= _HELD_MAX:
+                    raise ControlError(f"prefill rank {endpoint} has not answered the registration; {_HELD_MAX} "
+                                       "messages wait")
+                peer.held.append(frames)
+                return
         self.control.send_frames(endpoint, frames, block)
 
     def send_room(self, endpoint: str, room: int, frames: List[bytes]) -> None:
@@ -208,13 +214,17 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             for room in rooms:
                 self.room_failed(room, f"registering again with prefill rank {endpoint} failed: {e}")
 
-    def _release_held(self, endpoint: str, peer: PrefillPeer) -> None:
-        held, peer.held = peer.held, []
-        for frames in held:
-            try:
-                self.control.send_frames(endpoint, frames)
-            except ControlError as e:
-                logger.warning("p2pnccl: %s", e)
+    def _release_held(self, endpoint: str, peer: PrefillPeer, state: str) -> None:
+        """The registration answered: its state turns to `state` and what waited for the answer goes out, in
+        order, before anything SGLang's thread sends once it reads the new state."""
+        with self._held_lock:
+            peer.state = state
+            held, peer.held = peer.held, []
+            for frames in held:
+                try:
+                    self.control.send_frames(endpoint, frames)
+                except ControlError as e:
+                    logger.warning("p2pnccl: %s", e)
 
     def _admit(self, msg: wire.Message, secret: Optional[bytes]) -> bool:
         if self.issued.matches(msg.session, secret):
@@ -251,18 +261,21 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         self.control.set_secret(msg.session, msg.secret)
         if reason:
             logger.error("p2pnccl: prefill rank %s cannot serve this decode rank: %s", msg.session, reason)
-            peer.state, peer.reason, peer.since = "refused", reason, time.monotonic()
+            peer.reason, peer.since = reason, time.monotonic()
+            self._release_held(msg.session, peer, "refused")  # the prefill fails its side of these rooms
             self.watch.forget(msg.session)
             self._fail_rooms_served_by(msg.session, f"prefill rank {msg.session} refused this decode rank: {reason}")
             self._writer_gone(msg.session)
-            self._release_held(msg.session, peer)  # the prefill fails its side of these rooms
             return
-        peer.state, peer.prefill_rank, peer.incarnation = "accepted", msg.prefill_rank, msg.incarnation
+        peer.prefill_rank, peer.incarnation = msg.prefill_rank, msg.incarnation
         peer.kv_heads = kv_heads
         peer.state_spans = state_spans
-        # confirms the registration from our address: the prefill makes us a live peer on reading it
+        # confirms the registration from our address: the prefill makes us a live peer on reading it. Sent before
+        # the state turns: SGLang's thread sends straight once it reads "accepted", and a frame of it ahead of
+        # this confirmation reached a prefill that did not know our secret yet, which dropped it as a stranger's
+        # (an ABORT so lost left the prefill's side of its room to SGLang's bootstrap timeout)
         self._control_send(msg.session, wire.Heartbeat(self.session, self.incarnation))
-        self._release_held(msg.session, peer)
+        self._release_held(msg.session, peer, "accepted")
 
     def _heads_from(self, msg: wire.PeerAnswer) -> Optional[Heads]:
         """The heads prefill rank `msg` writes into this rank's rows (the same pairing it computed). Raises
