@@ -129,7 +129,9 @@ unpack tms
 unpack deepep
 unpack deepep-built
 unpack triton-cache
-if [ "$PHASE" = unpack ]; then
+python3 -m e2e.distinfo "$E2E_ROOT/plugin" >/dev/null   # entry point discovery for SGLang's plugin loader
+if [ "$PHASE" = unpack ]; then  # the GPU tests that start SGLang's roles need the entry point too (docs/e2e.md)
+  say "unpack: the p2pnccl entry point is in $E2E_ROOT/plugin"
   for part in sglang extras serve lb bench tms deepep deepep-built triton-cache; do [ -f "$E2E_ROOT/$part/.unpacked" ] && say "unpack: $part is in $E2E_ROOT/$part"; done
   exit 0
 fi
@@ -144,7 +146,6 @@ if [ "$HAVE_SGLANG" = 0 ] && [ "$PHASE" != lb-overhead ] && [ "$PHASE" != transf
 fi
 
 # --- 2. environment --------------------------------------------------------------------------------------
-python3 -m e2e.distinfo "$E2E_ROOT/plugin" >/dev/null   # entry point discovery for SGLang's plugin loader
 export PYTHONPATH=$ROOT:$ROOT/lb:$ROOT/e2e/stubs:$E2E_ROOT/plugin:$E2E_ROOT/sglang${PYTHONPATH:+:$PYTHONPATH}
 HAVE_MOONCAKE=0
 if [ -d "$E2E_ROOT/extras/mooncake" ]; then PYTHONPATH=$PYTHONPATH:$E2E_ROOT/extras/mooncake; HAVE_MOONCAKE=1; fi

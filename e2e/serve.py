@@ -113,6 +113,11 @@ BACKEND_ENV = {
     # session 38: across GPUs its 4k chunk then takes the copy engines, whose batch call held SGLang's thread 0.5 ms
     "p2pnccl-rule": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ALONE_KERNEL": "0"},
     "p2pnccl-times-rule": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1", "SGLANG_P2P_ALONE_KERNEL": "0"},
+    # p2pnccl and its room times with each room concluded by the transfer worker woken for its last copy
+    # (SGLANG_P2P_CONCLUDE_IN_POLL=0), as before session 39, beside SGLang's poll concluding it (the default since)
+    "p2pnccl-wconclude": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_CONCLUDE_IN_POLL": "0"},
+    "p2pnccl-times-wconclude": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_ROOM_TIMES": "1",
+                                "SGLANG_P2P_CONCLUDE_IN_POLL": "0"},
     # plain p2pnccl with the copy queued by the transfer worker (SGLANG_P2P_IPC_LAUNCH=worker), as before session 37
     "p2pnccl-worker": {"SGLANG_P2P_TRANSPORT": "auto", "SGLANG_P2P_IPC_LAUNCH": "worker"},
     "nixl": {},  # SGLang's default NIXL backend: UCX, which picks cuda_ipc between two processes of one GPU
@@ -122,14 +127,10 @@ BASE_PORT = {"p2pnccl": 33000, "nixl": 33100, "mooncake": 33200, "p2pnccl-gil5":
              "p2pnccl-ce": 33500, "p2pnccl-grid132": 33600, "p2pnccl-spans1024": 33700, "p2pnccl-grid32": 33800,
              "p2pnccl-split": 33900, "p2pnccl-auto": 34000, "p2pnccl-times": 34100, "p2pnccl-times-gil01": 34200,
              "p2pnccl-times-worker": 34300, "p2pnccl-worker": 34400, "p2pnccl-times-ce": 34500,
-             "p2pnccl-times-ce-rule": 34600, "p2pnccl-rule": 34700, "p2pnccl-times-rule": 34800}
-#: a variant's --disaggregation-transfer-backend
-TRANSFER_BACKEND = {"p2pnccl-gil5": "p2pnccl", "p2pnccl-kernel": "p2pnccl", "p2pnccl-ce": "p2pnccl",
-                    "p2pnccl-grid132": "p2pnccl", "p2pnccl-spans1024": "p2pnccl", "p2pnccl-grid32": "p2pnccl",
-                    "p2pnccl-split": "p2pnccl", "p2pnccl-auto": "p2pnccl", "p2pnccl-times": "p2pnccl",
-                    "p2pnccl-times-gil01": "p2pnccl", "p2pnccl-times-worker": "p2pnccl",
-                    "p2pnccl-worker": "p2pnccl", "p2pnccl-times-ce": "p2pnccl",
-                    "p2pnccl-times-ce-rule": "p2pnccl", "p2pnccl-rule": "p2pnccl", "p2pnccl-times-rule": "p2pnccl"}
+             "p2pnccl-times-ce-rule": 34600, "p2pnccl-rule": 34700, "p2pnccl-times-rule": 34800,
+             "p2pnccl-wconclude": 34900, "p2pnccl-times-wconclude": 35000}
+#: a variant's --disaggregation-transfer-backend: each p2pnccl-* is p2pnccl with other knobs
+TRANSFER_BACKEND = {name: "p2pnccl" for name in BACKEND_ENV if name.startswith("p2pnccl-")}
 OUTPUT_TOKENS = 64
 DEFAULT_CELLS = "1024x1,1024x16,1024x64,4096x1,4096x16,4096x64"
 

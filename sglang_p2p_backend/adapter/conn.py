@@ -141,6 +141,8 @@ class P2pNcclKVSender(CommonKVSender):
             return super()._register_prefill_dp_rank()
 
     def poll(self) -> KVPoll:
+        if self.conclude_state is None:
+            self.kv_mgr.conclude_launched(self.bootstrap_room)  # a dict lookup unless its last copy was queued here
         status = _latched_poll(self, KVPoll.Bootstrapping, self._check_bootstrap_timeout)
         if status in (KVPoll.Success, KVPoll.Failed):
             tracing.finish(self.trace_ctx)  # the request's root span ends when it concludes, as in Common's poll

@@ -216,13 +216,16 @@ class DecodeKVManager(P2pNcclKVManagerBase):
 
     def _release_held(self, endpoint: str, peer: PrefillPeer, state: str) -> None:
         """The registration answered: its state turns to `state` and what waited for the answer goes out, in
-        order, before anything SGLang's thread sends once it reads the new state."""
+        order, before anything SGLang's thread sends once it reads the new state. Under the lock SGLang's thread
+        takes to send (`send_to_prefill`), so none of these waits for the socket's room: a frame that finds its
+        queue full (a prefill that stopped reading) is logged, as a failed send, and its room left to the timeouts
+        that end a silent peer's rooms."""
         with self._held_lock:
             peer.state = state
             held, peer.held = peer.held, []
             for frames in held:
                 try:
-                    self.control.send_frames(endpoint, frames)
+                    self.control.send_frames(endpoint, frames, block=False)
                 except ControlError as e:
                     logger.warning("p2pnccl: %s", e)
 

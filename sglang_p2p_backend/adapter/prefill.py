@@ -138,6 +138,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             times=self.room_times,
             launch_in_add=self.config.ipc_launch == "scheduler",
             alone=self._alone if self.config.alone_kernel else (lambda room: False),
+            conclude_in_poll=self.config.conclude_in_poll,
         )
 
     # ------------------------------------------------------------------ SGLang's sender
@@ -535,6 +536,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         if self.kv_digest is not None:
             self.kv_digest.forget(room)  # a failed room's pages (a succeeded one's went at its Success)
         self.room_times.forget(room)
+        self.workers.forget(room)
 
         for msg in self.next_attempts.release(room, cleared):
             self._on_metadata(msg)
@@ -577,15 +579,20 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         for room in list(self.transfer_infos):
             self._notify_decode(room, KVPoll.Failed, reason, block=False)
 
-    def _succeed(self, room: int) -> None:
+    def _succeed(self, room: int, now: bool = False) -> Optional[Callable[[], None]]:
         """The room's last chunk reached every decode rank: Success here, then Status to them. Marked first: a
         decode may publish the room's next attempt as soon as it reads the Status, and only a room marked
-        concluded here keeps those destinations for the next sender (next_attempts.py)."""
-        send = self._status_sender(room, KVPoll.Success)
+        concluded here keeps those destinations for the next sender (next_attempts.py). `now` (SGLang's poll, which
+        must not wait on a peer): a Status that cannot go at once is returned unsent, as what sends it."""
+        send = self._status_sender(room, KVPoll.Success, now=now)
         if self.kv_digest is not None:
             self._log_digest(room)
         self.update_status(room, KVPoll.Success)
-        send()
+        return send()
+
+    def conclude_launched(self, room: int) -> None:
+        """SGLang's poll of `room`'s sender: conclude it now if its last copy has run (transfer_workers.py)."""
+        self.workers.conclude_launched(room)
 
     def _log_digest(self, room: int) -> None:
         """The test-only digest of the pages this rank sent for `room`, while SGLang still holds them (before
@@ -606,17 +613,23 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             send()
 
     def _status_sender(self, room: int, status: int, reason: str = "", block: bool = True,
-                       skip: Optional[str] = None) -> Callable[[], None]:
+                       skip: Optional[str] = None, now: bool = False) -> Callable[[], Optional[Callable[[], None]]]:
         """What sends the room's Status to its real decode ranks but `skip`, taken from the room's destinations
-        now (a clear may drop them before it runs)."""
+        now (a clear may drop them before it runs). `now`: only those that go without waiting
+        (`ControlChannel.send_now`); it returns what sends the others (None: none is left)."""
         infos = [info for info in list((self.transfer_infos.get(room) or {}).values())
                  if not info.is_dummy and info.session != skip]
 
-        def send() -> None:
+        def send() -> Optional[Callable[[], None]]:
+            left = []
             for info in infos:  # each names the chunk headers it was sent, counted when the Status goes
                 if info.session in self.decode_peers:
-                    self._control_send(info.session, wire.Status(self.session, room, self.prefill_rank, int(status),
-                                                                 reason, info.next_seq.sent), block)
+                    msg = wire.Status(self.session, room, self.prefill_rank, int(status), reason, info.next_seq.sent)
+                    if now and not self.control.send_now(info.session, msg):
+                        left.append((info.session, msg))
+                    elif not now:
+                        self._control_send(info.session, msg, block)
+            return (lambda: [self._control_send(s, m, block) for s, m in left]) if left else None
 
         return send
 

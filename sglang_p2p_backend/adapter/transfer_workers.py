@@ -7,9 +7,10 @@ moves the chunk to every real decode rank of the room: one copy kernel into a sa
 (engine/transport/onesided.py), only the heads that rank owns when its attention TP differs
 (engine/copy/heads.py; a rank holding a replica another rank sends moves no KV) and only its slice of each state
 item (engine/copy/state_slices.py); after the last chunk, Status. A plain same-host chunk's copy is queued by
-`add` itself, on SGLang's thread, and its worker only waits for it (SGLANG_P2P_IPC_LAUNCH; docs/design.md). Every
-task is counted in flight while it runs (deferred_release.py; a launched one from `add`), so an aborted room's ACK
-waits for it. A traced
+`add` itself, on SGLang's thread, and its worker only waits for it (SGLANG_P2P_IPC_LAUNCH; docs/design.md); when
+such a chunk is a room's last, SGLang's poll concludes the room as soon as its copy ran, unless its worker got there
+first (SGLANG_P2P_CONCLUDE_IN_POLL). Every task is counted in flight while it runs (deferred_release.py; a launched
+one from `add`), so an aborted room's ACK waits for it. A traced
 task (SGLang's --enable-trace) records a slice per chunk and one per decode rank in it (tracing.py).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
@@ -104,6 +106,22 @@ class TransferTask:
     launch: Optional[Launch] = None
     #: counted in flight from `add` on (a launched chunk), not from when a worker takes it
     counted: bool = False
+    #: the room's chunk queued before this one, until this one's worker finished (None: none, or it finished)
+    previous: Optional["TransferTask"] = None
+    #: its worker is done with it (set last): with one worker a shard, so is it with every earlier chunk of the room
+    finished: bool = False
+    #: a launched last chunk's: its room is concluded (aux row, Success, Status) by whoever takes this first, SGLang's
+    #: poll or the chunk's worker
+    claim: Optional[threading.Lock] = None
+
+
+@dataclass
+class Conclude:
+    """Queued by SGLang's poll behind a room's last chunk: the rest of the room's conclusion, which could not go
+    without waiting (a peer's control socket busy or full)."""
+
+    room: int
+    rest: Callable[[], None]
 
 
 @dataclass
@@ -121,8 +139,10 @@ class TransferWorkers:
     (`heads`) and its spans of every state component's items (`state`, empty: whole items); which transport
     serves a peer now (`route`) and the transports themselves; `alone(room)`: whether `room` is the only request
     on this rank (no forward pass will run beside its last chunk's copy); `fail_room(room, reason)` and `succeed(room)`
-    (this rank's state, then Status to the decode ranks); `times`, where each room's steps are timed
-    (room_times.py). `spawn(step, name)` runs `step` on a thread until the manager closes."""
+    (this rank's state, then Status to the decode ranks; with `now`, SGLang's poll: a Status that would wait is
+    not sent but returned, as what sends it); `times`, where each room's steps are timed (room_times.py);
+    `conclude_in_poll`: SGLang's poll may conclude a room whose last chunk `add` queued (`conclude_launched`).
+    `spawn(step, name)` runs `step` on a thread until the manager closes."""
 
     def __init__(
         self,
@@ -147,10 +167,11 @@ class TransferWorkers:
         prefill_rank: int,
         local: LocalMemory,
         fail_room: Callable[[int, str], None],
-        succeed: Callable[[int], None],
+        succeed: Callable[..., Optional[Callable[[], None]]],
         times: Optional[RoomTimes] = None,
         launch_in_add: bool = False,
         alone: Callable[[int], bool] = lambda room: False,
+        conclude_in_poll: bool = False,
     ):
         self.request_status = request_status
         self.destinations = destinations
@@ -177,6 +198,14 @@ class TransferWorkers:
         #: SGLANG_P2P_IPC_LAUNCH=scheduler: a same-host chunk's copy is queued by `add`, on SGLang's thread
         self.launch_in_add = launch_in_add
         self.alone = alone
+        self.conclude_in_poll = conclude_in_poll
+        # both only on SGLang's thread (`add`, `conclude_launched`, `forget`): no lock
+        #: room -> its latest chunk queued, until its last is (each chunk links the one before: `previous`)
+        self._latest: Dict[int, TransferTask] = {}
+        #: room -> its last chunk, queued by `add`, until SGLang's poll concluded the room or found its worker had
+        self._finishing: Dict[int, TransferTask] = {}
+        #: rooms SGLang's poll concluded (the rest their workers did)
+        self.concluded_in_poll = 0
         self.shards: List["queue.SimpleQueue[object]"] = [queue.SimpleQueue() for _ in range(count)]
         for i, shard in enumerate(self.shards):
             spawn(lambda s=shard: self._transfer_step(s), f"p2p-transfer-{i}")
@@ -202,9 +231,76 @@ class TransferWorkers:
         if not infos:
             return
         real = sorted(s for s, i in infos.items() if not i.is_dummy)
+        task.previous = self._latest.pop(task.room, None)
+        if not task.is_last:
+            self._latest[task.room] = task
         if self.launch_in_add and len(real) == 1:
             self._launch(task, infos[real[0]])
+            if task.is_last and task.launch is not None and self.conclude_in_poll:
+                task.claim = threading.Lock()
+                self._finishing[task.room] = task
         self._shard_of(real[0] if real else "").put(task)
+
+    def rooms_held(self) -> List[int]:
+        """Rooms with an entry in the tables kept for SGLang's poll (none once every sender was cleared)."""
+        return sorted(set(self._latest) | set(self._finishing))
+
+    def forget(self, room: int) -> None:
+        """SGLang cleared the room's sender (its thread): nothing of it is left to conclude from its poll."""
+        self._latest.pop(room, None)
+        self._finishing.pop(room, None)
+
+    def conclude_launched(self, room: int) -> None:
+        """SGLang's poll, on its thread: conclude `room` here if its last chunk's copy was queued by `add` and has
+        run, its worker has not taken the conclusion, and every earlier chunk's worker is done. The aux row, then
+        Success and Status, each sent only if it goes without waiting; what would wait is queued for the worker
+        that owns the peer, behind the chunk. Its worker, woken for the copy, then finds the room taken. Saves the
+        worker's wake-up and its wait for the GIL after the copy (docs/serving.md, session 39). Anything else
+        (a copy still running or failed, a room ended, a peer gone, the pools released) is the worker's."""
+        task = self._finishing.get(room)
+        if task is None:
+            return
+        if task.claim.locked():  # its worker took it
+            del self._finishing[room]
+            return
+        previous = task.previous
+        if previous is not None and not previous.finished:
+            return
+        try:
+            if not task.launch.done():
+                return
+        except Exception:  # noqa: BLE001 - a failed copy: its worker fails the room, naming CUDA's error
+            return
+        infos = self.destinations.get(room) or {}
+        real = [info for info in list(infos.values()) if not info.is_dummy]
+        if (len(real) != 1 or real[0].session not in self.peers or self.released() is not None
+                or self.request_status.get(room) in (None, KVPoll.Failed, KVPoll.Success)):
+            return
+        if not task.claim.acquire(blocking=False):
+            return
+        del self._finishing[room]
+        self.concluded_in_poll += 1
+        info = real[0]
+        session = info.session
+        self.times.mark(room, "written")
+        aux = self._aux(task, info)
+        if aux is not None and not self.control.send_now(session, self._aux_message(session, room, *aux)):
+            self._shard_of(session).put(Conclude(room, lambda: self._conclude(session, room, aux)))
+            return
+        rest = self.succeed(room, now=True)
+        if rest is not None:
+            self._shard_of(session).put(Conclude(room, rest))
+            return
+        self.times.mark(room, "concluded")
+
+    def _conclude(self, session: str, room: int, aux: Optional[tuple]) -> None:
+        """A worker's part of a room's conclusion that SGLang's poll took: the aux row (when it could not go), then
+        Success and Status, if the room is still live."""
+        if aux is not None:
+            self._send_aux(session, room, *aux)
+        if self.request_status.get(room) not in (None, KVPoll.Failed):
+            self.succeed(room)
+            self.times.mark(room, "concluded")
 
     def _launch(self, task: TransferTask, info: TransferInfo) -> None:
         """Queue the chunk's copy here, on SGLang's scheduler thread, which holds the GIL already: a worker woken
@@ -253,6 +349,13 @@ class TransferWorkers:
                 self.channels.reset(task.session)
             self.same_host.reset(task.session)
             return
+        if isinstance(task, Conclude):
+            try:
+                task.rest()
+            except Exception as e:  # noqa: BLE001 - as a chunk's: the room ends with a reason
+                logger.exception("p2pnccl: concluding room %s failed", task.room)
+                self.fail_room(task.room, f"prefill transfer error: {e!r}")
+            return
         self.times.mark(task.room, "picked")
         if not task.counted:
             self.release.begin(task.room)
@@ -267,6 +370,7 @@ class TransferWorkers:
             if task.trace is not None:
                 tracing.worker_end(task.trace)
             self.release.end(task.room)
+            task.previous, task.finished = None, True
 
     def _process(self, task: TransferTask) -> None:
         room = task.room
@@ -276,6 +380,8 @@ class TransferWorkers:
                 launched.wait()
             except Exception as e:  # noqa: BLE001 - a copy that failed fails the room below
                 failed = e
+            if task.claim is not None and not task.claim.acquire(blocking=False):
+                return  # SGLang's poll concluded the room (what it could not send is queued behind this)
         if task.wait_event is not None:
             task.wait_event.synchronize()
         infos = self.destinations.get(room)
@@ -312,7 +418,7 @@ class TransferWorkers:
                     usable = ids is not None and c < len(info.dst_state_indices)
                     src.append(np.asarray(ids, dtype=np.int32).reshape(-1) if usable else _NO_IDS)
                     dst.append(info.dst_state_indices[c] if usable else _NO_IDS)
-            aux = (task.aux_index, info.dst_aux_index) if task.is_last and task.aux_index is not None and info.dst_aux_index >= 0 else None
+            aux = self._aux(task, info)
             if launched is not None:  # its only real decode rank: the copy ran (or failed) above
                 if failed is not None:
                     self.fail_room(room, f"KV transfer to decode rank {session} failed: {failed}")
@@ -385,9 +491,19 @@ class TransferWorkers:
                 self._send_aux(session, room, *aux)
             return
 
+    @staticmethod
+    def _aux(task: TransferTask, info: TransferInfo) -> Optional[tuple]:
+        """(this rank's aux index, the decode's) where the chunk carries the room's aux row to `info`'s rank."""
+        if task.is_last and task.aux_index is not None and info.dst_aux_index >= 0:
+            return task.aux_index, info.dst_aux_index
+        return None
+
     def _send_aux(self, session: str, room: int, src_index: int, dst_index: int) -> None:
         """The aux rows as host bytes on the control channel (two-sided and same-host peers: neither NCCL nor
         CUDA IPC reaches host memory)."""
+        self.control.send(session, self._aux_message(session, room, src_index, dst_index))
+
+    def _aux_message(self, session: str, room: int, src_index: int, dst_index: int) -> wire.AuxData:
         src, _, lens = aux_descriptors(self.local.aux, self.peers[session], src_index, dst_index)
         rows = [ctypes.string_at(int(a), int(n)) for a, n in zip(src, lens)]
-        self.control.send(session, wire.AuxData(self.session, room, dst_index, rows))
+        return wire.AuxData(self.session, room, dst_index, rows)

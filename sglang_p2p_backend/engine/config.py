@@ -146,6 +146,11 @@ class EngineConfig:
     #: engines' host time for a 4k request's 64 spans (0.5-0.7 ms on SGLang's thread, against ~0.1 ms to queue the
     #: kernel) is what a request alone waits for (docs/serving.md, session 38). 0: every chunk by the rule
     alone_kernel: bool = True
+    #: SGLANG_P2P_CONCLUDE_IN_POLL=1 (the default): a room whose last chunk SGLang's thread queued is concluded (aux
+    #: row, Success, Status) by SGLang's own poll of its sender once that copy has run, not by the worker woken for
+    #: it, which took 1.1-1.3 ms to notice a 0.35 ms copy on one GPU: its wake-up, then the GIL SGLang's thread holds
+    #: (docs/serving.md, sessions 38 and 39). 0: the worker concludes every room
+    conclude_in_poll: bool = True
     #: SGLANG_P2P_NCCL_SO_PATH, else SGLang's own SGLANG_NCCL_SO_PATH (one variable points both at another
     #: libnccl); None: the libnccl.so.2 torch loaded
     nccl_library: Optional[str] = None
@@ -203,6 +208,7 @@ class EngineConfig:
             ipc_programs=_number("SGLANG_P2P_IPC_PROGRAMS", cls.ipc_programs, int),
             ipc_launch=_choice("SGLANG_P2P_IPC_LAUNCH", IPC_LAUNCH_MODES),
             alone_kernel=_choice("SGLANG_P2P_ALONE_KERNEL", ("1", "0")) == "1",
+            conclude_in_poll=_choice("SGLANG_P2P_CONCLUDE_IN_POLL", ("1", "0")) == "1",
             nccl_library=env.get("SGLANG_P2P_NCCL_SO_PATH") or env.get("SGLANG_NCCL_SO_PATH") or None,
             mooncake_force_tcp=env.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"),
             test_corrupt_kv_file=env.get("SGLANG_P2P_TEST_CORRUPT_KV_FILE") or None,

@@ -27,6 +27,34 @@ from sglang_p2p_backend.testing.role import Role
 from sglang_p2p_backend.testing.trace_spans import TraceSpans
 
 
+class _HeldLaunch:
+    """A launched copy as the faults have it run: done `ready_at` (fault `write_delay_s` after its launch), and
+    noticed by its worker's wait only at `woken_at` (plus fault `worker_wake_s`: a worker woken late, as one
+    waiting for the GIL is); `done_at(when)` records when it ended for the room's `write_done_at`."""
+
+    def __init__(self, launch: Any, ready_at: float, woken_at: float, done_at: Callable[[float], None]):
+        self.launch, self.ready_at, self.woken_at, self._done_at = launch, ready_at, woken_at, done_at
+        self._ended = False
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._done_at(time.time())
+
+    def done(self) -> bool:
+        ran = time.monotonic() >= self.ready_at and self.launch.done()
+        if ran:
+            self._end()
+        return ran
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self.woken_at - time.monotonic()))
+        try:
+            self.launch.wait()
+        finally:
+            self._end()
+
+
 class _IdsLanding:
     """Stands for the CUDA event after SGLang's device-to-host copy of a chunk's page ids: `synchronize()`
     lands the ids (the copy ends) and records which thread waited."""
@@ -126,15 +154,16 @@ class PrefillRole(Role):
         self.traced_chunks: dict[int, int] = {}
         #: request key -> the stand-in events of its chunks' page ids (`send_as_host_tensor`)
         self.landings: dict[str, list] = {}
-        self.watch_writes(self.faults.get("write_delay_s", 0))
+        self.watch_writes(self.faults.get("write_delay_s", 0), float(self.faults.get("worker_wake_s", 0)))
         faults.misdirect_aux(self.mgr, self.faults.get("aux_row", {}))
         faults.delay_success_mark(self.mgr, self.faults.get("mark_delay_s", {}))
 
-    def watch_writes(self, delay) -> None:
+    def watch_writes(self, delay, wake: float = 0.0) -> None:
         """Record when each room's last write returned (`write_done_at`) and when its deferred ABORT_ACKs went
         out (`ack_sent_at`). Fault `write_delay_s` (seconds, or {room: seconds}): each write of the manager (a
         Mooncake batch write, a CUDA IPC copy, a pair channel send) starts that much later, so it is in flight
-        for that long."""
+        for that long. `wake` (fault `worker_wake_s`): a worker waiting for a copy SGLang's thread queued
+        notices its end that much later."""
         from sglang_p2p_backend.engine.pair.pipeline import PairSender
 
         mgr, current = self.mgr, threading.local()
@@ -145,37 +174,24 @@ class PrefillRole(Role):
         def pause_of(room) -> float:
             return float(delay.get(str(room), 0) if isinstance(delay, dict) else delay or 0)
 
-        launched_at: dict[int, float] = {}
-
         def tracked_launch(task, info):
             """A chunk whose copy SGLang's thread queues (SGLANG_P2P_IPC_LAUNCH=scheduler): its write is in flight
-            from here until its worker's wait returns, which the delay holds back to this moment plus the delay
-            (a copy runs from its launch, whenever its worker gets to waiting for it)."""
+            from here until the delay passed (a copy runs from its launch, whenever its worker gets to waiting
+            for it, or SGLang's poll sees it done)."""
             current.room, current.launching = task.room, True
-            started = time.monotonic()
+            room, ready_at = task.room, time.monotonic() + pause_of(task.room)
             try:
                 return launch(task, info)
             finally:
                 current.launching = False
                 if task.launch is not None:
-                    launched_at[id(task)] = started
+                    task.launch = _HeldLaunch(task.launch, ready_at, ready_at + wake,
+                                              lambda when: self.write_done_at.__setitem__(room, when))
 
         def tracked_process(task):
             current.room = task.room
             if getattr(task, "trace", None) is not None:  # chunks that carry a trace context (test_trace_spans.py)
                 self.traced_chunks[task.room] = self.traced_chunks.get(task.room, 0) + 1
-            if task.launch is not None:
-                wait, room = task.launch.wait, task.room
-                until = launched_at.pop(id(task), time.monotonic()) + pause_of(room)
-
-                def delayed_wait():
-                    time.sleep(max(0.0, until - time.monotonic()))
-                    try:
-                        return wait()
-                    finally:
-                        self.write_done_at[room] = time.time()
-
-                task.launch.wait = delayed_wait
             return process(task)
 
         def delayed(send: Callable) -> Callable:
@@ -355,4 +371,6 @@ class PrefillRole(Role):
             "ipc_failed": dict(m.same_host.failed),
             "ipc_mapped": m.ipc.mapped_peers() if m.ipc is not None else [],
             "ipc_routes": m.ipc.route_counts() if m.ipc is not None else {},
+            "poll_tables": m.workers.rooms_held(),
+            "concluded_in_poll": m.workers.concluded_in_poll,
         }

@@ -109,6 +109,22 @@ def test_cuda_pools_land_byte_exact(layout, page_size, transport_env):
     assert_landed(run_pair(plan, env=env, timeout=240), [51, 52, 53])
 
 
+@pytest.mark.parametrize("layout", ["mla", "mha"])
+def test_rooms_concluded_in_the_schedulers_poll_over_cuda_ipc_land_byte_exact(layout):
+    # each chunk's copy queued by SGLang's thread on its CUDA stream, and its worker made to notice the copy's end
+    # 200 ms late (as a worker woken late, waiting for the GIL): SGLang's poll, every 2 ms, concludes the rooms
+    # whose last copy its own event says has run. Every byte must have landed by the Success the decode sees
+    pool = {**LAYOUTS[layout], "page_size": 16, "num_pages": 3 * 128 + 8}
+    requests = [{"room": 61 + i, "tokens": 2048 - 5 * i, "chunk_pages": 32} for i in range(3)]
+    plan = gpu_plan(pool, requests)
+    plan["faults"] = {"prefill": {"worker_wake_s": 0.2}}
+    plan["serial"] = True  # one request at a time: the decode is mapped after the first chunk, the rest queued here
+    result = run_pair(plan, env={"SGLANG_P2P_TRANSPORT": "cudaipc"}, timeout=240)
+    assert_landed(result, [61, 62, 63])
+    left = result["prefill"]["leftovers"]
+    assert left["concluded_in_poll"] >= 2 and left["poll_tables"] == [], left
+
+
 def test_decode_budget_of_one_communicator_serves_two_prefill_ranks_over_nccl():
     plan = gpu_plan({"layout": "mla", "num_layers": 8, "head_dim": 576, "page_size": 16, "num_pages": 512},
                     [{"room": 3201 + i, "tokens": 600, "chunk_pages": 8} for i in range(6)], deadline_s=60)

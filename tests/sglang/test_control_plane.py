@@ -170,7 +170,7 @@ def test_abort_storm_on_both_sides_leaves_every_table_empty():
             assert r["seconds"] < 5, (req, r)
     assert d["untouched_violations"] == []
     for key in ("request_status", "failure_records", "transfer_infos", "req_to_decode_prefix_len", "concluded",
-                "owned_rooms", "staging_outstanding", "deferred_ack_targets"):
+                "owned_rooms", "staging_outstanding", "deferred_ack_targets", "poll_tables"):
         assert p["leftovers"].get(key, []) == [], (key, p["leftovers"][key])
     for key in ("request_status", "failure_records", "live_rooms"):
         assert d["leftovers"][key] == [], (key, d["leftovers"][key])

@@ -129,3 +129,29 @@ def test_a_request_alone_takes_the_kernel_for_its_last_chunk_into_another_gpu(al
         assert routes["kernel"]["chunks"] == 1 and routes["kernel"]["why"] == {"alone on the GPU": 1}, routes
     else:
         assert routes == {"copy_engine": {"chunks": chunks, "bytes": routes["copy_engine"]["bytes"], "why": {}}}, routes
+
+
+@pytest.mark.parametrize("conclude_in_poll", ["1", "0"])
+def test_rooms_whose_last_copy_the_scheduler_queued_are_concluded_in_its_poll_and_every_byte_lands(conclude_in_poll):
+    # several requests, each of several chunks: after the first chunk mapped the decode, SGLang's thread queues each
+    # copy itself, and with SGLANG_P2P_CONCLUDE_IN_POLL=1 its poll concludes those rooms (a worker that gets there
+    # first concludes the room instead, once); =0 leaves every room to its worker. Bytes, aux row and Status exact
+    # either way, and nothing is left in the poll's tables once the senders were cleared
+    # each copy runs 20 ms, and its worker notices its end 200 ms later (a worker woken late, as for the GIL): the
+    # poll, every 2 ms, concludes first where it may
+    plan = _plan(env={"prefill": {"SGLANG_P2P_CONCLUDE_IN_POLL": conclude_in_poll}},
+                 faults={"prefill": {"write_delay_s": 0.02, "worker_wake_s": 0.2}})
+    plan["requests"] = [{"room": 81 + i, "tokens": 4 * 20 + 1 + i, "chunk_pages": 8} for i in range(6)]
+    result = run_pair(plan, env={**FAST, **IPC})
+    d, p = result["decode"], result["prefill"]
+    for i in range(6):
+        r = d["requests"][str(81 + i)]
+        assert r["status"] == "Success" and r["num_bad_pages"] == 0 and r["aux_room_ok"], r
+        assert p["requests"][str(81 + i)]["status"] == "Success"
+    assert d["untouched_violations"] == []
+    left = p["leftovers"]
+    assert left["poll_tables"] == [] and left["transfer_infos"] == [], left
+    if conclude_in_poll == "1":  # each room but those whose only copy went before the decode was mapped
+        assert 4 <= left["concluded_in_poll"] <= 6, left
+    else:
+        assert left["concluded_in_poll"] == 0, left

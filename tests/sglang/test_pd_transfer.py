@@ -62,6 +62,7 @@ def assert_clean(side: dict) -> None:
     left = side["leftovers"]
     assert left["request_status"] == [] and left["staging_in_use"] == 0, left
     assert left.get("transfer_infos", []) == [] and left.get("live_rooms", []) == [], left
+    assert left.get("poll_tables", []) == [], left  # nothing kept for SGLang's poll after its senders were cleared
     assert left.get("arrivals_pending", 0) == 0, left
     assert side["threads_left"] == [], side["threads_left"]
 

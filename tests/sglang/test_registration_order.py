@@ -14,6 +14,7 @@ import pytest
 from sglang_p2p_backend.adapter import decode
 from sglang_p2p_backend.adapter.decode import DecodeKVManager, PrefillPeer
 from sglang_p2p_backend.engine.wire import messages as wire
+from sglang_p2p_backend.engine.wire.control import ControlError
 
 PREFILL = "127.0.0.1:5000"
 
@@ -24,11 +25,16 @@ class Wire:
     def __init__(self) -> None:
         self.sent: list = []
         self.during_send = None
+        self.blocking: list = []  # each send's `block`
+        self.full: set = set()  # frames whose queue is full: a send that would wait fails (ControlError)
 
     def send_frames(self, endpoint, frames, block=True):
         hook, self.during_send = self.during_send, None
         if hook is not None:
             hook()
+        self.blocking.append(block)
+        if isinstance(frames[0], bytes) and frames[0] in self.full:
+            raise ControlError(f"control message to {endpoint} not delivered: Resource temporarily unavailable")
         self.sent.append((endpoint, frames))
 
     def set_secret(self, endpoint, secret):
@@ -78,11 +84,34 @@ def test_a_frame_sent_while_the_held_ones_go_out_waits_for_them_and_is_not_lost(
     assert peer.held == []
 
 
-def test_a_refusal_sends_the_held_frames_too_so_the_prefill_fails_its_side():
+def test_a_refusal_sends_the_held_frames_before_it_fails_the_rooms_so_the_prefill_fails_its_side():
     peer = PrefillPeer("pending", 0.0)
     m = manager(peer)
-    m._fail_rooms_served_by = lambda session, reason: None
+    events: list = []
+    m._fail_rooms_served_by = lambda session, reason: events.append(("failed", session, reason))
     m._writer_gone = lambda session: None
     m.send_to_prefill(PREFILL, [b"RoomMetadata"])
+    m.control.during_send = lambda: events.append(("sent", peer.state))
     DecodeKVManager._on_answer(m, SimpleNamespace(session=PREFILL, problem="layouts differ", secret=b"s"))
     assert peer.state == "refused" and m.control.sent == [(PREFILL, [b"RoomMetadata"])]
+    # the metadata reaches the refusing prefill (which fails its side of the room) before this side fails it
+    assert [e[0] for e in events] == ["sent", "failed"] and events[0][1] == "refused"
+    assert "layouts differ" in events[1][2]
+
+
+def test_the_held_frames_never_wait_for_room_under_the_lock_and_one_that_finds_its_queue_full_is_logged(caplog):
+    """SGLang's thread waits for that lock in `send_to_prefill`: a held frame waiting there for a prefill that
+    stopped reading would hold it too."""
+    peer = PrefillPeer("pending", 0.0)
+    m = manager(peer)
+    for frames in ([b"first"], [b"stuck"], [b"third"]):
+        m.send_to_prefill(PREFILL, frames)
+    m.control.full = {b"stuck"}
+    with caplog.at_level("WARNING", logger="sglang_p2p_backend.adapter.decode"):
+        m._release_held(PREFILL, peer, "accepted")
+    assert m.control.blocking == [False, False, False]
+    assert [f for _, f in m.control.sent] == [[b"first"], [b"third"]]  # the rest still go, in order
+    assert peer.held == [] and peer.state == "accepted"
+    assert any("not delivered" in r.getMessage() for r in caplog.records)
+    m.send_to_prefill(PREFILL, [b"later"])  # SGLang's own sends keep their blocking, bounded send
+    assert m.control.blocking[-1] is True and m.control.sent[-1] == (PREFILL, [b"later"])

@@ -12,96 +12,10 @@ import pytest
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 
-from sglang_p2p_backend.adapter.transfer_workers import TransferInfo, TransferTask, TransferWorkers
-from sglang_p2p_backend.engine.copy.launches import Launch
+from sglang_p2p_backend.adapter.transfer_workers import TransferTask
 from sglang_p2p_backend.engine.copy.stream_ops import CudaCallError
 
-SESSION = "127.0.0.1:4001"
-
-
-class FakeLaunch(Launch):
-    def __init__(self, error: Exception | None = None):
-        self.error, self.waits = error, 0
-
-    def done(self) -> bool:
-        return self.waits > 0
-
-    def wait(self) -> None:
-        self.waits += 1
-        if self.error is not None:
-            raise self.error
-
-
-class FakeSameHost:
-    """`launch` answers as told (a Launch, None for a refusal, or an exception); `send` records the worker's copy."""
-
-    def __init__(self, answer):
-        self.answer, self.launched, self.sent, self.is_mapped = answer, [], [], True
-        self.alone: list[bool] = []  # each copy's `alone`, launched or sent
-
-    def mapped(self, peer):
-        return self.is_mapped
-
-    def launch(self, peer, src, dst, unsettled, alone=False):
-        self.launched.append((peer.session, src.tolist(), dst.tolist()))
-        self.alone.append(alone)
-        if isinstance(self.answer, Exception):
-            raise self.answer
-        return self.answer
-
-    def send(self, peer, src, dst, heads, unsettled, state=(), alone=False):
-        self.sent.append((peer.session, [s.tolist() for s in src], [d.tolist() for d in dst]))
-        self.alone.append(alone)
-        return True
-
-    def last_write(self):
-        return None
-
-
-class Counts:
-    """DeferredRelease's counting, as the tests need it: begin/end per room, what ran at zero."""
-
-    def __init__(self):
-        self.in_flight, self.drained = {}, []
-
-    def begin(self, room):
-        self.in_flight[room] = self.in_flight.get(room, 0) + 1
-
-    def end(self, room):
-        self.in_flight[room] -= 1
-        if not self.in_flight[room]:
-            self.drained.append(room)
-
-    def poison(self, room):
-        raise AssertionError("nothing here fails unsettled")
-
-
-def workers(answer, *, route="cudaipc", heads=None, launch_in_add=True, alone=lambda room: False):
-    status = {7: KVPoll.WaitingForInput}
-    info = TransferInfo(session=SESSION, room=7, dst_kv_indices=np.arange(100, 110, dtype=np.int32), dst_aux_index=-1,
-                        dst_state_indices=[], required_dst_info_num=1, decode_prefix_len=0, is_dummy=False)
-    failed, succeeded = [], []
-    w = TransferWorkers(
-        count=1, spawn=lambda step, name: None, request_status=status, destinations={7: {SESSION: info}},
-        peers={SESSION: SimpleNamespace(session=SESSION)}, rejected={}, departed={}, heads={SESSION: heads},
-        state={}, route=lambda s: route, channels=None, same_host=FakeSameHost(answer), released=lambda: None,
-        one_sided=None, release=Counts(), control=None, session="p", prefill_rank=0, local=SimpleNamespace(state=[]),
-        fail_room=lambda room, why: (failed.append((room, why)), status.__setitem__(room, KVPoll.Failed)),
-        succeed=lambda room: succeeded.append(room), launch_in_add=launch_in_add, alone=alone)
-    return w, status, failed, succeeded
-
-
-def task(is_last=True, **kw) -> TransferTask:
-    return TransferTask(7, np.arange(3, 6, dtype=np.int32), slice(2, 5), is_last, None, None, **kw)
-
-
-def step(w: TransferWorkers) -> TransferTask:
-    """The worker's turn: the task `add` queued, processed on this thread."""
-    queued = w.shards[0].get_nowait()
-    w.shards[0].put(queued)
-    w._transfer_step(w.shards[0])
-    return queued
-
+from support.transfer_fakes import SESSION, FakeLaunch, step, task, workers
 
 def test_a_plain_chunk_is_queued_in_add_counted_from_there_and_its_worker_only_waits_and_concludes():
     launch = FakeLaunch()

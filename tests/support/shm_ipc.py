@@ -46,14 +46,17 @@ def _move(spans: list) -> None:
 
 
 class _Deferred(Launch):
-    """Spans queued by `ShmBackend.launch`: copied by the first `wait()`, on its thread (the GPU's part)."""
+    """Spans queued by `ShmBackend.launch`: copied by the first `wait()` or `done()`, on its thread (the GPU's part:
+    a copy asked about has run, as a GPU's short copy has by the time anyone asks). Until then nothing moved, so
+    anything that concludes a room before either would leave its pages unwritten."""
 
     def __init__(self, spans: list):
         self._spans, self._done = spans, False
         self._lock = threading.Lock()
 
     def done(self) -> bool:
-        return self._done
+        self.wait()
+        return True
 
     def wait(self) -> None:
         with self._lock:

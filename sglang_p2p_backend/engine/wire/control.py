@@ -141,16 +141,34 @@ class ControlChannel:
 
     def send_frames(self, endpoint: str, frames: list[bytes], block: bool = True) -> None:
         """Send one frame list; raises ControlError (never a bare ZMQError) when it was not handed to ZMQ."""
+        self._send(endpoint, frames, block, wait_turn=True)
+
+    def send_now(self, endpoint: str, msg: messages.Message) -> bool:
+        """Send `msg` only if it goes without any wait: neither for another thread's send on the socket nor for
+        room in its queue (SGLang's scheduler thread, which must never wait on a peer). False: nothing was sent,
+        and what comes after it must wait for a thread that may block."""
+        try:
+            return self._send(endpoint, messages.encode(msg), block=False, wait_turn=False)
+        except ControlError:
+            return False
+
+    def _send(self, endpoint: str, frames: list[bytes], block: bool, wait_turn: bool) -> bool:
+        """False where `wait_turn` is off and another thread is sending to `endpoint` (nothing sent)."""
         try:
             entry = self._endpoint(endpoint)
             with self._lock:
                 frames = seal(frames, self._secrets.get(endpoint))
-            with entry.lock:
+            if not entry.lock.acquire(blocking=wait_turn):
+                return False
+            try:
                 if entry.sock.closed:  # evicted meanwhile: the next send opens a new one
                     raise ControlError(f"control socket to {endpoint} was recycled")
                 if self._auth is not None:
                     frames = self._auth.seal(frames)
                 entry.sock.send_multipart(frames, flags=0 if block else zmq.NOBLOCK)
+            finally:
+                entry.lock.release()
+            return True
         except zmq.ZMQError as e:
             raise ControlError(f"control message to {endpoint} not delivered: {e}") from e
 

@@ -1,0 +1,202 @@
+"""SGLANG_P2P_CONCLUDE_IN_POLL: a room whose last chunk SGLang's thread queued (`TransferWorkers.add`) is concluded
+by SGLang's own poll of its sender once that copy ran, or by the chunk's worker if it got there first, never both
+and never early: not before the copy ran, not before every earlier chunk's worker is done, the aux row always
+ahead of the Status, and nothing the poll sends waits on a peer (what would wait is left to the worker, behind the
+chunk). The parts around the workers are small fakes (support/transfer_fakes.py); each test drives `add`, the poll
+and the worker's turns itself, on this thread."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+from sglang_p2p_backend.adapter.transfer_workers import Conclude, TransferTask
+from sglang_p2p_backend.engine.copy.stream_ops import CudaCallError
+
+from support.transfer_fakes import SESSION, FakeLaunch, drain, task, workers
+
+AUX = ("AuxData", 7, 5, 9)  # this rank's aux row 5 into the decode's row 9
+STATUS = ("Status", 7)
+
+
+class Ran(FakeLaunch):
+    """A copy that has run (`done`) before anyone waited for it."""
+
+    def done(self) -> bool:
+        return True
+
+
+def last_chunk(**kw) -> TransferTask:
+    return TransferTask(7, np.arange(3, 6, dtype=np.int32), slice(2, 5), True, 5, None, **kw)
+
+
+def test_the_poll_concludes_a_room_whose_last_copy_ran_aux_row_first_and_its_worker_only_waits():
+    launch = Ran()
+    w, status, failed, succeeded = workers(launch, conclude_in_poll=True, aux_index=9)
+    w.add(last_chunk())
+    w.conclude_launched(7)
+    assert w.control.sent == [(SESSION, AUX, False), (SESSION, STATUS, False)]  # neither may wait on the decode
+    assert succeeded == [(7, True)] and status[7] == KVPoll.Success
+    assert 7 not in w._finishing
+    assert drain(w) == 1  # the worker woken for the copy: waits for it (its event goes back), concludes nothing
+    assert launch.waits == 1 and succeeded == [(7, True)] and len(w.control.sent) == 2 and failed == []
+    assert w.release.in_flight == {7: 0}  # counted in flight from `add` until its worker ended
+    w.conclude_launched(7)  # SGLang polls again: nothing more
+    assert len(w.control.sent) == 2
+
+
+def test_a_copy_still_running_is_not_concluded_and_the_worker_that_gets_there_first_concludes_it_once():
+    launch = FakeLaunch()  # done only once waited for
+    w, status, failed, succeeded = workers(launch, conclude_in_poll=True, aux_index=9)
+    w.add(last_chunk())
+    w.conclude_launched(7)
+    assert w.control.sent == [] and succeeded == [] and status[7] == KVPoll.WaitingForInput
+    drain(w)
+    assert w.control.sent == [(SESSION, AUX, True), (SESSION, STATUS, True)] and succeeded == [7]
+    w.conclude_launched(7)  # the copy has run now, but its worker took the room: the poll only forgets it
+    assert succeeded == [7] and len(w.control.sent) == 2 and 7 not in w._finishing
+
+
+def test_the_poll_waits_for_every_earlier_chunks_worker():
+    """An earlier chunk may have been left to its worker (its copy not queued by SGLang's thread, or queued on
+    another stream): the last copy having run proves nothing of it."""
+    w, status, failed, succeeded = workers(None, conclude_in_poll=True)  # the first chunk's launch refused
+    first = task(is_last=False)
+    w.add(first)
+    w.same_host.answer = Ran()
+    last = task()
+    w.add(last)
+    assert last.previous is first and last.launch is w.same_host.answer
+    w.conclude_launched(7)
+    assert succeeded == []  # the first chunk's worker has not copied it yet
+    w._transfer_step(w.shards[0])  # it copies the first chunk
+    assert first.finished and w.same_host.sent == [(SESSION, [[3, 4, 5]], [[102, 103, 104]])]
+    assert last.previous is first  # kept until the last chunk's own worker is done
+    w.conclude_launched(7)
+    assert succeeded == [(7, True)]
+    drain(w)
+    assert succeeded == [(7, True)] and last.previous is None and last.finished
+
+
+def test_a_failed_copy_is_left_to_its_worker_which_fails_the_room_naming_the_error():
+    class Failed(FakeLaunch):
+        def done(self) -> bool:
+            raise CudaCallError("cudaEventQuery on cuda:0 failed: an illegal memory access (error 700)")
+
+    w, status, failed, succeeded = workers(Failed(CudaCallError("error 700")), conclude_in_poll=True)
+    w.add(last_chunk())
+    w.conclude_launched(7)  # never raises into SGLang's scheduler
+    assert succeeded == [] and w.control.sent == []
+    drain(w)
+    assert succeeded == [] and len(failed) == 1 and "error 700" in failed[0][1] and status[7] == KVPoll.Failed
+
+
+@pytest.mark.parametrize("case", ["failed", "peer gone", "released"])
+def test_a_room_the_poll_cannot_conclude_plainly_is_left_to_its_worker(case):
+    w, status, failed, succeeded = workers(Ran(), conclude_in_poll=True)
+    w.add(last_chunk())
+    if case == "failed":
+        status[7] = KVPoll.Failed
+    elif case == "peer gone":
+        w.peers = {}
+    else:
+        w.released = lambda: "SGLang released the KV memory"
+    w.conclude_launched(7)
+    assert succeeded == [] and w.control.sent == [] and 7 in w._finishing
+    drain(w)
+    if case == "failed":
+        assert succeeded == [] and failed == []  # ended meanwhile: the worker only waited for the copy
+    else:  # the worker fails it, naming why
+        assert succeeded == [] and len(failed) == 1
+        assert ("not registered" if case == "peer gone" else "released the KV memory") in failed[0][1]
+
+
+def test_an_aux_row_that_would_wait_leaves_the_whole_conclusion_to_the_worker_in_order():
+    w, status, failed, succeeded = workers(Ran(), conclude_in_poll=True, aux_index=9)
+    w.control.busy = {"AuxData"}  # the decode's socket is busy or full
+    w.add(last_chunk())
+    w.conclude_launched(7)
+    assert w.control.sent == [] and succeeded == [] and status[7] == KVPoll.WaitingForInput  # nothing half done
+    queued = list(w.shards[0].queue) if hasattr(w.shards[0], "queue") else None
+    assert drain(w) == 2  # the chunk (its worker finds the room taken), then the rest of its conclusion
+    assert queued is None or isinstance(queued[-1], Conclude)
+    assert w.control.sent == [(SESSION, AUX, True), (SESSION, STATUS, True)] and succeeded == [7]
+
+
+def test_a_status_that_would_wait_goes_from_the_worker_after_success_was_marked():
+    w, status, failed, succeeded = workers(Ran(), conclude_in_poll=True, aux_index=9)
+    w.control.busy = {"Status"}
+    w.add(last_chunk())
+    w.conclude_launched(7)
+    assert w.control.sent == [(SESSION, AUX, False)] and succeeded == [(7, True)] and status[7] == KVPoll.Success
+    assert drain(w) == 2
+    assert w.control.sent == [(SESSION, AUX, False), (SESSION, STATUS, True)] and succeeded == [(7, True)]
+
+
+def test_a_conclusion_the_worker_cannot_send_fails_the_room_with_the_reason():
+    w, status, failed, succeeded = workers(Ran(), conclude_in_poll=True, aux_index=9)
+    w.control.busy = {"AuxData"}
+
+    def refused(session, msg, block=True):
+        raise RuntimeError("control message to 127.0.0.1:4001 not delivered: Resource temporarily unavailable")
+
+    w.control.send = refused
+    w.add(last_chunk())
+    w.conclude_launched(7)
+    drain(w)
+    assert succeeded == [] and failed and "not delivered" in failed[0][1] and status[7] == KVPoll.Failed
+
+
+def test_with_the_knob_off_or_a_chunk_left_to_its_worker_the_poll_does_nothing():
+    for kw in ({"conclude_in_poll": False}, {"conclude_in_poll": True, "launch_in_add": False}):
+        w, status, failed, succeeded = workers(Ran(), **kw)
+        w.add(last_chunk())
+        assert w._finishing == {}
+        w.conclude_launched(7)
+        assert succeeded == []
+        drain(w)
+        assert succeeded == [7]
+
+
+def test_a_cleared_sender_forgets_its_room_and_a_next_attempt_of_the_room_is_not_confused_with_it():
+    w, status, failed, succeeded = workers(Ran(), conclude_in_poll=True)
+    w.add(task(is_last=False))
+    w.add(last_chunk())
+    w.conclude_launched(7)  # the first chunk's worker has not run: not concluded
+    w.forget(7)  # SGLang cleared the sender (an abort)
+    assert w._finishing == {} and w._latest == {}
+    status[7] = KVPoll.WaitingForInput  # the room's next attempt, while the old one's worker has not run yet
+    second = last_chunk()
+    w.add(second)
+    assert second.previous is None and w._finishing[7] is second
+    drain(w)  # the old attempt's two chunks and the new one's: each worker concludes its own, once
+    assert succeeded == [7, 7] and w._finishing[7] is second
+    w.conclude_launched(7)
+    assert w._finishing == {} and succeeded == [7, 7]
+
+
+def test_the_poll_and_the_worker_racing_for_one_room_conclude_it_exactly_once():
+    for _ in range(200):
+        w, status, failed, succeeded = workers(Ran(), conclude_in_poll=True, aux_index=9)
+        w.add(last_chunk())
+        worker = threading.Thread(target=drain, args=(w,))
+        worker.start()
+        w.conclude_launched(7)
+        worker.join(5)
+        assert len(succeeded) == 1 and [m[0] for _, m, _ in w.control.sent] == ["AuxData", "Status"]
+
+
+def test_the_knob_reads_from_the_environment(monkeypatch):
+    from sglang_p2p_backend.engine.config import ConfigError, EngineConfig
+
+    monkeypatch.delenv("SGLANG_P2P_CONCLUDE_IN_POLL", raising=False)
+    assert EngineConfig.from_env().conclude_in_poll
+    monkeypatch.setenv("SGLANG_P2P_CONCLUDE_IN_POLL", "0")
+    assert not EngineConfig.from_env().conclude_in_poll
+    monkeypatch.setenv("SGLANG_P2P_CONCLUDE_IN_POLL", "on")
+    with pytest.raises(ConfigError, match=r"SGLANG_P2P_CONCLUDE_IN_POLL='on' is not one of 1, 0"):
+        EngineConfig.from_env()
