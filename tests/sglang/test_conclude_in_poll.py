@@ -17,6 +17,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang_p2p_backend.adapter.transfer_workers import Conclude, TransferTask
 from sglang_p2p_backend.engine.copy.stream_ops import CudaCallError
 
+from support.knobs import assert_on_off_switch
 from support.transfer_fakes import SESSION, FakeLaunch, drain, task, workers
 
 AUX = ("AuxData", 7, 5, 9)  # this rank's aux row 5 into the decode's row 9
@@ -121,9 +122,12 @@ def test_an_aux_row_that_would_wait_leaves_the_whole_conclusion_to_the_worker_in
     w.add(last_chunk())
     w.conclude_launched(7)
     assert w.control.sent == [] and succeeded == [] and status[7] == KVPoll.WaitingForInput  # nothing half done
-    queued = list(w.shards[0].queue) if hasattr(w.shards[0], "queue") else None
-    assert drain(w) == 2  # the chunk (its worker finds the room taken), then the rest of its conclusion
-    assert queued is None or isinstance(queued[-1], Conclude)
+    w._transfer_step(w.shards[0])  # the chunk: its worker waits for the copy and finds the room taken
+    assert w.control.sent == [] and succeeded == []
+    rest = w.shards[0].get_nowait()
+    assert isinstance(rest, Conclude) and w.shards[0].empty()
+    w.shards[0].put(rest)
+    assert drain(w) == 1
     assert w.control.sent == [(SESSION, AUX, True), (SESSION, STATUS, True)] and succeeded == [7]
 
 
@@ -191,12 +195,4 @@ def test_the_poll_and_the_worker_racing_for_one_room_conclude_it_exactly_once():
 
 
 def test_the_knob_reads_from_the_environment(monkeypatch):
-    from sglang_p2p_backend.engine.config import ConfigError, EngineConfig
-
-    monkeypatch.delenv("SGLANG_P2P_CONCLUDE_IN_POLL", raising=False)
-    assert EngineConfig.from_env().conclude_in_poll
-    monkeypatch.setenv("SGLANG_P2P_CONCLUDE_IN_POLL", "0")
-    assert not EngineConfig.from_env().conclude_in_poll
-    monkeypatch.setenv("SGLANG_P2P_CONCLUDE_IN_POLL", "on")
-    with pytest.raises(ConfigError, match=r"SGLANG_P2P_CONCLUDE_IN_POLL='on' is not one of 1, 0"):
-        EngineConfig.from_env()
+    assert_on_off_switch(monkeypatch, "SGLANG_P2P_CONCLUDE_IN_POLL", "conclude_in_poll")

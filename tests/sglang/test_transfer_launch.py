@@ -15,6 +15,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang_p2p_backend.adapter.transfer_workers import TransferTask
 from sglang_p2p_backend.engine.copy.stream_ops import CudaCallError
 
+from support.knobs import assert_on_off_switch
 from support.transfer_fakes import SESSION, FakeLaunch, step, task, workers
 
 def test_a_plain_chunk_is_queued_in_add_counted_from_there_and_its_worker_only_waits_and_concludes():
@@ -185,16 +186,9 @@ def test_only_the_last_chunk_of_the_only_request_is_copied_as_alone(launch_in_ad
 def test_the_prefill_counts_a_room_alone_while_it_is_the_only_request_with_a_sender_and_the_knob_turns_it_off(
         monkeypatch):
     from sglang_p2p_backend.adapter.prefill import PrefillKVManager
-    from sglang_p2p_backend.engine.config import ConfigError, EngineConfig
 
     alone = PrefillKVManager._alone
     assert alone(SimpleNamespace(owned_rooms={7}), 7)
     assert not alone(SimpleNamespace(owned_rooms={7, 8}), 7)  # another request is bootstrapping, waiting or sending
     assert not alone(SimpleNamespace(owned_rooms={8}), 7) and not alone(SimpleNamespace(owned_rooms=set()), 7)
-    monkeypatch.delenv("SGLANG_P2P_ALONE_KERNEL", raising=False)
-    assert EngineConfig.from_env().alone_kernel
-    monkeypatch.setenv("SGLANG_P2P_ALONE_KERNEL", "0")
-    assert not EngineConfig.from_env().alone_kernel
-    monkeypatch.setenv("SGLANG_P2P_ALONE_KERNEL", "yes")
-    with pytest.raises(ConfigError, match=r"SGLANG_P2P_ALONE_KERNEL='yes' is not one of 1, 0"):
-        EngineConfig.from_env()
+    assert_on_off_switch(monkeypatch, "SGLANG_P2P_ALONE_KERNEL", "alone_kernel")
