@@ -284,10 +284,16 @@ class TransferWorkers:
         session = info.session
         self.times.mark(room, "written")
         aux = self._aux(task, info)
-        if aux is not None and not self.control.send_now(session, self._aux_message(session, room, *aux)):
-            self._shard_of(session).put(Conclude(room, lambda: self._conclude(session, room, aux)))
+        try:
+            if aux is not None and not self.control.send_now(session, self._aux_message(session, room, *aux)):
+                self._shard_of(session).put(Conclude(room, lambda: self._conclude(session, room, aux)))
+                return
+            rest = self.succeed(room, now=True)
+        except Exception as e:  # noqa: BLE001 - never into SGLang's scheduler: the worker fails the room, as its own
+            logger.exception("p2pnccl: concluding room %s failed", room)
+            why = f"prefill transfer error: {e!r}"
+            self._shard_of(session).put(Conclude(room, lambda: self.fail_room(room, why)))
             return
-        rest = self.succeed(room, now=True)
         if rest is not None:
             self._shard_of(session).put(Conclude(room, rest))
             return

@@ -155,6 +155,20 @@ def test_a_conclusion_the_worker_cannot_send_fails_the_room_with_the_reason():
     assert succeeded == [] and failed and "not delivered" in failed[0][1] and status[7] == KVPoll.Failed
 
 
+def test_an_error_in_the_polls_conclusion_never_reaches_sglangs_thread_and_its_worker_fails_the_room():
+    w, status, failed, succeeded = workers(Ran(), conclude_in_poll=True, aux_index=9)
+
+    def out_of_bounds(session, room, src, dst):
+        raise ValueError("aux index 9 is outside the decode's 4 aux rows")
+
+    w._aux_message = out_of_bounds
+    w.add(last_chunk())
+    w.conclude_launched(7)  # raises nothing into SGLang's poll
+    assert w.control.sent == [] and succeeded == [] and failed == []
+    assert drain(w) == 2  # the chunk (the room taken), then its failure, from the worker
+    assert succeeded == [] and len(failed) == 1 and "outside the decode's 4 aux rows" in failed[0][1]
+
+
 def test_with_the_knob_off_or_a_chunk_left_to_its_worker_the_poll_does_nothing():
     for kw in ({"conclude_in_poll": False}, {"conclude_in_poll": True, "launch_in_add": False}):
         w, status, failed, succeeded = workers(Ran(), **kw)
