@@ -210,3 +210,31 @@ def test_the_poll_and_the_worker_racing_for_one_room_conclude_it_exactly_once():
 
 def test_the_knob_reads_from_the_environment(monkeypatch):
     assert_on_off_switch(monkeypatch, "SGLANG_P2P_CONCLUDE_IN_POLL", "conclude_in_poll")
+
+
+def test_the_prefills_status_sender_in_the_poll_sends_what_goes_now_and_returns_the_rest_for_a_worker():
+    """`PrefillKVManager._succeed(now=True)`: Success marked first, each decode rank's Status sent only if it goes
+    at once; the returned sender sends the others (blocking, as a worker may)."""
+    from types import SimpleNamespace
+
+    from sglang_p2p_backend.adapter.prefill import PrefillKVManager
+    from sglang_p2p_backend.adapter.transfer_workers import TransferInfo
+
+    def info(session):
+        return TransferInfo(session, 7, np.arange(2, dtype=np.int32), -1, [], 2, 0, False)
+
+    sent, marked = [], []
+    control = SimpleNamespace(send_now=lambda s, msg: s != "d:2" and not sent.append((s, msg.status, "now")))
+    m = SimpleNamespace(transfer_infos={7: {"d:1": info("d:1"), "d:2": info("d:2")}}, decode_peers={"d:1": 0, "d:2": 0},
+                        control=control, session="p:1", prefill_rank=0, kv_digest=None,
+                        _control_send=lambda s, msg, block=True: sent.append((s, msg.status, "worker")),
+                        update_status=lambda room, status: marked.append((room, status, len(sent))))
+    m._status_sender = lambda *a, **kw: PrefillKVManager._status_sender(m, *a, **kw)
+    rest = PrefillKVManager._succeed(m, 7, now=True)
+    assert marked == [(7, KVPoll.Success, 0)]  # marked before any Status went
+    assert sent == [("d:1", int(KVPoll.Success), "now")] and rest is not None
+    rest()
+    assert sent[-1] == ("d:2", int(KVPoll.Success), "worker")
+    sent.clear()
+    assert PrefillKVManager._succeed(m, 7) is None  # a worker's own conclusion: every Status sent, nothing left
+    assert sent == [("d:1", int(KVPoll.Success), "worker"), ("d:2", int(KVPoll.Success), "worker")]
