@@ -2,7 +2,8 @@
 
 Inbound traffic arrives on the PULL socket SGLang's manager already binds; this is the other direction.
 Sends are bounded by SNDTIMEO, so a dead peer makes a send fail (ControlError) instead of blocking a worker;
-heartbeats do not wait at all (`block=False`). The number of open sockets is capped: the least recently used
+heartbeats do not wait at all (`block=False`), and `send_now` (SGLang's scheduler thread) does not even wait for
+another thread's send on the same socket. The number of open sockets is capped: the least recently used
 one is closed when a new endpoint would exceed `max_sockets` (ZMQ's own limit is 1,023 sockets a context), so
 no stream of peers can exhaust file descriptors. With an `Authenticator` every frame list is sealed with the
 endpoint's next counter, under the endpoint's lock, so counters reach the peer in order. Every frame list to a
