@@ -337,6 +337,8 @@ def test_abort_ack_waits_for_the_room_in_flight_only(transport_env):
     # one decode rank: both rooms go to the same transfer worker. Room 92's write is in flight for 3 s when
     # the decode aborts both; room 93's chunk is still queued behind it (nothing of it in flight), so its ACK
     # goes out at once and its pages come back at once, while room 92's wait for the end of its write.
+    # Same host: both copies queued by that worker (SGLANG_P2P_IPC_LAUNCH=worker). With SGLang's thread queueing
+    # them, room 93's copy would not wait behind room 92's once the decode is mapped (the next test).
     require_deferred_release()
     plan = {
         "pool": {"layout": "mha", "num_layers": 2, "page_size": 4, "num_pages": 300},
@@ -348,7 +350,8 @@ def test_abort_ack_waits_for_the_room_in_flight_only(transport_env):
         "linger_s": {"prefill": 5.0, "decode": 1.5},
         "deadline_s": 40,
     }
-    result = run_pair(plan, env={**FAST_FAILURE_ENV, **DEFERRED_ENV, **transport_env})
+    env = {**FAST_FAILURE_ENV, **DEFERRED_ENV, **transport_env, "SGLANG_P2P_IPC_LAUNCH": "worker"}
+    result = run_pair(plan, env=env)
     assert result["returncodes"] == {"prefill": 0, "decode": 0}, result["workdir"]
     d, p = result["decode"], result["prefill"]
     held, idle = d["requests"]["92"], d["requests"]["93"]
@@ -364,6 +367,43 @@ def test_abort_ack_waits_for_the_room_in_flight_only(transport_env):
     assert "write_done_at" not in sent_idle, sent_idle
     assert sent_idle["ack_sent_at"] < sent_held["write_done_at"], (sent_idle, sent_held)
     assert idle["released_at"] - idle["abort_at"] < 1.5, idle
+    assert d["untouched_violations"] == []
+    assert_clean(d)
+    assert_clean(p)
+    assert_no_deferred_leftovers(p, d)
+
+
+def test_abort_ack_waits_for_a_copy_the_scheduler_queued_while_its_poll_concludes_the_room_whose_copy_ran():
+    # same host, SGLang's thread queueing each copy (the default) and its poll concluding rooms. Room 91 maps the
+    # decode; then rooms 92 and 93 are queued in `add` at once. Room 92's copy runs 3 s; room 93's ran, so the
+    # poll concludes it (Success, every byte) before the decode aborts at 0.5 s. Room 92's ACK and its pages wait
+    # for its copy, counted in flight from its launch on SGLang's thread, not from its worker.
+    require_deferred_release()
+    plan = {
+        "pool": {"layout": "mha", "num_layers": 2, "page_size": 4, "num_pages": 300},
+        "requests": [
+            {"room": 91, "tokens": 4 * 5, "chunk_pages": 5},
+            {"room": 92, "tokens": 4 * 20, "chunk_pages": 20, "after": "decode-91-done"},
+            {"room": 93, "tokens": 4 * 20, "chunk_pages": 20, "after": "decode-91-done"},
+        ],
+        "faults": {"prefill": {"write_delay_s": {"92": 3.0}}, "decode": {"abort_after_s": 0.5}},
+        "linger_s": {"prefill": 5.0, "decode": 1.5},
+        "deadline_s": 40,
+    }
+    result = run_pair(plan, env={**FAST_FAILURE_ENV, **DEFERRED_ENV, **IPC_ENV})
+    assert result["returncodes"] == {"prefill": 0, "decode": 0}, result["workdir"]
+    d, p = result["decode"], result["prefill"]
+    for room in (91, 93):
+        r = d["requests"][str(room)]
+        assert r["status"] == "Success" and r["num_bad_pages"] == 0 and r["aux_room_ok"], r
+        assert p["requests"][str(room)]["status"] == "Success"
+    assert p["leftovers"]["concluded_in_poll"] >= 1, p["leftovers"]  # room 93 (room 91's copy was its worker's)
+    held, sent_held = d["requests"]["92"], p["requests"]["92"]
+    assert held["status"] == "Failed" and "Aborted by AbortReq" in held["reason"], held
+    assert held["release_safe"] and held["changed_after_release"] is False, held
+    assert sent_held["ack_sent_at"] >= sent_held["write_done_at"], sent_held
+    assert held["released_at"] >= sent_held["write_done_at"], (held, sent_held)
+    assert held["released_at"] - held["abort_at"] > 2.0, held
     assert d["untouched_violations"] == []
     assert_clean(d)
     assert_clean(p)
