@@ -8,7 +8,7 @@ import re
 import statistics
 from typing import Optional
 
-from sglang_p2p_backend.adapter.room_times import CPU, CPU_STEPS, PREFIX, RUNQ, STEPS
+from sglang_p2p_backend.adapter.room_times import BY_POLL, CPU, CPU_STEPS, PREFIX, RUNQ, STEPS
 from sglang_p2p_backend.engine.transport.cuda_ipc import WRITE_STEPS
 
 #: the steps of a write on the thread that queued its copy, in order: each gap's wall time and CPU time
@@ -20,18 +20,37 @@ _STEP = re.compile(r"(\w+) (-?[0-9.]+)")
 
 def parse(text: str) -> list[dict[str, float]]:
     """Each room's line in `text` as {"room": its id, "chunks": n, step: ms from its first chunk queued, ...,
-    "cpu_launched", "cpu_<step>" and "runq_written": ms where the line has them}, the steps in the line's order."""
+    "cpu_launched", "cpu_<step>" and "runq_written": ms where the line has them, "by_poll": 1.0 where SGLang's poll
+    concluded the room}, the steps in the line's order."""
     rooms = []
     for m in _LINE.finditer(text):
         steps = {k: float(v) for k, v in _STEP.findall(m.group(3)) if k in STEPS or k in (CPU, *CPU_STEPS, RUNQ)}
-        rooms.append({"room": int(m.group(1)), "chunks": float(m.group(2)), **steps})
+        by_poll = {"by_poll": 1.0} if m.group(3).rstrip().endswith(BY_POLL) else {}
+        rooms.append({"room": int(m.group(1)), "chunks": float(m.group(2)), **steps, **by_poll})
     return rooms
+
+
+def concluders(rooms: list[dict[str, float]]) -> Optional[dict[str, dict[str, object]]]:
+    """Where SGLang's poll concluded any room: {"poll": ..., "worker": ...}, each {"rooms": n, "concluded" and
+    "seen": median ms} over the rooms that one concluded (None where no line says `by poll`: the poll concluded
+    none, or the servers predate the mark)."""
+    if not any(r.get("by_poll") for r in rooms):
+        return None
+    out: dict[str, dict[str, object]] = {}
+    for who, mine in (("poll", [r for r in rooms if r.get("by_poll")]),
+                      ("worker", [r for r in rooms if not r.get("by_poll")])):
+        out[who] = {"rooms": len(mine)}
+        for step in ("concluded", "seen"):
+            xs = [r[step] for r in mine if step in r]
+            out[who][step] = round(statistics.median(xs), 3) if xs else None
+    return out
 
 
 def summarize(rooms: list[dict[str, float]]) -> Optional[dict[str, object]]:
     """{"rooms": n, "chunks_p50", "at": {step: median ms}, "gaps": {"a->b": median of b - a}} over the rooms that
     reached both steps, and "cpu_launched", each "cpu_<step>" and "runq_written" (the medians of the rooms that
-    have them) where any has; None without rooms (the servers did not log them)."""
+    have them) where any has, "concluded_by" (`concluders`) where the poll concluded any; None without rooms (the
+    servers did not log them)."""
     if not rooms:
         return None
     at = {s: round(statistics.median(r[s] for r in rooms if s in r), 3)
@@ -50,6 +69,9 @@ def summarize(rooms: list[dict[str, float]]) -> Optional[dict[str, object]]:
     host = host_steps(rooms)
     if host:
         out["host_steps"] = host
+    by = concluders(rooms)
+    if by:
+        out["concluded_by"] = by
     return out
 
 

@@ -183,7 +183,21 @@ def room_steps(c: dict[str, Any]) -> Optional[dict[str, Any]]:
             "host_steps": {g: {k: m([r["host_steps"][g][k] for r in runs if g in r.get("host_steps", {})])
                                for k in ("wall", "cpu")}
                            for g in {g for r in runs for g in r.get("host_steps", {})}},
-            "seen": m([r["at"]["seen"] for r in runs if "seen" in r["at"]])}
+            "seen": m([r["at"]["seen"] for r in runs if "seen" in r["at"]]),
+            "concluded_by": _concluded_by([r["concluded_by"] for r in runs if r.get("concluded_by")])}
+
+
+def _concluded_by(runs: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Over the runs where SGLang's poll concluded rooms (e2e/room_times.py's `concluders`): per concluder, its
+    rooms and the median over the runs of their median Success seen (ms); None where no run had any."""
+    if not runs:
+        return None
+    out = {}
+    for who in ("poll", "worker"):
+        seen = [r[who]["seen"] for r in runs if r[who]["seen"] is not None]
+        out[who] = {"rooms": sum(r[who]["rooms"] for r in runs),
+                    "seen": round(statistics.median(seen), 3) if seen else None}
+    return out
 
 
 def prefill_spread(c: dict[str, Any]) -> dict[str, Optional[float]]:
@@ -295,8 +309,8 @@ def batch_markdown(rows: list[dict[str, Any]]) -> str:
     Success seen by SGLang's poll; "" where no result holds either."""
     out = ["| graphs | prompt | conc. | backend | decode batch mean (median) | rooms timed | "
            + " | ".join(f"{g} ms" for g in ROOM_GAPS) + " | worker CPU ready->launched ms | worker run-queue wait ready->written ms | "
-           "queued->seen ms |",
-           "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in ROOM_GAPS) + " | --- | --- | --- |"]
+           "queued->seen ms | rooms concluded by the poll / its workers (queued->seen ms) |",
+           "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in ROOM_GAPS) + " | ---" * 4 + " |"]
     for r in rows:
         for b, v in r["backends"].items():
             batch, rooms = v.get("running_batch"), v.get("room_steps")
@@ -305,6 +319,9 @@ def batch_markdown(rows: list[dict[str, Any]]) -> str:
             cols = [f"{batch['mean']:.1f} ({batch['median']:g})" if batch else "-", str(rooms["rooms"]) if rooms else "-"]
             cols += [_ms((rooms or {}).get("gaps", {}).get(g)) for g in ROOM_GAPS]
             cols += [_ms((rooms or {}).get(k)) for k in ("cpu_launched", "runq_written", "seen")]
+            by = (rooms or {}).get("concluded_by")
+            cols.append(" / ".join(f"{by[w]['rooms']} ({_ms(by[w]['seen'])})" for w in ("poll", "worker"))
+                        if by else "-")
             out.append(f"| {'yes' if r['cuda_graph'] else 'no'} | {r['input_len']} | {r['concurrency']} | {b} | "
                        + " | ".join(cols) + " |")
     return "\n".join(out) if len(out) > 2 else ""

@@ -40,6 +40,8 @@ RUNQ = "runq_written"
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 #: the prefix of the log line (e2e/room_times.py reads it back)
 PREFIX = "p2pnccl: room times"
+#: the line's last words where SGLang's poll concluded the room (SGLANG_P2P_CONCLUDE_IN_POLL), not its worker
+BY_POLL = "by poll"
 
 
 class _ThreadFile:
@@ -139,6 +141,14 @@ class RoomTimes:
                     if cpu0 is not None:
                         times[f"cpu_{step}"] = cpu - cpu0
 
+    def by_poll(self, room: int) -> None:
+        """SGLang's poll, not a worker, concluded `room`: its line says so."""
+        if self.enabled:
+            with self._lock:
+                times = self._rooms.get(room)
+                if times is not None:
+                    times["by_poll"] = 1.0
+
     def _room(self, room: int, step: str) -> Optional[dict[str, float]]:
         """`room`'s record (under the lock), opened by `queued`; None where it was not opened (before this was on,
         or dropped for the bound)."""
@@ -169,9 +179,11 @@ class RoomTimes:
 
 
 def line_of(room: int, times: dict[str, float]) -> str:
-    """`PREFIX room R chunks N: step ms, ...[, cpu_launched ms, cpu_<step> ms...][, runq_written ms]` (the steps it
-    reached, from its first chunk queued; the CPU times and the run-queue wait where both ends were recorded)."""
+    """`PREFIX room R chunks N: step ms, ...[, cpu_launched ms, cpu_<step> ms...][, runq_written ms][, by poll]` (the
+    steps it reached, from its first chunk queued; the CPU times and the run-queue wait where both ends were
+    recorded; BY_POLL where SGLang's poll concluded the room)."""
     t0 = times["queued"]
     steps = [f"{s} {1e3 * (times[s] - t0):.3f}" for s in STEPS[1:] if s in times]
     steps += [f"{k} {1e3 * times[k]:.3f}" for k in (CPU, *CPU_STEPS, RUNQ) if k in times]
+    steps += [BY_POLL] if times.get("by_poll") else []
     return f"{PREFIX} {room} chunks {int(times['chunks'])}: {', '.join(steps)}"

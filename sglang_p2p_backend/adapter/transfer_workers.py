@@ -280,6 +280,7 @@ class TransferWorkers:
             return
         del self._finishing[room]
         self.concluded_in_poll += 1
+        self.times.by_poll(room)
         info = real[0]
         session = info.session
         self.times.mark(room, "written")

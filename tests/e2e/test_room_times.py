@@ -132,8 +132,42 @@ def test_the_report_shows_the_decode_batch_and_the_room_steps_of_each_backend():
     # NIXL's run logged neither: no row
     # no `planned` or `launched` (not the same-host path): their gaps, the CPU and the wait are "-", the write whole is there
     assert md[2:] == ["| yes | 4096 | 1 | p2pnccl | 12.5 (10) | 1 | 0.000 | 0.500 | 0.000 | - | - | - | - | 1.500 "
-                      "| 0.250 | 1.750 | - | - | 4.000 |"]
+                      "| 0.250 | 1.750 | - | - | 4.000 | - |"]
     assert serve_report.batch_markdown(serve_report.table(cells[1:])) == ""
+
+
+def test_rooms_the_poll_concluded_say_so_and_the_report_counts_and_times_them_apart_from_the_workers():
+    """SGLANG_P2P_CONCLUDE_IN_POLL: a room SGLang's poll concluded ends its line `by poll`; a run's summary gives
+    each concluder's rooms and median span to Success, and the report's batch table shows both."""
+    times, clock, lines = timed()
+    for room, by_poll, seen in [(1, True, 1.5), (2, False, 2.0), (3, True, 1.25), (4, False, 3.0)]:
+        clock.t = 100.0
+        times.mark(room, "queued")
+        clock.t = 100.0 + 1e-3
+        times.mark(room, "written")
+        if by_poll:
+            times.by_poll(room)
+        times.mark(room, "concluded")
+        clock.t = 100.0 + seen / 1e3
+        times.seen(room)
+    assert lines[0] == ("p2pnccl: room times 1 chunks 1: last_queued 0.000, written 1.000, concluded 1.000, "
+                        "seen 1.500, by poll")
+    assert lines[1] == "p2pnccl: room times 2 chunks 1: last_queued 0.000, written 1.000, concluded 1.000, seen 2.000"
+    times.by_poll(9)  # a room not timed: nothing
+    rooms = room_times.parse("\n".join(lines))
+    assert [r.get("by_poll") for r in rooms] == [1.0, None, 1.0, None]
+    got = room_times.summarize(rooms)
+    assert got["concluded_by"] == {"poll": {"rooms": 2, "concluded": 1.0, "seen": 1.375},
+                                   "worker": {"rooms": 2, "concluded": 1.0, "seen": 2.5}}
+    assert "concluded_by" not in room_times.summarize(rooms[1::2])  # the poll concluded none (or an older log)
+    cells = [{"backend": "p2pnccl-times", "input_len": 4096, "concurrency": 1, "cuda_graph": True,
+              "reps": [{"output_tok_s": 1.0, "room_times_ms": got}, {"output_tok_s": 1.0, "room_times_ms": got}]}]
+    (row,) = serve_report.table(cells)
+    assert row["backends"]["p2pnccl-times"]["room_steps"]["concluded_by"] == {"poll": {"rooms": 4, "seen": 1.375},
+                                                                             "worker": {"rooms": 4, "seen": 2.5}}
+    md = serve_report.batch_markdown([row]).splitlines()
+    assert md[2].endswith("| 4 (1.375) / 4 (2.500) |"), md
+    assert md[0].count("|") == md[1].count("|") == md[2].count("|"), md  # one column more everywhere
 
 
 def test_a_writes_noted_steps_give_each_host_step_with_the_cpu_the_thread_spent_to_it():

@@ -14,6 +14,7 @@ import pytest
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 
+from sglang_p2p_backend.adapter.room_times import RoomTimes
 from sglang_p2p_backend.adapter.transfer_workers import Conclude, TransferTask
 from sglang_p2p_backend.engine.copy.stream_ops import CudaCallError
 
@@ -35,9 +36,18 @@ def last_chunk(**kw) -> TransferTask:
     return TransferTask(7, np.arange(3, 6, dtype=np.int32), slice(2, 5), True, 5, None, **kw)
 
 
+def timed() -> tuple[RoomTimes, list]:
+    """Room 7's steps timed (SGLANG_P2P_ROOM_TIMES=1), its first chunk queued: its line lands in the list."""
+    lines: list = []
+    times = RoomTimes(True, log=lines.append)
+    times.mark(7, "queued")
+    return times, lines
+
+
 def test_the_poll_concludes_a_room_whose_last_copy_ran_aux_row_first_and_its_worker_only_waits():
     launch = Ran()
-    w, status, failed, succeeded = workers(launch, conclude_in_poll=True, aux_index=9)
+    times, lines = timed()
+    w, status, failed, succeeded = workers(launch, conclude_in_poll=True, aux_index=9, times=times)
     w.add(last_chunk())
     w.conclude_launched(7)
     assert w.control.sent == [(SESSION, AUX, False), (SESSION, STATUS, False)]  # neither may wait on the decode
@@ -48,11 +58,14 @@ def test_the_poll_concludes_a_room_whose_last_copy_ran_aux_row_first_and_its_wor
     assert w.release.in_flight == {7: 0}  # counted in flight from `add` until its worker ended
     w.conclude_launched(7)  # SGLang polls again: nothing more
     assert len(w.control.sent) == 2
+    times.seen(7)
+    assert ", concluded " in lines[0] and lines[0].endswith(", by poll"), lines  # the line says who concluded
 
 
 def test_a_copy_still_running_is_not_concluded_and_the_worker_that_gets_there_first_concludes_it_once():
     launch = FakeLaunch()  # done only once waited for
-    w, status, failed, succeeded = workers(launch, conclude_in_poll=True, aux_index=9)
+    times, lines = timed()
+    w, status, failed, succeeded = workers(launch, conclude_in_poll=True, aux_index=9, times=times)
     w.add(last_chunk())
     w.conclude_launched(7)
     assert w.control.sent == [] and succeeded == [] and status[7] == KVPoll.WaitingForInput
@@ -60,6 +73,8 @@ def test_a_copy_still_running_is_not_concluded_and_the_worker_that_gets_there_fi
     assert w.control.sent == [(SESSION, AUX, True), (SESSION, STATUS, True)] and succeeded == [7]
     w.conclude_launched(7)  # the copy has run now, but its worker took the room: the poll only forgets it
     assert succeeded == [7] and len(w.control.sent) == 2 and 7 not in w._finishing
+    times.seen(7)
+    assert "concluded" in lines[0] and "by poll" not in lines[0], lines
 
 
 def test_the_poll_waits_for_every_earlier_chunks_worker():

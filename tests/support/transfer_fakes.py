@@ -92,7 +92,7 @@ class FakeControl:
 
 
 def workers(answer, *, route="cudaipc", heads=None, launch_in_add=True, alone=lambda room: False,
-            conclude_in_poll=False, aux_index=-1):
+            conclude_in_poll=False, aux_index=-1, times=None):
     """Room 7 to one decode rank (`aux_index`: its aux row's index there, -1: none). `succeeded` lists each
     conclusion as (room, now), which marks the room Success and sends its Status as the prefill's `_succeed` does:
     `now` only if it goes at once, else returned for a worker to send."""
@@ -119,7 +119,7 @@ def workers(answer, *, route="cudaipc", heads=None, launch_in_add=True, alone=la
         state={}, route=lambda s: route, channels=None, same_host=FakeSameHost(answer), released=lambda: None,
         one_sided=None, release=Counts(), control=control, session="p", prefill_rank=0, local=SimpleNamespace(state=[]),
         fail_room=lambda room, why: (failed.append((room, why)), status.__setitem__(room, KVPoll.Failed)),
-        succeed=succeed, launch_in_add=launch_in_add, alone=alone, conclude_in_poll=conclude_in_poll)
+        succeed=succeed, times=times, launch_in_add=launch_in_add, alone=alone, conclude_in_poll=conclude_in_poll)
     w._aux_message = lambda session, room, src, dst: ("AuxData", room, src, dst)  # the rows' bytes are not the point
     return w, status, failed, succeeded
 
