@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 #: and its route chosen (cuda_ipc.WRITE_STEPS), its copy planned (the runtime calls next) and queued on the GPU
 #: (these on the same-host path only: before `launched` is host time, after it the device's and the wait's), the
 #: launch returned to SGLang's thread (a chunk that thread queued), written to every decode rank (its worker's wait
-#: returned, or SGLang's poll found the copy done: SGLANG_P2P_CONCLUDE_IN_POLL), the room concluded here (Success
-#: marked, Status sent) and Success seen by SGLang's poll. `concluded` is missing where the poll saw
+#: returned, or SGLang's poll found the copy done: SGLANG_P2P_CONCLUDE_IN_POLL; a queued copy's aux row goes after
+#: it), the room concluded here (Success marked, Status sent) and Success seen by SGLang's poll. `concluded` is missing where the poll saw
 #: the Success first (it is marked before the Status goes). A chunk SGLang's thread queued is `ready` before `picked`
 STEPS = ("queued", "last_queued", "picked", "ready", *WRITE_STEPS, "planned", "launched", "returned", "written",
          "concluded", "seen")

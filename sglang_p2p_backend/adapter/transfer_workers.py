@@ -430,6 +430,8 @@ class TransferWorkers:
                 if failed is not None:
                     self.fail_room(room, f"KV transfer to decode rank {session} failed: {failed}")
                     return
+                # written once the copy ran, before the aux row: where SGLang's poll marks it (conclude_launched)
+                self.times.mark(room, "written")
                 if aux is not None:
                     self._send_aux(session, room, *aux)
                 continue
@@ -442,7 +444,8 @@ class TransferWorkers:
             finally:
                 if task.trace is not None:
                     tracing.session_slice(task.trace, started, session)
-        self.times.mark(room, "written")
+        if launched is None:
+            self.times.mark(room, "written")
         if task.is_last and alive():
             self.succeed(room)
             self.times.mark(room, "concluded")

@@ -7,6 +7,7 @@ and the worker's turns itself, on this thread."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -60,6 +61,40 @@ def test_the_poll_concludes_a_room_whose_last_copy_ran_aux_row_first_and_its_wor
     assert len(w.control.sent) == 2
     times.seen(7)
     assert ", concluded " in lines[0] and lines[0].endswith(", by poll"), lines  # the line says who concluded
+
+
+class Ticks:
+    """A clock one millisecond further on at each reading."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1e-3
+        return self.t
+
+
+@pytest.mark.parametrize("by_poll", [True, False], ids=["poll", "worker"])
+def test_either_concluder_marks_the_room_written_when_it_finds_the_copy_done_before_its_aux_row_goes(by_poll):
+    # the room line's written -> concluded is the same span whoever concludes: the aux row, Success and Status
+    ticks, lines = Ticks(), []
+    times = RoomTimes(True, clock=ticks, log=lines.append)
+    times.mark(7, "queued")
+    w, _, _, succeeded = workers(Ran() if by_poll else FakeLaunch(), conclude_in_poll=True, aux_index=9, times=times)
+    sent_at = {}
+    for name in ("send", "send_now"):
+        def tick_then(session, msg, *a, real=getattr(w.control, name), **kw):
+            sent_at.setdefault(msg[0], 1e3 * (ticks() - 1e-3))  # ms from the room's first chunk queued
+            return real(session, msg, *a, **kw)
+        setattr(w.control, name, tick_then)
+    w.add(last_chunk())
+    w.conclude_launched(7)
+    drain(w)
+    assert len(succeeded) == 1
+    line = times.seen(7)
+    at = {k: float(v) for k, v in re.findall(r"(\w+) ([0-9.]+)", line.split(": ", 1)[1])}
+    assert at["written"] < sent_at["AuxData"] < sent_at["Status"] < at["concluded"], (line, sent_at)
+    assert line.endswith(", by poll") == by_poll, line
 
 
 def test_a_copy_still_running_is_not_concluded_and_the_worker_that_gets_there_first_concludes_it_once():
