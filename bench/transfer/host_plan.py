@@ -1,7 +1,8 @@
 """Host time of the same-host write path up to the copy, on any machine: `CudaIpcTransport.write_pages` with a
 backend that copies nothing, so what is timed is the checks, the translation, the route's rule and the
 copy-engine spans or the kernel's arguments, as a transfer worker runs them for each chunk. Then the NCCL path's
-host steps around a chunk header: the sender's before it and the decode's checks of it (`NCCL_CASES`).
+host steps around a chunk header: the sender's before it and the decode's checks of it (`NCCL_CASES`). Then a
+room's conclusion once its last copy ran: its aux row and Status over the control channel (`CONCLUDE_CASES`).
 
     python bench/transfer/host_plan.py [--out PATH] [--batches 5] [--calls 2000] [--engine-root DIR]
 
@@ -47,6 +48,12 @@ POOL_TOKENS = 131072
 #: (name, regions, bytes a token of a region, tokens a page, tokens): the NCCL path's first chunk of a request
 NCCL_CASES = (("nccl_mha_p1_1024", 64, 2048, 1, 1024), ("nccl_mla_p64_4096", 61, 1152, 64, 4096),
               ("nccl_mha_p1_16384", 64, 2048, 1, 16384))
+
+
+#: (name, the draft model's hidden size in SGLang's aux rows, keyed): a room's conclusion, without and with
+#: --disaggregation-control-key's authenticator (and the pair secret every keyed peer issues)
+CONCLUDE_CASES = (("conclude_hidden16", 16, False), ("conclude_hidden16_keyed", 16, True),
+                  ("conclude_hidden7168_keyed", 7168, True))
 
 
 class NoCopy:
@@ -187,6 +194,67 @@ def time_nccl_case(name: str, regions: int, token_bytes: int, page: int, tokens:
     return out
 
 
+def time_conclude_case(name: str, hidden_size: int, keyed: bool, batches: int, calls: int) -> dict:
+    """A room's conclusion on the host, as SGLang's poll (or a worker) runs it once the last copy ran: the aux row
+    read from SGLang's own aux buffers (`TransferWorkers._aux_message`), then it and the Status encoded, sealed
+    and handed to ZMQ without waiting (`ControlChannel.send_now`) for a PULL socket on 127.0.0.1. The socket is
+    drained between batches, outside the timing: a thread draining it during the batch would time its turns for
+    the GIL instead. Queues unbounded both ends, so no send finds a full one."""
+    import zmq
+
+    from sglang_p2p_backend.adapter.transfer_workers import TransferWorkers
+    from sglang_p2p_backend.engine.copy.memory import Region
+    from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
+    from sglang_p2p_backend.engine.wire import messages
+    from sglang_p2p_backend.engine.wire.auth import Authenticator
+    from sglang_p2p_backend.engine.wire.control import ControlChannel
+    from sglang_p2p_backend.testing.runtime import metadata_buffers
+
+    bufs = metadata_buffers(64, hidden_size)
+    ptrs, lens, items = bufs.get_buf_infos()
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    endpoint = f"127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    channel = ControlChannel(auth=Authenticator(b"k" * 32, "127.0.0.1:1", 1) if keyed else None)
+    if keyed:
+        channel.set_secret(endpoint, b"s" * 32)
+    channel._endpoint(endpoint).sock.setsockopt(zmq.SNDHWM, 0)  # noqa: SLF001 - before its first send
+    # the decode's aux rows laid out as this rank's (registration compares them)
+    me = types.SimpleNamespace(local=LocalMemory([], [], [Region(p, n, i) for p, n, i in zip(ptrs, lens, items)]),
+                               peers={endpoint: types.SimpleNamespace(aux_ptrs=ptrs, aux_item_lens=items)},
+                               session="127.0.0.1:1")
+    sent = [0]
+
+    def conclude() -> None:
+        aux = TransferWorkers._aux_message(me, endpoint, 9, 5, 7)  # noqa: SLF001 - the worker's own step
+        for msg in (aux, messages.Status("127.0.0.1:1", 9, 0, 2, "", 0)):
+            if not channel.send_now(endpoint, msg):
+                raise RuntimeError("a send found the socket busy with nothing else sending on it")
+            sent[0] += 1
+
+    def drain() -> None:
+        while sent[0]:
+            if not pull.poll(5000):
+                raise RuntimeError(f"{sent[0]} messages never arrived")
+            pull.recv_multipart()
+            sent[0] -= 1
+
+    best = []
+    try:
+        for batch in range(batches + 1):  # the first: warm-up
+            t = time.perf_counter()
+            for _ in range(calls if batch else 200):
+                conclude()
+            if batch:
+                best.append((time.perf_counter() - t) / calls * 1e6)
+            drain()
+    finally:
+        channel.forget(endpoint)
+        pull.close(linger=0)
+    return {"case": name, "aux_row_bytes": sum(items), "keyed": keyed, "us_best": round(min(best), 2),
+            "us_batches": [round(b, 2) for b in best]}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     _engine_path(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,8 +265,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ns = ap.parse_args(argv)
     rows = [time_case(*c, ns.batches, ns.calls) for c in CASES]
     rows += [r for c in NCCL_CASES for r in time_nccl_case(*c, ns.batches, ns.calls)]
+    rows += [time_conclude_case(*c, ns.batches, ns.calls) for c in CONCLUDE_CASES]
     for r in rows:
-        print(f"{r['case']:28s} {r['us_best']:8.2f} us a chunk (best of {ns.batches} batches)")
+        what = "a room" if r["case"].startswith("conclude") else "a chunk"
+        print(f"{r['case']:28s} {r['us_best']:8.2f} us {what} (best of {ns.batches} batches)")
     doc = {"machine": f"cpu-{os.cpu_count()}core", "python": platform.python_version(),
            "engine_root": ns.engine_root or "this repository", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}
     if ns.out:

@@ -16,7 +16,6 @@ task (SGLang's --enable-trace) records a slice per chunk and one per decode rank
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
@@ -40,7 +39,7 @@ from sglang_p2p_backend.engine.copy.heads import PairHeads
 from sglang_p2p_backend.engine.copy.launches import Launch
 from sglang_p2p_backend.engine.copy.state_slices import StatePlan
 from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
-from sglang_p2p_backend.engine.transport.onesided import OneSidedSender, aux_descriptors
+from sglang_p2p_backend.engine.transport.onesided import OneSidedSender
 from sglang_p2p_backend.engine.copy.plan import PlanError
 from sglang_p2p_backend.engine.transport.base import TransportError
 
@@ -514,6 +513,6 @@ class TransferWorkers:
         self.control.send(session, self._aux_message(session, room, src_index, dst_index))
 
     def _aux_message(self, session: str, room: int, src_index: int, dst_index: int) -> wire.AuxData:
-        src, _, lens = aux_descriptors(self.local.aux, self.peers[session], src_index, dst_index)
-        rows = [ctypes.string_at(int(a), int(n)) for a, n in zip(src, lens)]
-        return wire.AuxData(self.session, room, dst_index, rows)
+        # every buffer both sides have, each row at the shorter of the two sides' row sizes (as aux_descriptors)
+        lens = [min(r.item_len, n) for r, n in zip(self.local.aux, self.peers[session].aux_item_lens)]
+        return wire.AuxData(self.session, room, dst_index, self.local.aux_row(src_index, lens))

@@ -1,6 +1,7 @@
 """bench/transfer/host_plan.py on CPU: every case goes through the transport's real checks and route with a
 backend that copies nothing, the NCCL path's cases through the real checks of a header (each asserts its chunk
-passes them), and the JSON names the machine and the engine timed."""
+passes them), the conclusions through a real control channel (every message arrives), and the JSON names the
+machine and the engine timed."""
 import json
 
 from bench.transfer import host_plan
@@ -18,8 +19,13 @@ def test_host_plan_times_every_case_through_the_transport(tmp_path, monkeypatch)
     assert doc["machine"].startswith("cpu-") and doc["engine_root"] == "this repository"
     nccl = [f"{c[0]}_{step}" for c in host_plan.NCCL_CASES
             for step in ("sender_before_header", "decode_check_first", "decode_check_later", "decode_all_arrived")]
-    assert [r["case"] for r in doc["rows"]] == [c[0] for c in host_plan.CASES] + nccl
+    conclude = [c[0] for c in host_plan.CONCLUDE_CASES]
+    assert [r["case"] for r in doc["rows"]] == [c[0] for c in host_plan.CASES] + nccl + conclude
     assert all(r["us_best"] > 0 and len(r["us_batches"]) == 1 for r in doc["rows"])
+    # each conclusion's aux row read from SGLang's own buffers: the draft model's hidden states set its size
+    rows = {r["case"]: r for r in doc["rows"]}
+    assert rows["conclude_hidden16"]["aux_row_bytes"] < rows["conclude_hidden7168_keyed"]["aux_row_bytes"]
+    assert [rows[c]["keyed"] for c in conclude] == [False, True, True]
     # 203 writes a case (200 warm-up, 3 timed): the contiguous ones across GPUs on the copy engines; the scattered
     # ones, the same-GPU one (under 16 MiB a region), the 128-token one and the 4k mixed one (runs of 768 pages
     # of 2 KiB, under the 2 MiB a span) on the kernel; the 16k mixed one split between the two
