@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 import types
@@ -50,8 +51,8 @@ NCCL_CASES = (("nccl_mha_p1_1024", 64, 2048, 1, 1024), ("nccl_mla_p64_4096", 61,
               ("nccl_mha_p1_16384", 64, 2048, 1, 16384))
 
 
-#: (name, the draft model's hidden size in SGLang's aux rows, keyed): a room's conclusion, without and with
-#: --disaggregation-control-key's authenticator (and the pair secret every keyed peer issues)
+#: (name, the draft model's hidden size in SGLang's aux rows, keyed): a room's conclusion to a registered peer (its
+#: pair secret on every message), without and with SGLANG_P2P_AUTH_KEY's envelope
 CONCLUDE_CASES = (("conclude_hidden16", 16, False), ("conclude_hidden16_keyed", 16, True),
                   ("conclude_hidden7168_keyed", 7168, True))
 
@@ -197,9 +198,10 @@ def time_nccl_case(name: str, regions: int, token_bytes: int, page: int, tokens:
 def time_conclude_case(name: str, hidden_size: int, keyed: bool, batches: int, calls: int) -> dict:
     """A room's conclusion on the host, as SGLang's poll (or a worker) runs it once the last copy ran: the aux row
     read from SGLang's own aux buffers (`TransferWorkers._aux_message`), then it and the Status encoded, sealed
-    and handed to ZMQ without waiting (`ControlChannel.send_now`) for a PULL socket on 127.0.0.1. The socket is
-    drained between batches, outside the timing: a thread draining it during the batch would time its turns for
-    the GIL instead. Queues unbounded both ends, so no send finds a full one."""
+    and handed to ZMQ without waiting (`ControlChannel.send_now`) for a PULL socket on 127.0.0.1. One conclusion at
+    a time, as SGLang's poll makes them: each timed alone and both its messages received before the next (outside
+    the timing), so ZMQ's I/O thread is idle when it starts; the figure is a batch's median conclusion, and
+    `zmq_frames` the frames a message took."""
     import zmq
 
     from sglang_p2p_backend.adapter.transfer_workers import TransferWorkers
@@ -213,46 +215,44 @@ def time_conclude_case(name: str, hidden_size: int, keyed: bool, batches: int, c
     bufs = metadata_buffers(64, hidden_size)
     ptrs, lens, items = bufs.get_buf_infos()
     pull = zmq.Context.instance().socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 0)
     endpoint = f"127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
     channel = ControlChannel(auth=Authenticator(b"k" * 32, "127.0.0.1:1", 1) if keyed else None)
-    if keyed:
-        channel.set_secret(endpoint, b"s" * 32)
-    channel._endpoint(endpoint).sock.setsockopt(zmq.SNDHWM, 0)  # noqa: SLF001 - before its first send
+    channel.set_secret(endpoint, b"s" * 16)  # a registered peer's, as every message after registration carries
     # the decode's aux rows laid out as this rank's (registration compares them)
     me = types.SimpleNamespace(local=LocalMemory([], [], [Region(p, n, i) for p, n, i in zip(ptrs, lens, items)]),
                                peers={endpoint: types.SimpleNamespace(aux_ptrs=ptrs, aux_item_lens=items)},
                                session="127.0.0.1:1")
-    sent = [0]
 
     def conclude() -> None:
         aux = TransferWorkers._aux_message(me, endpoint, 9, 5, 7)  # noqa: SLF001 - the worker's own step
         for msg in (aux, messages.Status("127.0.0.1:1", 9, 0, 2, "", 0)):
             if not channel.send_now(endpoint, msg):
                 raise RuntimeError("a send found the socket busy with nothing else sending on it")
-            sent[0] += 1
 
-    def drain() -> None:
-        while sent[0]:
+    frames = []
+
+    def received() -> None:
+        for _ in range(2):
             if not pull.poll(5000):
-                raise RuntimeError(f"{sent[0]} messages never arrived")
-            pull.recv_multipart()
-            sent[0] -= 1
+                raise RuntimeError("a message never arrived")
+            frames.append(len(pull.recv_multipart()))
 
     best = []
     try:
         for batch in range(batches + 1):  # the first: warm-up
-            t = time.perf_counter()
+            took = []
             for _ in range(calls if batch else 200):
+                t = time.perf_counter()
                 conclude()
+                took.append(time.perf_counter() - t)
+                received()
             if batch:
-                best.append((time.perf_counter() - t) / calls * 1e6)
-            drain()
+                best.append(statistics.median(took) * 1e6)
     finally:
         channel.forget(endpoint)
         pull.close(linger=0)
-    return {"case": name, "aux_row_bytes": sum(items), "keyed": keyed, "us_best": round(min(best), 2),
-            "us_batches": [round(b, 2) for b in best]}
+    return {"case": name, "aux_row_bytes": sum(items), "keyed": keyed, "zmq_frames": sorted(set(frames)),
+            "us_best": round(min(best), 2), "us_batches": [round(b, 2) for b in best]}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -6,7 +6,8 @@ that class, conn.py's `P2pNcclKVManager`, builds the role's: `prefill.PrefillKVM
 and worker roles.
 
 Inbound control traffic (ours and SGLang's own ABORT / ABORT_ACK frames) arrives on the PULL socket SGLang's
-Common manager binds. One thread reads it: it opens the authenticated envelope when a key is set
+Common manager binds. One thread reads it: it opens a frame list packed into one frame (engine/wire/packing.py),
+the authenticated envelope when a key is set
 (engine/wire/auth.py), checks the pair secret (engine/wire/pair_secret.py: every message after registration must carry the
 one this rank issued to the session it names), decodes and bound-checks our messages (engine/wire/messages.py,
 engine/wire/checks.py), drops what fails with a counted, rate-limited log line naming the peer and the problem,
@@ -45,6 +46,7 @@ from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.pair.liveness import PeerWatch
 from sglang_p2p_backend.engine.copy.memory import page_views, regions_from_lists
 from sglang_p2p_backend.engine.transport.local_memory import LocalMemory
+from sglang_p2p_backend.engine.wire.packing import unpack
 from sglang_p2p_backend.engine.wire.pair_secret import IssuedSecrets, open_frames
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.threads import enter_thread, shorten_gil_switch
@@ -277,7 +279,11 @@ class P2pNcclKVManagerBase(CommonKVManager):
     def _control_step(self) -> None:
         if not self.server_socket.poll(_POLL_MS, zmq.POLLIN):
             return
-        frames = self.server_socket.recv_multipart()
+        try:
+            frames = unpack(self.server_socket.recv_multipart())
+        except wire.WireError as e:
+            self.drop("malformed", "?", str(e))
+            return
         sender = None
         if self.auth is not None:
             try:

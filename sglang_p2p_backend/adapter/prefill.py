@@ -88,7 +88,8 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         self.pending: Dict[str, wire.PeerRegister] = Bounded(_PENDING)
         self.pending_secrets = IssuedSecrets(_PENDING)
         #: answers to registrations go out here, never on a live peer's socket budget
-        self.answers = ControlChannel(send_timeout_s=0.5, max_sockets=_PENDING, auth=self.auth, linger_ms=_ANSWER_LINGER_MS)
+        self.answers = ControlChannel(send_timeout_s=0.5, max_sockets=_PENDING, auth=self.auth, linger_ms=_ANSWER_LINGER_MS,
+                                      pack=False)
         #: session -> when it was last answered: its answer socket closes a moment later (the sweep)
         self._answered: Dict[str, float] = Bounded(4 * _PENDING)
         self._pending_at: Dict[str, float] = Bounded(4 * _PENDING)

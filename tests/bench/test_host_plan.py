@@ -26,6 +26,7 @@ def test_host_plan_times_every_case_through_the_transport(tmp_path, monkeypatch)
     rows = {r["case"]: r for r in doc["rows"]}
     assert rows["conclude_hidden16"]["aux_row_bytes"] < rows["conclude_hidden7168_keyed"]["aux_row_bytes"]
     assert [rows[c]["keyed"] for c in conclude] == [False, True, True]
+    assert all(rows[c]["zmq_frames"] == [1] for c in conclude)  # a registered pair's messages go as one frame
     # 203 writes a case (200 warm-up, 3 timed): the contiguous ones across GPUs on the copy engines; the scattered
     # ones, the same-GPU one (under 16 MiB a region), the 128-token one and the 4k mixed one (runs of 768 pages
     # of 2 KiB, under the 2 MiB a span) on the kernel; the 16k mixed one split between the two

@@ -20,6 +20,7 @@ from test_pd_transfer import FAST_FAILURE_ENV, assert_all_landed, failed_reason
 
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.wire.agreement import local_agreement
+from sglang_p2p_backend.engine.wire.pair_secret import PAIR_MAGIC
 from sglang_p2p_backend.testing.launch import PairRun, run_pair
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -144,6 +145,28 @@ def test_a_refused_stranger_cannot_fail_another_decodes_room(keyed):
         assert "page size differs: prefill 1, decode 99" in answer.problem, answer.problem
     dropped = result["prefill"]["leftovers"]["dropped"]
     assert dropped.get("auth" if keyed else "not-owner") == (3 if keyed else 2), dropped
+
+
+def test_a_decode_of_the_previous_protocol_version_reads_its_refusal_naming_both_versions():
+    """Frame lists between registered ranks go packed into one frame since protocol 9 (packing.py); a registration's
+    answer does not, so a decode of version 8 reads why it was refused, and the pair in service is untouched."""
+    rooms = [1301, 1302]
+    plan = {"pool": POOL, "requests": slow_rooms(rooms, tokens=200), "faults": {"prefill": {"chunk_delay_s": 0.4}},
+            "deadline_s": 60, "linger_s": LINGER}
+    run = PairRun(plan, env=HOSTILE_ENV)
+    prefill = run.session("prefill")
+    run.session("decode")
+    stranger = hostile.Stranger(prefill)
+    try:
+        stranger.send(registration(stranger.session, msgspec.structs.replace(_pool_agreement(POOL), protocol=8)))
+        _, answer = stranger.answer()
+    finally:
+        stranger.close()
+    result = run.wait(90)
+    assert_all_landed(result, rooms)
+    assert f"p2pnccl protocol version differs: prefill {wire.PROTOCOL_VERSION}, decode 8" in answer.problem, answer
+    frames = stranger.answer_frames  # as version 8 reads them: the pair secret's frames, then ours
+    assert len(frames) == 4 and frames[0] == PAIR_MAGIC and frames[2] == wire.MAGIC, frames
 
 
 def test_live_strangers_cannot_take_a_real_decodes_slot_or_its_rooms():

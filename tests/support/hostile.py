@@ -19,6 +19,7 @@ import zmq
 
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.wire.auth import AUTH_MAGIC
+from sglang_p2p_backend.engine.wire.packing import PACK_MAGIC, pack, unpack
 from sglang_p2p_backend.engine.wire.pair_secret import open_frames, seal
 
 
@@ -68,12 +69,13 @@ def forged_chunks(count: int, room: int = 1) -> list[list[bytes]]:
 
 def mutated(frames: list[list[bytes]], count: int, seed: int = 0) -> list[list[bytes]]:
     """`count` mutations of the given valid frame lists: flipped bytes, cut or grown payloads, garbage
-    msgpack, wrong frame counts, huge array headers."""
+    msgpack, wrong frame counts, huge array headers; and packed into one frame (a registered pair's form,
+    packing.py) with bytes flipped or a list header claiming 2^32-1 frames."""
     rng = random.Random(seed)
     out = []
     for i in range(count):
         magic, body = rng.choice(frames)
-        kind = i % 6
+        kind = i % 8
         if kind == 0:
             b = bytearray(body)
             for _ in range(rng.randint(1, 8)):
@@ -87,8 +89,15 @@ def mutated(frames: list[list[bytes]], count: int, seed: int = 0) -> list[list[b
             out.append([magic, bytes(rng.randrange(256) for _ in range(rng.randint(0, 200)))])
         elif kind == 4:
             out.append([magic, body, body][: rng.choice((1, 3))])
-        else:  # an array header claiming 2^32-1 elements
+        elif kind == 5:  # an array header claiming 2^32-1 elements
             out.append([magic, b"\xdd\xff\xff\xff\xff" + body[:8]])
+        elif kind == 6:
+            b = bytearray(pack([magic, body])[0])
+            for _ in range(rng.randint(1, 8)):
+                b[rng.randrange(len(PACK_MAGIC), len(b))] = rng.randrange(256)
+            out.append([bytes(b)])
+        else:
+            out.append([PACK_MAGIC + b"\xdd\xff\xff\xff\xff" + magic])
     return out
 
 
@@ -113,6 +122,7 @@ class Stranger:
         self.out.setsockopt(zmq.SNDTIMEO, 2000)
         self.out.connect(f"tcp://{target}")
         self.secret: Optional[bytes] = None  # the one the rank issued this stranger, once it answered
+        self.answer_frames: list[bytes] = []
         self._stop = threading.Event()
         self._beats: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -125,7 +135,8 @@ class Stranger:
         """(the secret the answer carried for us, the answer); keeps the rank's secret for later sends."""
         if not self.inbox.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"no answer at {self.session}")
-        frames = self.inbox.recv_multipart()
+        self.answer_frames = self.inbox.recv_multipart()  # as they came (a registration's answer is never packed)
+        frames = unpack(self.answer_frames)
         ours, inner = open_frames(frames[3:] if frames[0] == AUTH_MAGIC else frames)
         msg = wire.decode(inner)
         assert isinstance(msg, wire.PeerAnswer), msg
@@ -136,7 +147,7 @@ class Stranger:
         """Every message of ours waiting in the inbox (heartbeats, statuses...), opened as `answer` does."""
         out = []
         while self.inbox.poll(int(timeout_s * 1000)):
-            frames = self.inbox.recv_multipart()
+            frames = unpack(self.inbox.recv_multipart())  # a registered pair's frame lists come packed
             out.append(wire.decode(open_frames(frames[3:] if frames[0] == AUTH_MAGIC else frames)[1]))
         return out
 

@@ -37,8 +37,8 @@ class LocalMemory:
 
     def aux_row(self, index: int, lens: Sequence[int]) -> list[bytes]:
         """Row `index` of the first len(lens) aux buffers, `lens[i]` bytes of buffer i's (a copy, taken now). A slice
-        of a view made once: SGLang's ten rows in ~5 us on the 2-core dev VM, where `ctypes.string_at` at addresses
-        numpy worked out took ~18 (docs/bench.md, "A room's conclusion on the host")."""
+        of a view made once, where one `ctypes.string_at` a buffer at addresses numpy worked out took half a room's
+        conclusion on the host (docs/bench.md, "A room's conclusion on the host")."""
         rows = []
         for view, r, n in zip(self._aux_views, self.aux, lens):
             start = r.item_len * index

@@ -7,7 +7,8 @@ another thread's send on the same socket. The number of open sockets is capped: 
 one is closed when a new endpoint would exceed `max_sockets` (ZMQ's own limit is 1,023 sockets a context), so
 no stream of peers can exhaust file descriptors. With an `Authenticator` every frame list is sealed with the
 endpoint's next counter, under the endpoint's lock, so counters reach the peer in order. Every frame list to a
-peer that issued this rank a pair secret carries it (pair_secret.py), inside the authenticated envelope.
+peer that issued this rank a pair secret carries it (pair_secret.py), inside the authenticated envelope, and
+travels packed into one ZMQ frame (packing.py) unless the channel is made with `pack=False`.
 
 Inbound, `limit_inbound` caps the size of one frame the receiving socket reads (ZMQ_MAXMSGSIZE, at
 `max_frame_bytes` of the rank's pools): ZMQ drops a larger frame and disconnects its sender before anything of it
@@ -26,6 +27,7 @@ import zmq
 
 from sglang_p2p_backend.engine.wire import messages
 from sglang_p2p_backend.engine.wire.auth import Authenticator
+from sglang_p2p_backend.engine.wire.packing import pack
 from sglang_p2p_backend.engine.wire.pair_secret import seal
 
 
@@ -89,8 +91,11 @@ class _Endpoint:
 
 class ControlChannel:
     def __init__(self, send_timeout_s: float = 5.0, max_sockets: int = 512, auth: Optional[Authenticator] = None,
-                 linger_ms: int = 0):
+                 linger_ms: int = 0, pack: bool = True):
         self._ctx = zmq.Context.instance()
+        #: frame lists that carry a pair secret go as one frame (off: a registration's answers, which a rank of
+        #: another protocol version must read to learn it was refused)
+        self._pack = pack
         self._linger_ms = linger_ms
         self._send_timeout_ms = int(send_timeout_s * 1000)
         self._max_sockets = max_sockets
@@ -158,7 +163,8 @@ class ControlChannel:
         try:
             entry = self._endpoint(endpoint)
             with self._lock:
-                frames = seal(frames, self._secrets.get(endpoint))
+                secret = self._secrets.get(endpoint)
+            frames = seal(frames, secret)
             if not entry.lock.acquire(blocking=wait_turn):
                 return False
             try:
@@ -166,6 +172,8 @@ class ControlChannel:
                     raise ControlError(f"control socket to {endpoint} was recycled")
                 if self._auth is not None:
                     frames = self._auth.seal(frames)
+                if secret and self._pack:
+                    frames = pack(frames)
                 entry.sock.send_multipart(frames, flags=0 if block else zmq.NOBLOCK)
             finally:
                 entry.lock.release()
