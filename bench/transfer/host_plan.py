@@ -5,6 +5,7 @@ host steps around a chunk header: the sender's before it and the decode's checks
 room's conclusion once its last copy ran: its aux row and Status over the control channel (`CONCLUDE_CASES`).
 
     python bench/transfer/host_plan.py [--out PATH] [--batches 5] [--calls 2000] [--engine-root DIR]
+                                       [--cold-mib 64] [--only conclude]
 
 Each case writes to one mapped peer again and again with the same pools, as a peer's chunks do; the figure is
 the best of `--batches` batches of `--calls` calls (a shared CPU's noise only ever adds time). `--engine-root`
@@ -195,13 +196,34 @@ def time_nccl_case(name: str, regions: int, token_bytes: int, page: int, tokens:
     return out
 
 
-def time_conclude_case(name: str, hidden_size: int, keyed: bool, batches: int, calls: int) -> dict:
+class Evictor:
+    """Stands for what runs between two conclusions in service: SGLang's scheduler loop and a forward pass, a whole
+    request apart, which leave the caches holding other code and data. Each call writes a byte of every cache line
+    of `mib` MiB and runs unrelated Python and C code (json), as a request's worth of other work would."""
+
+    def __init__(self, mib: int):
+        import numpy as np
+
+        self._big = np.zeros(mib << 20, dtype=np.uint8)
+        self._junk = [{f"k{i}": list(range(20))} for i in range(2000)]
+
+    def __call__(self) -> None:
+        self._big[::64] += 1
+        json.dumps(self._junk)
+
+
+def time_conclude_case(name: str, hidden_size: int, keyed: bool, batches: int, calls: int,
+                       cold_mib: int = 0) -> dict:
     """A room's conclusion on the host, as SGLang's poll (or a worker) runs it once the last copy ran: the aux row
     read from SGLang's own aux buffers (`TransferWorkers._aux_message`), then it and the Status encoded, sealed
-    and handed to ZMQ without waiting (`ControlChannel.send_now`) for a PULL socket on 127.0.0.1. One conclusion at
-    a time, as SGLang's poll makes them: each timed alone and both its messages received before the next (outside
-    the timing), so ZMQ's I/O thread is idle when it starts; the figure is a batch's median conclusion, and
-    `zmq_frames` the frames a message took."""
+    and handed to ZMQ without waiting (`ControlChannel.send_now`, both in one call where the engine takes several
+    messages: protocol 10) for a PULL socket on 127.0.0.1. One conclusion at a time, as SGLang's poll makes them:
+    each timed alone and both its messages received before the next (outside the timing), so ZMQ's I/O thread is
+    idle when it starts; the figure is a batch's median conclusion, `zmq_frames` the frames a message took and
+    `zmq_sends` the sends a conclusion took. `cold_mib` > 0: the caches are cleared of it before each (`Evictor`),
+    as in service, where it runs once a request (docs/bench.md)."""
+    import inspect
+
     import zmq
 
     from sglang_p2p_backend.adapter.transfer_workers import TransferWorkers
@@ -223,25 +245,31 @@ def time_conclude_case(name: str, hidden_size: int, keyed: bool, batches: int, c
                                peers={endpoint: types.SimpleNamespace(aux_ptrs=ptrs, aux_item_lens=items)},
                                session="127.0.0.1:1")
 
+    together = len(inspect.signature(ControlChannel.send_now).parameters) > 3  # (self, endpoint, msg, *more)
+    sends = 1 if together else 2
+
     def conclude() -> None:
         aux = TransferWorkers._aux_message(me, endpoint, 9, 5, 7)  # noqa: SLF001 - the worker's own step
-        for msg in (aux, messages.Status("127.0.0.1:1", 9, 0, 2, "", 0)):
-            if not channel.send_now(endpoint, msg):
+        msgs = (aux, messages.Status("127.0.0.1:1", 9, 0, 2, "", 0))
+        for part in ((msgs,) if together else ((m,) for m in msgs)):
+            if not channel.send_now(endpoint, *part):
                 raise RuntimeError("a send found the socket busy with nothing else sending on it")
 
     frames = []
 
     def received() -> None:
-        for _ in range(2):
+        for _ in range(sends):
             if not pull.poll(5000):
                 raise RuntimeError("a message never arrived")
             frames.append(len(pull.recv_multipart()))
 
+    evict = Evictor(cold_mib) if cold_mib > 0 else (lambda: None)
     best = []
     try:
         for batch in range(batches + 1):  # the first: warm-up
             took = []
             for _ in range(calls if batch else 200):
+                evict()
                 t = time.perf_counter()
                 conclude()
                 took.append(time.perf_counter() - t)
@@ -251,7 +279,8 @@ def time_conclude_case(name: str, hidden_size: int, keyed: bool, batches: int, c
     finally:
         channel.forget(endpoint)
         pull.close(linger=0)
-    return {"case": name, "aux_row_bytes": sum(items), "keyed": keyed, "zmq_frames": sorted(set(frames)),
+    return {"case": name + ("_cold" if cold_mib > 0 else ""), "aux_row_bytes": sum(items), "keyed": keyed,
+            "zmq_frames": sorted(set(frames)), "zmq_sends": sends, "cold_mib": cold_mib,
             "us_best": round(min(best), 2), "us_batches": [round(b, 2) for b in best]}
 
 
@@ -262,10 +291,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--batches", type=int, default=5)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--engine-root", default=None, help="another checkout whose sglang_p2p_backend is timed")
+    ap.add_argument("--cold-mib", type=int, default=0,
+                    help="also time each conclusion with the caches cleared before it by writing this many MiB")
+    ap.add_argument("--only", choices=("all", "conclude"), default="all", help="conclude: the conclusion rows alone")
     ns = ap.parse_args(argv)
-    rows = [time_case(*c, ns.batches, ns.calls) for c in CASES]
-    rows += [r for c in NCCL_CASES for r in time_nccl_case(*c, ns.batches, ns.calls)]
+    rows = []
+    if ns.only == "all":
+        rows += [time_case(*c, ns.batches, ns.calls) for c in CASES]
+        rows += [r for c in NCCL_CASES for r in time_nccl_case(*c, ns.batches, ns.calls)]
     rows += [time_conclude_case(*c, ns.batches, ns.calls) for c in CONCLUDE_CASES]
+    if ns.cold_mib > 0:
+        rows += [time_conclude_case(*c, ns.batches, ns.calls, ns.cold_mib) for c in CONCLUDE_CASES]
     for r in rows:
         what = "a room" if r["case"].startswith("conclude") else "a chunk"
         print(f"{r['case']:28s} {r['us_best']:8.2f} us {what} (best of {ns.batches} batches)")

@@ -6,8 +6,8 @@ that class, conn.py's `P2pNcclKVManager`, builds the role's: `prefill.PrefillKVM
 and worker roles.
 
 Inbound control traffic (ours and SGLang's own ABORT / ABORT_ACK frames) arrives on the PULL socket SGLang's
-Common manager binds. One thread reads it: it opens a frame list packed into one frame (engine/wire/packing.py),
-the authenticated envelope when a key is set
+Common manager binds. One thread reads it: it opens the frame lists packed into one frame (engine/wire/packing.py)
+and, for each in order, the authenticated envelope when a key is set
 (engine/wire/auth.py), checks the pair secret (engine/wire/pair_secret.py: every message after registration must carry the
 one this rank issued to the session it names), decodes and bound-checks our messages (engine/wire/messages.py,
 engine/wire/checks.py), drops what fails with a counted, rate-limited log line naming the peer and the problem,
@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import zmq
@@ -280,10 +280,18 @@ class P2pNcclKVManagerBase(CommonKVManager):
         if not self.server_socket.poll(_POLL_MS, zmq.POLLIN):
             return
         try:
-            frames = unpack(self.server_socket.recv_multipart())
+            frame_lists = unpack(self.server_socket.recv_multipart())
         except wire.WireError as e:
             self.drop("malformed", "?", str(e))
             return
+        for frames in frame_lists:  # in the order sent, each checked and handled as if it had come alone
+            try:
+                self._control_frames(frames)
+            except Exception:  # as the thread's loop does for a frame of its own: the lists behind it still count
+                logger.exception("p2pnccl: control message: error (the thread goes on)")
+
+    def _control_frames(self, frames: List[bytes]) -> None:
+        """One frame list from the control socket: authenticated, its pair secret admitted, decoded, handled."""
         sender = None
         if self.auth is not None:
             try:
@@ -399,9 +407,13 @@ class P2pNcclKVManagerBase(CommonKVManager):
 
     # ------------------------------------------------------------------ sending
     def _control_send(self, session: str, msg: wire.Message, block: bool = True) -> bool:
-        """Best effort: a peer that cannot be reached is logged; its rooms fail by liveness or timeouts."""
+        return self._control_send_all(session, (msg,), block)
+
+    def _control_send_all(self, session: str, msgs: Sequence[wire.Message], block: bool = True) -> bool:
+        """Best effort, in one frame where packed (ControlChannel.send_all): a peer that cannot be reached is
+        logged; its rooms fail by liveness or timeouts."""
         try:
-            self.control.send(session, msg, block)
+            self.control.send_all(session, msgs, block)
             return True
         except ControlError as e:
             logger.warning("p2pnccl: %s", e)

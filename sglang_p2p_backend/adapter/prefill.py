@@ -580,12 +580,14 @@ class PrefillKVManager(P2pNcclKVManagerBase):
         for room in list(self.transfer_infos):
             self._notify_decode(room, KVPoll.Failed, reason, block=False)
 
-    def _succeed(self, room: int, now: bool = False) -> Optional[Callable[[], None]]:
+    def _succeed(self, room: int, now: bool = False,
+                 first: Optional[Dict[str, wire.Message]] = None) -> Optional[Callable[[], None]]:
         """The room's last chunk reached every decode rank: Success here, then Status to them. Marked first: a
         decode may publish the room's next attempt as soon as it reads the Status, and only a room marked
         concluded here keeps those destinations for the next sender (next_attempts.py). `now` (SGLang's poll, which
-        must not wait on a peer): a Status that cannot go at once is returned unsent, as what sends it."""
-        send = self._status_sender(room, KVPoll.Success, now=now)
+        must not wait on a peer): a Status that cannot go at once is returned unsent, as what sends it. `first`: a
+        message (the room's aux row, read before) that goes to that decode rank ahead of its Status, in the same frame."""
+        send = self._status_sender(room, KVPoll.Success, now=now, first=first)
         if self.kv_digest is not None:
             self._log_digest(room)
         self.update_status(room, KVPoll.Success)
@@ -614,23 +616,28 @@ class PrefillKVManager(P2pNcclKVManagerBase):
             send()
 
     def _status_sender(self, room: int, status: int, reason: str = "", block: bool = True,
-                       skip: Optional[str] = None, now: bool = False) -> Callable[[], Optional[Callable[[], None]]]:
+                       skip: Optional[str] = None, now: bool = False,
+                       first: Optional[Dict[str, wire.Message]] = None) -> Callable[[], Optional[Callable[[], None]]]:
         """What sends the room's Status to its real decode ranks but `skip`, taken from the room's destinations
-        now (a clear may drop them before it runs). `now`: only those that go without waiting
-        (`ControlChannel.send_now`); it returns what sends the others (None: none is left)."""
+        now (a clear may drop them before it runs), each behind its rank's message in `first` if any, in one frame.
+        `now`: only those that go without waiting (`ControlChannel.send_now`); it returns what sends the others
+        (None: none is left)."""
         infos = [info for info in list((self.transfer_infos.get(room) or {}).values())
                  if not info.is_dummy and info.session != skip]
+        first = first or {}
 
         def send() -> Optional[Callable[[], None]]:
             left = []
             for info in infos:  # each names the chunk headers it was sent, counted when the Status goes
                 if info.session in self.decode_peers:
-                    msg = wire.Status(self.session, room, self.prefill_rank, int(status), reason, info.next_seq.sent)
-                    if now and not self.control.send_now(info.session, msg):
-                        left.append((info.session, msg))
+                    msgs = (wire.Status(self.session, room, self.prefill_rank, int(status), reason, info.next_seq.sent),)
+                    if info.session in first:
+                        msgs = (first[info.session], *msgs)
+                    if now and not self.control.send_now(info.session, *msgs):
+                        left.append((info.session, msgs))
                     elif not now:
-                        self._control_send(info.session, msg, block)
-            return (lambda: [self._control_send(s, m, block) for s, m in left]) if left else None
+                        self._control_send_all(info.session, msgs, block)
+            return (lambda: [self._control_send_all(s, m, block) for s, m in left]) if left else None
 
         return send
 

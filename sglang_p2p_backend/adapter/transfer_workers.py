@@ -251,9 +251,9 @@ class TransferWorkers:
 
     def conclude_launched(self, room: int) -> None:
         """SGLang's poll, on its thread: conclude `room` here if its last chunk's copy was queued by `add` and has
-        run, its worker has not taken the conclusion, and every earlier chunk's worker is done. The aux row, then
-        Success and Status, each sent only if it goes without waiting; what would wait is queued for the worker
-        that owns the peer, behind the chunk. Its worker, woken for the copy, then finds the room taken. Saves the
+        run, its worker has not taken the conclusion, and every earlier chunk's worker is done. The aux row is read,
+        Success marked, and the aux row and Status go in one frame if they go without waiting; if not, they are
+        queued for the worker that owns the peer, behind the chunk. Its worker, woken for the copy, then finds the room taken. Saves the
         worker's wake-up and its wait for the GIL after the copy (docs/serving.md, session 39). Anything else
         (a copy still running or failed, a room ended, a peer gone, the pools released) is the worker's."""
         task = self._finishing.get(room)
@@ -285,10 +285,8 @@ class TransferWorkers:
         self.times.mark(room, "written")
         aux = self._aux(task, info)
         try:
-            if aux is not None and not self.control.send_now(session, self._aux_message(session, room, *aux)):
-                self._shard_of(session).put(Conclude(room, lambda: self._conclude(session, room, aux)))
-                return
-            rest = self.succeed(room, now=True)
+            first = None if aux is None else {session: self._aux_message(session, room, *aux)}
+            rest = self.succeed(room, now=True, first=first)  # the aux row and the Status in one frame
         except Exception as e:  # noqa: BLE001 - never into SGLang's scheduler: the worker fails the room, as its own
             logger.exception("p2pnccl: concluding room %s failed", room)
             why = f"prefill transfer error: {e!r}"
@@ -298,15 +296,6 @@ class TransferWorkers:
             self._shard_of(session).put(Conclude(room, rest))
             return
         self.times.mark(room, "concluded")
-
-    def _conclude(self, session: str, room: int, aux: Optional[tuple]) -> None:
-        """A worker's part of a room's conclusion that SGLang's poll took: the aux row (when it could not go), then
-        Success and Status, if the room is still live."""
-        if aux is not None:
-            self._send_aux(session, room, *aux)
-        if self.request_status.get(room) not in (None, KVPoll.Failed):
-            self.succeed(room)
-            self.times.mark(room, "concluded")
 
     def _launch(self, task: TransferTask, info: TransferInfo) -> None:
         """Queue the chunk's copy here, on SGLang's scheduler thread, which holds the GIL already: a worker woken
@@ -404,6 +393,7 @@ class TransferWorkers:
         if launched is None:
             self.times.mark(room, "ready")  # a launched chunk was ready when `add` queued it
         alive = lambda: self.request_status.get(room) not in (None, KVPoll.Failed)  # noqa: E731
+        first = {}  # decode rank -> the room's aux row over the control channel, sent in its Status's frame
         for session, info in list(infos.items()):
             if info.is_dummy:
                 continue
@@ -431,12 +421,15 @@ class TransferWorkers:
                     return
                 # written once the copy ran, before the aux row: where SGLang's poll marks it (conclude_launched)
                 self.times.mark(room, "written")
-                if aux is not None:
-                    self._send_aux(session, room, *aux)
+                if aux is not None:  # goes with the Status, in one frame (the room's only real decode rank)
+                    first[session] = self._aux_message(session, room, *aux)
                 continue
             started = time.perf_counter()
             try:
-                self._deliver(info, src, dst, aux, alive, heads, self.state.get(session, ()), self._alone(task))
+                aux_msg = self._deliver(info, src, dst, aux, alive, heads, self.state.get(session, ()),
+                                        self._alone(task))
+                if aux_msg is not None:
+                    first[session] = aux_msg
             except (TransportError, ControlError, PlanError) as e:
                 self.fail_room(room, f"KV transfer to decode rank {session} failed: {e}")
                 return
@@ -446,7 +439,7 @@ class TransferWorkers:
         if launched is None:
             self.times.mark(room, "written")
         if task.is_last and alive():
-            self.succeed(room)
+            self.succeed(room, first=first or None)
             self.times.mark(room, "concluded")
 
     def _why_gone(self, session: str) -> str:
@@ -461,11 +454,13 @@ class TransferWorkers:
 
     def _deliver(self, info: TransferInfo, src: list, dst: list, aux: Optional[tuple], alive: Callable[[], bool],
                  heads: Optional[PairHeads] = None, state: Sequence[Optional[StatePlan]] = (),
-                 alone: bool = False) -> None:
+                 alone: bool = False) -> Optional[wire.AuxData]:
         """One chunk to one decode rank over the transport `auto` picks now (`heads`: only that head range of
         the KV pages; `state[c]`: only those spans of state component c's items). Lack of communicator memory
         never fails it: the peer goes to Mooncake when it can, else the chunk waits for room (until the room ends).
-        `alone`: no forward pass runs beside its copy (the same-host path's quickest route)."""
+        `alone`: no forward pass runs beside its copy (the same-host path's quickest route). Returns the chunk's
+        aux row as the message that carries it ahead of the Status where it goes on the control channel (the
+        same-host and NCCL paths: neither reaches host memory); Mooncake writes it with the KV."""
         session, room = info.session, info.room
         unsettled = lambda: self.release.poison(room)  # noqa: E731
         waiting_since = None
@@ -478,12 +473,10 @@ class TransferWorkers:
                 if not self.same_host.send(peer, src, dst, heads, unsettled, state, alone):
                     continue  # not mappable after all: routed again (NCCL)
                 self.times.mark_write(room, self.same_host.last_write)
-                if aux is not None:
-                    self._send_aux(session, room, *aux)
-                return
+                return None if aux is None else self._aux_message(session, room, *aux)
             if route == "mooncake":
                 self.one_sided.send(peer, src, dst, aux, heads, unsettled, state)
-                return
+                return None
             try:
                 self.channels.send(session, room, self.prefill_rank, src, dst, info.next_seq, alive, heads, state)
             except NoRoom as e:
@@ -496,9 +489,8 @@ class TransferWorkers:
                 continue
             if waiting_since is not None:
                 logger.info("p2pnccl: room %s got a pair channel after %.2fs", room, time.monotonic() - waiting_since)
-            if aux is not None and alive():
-                self._send_aux(session, room, *aux)
-            return
+            return None if aux is None else self._aux_message(session, room, *aux)
+        return None
 
     @staticmethod
     def _aux(task: TransferTask, info: TransferInfo) -> Optional[tuple]:
@@ -507,12 +499,9 @@ class TransferWorkers:
             return task.aux_index, info.dst_aux_index
         return None
 
-    def _send_aux(self, session: str, room: int, src_index: int, dst_index: int) -> None:
-        """The aux rows as host bytes on the control channel (two-sided and same-host peers: neither NCCL nor
-        CUDA IPC reaches host memory)."""
-        self.control.send(session, self._aux_message(session, room, src_index, dst_index))
-
     def _aux_message(self, session: str, room: int, src_index: int, dst_index: int) -> wire.AuxData:
+        """The aux rows as host bytes for the control channel (two-sided and same-host peers: neither NCCL nor
+        CUDA IPC reaches host memory), read now: SGLang may reuse the row once the room's Success is marked."""
         # every buffer both sides have, each row at the shorter of the two sides' row sizes (as aux_descriptors)
         lens = [min(r.item_len, n) for r, n in zip(self.local.aux, self.peers[session].aux_item_lens)]
         return wire.AuxData(self.session, room, dst_index, self.local.aux_row(src_index, lens))

@@ -119,8 +119,9 @@ def misdirect_aux(mgr: Any, rows: dict) -> None:
     instead of the one it published (a buggy or compromised prefill; two-sided transports)."""
     if not rows:
         return
-    send_aux = mgr.workers._send_aux
-    mgr.workers._send_aux = lambda session, room, src, dst: send_aux(session, room, src, int(rows.get(str(room), dst)))
+    aux_message = mgr.workers._aux_message
+    mgr.workers._aux_message = lambda session, room, src, dst: aux_message(session, room, src,
+                                                                           int(rows.get(str(room), dst)))
 
 
 def corrupt_after_arrival(faults: dict, pools: Any, req: Req) -> None:

@@ -1,8 +1,8 @@
 """SGLANG_P2P_CONCLUDE_IN_POLL: a room whose last chunk SGLang's thread queued (`TransferWorkers.add`) is concluded
 by SGLang's own poll of its sender once that copy ran, or by the chunk's worker if it got there first, never both
 and never early: not before the copy ran, not before every earlier chunk's worker is done, the aux row always
-ahead of the Status, and nothing the poll sends waits on a peer (what would wait is left to the worker, behind the
-chunk). The parts around the workers are small fakes (support/transfer_fakes.py); each test drives `add`, the poll
+ahead of the Status and in its frame, and nothing the poll sends waits on a peer (what would wait is left to the
+worker, behind the chunk). The parts around the workers are small fakes (support/transfer_fakes.py); each test drives `add`, the poll
 and the worker's turns itself, on this thread."""
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def test_the_poll_concludes_a_room_whose_last_copy_ran_aux_row_first_and_its_wor
     w.add(last_chunk())
     w.conclude_launched(7)
     assert w.control.sent == [(SESSION, AUX, False), (SESSION, STATUS, False)]  # neither may wait on the decode
+    assert w.control.frames == [("AuxData", "Status")]  # one frame, one send on SGLang's thread
     assert succeeded == [(7, True)] and status[7] == KVPoll.Success
     assert 7 not in w._finishing
     assert drain(w) == 1  # the worker woken for the copy: waits for it (its event goes back), concludes nothing
@@ -82,18 +83,22 @@ def test_either_concluder_marks_the_room_written_when_it_finds_the_copy_done_bef
     times.mark(7, "queued")
     w, _, _, succeeded = workers(Ran() if by_poll else FakeLaunch(), conclude_in_poll=True, aux_index=9, times=times)
     sent_at = {}
-    for name in ("send", "send_now"):
-        def tick_then(session, msg, *a, real=getattr(w.control, name), **kw):
-            sent_at.setdefault(msg[0], 1e3 * (ticks() - 1e-3))  # ms from the room's first chunk queued
-            return real(session, msg, *a, **kw)
-        setattr(w.control, name, tick_then)
+
+    def tick_then(real, session, msgs):
+        at = 1e3 * (ticks() - 1e-3)  # ms from the room's first chunk queued
+        sent_at.update({m[0]: at for m in msgs})
+        return real(session, *msgs) if real is send_now else real(session, msgs)
+
+    send_now, send_all = w.control.send_now, w.control.send_all
+    w.control.send_now = lambda session, *msgs: tick_then(send_now, session, msgs)
+    w.control.send_all = lambda session, msgs, block=True: tick_then(send_all, session, msgs)
     w.add(last_chunk())
     w.conclude_launched(7)
     drain(w)
-    assert len(succeeded) == 1
+    assert len(succeeded) == 1 and w.control.frames == [("AuxData", "Status")]
     line = times.seen(7)
     at = {k: float(v) for k, v in re.findall(r"(\w+) ([0-9.]+)", line.split(": ", 1)[1])}
-    assert at["written"] < sent_at["AuxData"] < sent_at["Status"] < at["concluded"], (line, sent_at)
+    assert at["written"] < sent_at["AuxData"] == sent_at["Status"] < at["concluded"], (line, sent_at)
     assert line.endswith(", by poll") == by_poll, line
 
 
@@ -106,6 +111,7 @@ def test_a_copy_still_running_is_not_concluded_and_the_worker_that_gets_there_fi
     assert w.control.sent == [] and succeeded == [] and status[7] == KVPoll.WaitingForInput
     drain(w)
     assert w.control.sent == [(SESSION, AUX, True), (SESSION, STATUS, True)] and succeeded == [7]
+    assert w.control.frames == [("AuxData", "Status")]  # the worker's conclusion: one frame too
     w.conclude_launched(7)  # the copy has run now, but its worker took the room: the poll only forgets it
     assert succeeded == [7] and len(w.control.sent) == 2 and 7 not in w._finishing
     times.seen(7)
@@ -166,43 +172,36 @@ def test_a_room_the_poll_cannot_conclude_plainly_is_left_to_its_worker(case):
         assert ("not registered" if case == "peer gone" else "released the KV memory") in failed[0][1]
 
 
-def test_an_aux_row_that_would_wait_leaves_the_whole_conclusion_to_the_worker_in_order():
+@pytest.mark.parametrize("busy", ["AuxData", "Status"])
+def test_an_aux_row_and_status_that_would_wait_go_together_from_the_worker_after_success_was_marked(busy):
     w, status, failed, succeeded = workers(Ran(), conclude_in_poll=True, aux_index=9)
-    w.control.busy = {"AuxData"}  # the decode's socket is busy or full
+    w.control.busy = {busy}  # the decode's socket is busy or full
     w.add(last_chunk())
     w.conclude_launched(7)
-    assert w.control.sent == [] and succeeded == [] and status[7] == KVPoll.WaitingForInput  # nothing half done
+    # the aux row was read and Success marked (SGLang may reuse the row now); nothing half sent
+    assert w.control.sent == [] and succeeded == [(7, True)] and status[7] == KVPoll.Success
     w._transfer_step(w.shards[0])  # the chunk: its worker waits for the copy and finds the room taken
-    assert w.control.sent == [] and succeeded == []
+    assert w.control.sent == []
     rest = w.shards[0].get_nowait()
     assert isinstance(rest, Conclude) and w.shards[0].empty()
     w.shards[0].put(rest)
     assert drain(w) == 1
-    assert w.control.sent == [(SESSION, AUX, True), (SESSION, STATUS, True)] and succeeded == [7]
-
-
-def test_a_status_that_would_wait_goes_from_the_worker_after_success_was_marked():
-    w, status, failed, succeeded = workers(Ran(), conclude_in_poll=True, aux_index=9)
-    w.control.busy = {"Status"}
-    w.add(last_chunk())
-    w.conclude_launched(7)
-    assert w.control.sent == [(SESSION, AUX, False)] and succeeded == [(7, True)] and status[7] == KVPoll.Success
-    assert drain(w) == 2
-    assert w.control.sent == [(SESSION, AUX, False), (SESSION, STATUS, True)] and succeeded == [(7, True)]
+    assert w.control.sent == [(SESSION, AUX, True), (SESSION, STATUS, True)] and succeeded == [(7, True)]
+    assert w.control.frames == [("AuxData", "Status")]
 
 
 def test_a_conclusion_the_worker_cannot_send_fails_the_room_with_the_reason():
     w, status, failed, succeeded = workers(Ran(), conclude_in_poll=True, aux_index=9)
     w.control.busy = {"AuxData"}
 
-    def refused(session, msg, block=True):
+    def refused(session, msgs, block=True):
         raise RuntimeError("control message to 127.0.0.1:4001 not delivered: Resource temporarily unavailable")
 
-    w.control.send = refused
+    w.control.send_all = refused
     w.add(last_chunk())
     w.conclude_launched(7)
     drain(w)
-    assert succeeded == [] and failed and "not delivered" in failed[0][1] and status[7] == KVPoll.Failed
+    assert succeeded == [(7, True)] and failed and "not delivered" in failed[0][1] and status[7] == KVPoll.Failed
 
 
 def test_an_error_in_the_polls_conclusion_never_reaches_sglangs_thread_and_its_worker_fails_the_room():
@@ -274,10 +273,10 @@ def test_the_prefills_status_sender_in_the_poll_sends_what_goes_now_and_returns_
         return TransferInfo(session, 7, np.arange(2, dtype=np.int32), -1, [], 2, 0, False)
 
     sent, marked = [], []
-    control = SimpleNamespace(send_now=lambda s, msg: s != "d:2" and not sent.append((s, msg.status, "now")))
+    control = SimpleNamespace(send_now=lambda s, *msgs: s != "d:2" and not sent.append((s, msgs[-1].status, "now")))
     m = SimpleNamespace(transfer_infos={7: {"d:1": info("d:1"), "d:2": info("d:2")}}, decode_peers={"d:1": 0, "d:2": 0},
                         control=control, session="p:1", prefill_rank=0, kv_digest=None,
-                        _control_send=lambda s, msg, block=True: sent.append((s, msg.status, "worker")),
+                        _control_send_all=lambda s, msgs, block=True: sent.append((s, msgs[-1].status, "worker")),
                         update_status=lambda room, status: marked.append((room, status, len(sent))))
     m._status_sender = lambda *a, **kw: PrefillKVManager._status_sender(m, *a, **kw)
     rest = PrefillKVManager._succeed(m, 7, now=True)

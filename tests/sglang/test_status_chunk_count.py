@@ -94,7 +94,7 @@ def test_the_prefills_status_names_the_headers_each_decode_rank_was_sent():
     sent = []
     mgr = PrefillKVManager.__new__(PrefillKVManager)
     mgr.session, mgr.prefill_rank = PREFILL, 0
-    mgr._control_send = lambda session, msg, block=True: sent.append((session, msg))
+    mgr._control_send_all = lambda session, msgs, block=True: sent.extend((session, msg) for msg in msgs)
     infos = {s: TransferInfo(s, ROOM, np.arange(4), 0, [], 2, 0, is_dummy=(s == "10.0.0.7:7000"))
              for s in (DECODE, "10.0.0.8:7000", "10.0.0.7:7000")}
     mgr.transfer_infos = {ROOM: infos}

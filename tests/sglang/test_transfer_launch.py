@@ -192,3 +192,15 @@ def test_the_prefill_counts_a_room_alone_while_it_is_the_only_request_with_a_sen
     assert not alone(SimpleNamespace(owned_rooms={7, 8}), 7)  # another request is bootstrapping, waiting or sending
     assert not alone(SimpleNamespace(owned_rooms={8}), 7) and not alone(SimpleNamespace(owned_rooms=set()), 7)
     assert_on_off_switch(monkeypatch, "SGLANG_P2P_ALONE_KERNEL", "alone_kernel")
+
+
+@pytest.mark.parametrize("launch_in_add", [True, False], ids=["queued-in-add", "copied-by-worker"])
+def test_a_rooms_aux_row_goes_in_its_status_frame_whoever_copied_its_last_chunk(launch_in_add):
+    """One send for the room's end, on the worker too: the aux row (this rank's row 5, the decode's row 9) then the
+    Status, in one frame, after the copy."""
+    w, status, failed, succeeded = workers(FakeLaunch(), launch_in_add=launch_in_add, aux_index=9)
+    w.add(TransferTask(7, np.arange(3, 6, dtype=np.int32), slice(2, 5), True, 5, None))
+    step(w)
+    assert (w.same_host.sent == []) == launch_in_add  # the worker copied it itself, or waited for the launch
+    assert w.control.sent == [(SESSION, ("AuxData", 7, 5, 9), True), (SESSION, ("Status", 7), True)]
+    assert w.control.frames == [("AuxData", "Status")] and succeeded == [7] and failed == []

@@ -70,7 +70,7 @@ def forged_chunks(count: int, room: int = 1) -> list[list[bytes]]:
 def mutated(frames: list[list[bytes]], count: int, seed: int = 0) -> list[list[bytes]]:
     """`count` mutations of the given valid frame lists: flipped bytes, cut or grown payloads, garbage
     msgpack, wrong frame counts, huge array headers; and packed into one frame (a registered pair's form,
-    packing.py) with bytes flipped or a list header claiming 2^32-1 frames."""
+    packing.py) with bytes flipped, a list header claiming 2^32-1 frame lists, or an inner one 2^32-1 frames."""
     rng = random.Random(seed)
     out = []
     for i in range(count):
@@ -92,12 +92,12 @@ def mutated(frames: list[list[bytes]], count: int, seed: int = 0) -> list[list[b
         elif kind == 5:  # an array header claiming 2^32-1 elements
             out.append([magic, b"\xdd\xff\xff\xff\xff" + body[:8]])
         elif kind == 6:
-            b = bytearray(pack([magic, body])[0])
+            b = bytearray(pack([[magic, body], [magic, body]][: rng.choice((1, 2))])[0])
             for _ in range(rng.randint(1, 8)):
                 b[rng.randrange(len(PACK_MAGIC), len(b))] = rng.randrange(256)
             out.append([bytes(b)])
         else:
-            out.append([PACK_MAGIC + b"\xdd\xff\xff\xff\xff" + magic])
+            out.append([PACK_MAGIC + rng.choice((b"", b"\x91")) + b"\xdd\xff\xff\xff\xff" + magic])
     return out
 
 
@@ -131,12 +131,18 @@ class Stranger:
         with self._lock:
             self.out.send_multipart(seal(frames, self.secret))
 
+    def send_together(self, frame_lists: list[list[bytes]]) -> None:
+        """Several frame lists in one packed frame, each with this stranger's secret, as a registered rank sends a
+        room's aux row and Status (packing.py)."""
+        with self._lock:
+            self.out.send_multipart(pack([seal(frames, self.secret) for frames in frame_lists]))
+
     def answer(self, timeout_s: float = 10.0) -> tuple[Optional[bytes], wire.PeerAnswer]:
         """(the secret the answer carried for us, the answer); keeps the rank's secret for later sends."""
         if not self.inbox.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"no answer at {self.session}")
         self.answer_frames = self.inbox.recv_multipart()  # as they came (a registration's answer is never packed)
-        frames = unpack(self.answer_frames)
+        (frames,) = unpack(self.answer_frames)
         ours, inner = open_frames(frames[3:] if frames[0] == AUTH_MAGIC else frames)
         msg = wire.decode(inner)
         assert isinstance(msg, wire.PeerAnswer), msg
@@ -147,8 +153,8 @@ class Stranger:
         """Every message of ours waiting in the inbox (heartbeats, statuses...), opened as `answer` does."""
         out = []
         while self.inbox.poll(int(timeout_s * 1000)):
-            frames = unpack(self.inbox.recv_multipart())  # a registered pair's frame lists come packed
-            out.append(wire.decode(open_frames(frames[3:] if frames[0] == AUTH_MAGIC else frames)[1]))
+            for frames in unpack(self.inbox.recv_multipart()):  # a registered pair's frame lists come packed
+                out.append(wire.decode(open_frames(frames[3:] if frames[0] == AUTH_MAGIC else frames)[1]))
         return out
 
     def beat(self, interval_s: float = 0.5) -> None:

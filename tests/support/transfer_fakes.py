@@ -74,28 +74,35 @@ class Counts:
 
 
 class FakeControl:
-    """The control channel: each message sent, in order, as (session, what, blocking); `busy`: the kinds whose
-    `send_now` finds the socket busy or full (nothing sent)."""
+    """The control channel: each message sent, in order, as (session, what, blocking), and in `frames` each call's
+    messages together (what one frame carries); `busy`: the kinds whose `send_now` finds the socket busy or full
+    (nothing of that call sent)."""
 
     def __init__(self):
         self.sent: list = []
+        self.frames: list = []
         self.busy: set = set()
 
     def send(self, session, msg, block=True):
-        self.sent.append((session, msg, True))
+        self.send_all(session, (msg,), block)
 
-    def send_now(self, session, msg) -> bool:
-        if msg[0] in self.busy:
+    def send_all(self, session, msgs, block=True):
+        self.frames.append(tuple(m[0] for m in msgs))
+        self.sent.extend((session, msg, True) for msg in msgs)
+
+    def send_now(self, session, *msgs) -> bool:
+        if any(msg[0] in self.busy for msg in msgs):
             return False
-        self.sent.append((session, msg, False))
+        self.frames.append(tuple(m[0] for m in msgs))
+        self.sent.extend((session, msg, False) for msg in msgs)
         return True
 
 
 def workers(answer, *, route="cudaipc", heads=None, launch_in_add=True, alone=lambda room: False,
             conclude_in_poll=False, aux_index=-1, times=None):
     """Room 7 to one decode rank (`aux_index`: its aux row's index there, -1: none). `succeeded` lists each
-    conclusion as (room, now), which marks the room Success and sends its Status as the prefill's `_succeed` does:
-    `now` only if it goes at once, else returned for a worker to send."""
+    conclusion as (room, now), which marks the room Success and sends its Status (behind the aux row it is given) as
+    the prefill's `_succeed` does: `now` only if it goes at once, else returned for a worker to send."""
     status = {7: KVPoll.WaitingForInput}
     info = TransferInfo(session=SESSION, room=7, dst_kv_indices=np.arange(100, 110, dtype=np.int32),
                         dst_aux_index=aux_index, dst_state_indices=[], required_dst_info_num=1, decode_prefix_len=0,
@@ -103,14 +110,14 @@ def workers(answer, *, route="cudaipc", heads=None, launch_in_add=True, alone=la
     failed, succeeded = [], []
     control = FakeControl()
 
-    def succeed(room, now=False):
+    def succeed(room, now=False, first=None):
         succeeded.append((room, now) if now else room)
         status[room] = KVPoll.Success
-        msg = ("Status", room)
+        msgs = ((first[SESSION],) if first else ()) + (("Status", room),)
         if not now:
-            control.send(SESSION, msg)
-        elif not control.send_now(SESSION, msg):
-            return lambda: control.send(SESSION, msg)
+            control.send_all(SESSION, msgs)
+        elif not control.send_now(SESSION, *msgs):
+            return lambda: control.send_all(SESSION, msgs)
         return None
 
     w = TransferWorkers(

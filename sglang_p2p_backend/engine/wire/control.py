@@ -8,7 +8,8 @@ one is closed when a new endpoint would exceed `max_sockets` (ZMQ's own limit is
 no stream of peers can exhaust file descriptors. With an `Authenticator` every frame list is sealed with the
 endpoint's next counter, under the endpoint's lock, so counters reach the peer in order. Every frame list to a
 peer that issued this rank a pair secret carries it (pair_secret.py), inside the authenticated envelope, and
-travels packed into one ZMQ frame (packing.py) unless the channel is made with `pack=False`.
+travels packed into one ZMQ frame (packing.py) unless the channel is made with `pack=False`; several messages sent
+together (a room's aux row and Status) share that frame.
 
 Inbound, `limit_inbound` caps the size of one frame the receiving socket reads (ZMQ_MAXMSGSIZE, at
 `max_frame_bytes` of the rank's pools): ZMQ drops a larger frame and disconnects its sender before anything of it
@@ -143,38 +144,49 @@ class ControlChannel:
         return entry
 
     def send(self, endpoint: str, msg: messages.Message, block: bool = True) -> None:
-        self.send_frames(endpoint, messages.encode(msg), block)
+        self.send_all(endpoint, (msg,), block)
+
+    def send_all(self, endpoint: str, msgs: Sequence[messages.Message], block: bool = True) -> None:
+        """Send `msgs` in order, in one frame where the endpoint's lists are packed (a room's aux row and Status);
+        raises ControlError when one was not handed to ZMQ."""
+        self._send(endpoint, [messages.encode(m) for m in msgs], block, wait_turn=True)
 
     def send_frames(self, endpoint: str, frames: list[bytes], block: bool = True) -> None:
         """Send one frame list; raises ControlError (never a bare ZMQError) when it was not handed to ZMQ."""
-        self._send(endpoint, frames, block, wait_turn=True)
+        self._send(endpoint, [frames], block, wait_turn=True)
 
-    def send_now(self, endpoint: str, msg: messages.Message) -> bool:
-        """Send `msg` only if it goes without any wait: neither for another thread's send on the socket nor for
-        room in its queue (SGLang's scheduler thread, which must never wait on a peer). False: nothing was sent,
-        and what comes after it must wait for a thread that may block."""
+    def send_now(self, endpoint: str, msg: messages.Message, *more: messages.Message) -> bool:
+        """Send `msg` (and `more`, all or none: one packed frame) only if it goes without any wait: neither for
+        another thread's send on the socket nor for room in its queue (SGLang's scheduler thread, which must never
+        wait on a peer). False: nothing was sent, and what comes after it must wait for a thread that may block
+        (also for several messages to an endpoint whose lists are not packed, which would go one by one)."""
         try:
-            return self._send(endpoint, messages.encode(msg), block=False, wait_turn=False)
+            return self._send(endpoint, [messages.encode(m) for m in (msg, *more)], block=False, wait_turn=False)
         except ControlError:
             return False
 
-    def _send(self, endpoint: str, frames: list[bytes], block: bool, wait_turn: bool) -> bool:
-        """False where `wait_turn` is off and another thread is sending to `endpoint` (nothing sent)."""
+    def _send(self, endpoint: str, frame_lists: list[list[bytes]], block: bool, wait_turn: bool) -> bool:
+        """False where `wait_turn` is off and another thread is sending to `endpoint`, or where several lists
+        would go one by one without waiting (nothing sent)."""
         try:
             entry = self._endpoint(endpoint)
             with self._lock:
                 secret = self._secrets.get(endpoint)
-            frames = seal(frames, secret)
+            packed = bool(secret) and self._pack
+            if not packed and len(frame_lists) > 1 and not wait_turn:
+                return False  # one by one, the second could find no room after the first went
+            frame_lists = [seal(frames, secret) for frames in frame_lists]
             if not entry.lock.acquire(blocking=wait_turn):
                 return False
             try:
                 if entry.sock.closed:  # evicted meanwhile: the next send opens a new one
                     raise ControlError(f"control socket to {endpoint} was recycled")
-                if self._auth is not None:
-                    frames = self._auth.seal(frames)
-                if secret and self._pack:
-                    frames = pack(frames)
-                entry.sock.send_multipart(frames, flags=0 if block else zmq.NOBLOCK)
+                if self._auth is not None:  # each list its own counter, in the order sent
+                    frame_lists = [self._auth.seal(frames) for frames in frame_lists]
+                if packed:
+                    frame_lists = [pack(frame_lists)]
+                for frames in frame_lists:
+                    entry.sock.send_multipart(frames, flags=0 if block else zmq.NOBLOCK)
             finally:
                 entry.lock.release()
             return True

@@ -26,8 +26,9 @@ MAGIC = b"P2P1"
 # message after registration carries the secret its receiver issued: pair_secret.py), aux rows in the agreement,
 # RoomFailed; 6: refusals carry no pair secret, PeerReleased; 7: per-tensor state sharding in the agreement
 # (state components sliced over attention TP: engine/copy/state_slices.py); 8: Status carries the room's chunk count;
-# 9: frame lists between registered ranks packed into one ZMQ frame (packing.py)
-PROTOCOL_VERSION = 9
+# 9: frame lists between registered ranks packed into one ZMQ frame (packing.py); 10: several frame lists in one
+# packed frame (a room's aux row and Status)
+PROTOCOL_VERSION = 10
 
 # static bounds of wire fields: generous for any deployment, small enough that nothing sized by them is costly
 Session = Annotated[str, Meta(min_length=3, max_length=200)]
