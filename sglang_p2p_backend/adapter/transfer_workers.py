@@ -253,9 +253,10 @@ class TransferWorkers:
         """SGLang's poll, on its thread: conclude `room` here if its last chunk's copy was queued by `add` and has
         run, its worker has not taken the conclusion, and every earlier chunk's worker is done. The aux row is read,
         Success marked, and the aux row and Status go in one frame if they go without waiting; if not, they are
-        queued for the worker that owns the peer, behind the chunk. Its worker, woken for the copy, then finds the room taken. Saves the
-        worker's wake-up and its wait for the GIL after the copy (docs/serving.md, session 39). Anything else
-        (a copy still running or failed, a room ended, a peer gone, the pools released) is the worker's."""
+        queued for the worker that owns the peer, behind the chunk. Its worker, woken for the copy, then finds the
+        room taken. Saves the worker's wake-up and its wait for the GIL after the copy (docs/serving.md, session 39).
+        Anything else (a copy still running or failed, a room ended, a peer gone, the pools released) is the
+        worker's."""
         task = self._finishing.get(room)
         if task is None:
             return
@@ -393,7 +394,7 @@ class TransferWorkers:
         if launched is None:
             self.times.mark(room, "ready")  # a launched chunk was ready when `add` queued it
         alive = lambda: self.request_status.get(room) not in (None, KVPoll.Failed)  # noqa: E731
-        first = {}  # decode rank -> the room's aux row over the control channel, sent in its Status's frame
+        first: Dict[str, wire.AuxData] = {}  # decode rank -> the room's aux row, sent in its Status's frame
         for session, info in list(infos.items()):
             if info.is_dummy:
                 continue
