@@ -8,7 +8,7 @@ import re
 import statistics
 from typing import Optional
 
-from sglang_p2p_backend.adapter.room_times import BY_POLL, CPU, CPU_STEPS, PREFIX, RUNQ, STEPS
+from sglang_p2p_backend.adapter.room_times import BY_POLL, CPU, CPU_STEPS, LOOKS, PREFIX, RUNQ, STEPS
 from sglang_p2p_backend.engine.transport.cuda_ipc import WRITE_STEPS
 
 #: the steps of a write on the thread that queued its copy, in order: each gap's wall time and CPU time
@@ -20,11 +20,13 @@ _STEP = re.compile(r"(\w+) (-?[0-9.]+)")
 
 def parse(text: str) -> list[dict[str, float]]:
     """Each room's line in `text` as {"room": its id, "chunks": n, step: ms from its first chunk queued, ...,
-    "cpu_launched", "cpu_<step>" and "runq_written": ms where the line has them, "by_poll": 1.0 where SGLang's poll
-    concluded the room}, the steps in the line's order."""
+    "cpu_launched", "cpu_<step>" and "runq_written": ms where the line has them, "looks": the poll's looks at a
+    running copy where it looked, "by_poll": 1.0 where SGLang's poll concluded the room}, the steps in the line's
+    order."""
     rooms = []
     for m in _LINE.finditer(text):
-        steps = {k: float(v) for k, v in _STEP.findall(m.group(3)) if k in STEPS or k in (CPU, *CPU_STEPS, RUNQ)}
+        steps = {k: float(v) for k, v in _STEP.findall(m.group(3))
+                 if k in STEPS or k in (CPU, *CPU_STEPS, RUNQ, LOOKS)}
         by_poll = {"by_poll": 1.0} if m.group(3).rstrip().endswith(BY_POLL) else {}
         rooms.append({"room": int(m.group(1)), "chunks": float(m.group(2)), **steps, **by_poll})
     return rooms
@@ -32,8 +34,9 @@ def parse(text: str) -> list[dict[str, float]]:
 
 def concluders(rooms: list[dict[str, float]]) -> Optional[dict[str, dict[str, object]]]:
     """Where SGLang's poll concluded any room: {"poll": ..., "worker": ...}, each {"rooms": n, "concluded" and
-    "seen": median ms} over the rooms that one concluded (None where no line says `by poll`: the poll concluded
-    none, or the servers predate the mark)."""
+    "seen": median ms, and where its rooms have them "looked->written": median ms from the poll's last look at the
+    running copy to the copy seen done, "looks": median looks} over the rooms that one concluded (None where no
+    line says `by poll`: the poll concluded none, or the servers predate the mark)."""
     if not any(r.get("by_poll") for r in rooms):
         return None
     out: dict[str, dict[str, object]] = {}
@@ -43,6 +46,10 @@ def concluders(rooms: list[dict[str, float]]) -> Optional[dict[str, dict[str, ob
         for step in ("concluded", "seen"):
             xs = [r[step] for r in mine if step in r]
             out[who][step] = round(statistics.median(xs), 3) if xs else None
+        looked = [r for r in mine if "looked" in r and "written" in r]
+        if looked:
+            out[who]["looked->written"] = round(statistics.median(r["written"] - r["looked"] for r in looked), 3)
+            out[who][LOOKS] = statistics.median(r.get(LOOKS, 1.0) for r in looked)
     return out
 
 
@@ -57,7 +64,10 @@ def summarize(rooms: list[dict[str, float]]) -> Optional[dict[str, object]]:
           for s in STEPS[1:] if any(s in r for r in rooms)}
     gaps = {}
     # and the write's host part, SGLang's thread's whole launch and the write whole, with or without the steps between
-    for a, b in [*zip(STEPS, STEPS[1:]), ("ready", "launched"), ("ready", "returned"), ("ready", "written")]:
+    # (steps a room may lack: the copy queued by its worker returns to no thread, a copy the poll never saw running
+    # has no look)
+    for a, b in [*zip(STEPS, STEPS[1:]), ("ready", "launched"), ("ready", "returned"), ("ready", "written"),
+                 ("launched", "written"), ("returned", "written")]:
         xs = [r[b] - r.get(a, 0.0) for r in rooms if b in r and (a in r or a == STEPS[0])]
         if xs:
             gaps[f"{a}->{b}"] = round(statistics.median(xs), 3)

@@ -189,14 +189,18 @@ def room_steps(c: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 def _concluded_by(runs: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """Over the runs where SGLang's poll concluded rooms (e2e/room_times.py's `concluders`): per concluder, its
-    rooms and the median over the runs of their median Success seen (ms); None where no run had any."""
+    rooms and the median over the runs of their median Success seen (ms), and of the poll's last look at a running
+    copy to the copy seen done (ms, where any run has it); None where no run had any."""
     if not runs:
         return None
+    m = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
     out = {}
     for who in ("poll", "worker"):
-        seen = [r[who]["seen"] for r in runs if r[who]["seen"] is not None]
         out[who] = {"rooms": sum(r[who]["rooms"] for r in runs),
-                    "seen": round(statistics.median(seen), 3) if seen else None}
+                    "seen": m([r[who]["seen"] for r in runs if r[who]["seen"] is not None])}
+        looked = [r[who]["looked->written"] for r in runs if r[who].get("looked->written") is not None]
+        if looked:
+            out[who]["looked->written"] = m(looked)
     return out
 
 

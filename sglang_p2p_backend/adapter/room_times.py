@@ -21,12 +21,13 @@ logger = logging.getLogger(__name__)
 #: transfer worker, its waits (SGLang's event, the page ids' copy) ended, its page write entered, its ids checked
 #: and its route chosen (cuda_ipc.WRITE_STEPS), its copy planned (the runtime calls next) and queued on the GPU
 #: (these on the same-host path only: before `launched` is host time, after it the device's and the wait's), the
-#: launch returned to SGLang's thread (a chunk that thread queued), written to every decode rank (its worker's wait
-#: returned, or SGLang's poll found the copy done: SGLANG_P2P_CONCLUDE_IN_POLL; a queued copy's aux row goes after
-#: it), the room concluded here (Success marked, Status sent) and Success seen by SGLang's poll. `concluded` is missing where the poll saw
-#: the Success first (it is marked before the Status goes). A chunk SGLang's thread queued is `ready` before `picked`
-STEPS = ("queued", "last_queued", "picked", "ready", *WRITE_STEPS, "planned", "launched", "returned", "written",
-         "concluded", "seen")
+#: launch returned to SGLang's thread (a chunk that thread queued), SGLang's poll's last look that found that copy
+#: still running, written to every decode rank (its worker's wait returned, or SGLang's poll found the copy done:
+#: SGLANG_P2P_CONCLUDE_IN_POLL; a queued copy's aux row goes after it), the room concluded here (Success marked,
+#: Status sent) and Success seen by SGLang's poll. `concluded` is missing where the poll saw the Success first (it
+#: is marked before the Status goes). A chunk SGLang's thread queued is `ready` before `picked`
+STEPS = ("queued", "last_queued", "picked", "ready", *WRITE_STEPS, "planned", "launched", "returned", "looked",
+         "written", "concluded", "seen")
 #: after the steps: the CPU time the queuing thread spent from `ready` to `launched` (ms). Below that span's wall
 #: time, the rest of it the thread waited (for the GIL, a lock, the OS), not computed
 CPU = "cpu_launched"
@@ -42,6 +43,9 @@ _SCHEDSTAT = "/proc/thread-self/schedstat"
 PREFIX = "p2pnccl: room times"
 #: the line's last words where SGLang's poll concluded the room (SGLANG_P2P_CONCLUDE_IN_POLL), not its worker
 BY_POLL = "by poll"
+#: after the steps: how many times SGLang's poll looked at the room's queued copy and found it still running (the
+#: last of them is `looked`): with `looked -> written`, how late SGLang's loop comes back to see a copy's end
+LOOKS = "looks"
 
 
 class _ThreadFile:
@@ -105,11 +109,13 @@ class RoomTimes:
                 times["chunks"] += 1
             else:
                 times[step] = now
-                if step == "ready":
+                if step == "looked":
+                    times[LOOKS] = times.get(LOOKS, 0.0) + 1
+                elif step == "ready":
                     times["ready_cpu"] = self._cpu()
                     # what an earlier chunk's write left
-                    for earlier in (*WRITE_STEPS, "planned", "launched", "returned", CPU, *CPU_STEPS, RUNQ,
-                                    "ready_runq", "ready_thread"):
+                    for earlier in (*WRITE_STEPS, "planned", "launched", "returned", "looked", LOOKS, CPU,
+                                    *CPU_STEPS, RUNQ, "ready_runq", "ready_thread"):
                         times.pop(earlier, None)
                     if runq is not None:
                         times["ready_runq"], times["ready_thread"] = runq, threading.get_ident()
@@ -179,11 +185,13 @@ class RoomTimes:
 
 
 def line_of(room: int, times: dict[str, float]) -> str:
-    """`PREFIX room R chunks N: step ms, ...[, cpu_launched ms, cpu_<step> ms...][, runq_written ms][, by poll]` (the
-    steps it reached, from its first chunk queued; the CPU times and the run-queue wait where both ends were
-    recorded; BY_POLL where SGLang's poll concluded the room)."""
+    """`PREFIX room R chunks N: step ms, ...[, cpu_launched ms, cpu_<step> ms...][, runq_written ms][, looks N][, by
+    poll]` (the steps it reached, from its first chunk queued; the CPU times and the run-queue wait where both ends
+    were recorded; the poll's looks at a running copy where it looked; BY_POLL where SGLang's poll concluded the
+    room)."""
     t0 = times["queued"]
     steps = [f"{s} {1e3 * (times[s] - t0):.3f}" for s in STEPS[1:] if s in times]
     steps += [f"{k} {1e3 * times[k]:.3f}" for k in (CPU, *CPU_STEPS, RUNQ) if k in times]
+    steps += [f"{LOOKS} {int(times[LOOKS])}"] if LOOKS in times else []
     steps += [BY_POLL] if times.get("by_poll") else []
     return f"{PREFIX} {room} chunks {int(times['chunks'])}: {', '.join(steps)}"

@@ -268,6 +268,7 @@ class TransferWorkers:
             return
         try:
             if not task.launch.done():
+                self.times.mark(room, "looked")  # how late this loop comes back to the copy's end (room times)
                 return
         except Exception:  # noqa: BLE001 - a failed copy: its worker fails the room, naming CUDA's error
             return

@@ -205,3 +205,35 @@ def test_a_writes_noted_steps_give_each_host_step_with_the_cpu_the_thread_spent_
     # a room without the steps (another path, an older log) has no row
     del cells[0]["reps"][0]["room_times_ms"]["host_steps"]
     assert serve_report.host_steps_markdown(serve_report.table(cells)) == ""
+
+
+def test_the_polls_last_look_at_a_running_copy_reads_back_and_each_concluder_gets_its_span_to_the_copy_seen_done():
+    """`looked` (SGLang's poll found the copy still running, counted in `looks`) comes back from the line, and each
+    concluder's `looked -> written` goes to the run's summary and the report: how late the loop saw a copy's end."""
+    times, clock, lines = timed()
+    for room, by_poll, looked, written in [(1, True, 0.5, 1.0), (2, False, 0.25, 1.5), (3, True, 0.75, 1.0)]:
+        clock.t = 100.0
+        times.mark(room, "queued")
+        times.mark(room, "ready")
+        for k in range(room):  # room r looked r times
+            clock.t = 100.0 + (looked - 0.125 * (room - 1 - k)) / 1e3
+            times.mark(room, "looked")
+        clock.t = 100.0 + written / 1e3
+        times.mark(room, "written")
+        if by_poll:
+            times.by_poll(room)
+        times.mark(room, "concluded")
+        times.seen(room)
+    assert lines[1] == ("p2pnccl: room times 2 chunks 1: last_queued 0.000, ready 0.000, looked 0.250, written 1.500, "
+                        "concluded 1.500, seen 1.500, looks 2")
+    rooms = room_times.parse("\n".join(lines))
+    assert [(r["looked"], r["looks"]) for r in rooms] == [(0.5, 1.0), (0.25, 2.0), (0.75, 3.0)]
+    got = room_times.summarize(rooms)
+    assert got["concluded_by"]["poll"]["looked->written"] == 0.375  # rooms 1 and 3: 0.5 and 0.25
+    assert got["concluded_by"]["poll"]["looks"] == 2.0 and got["concluded_by"]["worker"]["looked->written"] == 1.25
+    assert got["gaps"]["looked->written"] == 0.5 and got["gaps"]["ready->written"] == 1.0
+    cells = [{"backend": "p2pnccl-times", "input_len": 4096, "concurrency": 1, "cuda_graph": True,
+              "reps": [{"output_tok_s": 1.0, "room_times_ms": got}]}]
+    (row,) = serve_report.table(cells)
+    assert row["backends"]["p2pnccl-times"]["room_steps"]["concluded_by"]["poll"] == {
+        "rooms": 2, "seen": 1.0, "looked->written": 0.375}

@@ -108,6 +108,7 @@ def test_a_copy_still_running_is_not_concluded_and_the_worker_that_gets_there_fi
     w, status, failed, succeeded = workers(launch, conclude_in_poll=True, aux_index=9, times=times)
     w.add(last_chunk())
     w.conclude_launched(7)
+    w.conclude_launched(7)
     assert w.control.sent == [] and succeeded == [] and status[7] == KVPoll.WaitingForInput
     drain(w)
     assert w.control.sent == [(SESSION, AUX, True), (SESSION, STATUS, True)] and succeeded == [7]
@@ -116,6 +117,32 @@ def test_a_copy_still_running_is_not_concluded_and_the_worker_that_gets_there_fi
     assert succeeded == [7] and len(w.control.sent) == 2 and 7 not in w._finishing
     times.seen(7)
     assert "concluded" in lines[0] and "by poll" not in lines[0], lines
+    # the poll's two looks at the running copy, the last one timed (its third found the room taken: no look)
+    assert re.search(r", looked [0-9.]+, written ", lines[0]) and lines[0].endswith(", looks 2"), lines
+
+
+def test_the_polls_looks_at_a_running_copy_are_counted_and_the_last_one_timed_before_it_concludes():
+    # `looked -> written` bounds how late SGLang's loop came back to the copy's end (docs/serving.md)
+    ticks, lines = Ticks(), []
+    times = RoomTimes(True, clock=ticks, log=lines.append)
+    times.mark(7, "queued")
+    launch = FakeLaunch()
+    w, _, _, succeeded = workers(launch, conclude_in_poll=True, aux_index=9, times=times)
+    w.add(last_chunk())
+    for _ in range(3):
+        w.conclude_launched(7)  # still running: three looks
+    launch.done = lambda: True
+    w.conclude_launched(7)
+    assert succeeded == [(7, True)]
+    line = times.seen(7)
+    at = {k: float(v) for k, v in re.findall(r"(\w+) ([0-9.]+)", line.split(": ", 1)[1])}
+    assert at["looks"] == 3 and at["looked"] < at["written"] < at["concluded"], line
+    assert line.endswith(", looks 3, by poll"), line
+    times.mark(8, "queued")
+    times.mark(8, "looked")
+    times.mark(8, "ready")  # a later chunk ready: the looks were at an earlier chunk's copy, forgotten
+    times.mark(8, "written")
+    assert "look" not in times.seen(8)
 
 
 def test_the_poll_waits_for_every_earlier_chunks_worker():
