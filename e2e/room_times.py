@@ -8,7 +8,7 @@ import re
 import statistics
 from typing import Optional
 
-from sglang_p2p_backend.adapter.room_times import BY_POLL, CPU, CPU_STEPS, LOOKS, PREFIX, RUNQ, STEPS
+from sglang_p2p_backend.adapter.room_times import BY_POLL, CPU, CPU_STEPS, GPU_COPY, LOOKS, PREFIX, RUNQ, STEPS
 from sglang_p2p_backend.engine.transport.cuda_ipc import WRITE_STEPS
 
 #: the steps of a write on the thread that queued its copy, in order: each gap's wall time and CPU time
@@ -20,13 +20,13 @@ _STEP = re.compile(r"(\w+) (-?[0-9.]+)")
 
 def parse(text: str) -> list[dict[str, float]]:
     """Each room's line in `text` as {"room": its id, "chunks": n, step: ms from its first chunk queued, ...,
-    "cpu_launched", "cpu_<step>" and "runq_written": ms where the line has them, "looks": the poll's looks at a
-    running copy where it looked, "by_poll": 1.0 where SGLang's poll concluded the room}, the steps in the line's
-    order."""
+    "cpu_launched", "cpu_<step>", "runq_written" and "gpu_copy": ms where the line has them, "looks": the poll's
+    looks at a running copy where it looked, "by_poll": 1.0 where SGLang's poll concluded the room}, the steps in
+    the line's order."""
     rooms = []
     for m in _LINE.finditer(text):
         steps = {k: float(v) for k, v in _STEP.findall(m.group(3))
-                 if k in STEPS or k in (CPU, *CPU_STEPS, RUNQ, LOOKS)}
+                 if k in STEPS or k in (CPU, *CPU_STEPS, RUNQ, GPU_COPY, LOOKS)}
         by_poll = {"by_poll": 1.0} if m.group(3).rstrip().endswith(BY_POLL) else {}
         rooms.append({"room": int(m.group(1)), "chunks": float(m.group(2)), **steps, **by_poll})
     return rooms
@@ -35,8 +35,10 @@ def parse(text: str) -> list[dict[str, float]]:
 def concluders(rooms: list[dict[str, float]]) -> Optional[dict[str, dict[str, object]]]:
     """Where SGLang's poll concluded any room: {"poll": ..., "worker": ...}, each {"rooms": n, "concluded" and
     "seen": median ms, and where its rooms have them "looked->written": median ms from the poll's last look at the
-    running copy to the copy seen done, "looks": median looks} over the rooms that one concluded (None where no
-    line says `by poll`: the poll concluded none, or the servers predate the mark)."""
+    running copy to the copy seen done, "looks": median looks, "copy_end->written": median ms from the copy's end
+    (`planned` plus its device time `gpu_copy`, where the GPU was idle before it) to the copy seen done} over the
+    rooms that one concluded (None where no line says `by poll`: the poll concluded none, or the servers predate
+    the mark)."""
     if not any(r.get("by_poll") for r in rooms):
         return None
     out: dict[str, dict[str, object]] = {}
@@ -46,6 +48,9 @@ def concluders(rooms: list[dict[str, float]]) -> Optional[dict[str, dict[str, ob
         for step in ("concluded", "seen"):
             xs = [r[step] for r in mine if step in r]
             out[who][step] = round(statistics.median(xs), 3) if xs else None
+        late = copy_end_seen(mine)
+        if late is not None:
+            out[who]["copy_end->written"] = late
         looked = [r for r in mine if "looked" in r and "written" in r]
         if looked:
             out[who]["looked->written"] = round(statistics.median(r["written"] - r["looked"] for r in looked), 3)
@@ -53,11 +58,20 @@ def concluders(rooms: list[dict[str, float]]) -> Optional[dict[str, dict[str, ob
     return out
 
 
+def copy_end_seen(rooms: list[dict[str, float]]) -> Optional[float]:
+    """The median ms from a launched copy's end to its end seen (`written`), over the rooms whose copy was timed
+    (`gpu_copy`): the copy is taken to end `gpu_copy` after `planned`, which holds where the GPU was idle before it
+    (a request alone); None without such rooms."""
+    xs = [r["written"] - r["planned"] - r[GPU_COPY] for r in rooms
+          if all(k in r for k in ("written", "planned", GPU_COPY))]
+    return round(statistics.median(xs), 3) if xs else None
+
+
 def summarize(rooms: list[dict[str, float]]) -> Optional[dict[str, object]]:
     """{"rooms": n, "chunks_p50", "at": {step: median ms}, "gaps": {"a->b": median of b - a}} over the rooms that
-    reached both steps, and "cpu_launched", each "cpu_<step>" and "runq_written" (the medians of the rooms that
-    have them) where any has, "concluded_by" (`concluders`) where the poll concluded any; None without rooms (the
-    servers did not log them)."""
+    reached both steps, and "cpu_launched", each "cpu_<step>", "runq_written" and "gpu_copy" (the medians of the
+    rooms that have them) where any has, "copy_end->written" (`copy_end_seen`) where copies were timed,
+    "concluded_by" (`concluders`) where the poll concluded any; None without rooms (the servers did not log them)."""
     if not rooms:
         return None
     at = {s: round(statistics.median(r[s] for r in rooms if s in r), 3)
@@ -72,10 +86,13 @@ def summarize(rooms: list[dict[str, float]]) -> Optional[dict[str, object]]:
         if xs:
             gaps[f"{a}->{b}"] = round(statistics.median(xs), 3)
     out = {"rooms": len(rooms), "chunks_p50": statistics.median(r["chunks"] for r in rooms), "at": at, "gaps": gaps}
-    for k in (CPU, *CPU_STEPS, RUNQ):
+    for k in (CPU, *CPU_STEPS, RUNQ, GPU_COPY):
         xs = [r[k] for r in rooms if k in r]
         if xs:
             out[k] = round(statistics.median(xs), 3)
+    late = copy_end_seen(rooms)
+    if late is not None:
+        out["copy_end->written"] = late
     host = host_steps(rooms)
     if host:
         out["host_steps"] = host

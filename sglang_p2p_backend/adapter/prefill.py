@@ -114,6 +114,7 @@ class PrefillKVManager(P2pNcclKVManagerBase):
                                       self._common_transports, self.config.max_peers)
         self.release = DeferredRelease(self, self.decode_peers, self._fail_or_bury, self.drop)
         self.room_times = RoomTimes(self.config.room_times)
+        self.same_host.timed = self.room_times.enabled
         self.workers = TransferWorkers(
             count=self.config.workers,
             spawn=self._spawn,

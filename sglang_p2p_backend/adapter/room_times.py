@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from sglang_p2p_backend.engine.copy.launches import Launch
 from sglang_p2p_backend.engine.transport.cuda_ipc import WRITE_STEPS, WriteMarks
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,10 @@ BY_POLL = "by poll"
 #: after the steps: how many times SGLang's poll looked at the room's queued copy and found it still running (the
 #: last of them is `looked`): with `looked -> written`, how late SGLang's loop comes back to see a copy's end
 LOOKS = "looks"
+#: and the device time of the copy SGLang's thread queued (ms): from its stream reaching the copy (after the wait for
+#: SGLang's own stream) to the copy's end. Where the GPU was idle, the copy ended `gpu_copy` after `planned`, so
+#: `written` minus that is how late its end was seen
+GPU_COPY = "gpu_copy"
 
 
 class _ThreadFile:
@@ -114,7 +119,7 @@ class RoomTimes:
                 elif step == "ready":
                     times["ready_cpu"] = self._cpu()
                     # what an earlier chunk's write left
-                    for earlier in (*WRITE_STEPS, "planned", "launched", "returned", "looked", LOOKS, CPU,
+                    for earlier in (*WRITE_STEPS, "planned", "launched", "returned", "looked", LOOKS, GPU_COPY, CPU,
                                     *CPU_STEPS, RUNQ, "ready_runq", "ready_thread"):
                         times.pop(earlier, None)
                     if runq is not None:
@@ -146,6 +151,21 @@ class RoomTimes:
                     times[step] = wall
                     if cpu0 is not None:
                         times[f"cpu_{step}"] = cpu - cpu0
+
+    def mark_copy(self, room: int, launch: Launch) -> None:
+        """The device time of `room`'s launched copy, found done (`launch.gpu_ms()`; None where it was not timed).
+        A measurement only: it never raises into the conclusion that asks for it."""
+        if not self.enabled:
+            return
+        try:
+            ms = launch.gpu_ms()
+        except Exception:  # noqa: BLE001 - a copy that failed is its concluder's to report, not this line's
+            return
+        if ms is not None:
+            with self._lock:
+                times = self._rooms.get(room)
+                if times is not None:
+                    times[GPU_COPY] = ms / 1e3
 
     def by_poll(self, room: int) -> None:
         """SGLang's poll, not a worker, concluded `room`: its line says so."""
@@ -185,13 +205,13 @@ class RoomTimes:
 
 
 def line_of(room: int, times: dict[str, float]) -> str:
-    """`PREFIX room R chunks N: step ms, ...[, cpu_launched ms, cpu_<step> ms...][, runq_written ms][, looks N][, by
-    poll]` (the steps it reached, from its first chunk queued; the CPU times and the run-queue wait where both ends
-    were recorded; the poll's looks at a running copy where it looked; BY_POLL where SGLang's poll concluded the
-    room)."""
+    """`PREFIX room R chunks N: step ms, ...[, cpu_launched ms, cpu_<step> ms...][, runq_written ms][, gpu_copy
+    ms][, looks N][, by poll]` (the steps it reached, from its first chunk queued; the CPU times and the run-queue
+    wait where both ends were recorded; the launched copy's device time where timed; the poll's looks at a running
+    copy where it looked; BY_POLL where SGLang's poll concluded the room)."""
     t0 = times["queued"]
     steps = [f"{s} {1e3 * (times[s] - t0):.3f}" for s in STEPS[1:] if s in times]
-    steps += [f"{k} {1e3 * times[k]:.3f}" for k in (CPU, *CPU_STEPS, RUNQ) if k in times]
+    steps += [f"{k} {1e3 * times[k]:.3f}" for k in (CPU, *CPU_STEPS, RUNQ, GPU_COPY) if k in times]
     steps += [f"{LOOKS} {int(times[LOOKS])}"] if LOOKS in times else []
     steps += [BY_POLL] if times.get("by_poll") else []
     return f"{PREFIX} {room} chunks {int(times['chunks'])}: {', '.join(steps)}"

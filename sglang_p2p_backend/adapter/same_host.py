@@ -76,6 +76,8 @@ class SameHostPath:
         self._mapping = threading.Lock()
         #: each peer's last launch (SGLang's thread has at most one running: cuda_ipc's `launch`)
         self._launched: dict[str, Launch] = Bounded(max_peers)
+        #: launches also time their copies on the device (SGLANG_P2P_ROOM_TIMES: the room line's `gpu_copy`)
+        self.timed = False
 
     def problem(self, reg: wire.PeerRegister) -> Optional[str]:
         """Why this rank cannot copy into decode rank `reg` through CUDA IPC (None: it can try to map it)."""
@@ -170,7 +172,7 @@ class SameHostPath:
             if not self.mapped(peer):
                 return None
             got = backend().launch(self.device, lambda: self._sender.send(peer, [src], [dst], None, None, unsettled,
-                                                                          alone=alone))
+                                                                          alone=alone), timed=self.timed)
             if got is None:
                 return None
             self._launched[peer.session] = got[1]

@@ -285,6 +285,7 @@ class TransferWorkers:
         info = real[0]
         session = info.session
         self.times.mark(room, "written")
+        self.times.mark_copy(room, task.launch)
         aux = self._aux(task, info)
         try:
             first = None if aux is None else {session: self._aux_message(session, room, *aux)}
@@ -423,6 +424,7 @@ class TransferWorkers:
                     return
                 # written once the copy ran, before the aux row: where SGLang's poll marks it (conclude_launched)
                 self.times.mark(room, "written")
+                self.times.mark_copy(room, launched)
                 if aux is not None:  # goes with the Status, in one frame (the room's only real decode rank)
                     first[session] = self._aux_message(session, room, *aux)
                 continue

@@ -237,3 +237,22 @@ def test_the_polls_last_look_at_a_running_copy_reads_back_and_each_concluder_get
     (row,) = serve_report.table(cells)
     assert row["backends"]["p2pnccl-times"]["room_steps"]["concluded_by"]["poll"] == {
         "rooms": 2, "seen": 1.0, "looked->written": 0.375}
+
+
+def test_a_timed_copy_reads_back_and_says_how_long_after_its_end_it_was_seen():
+    """`gpu_copy` (the launched copy's device time) comes back from the line; with `planned` it places the copy's end,
+    and the summary gives the median from there to `written`, for the run and for each concluder."""
+    lines = [
+        "p2pnccl: room times 1 chunks 1: last_queued 0.000, ready 0.100, planned 0.300, launched 0.400, "
+        "written 1.200, concluded 1.350, seen 1.360, gpu_copy 0.400, by poll",
+        "p2pnccl: room times 2 chunks 1: last_queued 0.000, ready 0.100, planned 0.300, launched 0.400, "
+        "written 1.500, concluded 1.700, seen 2.000, gpu_copy 0.300",
+        "p2pnccl: room times 3 chunks 1: last_queued 0.000, ready 0.100, written 1.000, seen 1.500",
+    ]
+    rooms = room_times.parse("\n".join(lines))
+    assert [r.get("gpu_copy") for r in rooms] == [0.4, 0.3, None]
+    got = room_times.summarize(rooms)
+    assert got["gpu_copy"] == 0.35 and got["copy_end->written"] == 0.7  # 0.5 and 0.9
+    assert got["concluded_by"]["poll"]["copy_end->written"] == 0.5
+    assert got["concluded_by"]["worker"]["copy_end->written"] == 0.9  # room 3 was not timed
+    assert room_times.copy_end_seen(rooms[2:]) is None

@@ -36,6 +36,7 @@ class FakeRuntime:
         self.cudaGetDevice = lambda out: self._get_device(out)
         self.cudaSetDevice = lambda index: self._set_device(index)
         self.cudaEventCreateWithFlags = lambda out, flags: self._create_event(out, flags)
+        self.cudaEventElapsedTime = lambda out, start, end: self.fail.get("cudaEventElapsedTime", 0)
 
     def _recorder(self, name):
         def call(*args) -> int:
@@ -267,3 +268,56 @@ def test_a_launch_is_waited_for_once_its_event_going_back_to_a_bounded_pool():
     answers.append(700)  # waited for: done without asking the event, which is the pool's again
     assert launch.done() is True and pool.take() is first
     pool.give(second)
+
+
+def timed_runtime(elapsed_code: int = 0) -> FakeRuntime:
+    """A runtime whose events are distinct handles, done once synchronized, 0.25 ms apart."""
+    rt = FakeRuntime()
+    made = iter(range(0x100, 0x200))
+
+    def create(out, flags) -> int:
+        rt.calls.append(("cudaEventCreateWithFlags", rt.device, flags))
+        out._obj.value = next(made)
+        return 0
+
+    def elapsed(out, start, end) -> int:
+        rt.calls.append(("cudaEventElapsedTime", _value(start), _value(end)))
+        out._obj.value = 0.25
+        return elapsed_code
+
+    done = [600]
+    rt.cudaEventCreateWithFlags, rt.cudaEventElapsedTime = create, elapsed
+    rt.cudaEventQuery = lambda event: done[-1]
+    rt.cudaEventSynchronize = lambda event: done.append(0) or 0
+    return rt
+
+
+def test_a_timed_launch_gives_its_copies_device_time_read_before_its_two_events_go_back():
+    """SGLANG_P2P_ROOM_TIMES: a timed launch's pool makes timing events (cudaEventDefault, 0), and the launch gives
+    the device time from its start event to its end once both ran, read before the wait gives the events back."""
+    rt = timed_runtime()
+    pool = EventPool(rt, 1, limit=8, timing=True)
+    end, start = pool.take(), pool.take()
+    assert [c[2] for c in rt.calls if c[0] == "cudaEventCreateWithFlags"] == [0, 0]
+    launch = EventLaunch(pool, end, start)
+    assert launch.gpu_ms() is None  # still running: not asked
+    assert not [c for c in rt.calls if c[0] == "cudaEventElapsedTime"]
+    launch.wait()
+    assert launch.gpu_ms() == 0.25 and launch.gpu_ms() == 0.25
+    assert [c for c in rt.calls if c[0] == "cudaEventElapsedTime"] == [("cudaEventElapsedTime", 0x101, 0x100)]
+    assert {_value(pool.take()), _value(pool.take())} == {0x100, 0x101}  # both back, none made anew
+    assert len([c for c in rt.calls if c[0] == "cudaEventCreateWithFlags"]) == 2
+
+
+def test_an_untimed_launch_or_a_failed_reading_gives_no_device_time():
+    rt = timed_runtime()
+    pool = EventPool(rt, 1)
+    launch = EventLaunch(pool, pool.take())
+    launch.wait()
+    assert launch.gpu_ms() is None and not [c for c in rt.calls if c[0] == "cudaEventElapsedTime"]
+    assert [c[2] for c in rt.calls if c[0] == "cudaEventCreateWithFlags"] == [EVENT_DISABLE_TIMING]
+    rt = timed_runtime(elapsed_code=1)  # e.g. a start event never recorded: cudaErrorInvalidValue
+    pool = EventPool(rt, 1, timing=True)
+    launch = EventLaunch(pool, pool.take(), pool.take())
+    launch.wait()
+    assert launch.gpu_ms() is None

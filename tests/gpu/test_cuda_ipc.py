@@ -242,10 +242,16 @@ def _prefill_one(tr: CudaIpcTransport, conn, layout: str, page_size: int, seed: 
     waiter.join(IO_TIMEOUT)
     marks["waited"] = time.perf_counter()
     launches["done_after_wait"] = first[1].done()
-    again = backend().launch(dev, rewrite)
+    launches["untimed_ms"] = first[1].gpu_ms()
+    # timed (SGLANG_P2P_ROOM_TIMES), again behind GPU time on the current stream (~10 ms), which its copy waits for
+    # and its device time leaves out
+    torch.cuda._sleep(20_000_000)
+    began = time.perf_counter()
+    again = backend().launch(dev, rewrite, timed=True)
     launches["launched_again"] = again is not None
     if again is not None:
         again[1].wait()
+        launches["timed"] = {"gpu_ms": again[1].gpu_ms(), "wall_ms": 1e3 * (time.perf_counter() - began)}
 
     # (a) writes outside the export, each batch with a valid span first (into a page nobody writes)
     spare = int(np.setdiff1d(np.arange(PAGES), dst)[0])
@@ -377,7 +383,11 @@ def test_scattered_chunks_land_byte_exact_and_nothing_else_changes(transfers, la
     assert cpus == sorted(cpus) and cpus[-1] <= m["launched_cpu"], m
     # a launch returns with its copy still queued behind the GPU's work, refuses the thread's next launch until it
     # ran (its page ids wait in pinned memory), and is done once another thread waited for it
-    ln = prefill["launches"]
+    ln = dict(prefill["launches"])
+    # a timed launch gives its copy's device time, without the ~10 ms its stream waited for the current one first;
+    # an untimed one none
+    timed = ln.pop("timed")
+    assert ln.pop("untimed_ms") is None and timed["wall_ms"] > 5 and 0 < timed["gpu_ms"] < timed["wall_ms"] / 2, timed
     assert ln == {"bytes": prefill["chunk0"] * _item(layout, page_size) * LAYOUTS[layout][0], "done_at_once": False,
                   "refused_while_running": True, "done_after_wait": True, "launched_again": True}, ln
     assert not decode["bad_written"], f"destination pages differ from their source: {decode['bad_written']}"

@@ -314,3 +314,22 @@ def test_the_prefills_status_sender_in_the_poll_sends_what_goes_now_and_returns_
     sent.clear()
     assert PrefillKVManager._succeed(m, 7) is None  # a worker's own conclusion: every Status sent, nothing left
     assert sent == [("d:1", int(KVPoll.Success), "worker"), ("d:2", int(KVPoll.Success), "worker")]
+
+
+@pytest.mark.parametrize("by_poll", [True, False], ids=["poll", "worker"])
+def test_either_concluder_puts_the_launched_copys_device_time_on_the_room_line(by_poll):
+    """A timed launch (SGLANG_P2P_ROOM_TIMES) gives its copy's device time; whoever concludes the room puts it on the
+    line (`gpu_copy`), so the line says how long after the copy's end it was seen. An untimed launch adds nothing,
+    and a launch whose reading fails costs the conclusion nothing."""
+    for gpu_ms, expect in [(lambda: 0.375, ", gpu_copy 0.375"), (lambda: None, None), (lambda: 1 / 0, None)]:
+        times, lines = timed()
+        launch = Ran() if by_poll else FakeLaunch()
+        launch.gpu_ms = gpu_ms
+        w, _, _, succeeded = workers(launch, conclude_in_poll=True, aux_index=9, times=times)
+        w.add(last_chunk())
+        w.conclude_launched(7)
+        drain(w)
+        assert len(succeeded) == 1
+        times.seen(7)
+        assert ("gpu_copy" in lines[0]) == (expect is not None) and (expect is None or expect in lines[0]), lines
+        assert lines[0].endswith(", by poll") == by_poll, lines

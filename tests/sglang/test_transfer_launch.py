@@ -124,7 +124,7 @@ class LaunchingBackend:
     def __init__(self, launches: list):
         self.launches = launches
 
-    def launch(self, device, write):
+    def launch(self, device, write, timed=False):
         self.launches.append(FakeLaunch())
         return write(), self.launches[-1]
 

@@ -134,7 +134,7 @@ class ShmBackend(IpcBackend):
             return
         _move(spans)
 
-    def launch(self, device: torch.device, write):
+    def launch(self, device: torch.device, write, timed: bool = False):
         """As CudaBackend's: the writes queued (here: kept) and left to the returned launch, which copies them when
         waited for, on the waiting thread; refused while this thread's last launch has not been waited for."""
         last = getattr(self._local, "launched", None)

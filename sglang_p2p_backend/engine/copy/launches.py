@@ -25,6 +25,10 @@ class Launch:
     def wait(self) -> None:
         raise NotImplementedError
 
+    def gpu_ms(self) -> Optional[float]:
+        """The copies' own time on the device (ms), where the launch was timed and they have run; else None."""
+        return None
+
 
 class Done(Launch):
     """Copies that had run before their launch returned (a backend that copies at once)."""
@@ -40,15 +44,18 @@ DONE = Done()
 
 
 class EventPool:
-    """At most `limit` ordering-only events of one device. The thread that records them takes them, and the threads
-    that wait for them give them back (under a lock)."""
+    """At most `limit` events of one device, ordering-only unless `timing` (SGLANG_P2P_ROOM_TIMES: a launch then
+    also takes one to record before its copies, and the two give their device time). The thread that records them
+    takes them, and the threads that wait for them give them back (under a lock)."""
 
-    def __init__(self, rt: Any, index: int, limit: int = 4):
-        self.rt, self.index, self.limit = rt, index, limit
+    def __init__(self, rt: Any, index: int, limit: int = 4, timing: bool = False):
+        self.rt, self.index, self.limit, self.timing = rt, index, limit, timing
         rt.cudaEventRecord.argtypes = [_P, _P]
         rt.cudaEventQuery.argtypes = [_P]
         rt.cudaEventSynchronize.argtypes = [_P]
-        for fn in (rt.cudaEventRecord, rt.cudaEventQuery, rt.cudaEventSynchronize, rt.cudaEventCreateWithFlags):
+        rt.cudaEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), _P, _P]
+        for fn in (rt.cudaEventRecord, rt.cudaEventQuery, rt.cudaEventSynchronize, rt.cudaEventCreateWithFlags,
+                   rt.cudaEventElapsedTime):
             fn.restype = ctypes.c_int
         self._free: List[_P] = []
         self._all: List[_P] = []
@@ -63,7 +70,8 @@ class EventPool:
             if len(self._all) >= self.limit:
                 return None
             event = _P()
-            check_call(self.rt, self.rt.cudaEventCreateWithFlags(ctypes.byref(event), EVENT_DISABLE_TIMING),
+            flags = 0 if self.timing else EVENT_DISABLE_TIMING  # 0: cudaEventDefault, which keeps a timestamp
+            check_call(self.rt, self.rt.cudaEventCreateWithFlags(ctypes.byref(event), flags),
                        "cudaEventCreateWithFlags", self.index)
             self._all.append(event)
             return event
@@ -81,12 +89,14 @@ class EventPool:
 
 
 class EventLaunch(Launch):
-    """The copies a thread queued on its copy stream before `event` was recorded there (CudaBackend.launch)."""
+    """The copies a thread queued on its copy stream before `event` was recorded there (CudaBackend.launch); where
+    timed, after `start` was recorded there too."""
 
-    def __init__(self, pool: EventPool, event: _P):
-        self._pool, self._event = pool, event
+    def __init__(self, pool: EventPool, event: _P, start: Optional[_P] = None):
+        self._pool, self._event, self._start = pool, event, start
         self._lock = threading.Lock()
         self._waited = False
+        self._ms: Optional[float] = None
 
     def done(self) -> bool:
         """Asked by the launching thread only, which alone records events again: until the waiter has given the
@@ -102,6 +112,18 @@ class EventLaunch(Launch):
             try:
                 check_call(self._pool.rt, self._pool.rt.cudaEventSynchronize(self._event), "cudaEventSynchronize",
                            self._pool.index)
+                self.gpu_ms()  # read before the events go back
             finally:
                 self._waited = True
                 self._pool.give(self._event)
+                if self._start is not None:
+                    self._pool.give(self._start)
+
+    def gpu_ms(self) -> Optional[float]:
+        """From `start` to `event` on the device, once both have run: read while the events are this launch's (the
+        waiter reads it before it gives them back, and later answers come from that reading); None untimed."""
+        if self._ms is None and self._start is not None and not self._waited and self.done():
+            ms = ctypes.c_float()
+            if self._pool.rt.cudaEventElapsedTime(ctypes.byref(ms), self._start, self._event) == 0:
+                self._ms = float(ms.value)
+        return self._ms

@@ -177,10 +177,11 @@ class IpcBackend:
         """This thread's write reached host step `step` (`first`: the write's first step, earlier notes are
         dropped); `last_write` gives them back in its `steps`. Default: nothing kept."""
 
-    def launch(self, device: torch.device, write: Callable[[], T]) -> Optional[tuple[T, Launch]]:
+    def launch(self, device: torch.device, write: Callable[[], T], timed: bool = False) -> Optional[tuple[T, Launch]]:
         """Run `write` (writes of this backend on this thread) with their waits left to the returned Launch,
         which any thread may wait on; `write`'s result beside it. None, nothing run, where this thread cannot
-        launch now. Default: the writes run as they are (a stand-in that copies at once) and nothing is left."""
+        launch now. `timed`: the Launch also gives the copies' device time (`gpu_ms`; SGLANG_P2P_ROOM_TIMES).
+        Default: the writes run as they are (a stand-in that copies at once) and nothing is left."""
         return write(), DONE
 
 
@@ -266,7 +267,8 @@ class CudaBackend(IpcBackend):
             ops = StreamOps(self.rt, device, drv=self.drv)
             # priority 0 is CUDA's lowest: the forward passes of this process go first where both are ready
             mine[device] = Copiers(SpanCopier(device), PageCopier(device, ops=ops),
-                                   torch.cuda.Stream(device=device, priority=0), ops, EventPool(self.rt, ops.index))
+                                   torch.cuda.Stream(device=device, priority=0), ops, EventPool(self.rt, ops.index),
+                                   EventPool(self.rt, ops.index, limit=8, timing=True))
         return mine[device]
 
     def ordered(self, device: torch.device) -> "Copiers":
@@ -292,6 +294,10 @@ class CudaBackend(IpcBackend):
         prev = c.ops.enter()
         try:
             c.ops.after_current(c.stream.cuda_stream)
+            start = getattr(self._local, "start", None)
+            if start is not None:  # a timed launch's: after the wait for the sources, before its first copies
+                c.ops.check(c.timed.rt.cudaEventRecord(start, _P(c.stream.cuda_stream)), "cudaEventRecord")
+                self._local.start = None
             queue(c)
             # `last_write`: a write's host time and device time apart (SGLANG_P2P_ROOM_TIMES)
             self._local.marks = WriteMarks(notes[-1][1], time.perf_counter(), time.thread_time(), tuple(notes))
@@ -300,34 +306,41 @@ class CudaBackend(IpcBackend):
         finally:
             c.ops.leave(prev)
 
-    def launch(self, device: torch.device, write: Callable[[], T]) -> Optional[tuple[T, Launch]]:
-        """`write` with its copies' wait left to one event recorded behind them on this thread's copy stream.
-        Refused (None) while this thread's last launch still runs: its page ids wait in this thread's pinned
-        memory for their upload, which the next write would overwrite; and when this thread's events are all
-        held by launches nobody waited for yet. A write that raises leaves nothing running (its queued copies
-        are waited for here first)."""
+    def launch(self, device: torch.device, write: Callable[[], T], timed: bool = False) -> Optional[tuple[T, Launch]]:
+        """`write` with its copies' wait left to one event recorded behind them on this thread's copy stream
+        (`timed`: two timing events of their own pool, one recorded right before the copies). Refused (None)
+        while this thread's last launch still runs: its page ids wait in this thread's pinned memory for their
+        upload, which the next write would overwrite; and when this thread's events are all held by launches
+        nobody waited for yet. A write that raises leaves nothing running (its queued copies are waited for
+        here first)."""
         last = getattr(self._local, "launched", None)
         if last is not None and not last.done():
             return None
         c = self._copiers(device)
+        pool = c.timed if timed else c.events
         prev = c.ops.enter()
         try:
-            event = c.events.take()
-            if event is None:
+            event = pool.take()
+            start = pool.take() if timed and event is not None else None
+            if event is None or (timed and start is None):
+                if event is not None:
+                    pool.give(event)
                 return None
-            self._local.launching = device
+            self._local.launching, self._local.start = device, start
             try:
                 result = write()
-                c.ops.check(c.events.rt.cudaEventRecord(event, _P(c.stream.cuda_stream)), "cudaEventRecord")
+                c.ops.check(pool.rt.cudaEventRecord(event, _P(c.stream.cuda_stream)), "cudaEventRecord")
             except BaseException:
-                c.events.give(event)
+                for e in (event, start):
+                    if e is not None:
+                        pool.give(e)
                 c.ops.synchronize(c.stream.cuda_stream)
                 raise
             finally:
-                self._local.launching = None
+                self._local.launching = self._local.start = None
         finally:
             c.ops.leave(prev)
-        self._local.launched = launched = EventLaunch(c.events, event)
+        self._local.launched = launched = EventLaunch(pool, event, start)
         return result, launched
 
     def last_write(self) -> Optional["WriteMarks"]:
@@ -396,6 +409,8 @@ class Copiers(NamedTuple):
     ops: "StreamOps"
     #: the events of this thread's launches (`CudaBackend.launch`)
     events: EventPool
+    #: and of its timed launches (SGLANG_P2P_ROOM_TIMES), two a launch
+    timed: EventPool
 
 
 _backend: Optional[IpcBackend] = None
