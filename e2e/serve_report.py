@@ -170,37 +170,43 @@ ROOM_GAPS = ("queued->last_queued", "last_queued->picked", "picked->ready", "rea
              "ready->launched", "launched->written", "ready->written", "written->concluded", "concluded->seen")
 
 
+def _median(xs: list[float]) -> Optional[float]:
+    """The median of `xs` to three places (ms in these tables), None for none."""
+    return round(statistics.median(xs), 3) if xs else None
+
+
 def room_steps(c: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Over the runs that timed their rooms (`room_times_ms`): the rooms, and the median over the runs of each
-    step's median gap (ms) and of the whole span to Success seen. None where no run did."""
+    step's median gap (ms), of the copy's device time and the span from its end to its end seen (where copies
+    were timed), and of the whole span to Success seen. None where no run did."""
     runs = [r["room_times_ms"] for r in c["reps"] if r.get("room_times_ms")]
     if not runs:
         return None
-    m = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
     return {"rooms": sum(r["rooms"] for r in runs),
-            "gaps": {g: m([r["gaps"][g] for r in runs if g in r["gaps"]]) for g in ROOM_GAPS},
-            **{k: m([r[k] for r in runs if k in r]) for k in ("cpu_launched", "runq_written")},
-            "host_steps": {g: {k: m([r["host_steps"][g][k] for r in runs if g in r.get("host_steps", {})])
+            "gaps": {g: _median([r["gaps"][g] for r in runs if g in r["gaps"]]) for g in ROOM_GAPS},
+            **{k: _median([r[k] for r in runs if k in r])
+               for k in ("cpu_launched", "runq_written", "gpu_copy", "copy_end->written")},
+            "host_steps": {g: {k: _median([r["host_steps"][g][k] for r in runs if g in r.get("host_steps", {})])
                                for k in ("wall", "cpu")}
                            for g in {g for r in runs for g in r.get("host_steps", {})}},
-            "seen": m([r["at"]["seen"] for r in runs if "seen" in r["at"]]),
+            "seen": _median([r["at"]["seen"] for r in runs if "seen" in r["at"]]),
             "concluded_by": _concluded_by([r["concluded_by"] for r in runs if r.get("concluded_by")])}
 
 
 def _concluded_by(runs: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """Over the runs where SGLang's poll concluded rooms (e2e/room_times.py's `concluders`): per concluder, its
-    rooms and the median over the runs of their median Success seen (ms), and of the poll's last look at a running
-    copy to the copy seen done (ms, where any run has it); None where no run had any."""
+    rooms and the median over the runs of their median Success seen (ms), and where any run has them of the poll's
+    last look at a running copy, and of the copy's end, to the copy seen done (ms); None where no run had any."""
     if not runs:
         return None
-    m = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
     out = {}
     for who in ("poll", "worker"):
         out[who] = {"rooms": sum(r[who]["rooms"] for r in runs),
-                    "seen": m([r[who]["seen"] for r in runs if r[who]["seen"] is not None])}
-        looked = [r[who]["looked->written"] for r in runs if r[who].get("looked->written") is not None]
-        if looked:
-            out[who]["looked->written"] = m(looked)
+                    "seen": _median([r[who]["seen"] for r in runs if r[who]["seen"] is not None])}
+        for span in ("looked->written", "copy_end->written"):
+            xs = [r[who][span] for r in runs if r[who].get(span) is not None]
+            if xs:
+                out[who][span] = _median(xs)
     return out
 
 
@@ -217,8 +223,8 @@ def prefill_spread(c: dict[str, Any]) -> dict[str, Optional[float]]:
         if fwd:
             slow.append(max(fwd))
             fast.append(min(fwd))
-    m = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
-    return {} if not share else {"busiest_share": m(share), "forward_max_ms": m(slow), "forward_min_ms": m(fast)}
+    return {} if not share else {"busiest_share": _median(share), "forward_max_ms": _median(slow),
+                                 "forward_min_ms": _median(fast)}
 
 
 def profiles(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -256,3 +256,9 @@ def test_a_timed_copy_reads_back_and_says_how_long_after_its_end_it_was_seen():
     assert got["concluded_by"]["poll"]["copy_end->written"] == 0.5
     assert got["concluded_by"]["worker"]["copy_end->written"] == 0.9  # room 3 was not timed
     assert room_times.copy_end_seen(rooms[2:]) is None
+    cells = [{"backend": "p2pnccl-times", "input_len": 4096, "concurrency": 1, "cuda_graph": True,
+              "reps": [{"output_tok_s": 1.0, "room_times_ms": got}, {"output_tok_s": 1.0, "room_times_ms": got}]}]
+    steps = serve_report.table(cells)[0]["backends"]["p2pnccl-times"]["room_steps"]
+    assert steps["gpu_copy"] == 0.35 and steps["copy_end->written"] == 0.7  # the runs' medians, in the report
+    assert steps["concluded_by"]["poll"]["copy_end->written"] == 0.5
+    assert steps["concluded_by"]["worker"]["copy_end->written"] == 0.9
