@@ -24,8 +24,12 @@ regions' scattered pages, not the grid, bound it); `blocks_vec16` 2-5% slower th
 NVLink (2 x H200, 2026-11-29) both were within 1% of the default from 4k tokens up. Cache hints on the transport's kernel (`ef`: loads `evict_first`; `cs`:
 streaming stores; both; both with 16-byte accesses; both at 4,096 words a step over 8 warps) are candidates too;
 into its own GPU (2026-11-29) none was 5% better across the cases (`cs` 0-6% faster for MLA from 4k up, no
-faster for MHA, slower at 128 tokens), nor across NVLink (`cs` and `ef_cs` within 1%). `--candidates` picks the rows (all by default), `--per-sm ""` skips the
-grid sweep.
+faster for MHA, slower at 128 tokens), nor across NVLink (`cs` and `ef_cs` within 1%). Since session 43: `unroll2`, `units` (every
+(page, block) unit its own program, no loop, no bound on the grid), `units_b4096w8`, and `flat` (Triton's own copy
+of the reference's contiguous buffers, its ceiling). Into the prefill's own GPU on 1 x H200 `units` took 1-7% less
+GPU time than the transport's loop from 4k tokens up (0.92-0.94 of one copy where the loop took 0.86-0.90; `flat`
+0.91-0.97), but beside a matmul it takes the SMs (docs/bench.md, session 43), so it stays here. `--candidates`
+picks the rows (all by default), `--per-sm ""` skips the grid sweep.
 
 `--host-ids` measures instead (a process of its own): the upload of a launch's page ids and region table (one
 `cudaMemcpyAsync` from pinned memory) and the kernel, against the kernel reading the same ids and table straight
@@ -123,6 +127,45 @@ try:  # a candidate measured against the transport's kernel, not used by it (see
                     tl.store(dst + offs, v, mask=m, cache_modifier=".cs")
                 else:
                     tl.store(dst + offs, v, mask=m)
+
+    @triton.jit(do_not_specialize=["n_pages", "n_regions"])
+    def _copy_pages_unroll2(ids, n_pages, table, n_regions, like, BLOCK: tl.constexpr):
+        """`span_copy._copy_pages` with two blocks loaded before either is stored: twice the bytes in flight a
+        program without more programs."""
+        pid = tl.program_id(0)
+        step = tl.num_programs(0)
+        for item in range(pid, n_pages * n_regions, step):
+            src, dst, words = _page_item(ids, n_pages, table, item, like, 1)
+            for w0 in range(0, words, 2 * BLOCK):
+                o1 = w0 + tl.arange(0, BLOCK)
+                o2 = o1 + BLOCK
+                m1 = o1 < words
+                m2 = o2 < words
+                a = tl.load(src + o1, mask=m1)
+                b = tl.load(src + o2, mask=m2)
+                tl.store(dst + o1, a, mask=m1)
+                tl.store(dst + o2, b, mask=m2)
+
+    @triton.jit(do_not_specialize=["n_pages", "n_regions", "n_blocks"])
+    def _copy_page_units(ids, n_pages, table, n_regions, n_blocks, like, BLOCK: tl.constexpr):
+        """One program a (item, block) unit and no loop: program u copies block u % n_blocks of item u // n_blocks
+        (blocks past an item's end copy nothing), so the grid is every unit, as an elementwise kernel's is, and
+        the hardware deals the programs to SMs as they free up."""
+        unit = tl.program_id(0).to(tl.int64)
+        item = unit // n_blocks
+        w0 = (unit - item * n_blocks) * BLOCK
+        src, dst, words = _page_item(ids, n_pages, table, item, like, 1)
+        offs = w0 + tl.arange(0, BLOCK)
+        m = offs < words
+        tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _copy_flat(a, b, n, BLOCK: tl.constexpr):
+        """One contiguous buffer of n words, a program a block: what Triton reaches on the reference's own copy
+        (16-byte accesses: the pointers come in as arguments, aligned)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(b + offs, tl.load(a + offs, mask=m), mask=m)
 except ImportError:  # CPU-only installs: nothing is launched
     triton = None
 
@@ -134,8 +177,12 @@ def sweep_cases(shapes=SHAPES) -> list[Case]:
 
 #: rows timed twice in turn for every case: the transport's launch and the candidates (`_copy_page_blocks`' two
 #: forms; `_copy_pages_hinted`'s: `ef` loads evict_first, `cs` stores streaming, `ef_cs` both, `ef_cs_vec16` both
-#: with 16-byte accesses, `ef_cs_b4096w8` both with 4,096 words a step over 8 warps)
-CANDIDATES = ("default", "blocks", "blocks_vec16", "ef", "cs", "ef_cs", "ef_cs_vec16", "ef_cs_b4096w8")
+#: with 16-byte accesses, `ef_cs_b4096w8` both with 4,096 words a step over 8 warps); `unroll2` two blocks loaded
+#: before either is stored; `units` one program a (page, block) unit with no loop and no bound on the grid, as an
+#: elementwise kernel's, `units_b4096w8` the same with 4,096-word blocks over 8 warps; `flat` (on the reference's
+#: own contiguous buffers, not pages) Triton's ceiling on one plain copy
+CANDIDATES = ("default", "blocks", "blocks_vec16", "ef", "cs", "ef_cs", "ef_cs_vec16", "ef_cs_b4096w8", "unroll2",
+              "units", "units_b4096w8", "flat")
 
 
 def best(rows: list[dict]) -> dict[str, dict]:
@@ -234,6 +281,15 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
                 ref_us = timed(lambda: b.copy_(a, non_blocking=True))
                 rows.append({"target": target, "case": case.name, "variant": "ref", "us": ref_us, "bytes": nbytes,
                              "bad": False})
+                if "flat" in candidates:  # Triton's own ceiling on the reference's buffers
+                    a.random_(-128, 127)
+                    b.zero_()
+                    a64, b64, n64 = a.view(torch.int64), b.view(torch.int64), nbytes // 8
+                    flat = lambda: _copy_flat[(-(-n64 // 2048),)](a64, b64, n64, BLOCK=2048, num_warps=8)  # noqa: E731
+                    for _ in range(2):
+                        rows.append({"target": target, "case": case.name, "variant": "flat", "block": 2048,
+                                     "warps": 8, "grid": -(-n64 // 2048), "vec": 2, "us": timed(flat), "bytes": nbytes,
+                                     "bad": not bool(torch.equal(a, b.to(dev0)))})
                 del a, b
                 word = 8
                 table = span_copy.page_table([src.data_ptr() + r * region_bytes_src for r in range(shape.regions)],
@@ -275,6 +331,11 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
                                                                         VEC=vec, num_warps=warps)
 
                 big = min(4096, max(default_block, 1 << (words - 1).bit_length()))
+
+                def units(block: int, warps: int):
+                    n_blocks = -(-words // block)
+                    return lambda: _copy_page_units[(n * shape.regions * n_blocks,)](
+                        dev, n, dev[2 * n:], shape.regions, n_blocks, like, BLOCK=block, num_warps=warps)
                 # the transport's launch and the candidates, in turn twice so a drift of the clocks shows
                 turns = (("default", launch(default_block, 4, default_grid), default_grid, 1, default_block, 4),
                          ("blocks", blocks(default_block, unit_grid, 1), unit_grid, 1, default_block, 4),
@@ -284,7 +345,13 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
                          ("ef_cs", hinted(default_block, 4, True, True, 1), default_grid, 1, default_block, 4),
                          ("ef_cs_vec16", hinted(default_block, 4, True, True, vec), default_grid, vec, default_block,
                           4),
-                         ("ef_cs_b4096w8", hinted(big, 8, True, True, 1), default_grid, 1, big, 8))
+                         ("ef_cs_b4096w8", hinted(big, 8, True, True, 1), default_grid, 1, big, 8),
+                         ("unroll2", lambda: _copy_pages_unroll2[(default_grid,)](
+                             dev, n, dev[2 * n:], shape.regions, like, BLOCK=default_block, num_warps=4),
+                          default_grid, 1, default_block, 4),
+                         ("units", units(default_block, 4), n * shape.regions * -(-words // default_block), 1,
+                          default_block, 4),
+                         ("units_b4096w8", units(big, 8), n * shape.regions * -(-words // big), 1, big, 8))
                 for variant, fn, grid, v, blk, warps in turns * 2:
                     if variant not in candidates:
                         continue

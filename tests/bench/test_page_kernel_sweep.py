@@ -18,6 +18,11 @@ def test_every_variant_gives_each_thread_at_least_one_16_byte_vector_a_step():
     assert sweep.variants(blocks=(512,), warps=(16,), per_sm=(1,)) == []
 
 
+def _row(variant: str, us: float, bad: bool = False) -> dict:
+    """One timed row of case `c` into the prefill's own GPU, as `run` records it."""
+    return {"target": "same", "case": "c", "variant": variant, "us": us, "bad": bad}
+
+
 def test_the_cases_cover_both_destinations_of_each_shape_and_size():
     names = [c.name for c in sweep.sweep_cases()]
     assert "mha_p16_16384_scattered" in names and "mla_p64_4096_contiguous" in names
@@ -25,11 +30,11 @@ def test_the_cases_cover_both_destinations_of_each_shape_and_size():
 
 
 def test_best_skips_a_faster_variant_that_copied_wrong_bytes():
-    rows = [{"target": "same", "case": "c", "variant": "ref", "us": 100.0, "bad": False},
-            {"target": "same", "case": "c", "variant": "default", "us": 130.0, "bad": False},
-            {"target": "same", "case": "c", "variant": "b1024w4x1", "us": 90.0, "bad": True},
-            {"target": "same", "case": "c", "variant": "b2048w8x2", "us": 120.0, "bad": False},
-            {"target": "same", "case": "c", "variant": "b4096w8x2", "us": 125.0, "bad": False}]
+    rows = [_row("ref", 100.0),
+            _row("default", 130.0),
+            _row("b1024w4x1", 90.0, bad=True),
+            _row("b2048w8x2", 120.0),
+            _row("b4096w8x2", 125.0)]
     b = sweep.best(rows)["same:c"]
     assert (b["ref_us"], b["default"]["us"], b["best"]["variant"]) == (100.0, 130.0, "b2048w8x2")
     text = sweep.report({"best": sweep.best(rows), "rows": rows, "skipped": []})
@@ -43,11 +48,26 @@ def test_without_cuda_it_measures_nothing_and_exits_0(tmp_path, capsys, monkeypa
 
 
 def test_the_report_shows_the_candidates_timed_and_an_unknown_one_is_refused(monkeypatch):
-    rows = [{"target": "same", "case": "c", "variant": "ref", "us": 100.0, "bad": False},
-            {"target": "same", "case": "c", "variant": "default", "us": 130.0, "bad": False},
-            {"target": "same", "case": "c", "variant": "ef_cs", "us": 110.0, "bad": False}]
+    rows = [_row("ref", 100.0),
+            _row("default", 130.0),
+            _row("ef_cs", 110.0)]
     header = sweep.report({"best": sweep.best(rows), "rows": rows, "skipped": []}).splitlines()[0]
     assert "ef_cs" in header and "blocks" not in header
     monkeypatch.setattr(sweep, "cuda_torch", lambda tool: torch)
     with pytest.raises(SystemExit, match="2"):
         sweep.main(["--candidates", "default,fastest"])
+
+
+def test_a_candidate_timed_twice_keeps_its_faster_turn_and_a_wrong_one_is_still_named():
+    """The rows added in session 43 (`units`, `flat`) go through the same pick: the faster of the two turns is
+    shown, and a turn that copied wrong bytes is listed whatever its time."""
+    rows = [_row("ref", 100.0),
+            _row("units", 120.0),
+            _row("units", 110.0),
+            _row("flat", 104.0),
+            _row("flat", 98.0, bad=True)]
+    b = sweep.best(rows)["same:c"]
+    assert b["units"]["us"] == 110.0 and b["flat"]["us"] == 98.0
+    text = sweep.report({"best": sweep.best(rows), "rows": rows, "skipped": []})
+    assert "units" in text.splitlines()[0] and "wrong bytes: ['same:c:flat']" in text
+    assert {"unroll2", "units", "units_b4096w8", "flat"} <= set(sweep.CANDIDATES)
