@@ -23,6 +23,8 @@ prefill process, launched and then as one CUDA graph, timed alone and while the 
 to back (target: at most 5% slower).
 `--copy-engine off` sends every chunk to the kernel (`on`: to the copy engines), where `split` (the default, as
 served) and `auto` send the 16k contiguous request's 32 MiB spans into the same GPU to the copy engines.
+`--programs N` bounds the page kernel's grid (SGLANG_P2P_IPC_PROGRAMS), for the write time and the matmul's slowdown
+at each bound.
 Writes JSON to --out (default bench/results/ipc_<machine>.json) and prints a table.
 """
 
@@ -165,7 +167,8 @@ class Prefill:
         if problem:
             raise RuntimeError(f"the decode's export cannot be used: {problem}")
         self.peers = {lay: _peer(messages, lay, export, ptrs[lay]) for lay in LAYOUTS}
-        self.tr = CudaIpcTransport(dev, copy_engine=cfg.get("copy_engine", COPY_ENGINE_MODES[0]))
+        self.tr = CudaIpcTransport(dev, copy_engine=cfg.get("copy_engine", COPY_ENGINE_MODES[0]),
+                                   programs=cfg.get("programs"))
         t0 = time.perf_counter()
         self.tr.open_peer(SESSION, export)
         self.open_ms = (time.perf_counter() - t0) * 1e3
@@ -331,7 +334,7 @@ def _prefill(conn, cfg):
     except ImportError:
         triton_version = None
     meta = {"gpu": torch.cuda.get_device_name(p.dev), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "copy_engine": cfg.get("copy_engine", COPY_ENGINE_MODES[0]),
+            "copy_engine": cfg.get("copy_engine", COPY_ENGINE_MODES[0]), "programs": cfg.get("programs"),
             "triton": triton_version, "python": platform.python_version(), "open_peer_ms": p.open_ms,
             "allocations": p.allocations}
     return {"cases": rows, "latency": latency, "interference": interference, "meta": meta}
@@ -385,7 +388,12 @@ def main(argv=None) -> int:
                     help="the transport's route rule (SGLANG_P2P_COPY_ENGINE): split (the default, as served), auto "
                          "(each chunk whole by ce_plan.choose), off for the kernel on every chunk, on for the copy "
                          "engines")
+    ap.add_argument("--programs", type=int, default=None,
+                    help="the page kernel's grid bound (SGLANG_P2P_IPC_PROGRAMS; default: the transport's, 4-16 "
+                         "programs an SM into the prefill's own GPU)")
     ns = ap.parse_args(argv)
+    if ns.programs is not None and ns.programs < 1:
+        ap.error("--programs must be at least 1")
     if ns.reps < 20:
         ap.error("--reps must be at least 20")
     machine = ns.machine or gpu_name()
@@ -394,7 +402,7 @@ def main(argv=None) -> int:
     import multiprocessing as mp
 
     cfg = {"reps": ns.reps, "warmup": ns.warmup, "latency_reps": ns.latency_reps, "timeout": ns.timeout,
-           "copy_engine": ns.copy_engine}
+           "copy_engine": ns.copy_engine, "programs": ns.programs}
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     results = ctx.Queue()

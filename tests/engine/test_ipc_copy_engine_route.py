@@ -218,14 +218,14 @@ def test_the_programs_bound_reaches_every_page_write_and_the_bytes_land(shm, pro
 
 @pytest.mark.parametrize("programs, same_gpu, item, want", [
     (None, True, 2048, 16 * 132),  # MHA at page 1: 2 KiB steps, 32 KiB in flight an SM at the upper bound
-    (None, True, 4096, 16 * 132),
-    (None, True, 32768, 8 * 132),  # MHA at page 16: 8 KiB steps, 64 KiB in flight at 8 an SM
-    (None, True, 73728, 8 * 132),  # MLA at page 64
+    (None, True, 4096, 8 * 132),
+    (None, True, 32768, 4 * 132),  # MHA at page 16: 8 KiB steps, 32 KiB in flight at 4 an SM
+    (None, True, 73728, 4 * 132),  # MLA at page 64
     (None, False, 2048, None), (32, True, 2048, 32), (32, False, 2048, 32)])
 def test_a_decode_on_the_same_gpu_keeps_the_wider_grid(shm, monkeypatch, programs, same_gpu, item, want):
     """Across GPUs the kernel's own default (about 8 KiB in flight an SM) bounds the grid; into the prefill's own
-    GPU, about 64 KiB in flight an SM within 8-16 programs an SM (what the kernel sweep found fastest there for
-    small and large pages); SGLANG_P2P_IPC_PROGRAMS wins either way."""
+    GPU, about 32 KiB in flight an SM within 4-16 programs an SM (as fast there as more, for small and large pages,
+    with fewer SMs held from a forward pass beside it); SGLANG_P2P_IPC_PROGRAMS wins either way."""
     tr, *_ = _pair(shm, "off", programs=programs)
     tr._peers["d"].same_gpu = same_gpu  # noqa: SLF001 - the stand-in's segments all live on one "device"
     tr.device = torch.device("cuda", 0)  # where the prefill's pool would be
@@ -239,9 +239,9 @@ def test_a_decode_on_the_same_gpu_keeps_the_wider_grid(shm, monkeypatch, program
 
 def test_the_same_gpu_grid_follows_the_kernel_step():
     """The step is the largest page rounded up to a power of two, at most 8 KiB; the programs an SM keep about
-    64 KiB in flight, never fewer than 8 or more than 16."""
+    32 KiB in flight, never fewer than 4 or more than 16."""
     assert [cuda_ipc.same_gpu_programs_per_sm([b]) for b in (1, 64, 2048, 3000, 4096, 5000, 8192, 1 << 20)] == \
-        [16, 16, 16, 16, 16, 8, 8, 8]
+        [16, 16, 16, 8, 8, 4, 4, 4]
     assert cuda_ipc.same_gpu_programs_per_sm([]) == 16
 
 

@@ -211,7 +211,7 @@ def default_programs(sms: int, step_bytes: int) -> int:
     H100 pairs joined by NV18 (bench/transfer/xfer_bench.py --programs, 2026-11-27): with one program an SM,
     4k- and 16k-token MHA page-16 requests crossed as fast as with 8 an SM (0.70-0.91 of one cudaMemcpyPeer
     either way, 132 to 396 programs alike), while a bf16 matmul on the same GPU slowed 24-42% instead of
-    90-102%. SGLANG_P2P_IPC_PROGRAMS sets a fixed bound instead, and the same-host transport passes 8-16 an SM
+    90-102%. SGLANG_P2P_IPC_PROGRAMS sets a fixed bound instead, and the same-host transport passes 4-16 an SM
     for a decode on this very GPU (transport/cuda_ipc.py's same_gpu_programs_per_sm). On two H200s the kernel
     alone at this default took 0.88-0.93 of one peer copy's GPU time; no block, warp count or grid of
     bench/transfer/page_kernel_sweep.py beat it by more than 5% in any case."""

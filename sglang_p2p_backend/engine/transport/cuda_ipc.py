@@ -530,12 +530,15 @@ def check_export(export: IpcExport, expected: Sequence[tuple[int, int]]) -> Opti
 
 
 #: bytes the page kernel keeps in flight an SM where prefill and decode share a GPU, within these programs an SM.
-#: The kernel alone (bench/transfer/page_kernel_sweep.py, two runs on H200s, 2026-11-28), against one
-#: device-to-device copy's GPU time: 2 KiB pages (MHA at page 1) took 0.73-0.80 of it at 8 programs an SM and
-#: 0.83-0.94 at 16; pages of 32 KiB and up 0.77-0.92 at 8, and within 6% of that either way at 16 or 32. Within
-#: HBM more bytes in flight pay, up to about 64 KiB an SM; over NVLink they do not (span_copy.default_programs).
-SAME_GPU_IN_FLIGHT_PER_SM = 64 << 10
-SAME_GPU_PROGRAMS_PER_SM = (8, 16)
+#: The kernel alone against one device-to-device copy's GPU time (bench/transfer/page_kernel_sweep.py, 1 x H200,
+#: 2026-12-02, session 43): 32 KiB in flight an SM copied as fast as 64 KiB or more, 2 KiB pages (MHA at page 1)
+#: at 16 programs an SM (289-295 us for 4k tokens, 331-334 at 8), pages of 32 KiB and up at 4 (4k MLA 170-180 us,
+#: 16k MHA page 16 1,175-1,179 us; at 8: 169-176 and 1,189-1,193; at 2: 188-199 and 1,324-1,340). And each program
+#: kept resident is an SM's share a forward pass beside the copy cannot have: with 4 programs an SM instead of 8, a
+#: bf16 matmul beside back-to-back 16k MHA writes slowed 59-63% instead of 146-153%, the writes as fast
+#: (bench/transfer/ipc_bench.py --programs, two rounds). Over NVLink fewer still pay (span_copy.default_programs).
+SAME_GPU_IN_FLIGHT_PER_SM = 32 << 10
+SAME_GPU_PROGRAMS_PER_SM = (4, 16)
 
 
 def same_gpu_programs_per_sm(item_bytes: Sequence[int]) -> int:
