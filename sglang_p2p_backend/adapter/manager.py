@@ -237,8 +237,14 @@ class P2pNcclKVManagerBase(CommonKVManager):
                                                  getattr(a, "state_data_lens", None) or [],
                                                  getattr(a, "state_item_lens", None) or [])]
         aux = sum(int(i) for i in (getattr(a, "aux_item_lens", None) or []))
-        limit_inbound(self.server_socket,
-                      max_frame_bytes(pages(a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens), states, aux))
+        bound = limit_inbound(self.server_socket,
+                              max_frame_bytes(pages(a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens), states, aux))
+        port = int(bound.rpartition(":")[2]) if bound else self.rank_port
+        if port != int(self.rank_port):  # another process took the port while the listener was bound again
+            logger.warning("the control socket's port %s was taken by another process while it was bound again with "
+                           "its frame limit; this rank listens on port %s instead and announces that one",
+                           self.rank_port, port)
+            self.rank_port = port
 
     def _init_role(self) -> None:
         raise NotImplementedError

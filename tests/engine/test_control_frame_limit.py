@@ -10,6 +10,7 @@ import zmq
 
 from sglang_p2p_backend.engine.wire import messages as wire
 from sglang_p2p_backend.engine.wire.control import ID_BYTES, ControlChannel, limit_inbound, max_frame_bytes
+from support.squatter import SquattedPull
 
 KV_PAGES, STATE_SLOTS, AUX_ROW_BYTES = 100_000, [512, 100_000], 4096
 DECODE = "127.0.0.1:9"
@@ -87,3 +88,39 @@ def test_the_bound_follows_the_pools():
     assert max_frame_bytes(1000) - base == 2 * 4 * 1000
     assert max_frame_bytes(1000, [10, 5000]) - base == 2 * 4 * 3 * 5000
     assert max_frame_bytes(1000, aux_row_bytes=777) - base == 2 * 4 * 1000 + 777
+
+
+def test_a_port_taken_while_the_listener_is_bound_again_moves_it_to_a_free_one_with_the_limit():
+    """limit_inbound unbinds and binds again; another process may take the port in between. The socket then
+    listens on a free port of the same interface, says which, and the frame limit holds there too."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PULL, socket_class=SquattedPull)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    pushes = [ctx.socket(zmq.PUSH) for _ in range(2)]
+    try:
+        bound = limit_inbound(sock, 1000, wait_s=0.2)
+        assert bound.startswith("tcp://127.0.0.1:") and bound != f"tcp://127.0.0.1:{port}"
+        assert sock.getsockopt(zmq.LAST_ENDPOINT).decode() == bound
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == 1000
+        for push in pushes:
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(bound)
+        pushes[0].send(b"x" * 1001)
+        assert not sock.poll(500)  # the oversized frame never arrives
+        pushes[1].send(b"x" * 1000)
+        assert sock.poll(3000) and sock.recv() == b"x" * 1000  # one at the limit does, at the new port
+    finally:
+        for push in pushes:
+            push.close()
+        sock.close()
+        SquattedPull.squatter.close()
+
+
+def test_a_socket_not_bound_yet_takes_the_limit_for_its_bind_to_come():
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        assert limit_inbound(sock, 1234) is None
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == 1234
+    finally:
+        sock.close()

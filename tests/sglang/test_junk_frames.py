@@ -70,14 +70,14 @@ def test_the_control_socket_drops_frames_past_what_the_ranks_pools_allow_at_the_
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     try:
         mgr = manager(cls)
-        mgr.server_socket = sock
+        mgr.server_socket, mgr.rank_port = sock, port  # as SGLang's CommonKVManager leaves them
         mgr.kv_args = types.SimpleNamespace(kv_data_ptrs=[1 << 20, 2 << 20], kv_data_lens=[64 * 1000, 64 * 900],
                                             kv_item_lens=[64, 64], state_data_ptrs=[[3 << 20]],
                                             state_data_lens=[[8 * 10]], state_item_lens=[[8]], aux_item_lens=[16, 32])
         mgr._limit_inbound()
         limit = max_frame_bytes(1000, [10], 48)
         assert sock.getsockopt(zmq.MAXMSGSIZE) == limit
-        assert sock.getsockopt(zmq.LAST_ENDPOINT).decode() == f"tcp://127.0.0.1:{port}"
+        assert sock.getsockopt(zmq.LAST_ENDPOINT).decode() == f"tcp://127.0.0.1:{port}" and mgr.rank_port == port
         mgr.kv_args.kv_data_lens = [64 * 5000, 64 * 900]
         mgr._limit_inbound()  # once: the endpoint is announced by then
         assert sock.getsockopt(zmq.MAXMSGSIZE) == limit
@@ -90,3 +90,47 @@ def test_the_control_socket_drops_frames_past_what_the_ranks_pools_allow_at_the_
         push.close()
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("cls", [DecodeKVManager, PrefillKVManager])
+def test_a_port_taken_while_the_control_socket_is_bound_again_is_replaced_by_the_one_announced(cls, caplog,
+                                                                                             monkeypatch):
+    """Between the unbind and the bind of `_limit_inbound` another process may take the port SGLang chose. The rank
+    then listens on a free port, and `rank_port`, which SGLang announces to the bootstrap server and to prefills
+    (and p2pnccl makes its session of), names that one; the log says so. Before, the rank failed to start."""
+    import functools
+    import types
+
+    import zmq
+
+    from sglang_p2p_backend.engine.wire import control
+    from support.squatter import SquattedPull
+
+    from sglang_p2p_backend.adapter import manager as manager_module
+
+    # the squatter holds the port for good: give up on it after 0.2 s instead of 5
+    monkeypatch.setattr(manager_module, "limit_inbound", functools.partial(control.limit_inbound, wait_s=0.2))
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PULL, socket_class=SquattedPull)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    try:
+        mgr = manager(cls)
+        mgr.server_socket, mgr.rank_port = sock, port
+        mgr.kv_args = types.SimpleNamespace(kv_data_ptrs=[1 << 20], kv_data_lens=[64 * 1000], kv_item_lens=[64],
+                                            aux_item_lens=[16])
+        with caplog.at_level(logging.WARNING):
+            mgr._limit_inbound()
+        assert mgr.rank_port != port
+        assert sock.getsockopt(zmq.LAST_ENDPOINT).decode() == f"tcp://127.0.0.1:{mgr.rank_port}"
+        assert any(f"port {port} was taken" in r.getMessage() and f"port {mgr.rank_port} instead" in r.getMessage()
+                   for r in caplog.records)
+        push.connect(f"tcp://127.0.0.1:{mgr.rank_port}")
+        push.send(b"ok")
+        assert sock.poll(3000) and sock.recv() == b"ok"
+    finally:
+        push.close()
+        sock.close()
+        SquattedPull.squatter.close()

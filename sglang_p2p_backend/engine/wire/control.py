@@ -58,25 +58,34 @@ def max_frame_bytes(kv_pages: int, state_slots: Sequence[int] = (), aux_row_byte
     return FRAME_OVERHEAD_BYTES + max(0, int(aux_row_bytes)) + 2 * ID_BYTES * ids
 
 
-def limit_inbound(sock: zmq.Socket, max_bytes: int) -> None:
+def limit_inbound(sock: zmq.Socket, max_bytes: int, wait_s: float = 5.0) -> Optional[str]:
     """Make the receiving socket `sock` drop frames over `max_bytes` (ZMQ_MAXMSGSIZE; its sender is disconnected,
-    and reconnects). libzmq copies a socket's options into the listener when it binds, so a socket already bound
-    (SGLang's manager binds its PULL socket in its own constructor) is bound again at the same endpoint: call this
-    before the endpoint is announced, since connections accepted before are dropped with the old listener."""
+    and reconnects) and return the endpoint it listens on then (None: not bound yet, the option holds for the bind
+    to come). libzmq copies a socket's options into the listener when it binds, so a socket already bound (SGLang's
+    manager binds its PULL socket in its own constructor) is bound again: call this before the endpoint is
+    announced, since connections accepted before are dropped with the old listener. Between the unbind and the
+    bind the port is free, and any process on the host may take it (a connection's ephemeral port, another
+    server's random one): where it is still taken after `wait_s`, a TCP socket binds a free port on the same
+    interface instead, and the caller announces that one."""
     sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     endpoint = endpoint.decode() if isinstance(endpoint, bytes) else endpoint
     if not endpoint:
-        return  # not bound yet: the option holds for the bind to come
+        return None
     sock.unbind(endpoint)
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + wait_s
     while True:  # the old listener closes on ZMQ's I/O thread: its port may stay taken for a moment
         try:
             sock.bind(endpoint)
-            return
+            return endpoint
         except zmq.ZMQError as e:
-            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+            if e.errno != zmq.EADDRINUSE:
                 raise
+            if time.monotonic() > deadline:
+                if not endpoint.startswith("tcp://"):
+                    raise
+                host = endpoint.rpartition(":")[0]
+                return f"{host}:{sock.bind_to_random_port(host)}"
             time.sleep(0.01)
 
 
