@@ -285,10 +285,11 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
                     a.random_(-128, 127)
                     b.zero_()
                     a64, b64, n64 = a.view(torch.int64), b.view(torch.int64), nbytes // 8
-                    flat = lambda: _copy_flat[(-(-n64 // 2048),)](a64, b64, n64, BLOCK=2048, num_warps=8)  # noqa: E731
+                    flat_grid = -(-n64 // 2048)
+                    flat = lambda: _copy_flat[(flat_grid,)](a64, b64, n64, BLOCK=2048, num_warps=8)  # noqa: E731
                     for _ in range(2):
                         rows.append({"target": target, "case": case.name, "variant": "flat", "block": 2048,
-                                     "warps": 8, "grid": -(-n64 // 2048), "vec": 2, "us": timed(flat), "bytes": nbytes,
+                                     "warps": 8, "grid": flat_grid, "vec": 2, "us": timed(flat), "bytes": nbytes,
                                      "bad": not bool(torch.equal(a, b.to(dev0)))})
                 del a, b
                 word = 8
@@ -332,10 +333,14 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
 
                 big = min(4096, max(default_block, 1 << (words - 1).bit_length()))
 
-                def units(block: int, warps: int):
+                def units(name: str, block: int, warps: int) -> tuple:
+                    """The `turns` row of `_copy_page_units` at `block` words over `warps`: every unit a program."""
                     n_blocks = -(-words // block)
-                    return lambda: _copy_page_units[(n * shape.regions * n_blocks,)](
-                        dev, n, dev[2 * n:], shape.regions, n_blocks, like, BLOCK=block, num_warps=warps)
+                    grid = n * shape.regions * n_blocks
+                    return (name, lambda: _copy_page_units[(grid,)](dev, n, dev[2 * n:], shape.regions, n_blocks, like,
+                                                                    BLOCK=block, num_warps=warps),
+                            grid, 1, block, warps)
+
                 # the transport's launch and the candidates, in turn twice so a drift of the clocks shows
                 turns = (("default", launch(default_block, 4, default_grid), default_grid, 1, default_block, 4),
                          ("blocks", blocks(default_block, unit_grid, 1), unit_grid, 1, default_block, 4),
@@ -349,9 +354,8 @@ def run(out: Path, machine: str, case_s: float, budget_s: float, per_sm=(1, 2, 4
                          ("unroll2", lambda: _copy_pages_unroll2[(default_grid,)](
                              dev, n, dev[2 * n:], shape.regions, like, BLOCK=default_block, num_warps=4),
                           default_grid, 1, default_block, 4),
-                         ("units", units(default_block, 4), n * shape.regions * -(-words // default_block), 1,
-                          default_block, 4),
-                         ("units_b4096w8", units(big, 8), n * shape.regions * -(-words // big), 1, big, 8))
+                         units("units", default_block, 4),
+                         units("units_b4096w8", big, 8))
                 for variant, fn, grid, v, blk, warps in turns * 2:
                     if variant not in candidates:
                         continue

@@ -103,10 +103,9 @@ def test_a_port_taken_while_the_control_socket_is_bound_again_is_replaced_by_the
 
     import zmq
 
+    from sglang_p2p_backend.adapter import manager as manager_module
     from sglang_p2p_backend.engine.wire import control
     from support.squatter import SquattedPull
-
-    from sglang_p2p_backend.adapter import manager as manager_module
 
     # the squatter holds the port for good: give up on it after 0.2 s instead of 5
     monkeypatch.setattr(manager_module, "limit_inbound", functools.partial(control.limit_inbound, wait_s=0.2))
