@@ -10,6 +10,8 @@ cases, and the same ratio between rounds of one tree (old/old, new/new) as the f
 
 `--old` / `--new` are checkouts holding `bench/transfer/xfer_bench.py` (e.g. `git archive HEAD | tar x -C /tmp/old`);
 each run gets its tree first on PYTHONPATH, before what PYTHONPATH already holds (a bundle's dependencies).
+`--new-env` / `--old-env KEY=VALUE` (repeatable) set a variable for that side's runs only, so one tree is compared
+with itself under two settings (`--old . --new-env SGLANG_P2P_DEVICE_SCATTER=1`).
 """
 
 from __future__ import annotations
@@ -82,15 +84,26 @@ def render(cmp: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_tree(tree: Path, args: list[str], out: Path, timeout: float) -> dict:
-    """One `xfer_bench.py` run from `tree` (its own code first on the path); its result."""
-    env = dict(os.environ)
+def run_tree(tree: Path, args: list[str], out: Path, timeout: float, extra_env: Optional[dict] = None) -> dict:
+    """One `xfer_bench.py` run from `tree` (its own code first on the path, `extra_env` over the environment); its
+    result."""
+    env = {**os.environ, **(extra_env or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, str(tree / "bench" / "transfer" / "xfer_bench.py"), *args, "--out", str(out)]
     done = subprocess.run(cmd, cwd=tree, env=env, timeout=timeout, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"{' '.join(cmd)} in {tree} failed ({done.returncode}): {done.stderr[-2000:]}")
     return json.loads(out.read_text())
+
+
+def _env_pairs(ap: argparse.ArgumentParser, pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            ap.error(f"{pair!r} is not KEY=VALUE")
+        out[key] = value
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -103,7 +116,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="runs of each tree, in turn (>= 2 gives the spread)")
     ap.add_argument("--run-timeout-s", type=float, default=300.0)
     ap.add_argument("--out", type=Path, help="JSON: the comparison and every run's result")
+    for side in ("new", "old"):
+        ap.add_argument(f"--{side}-env", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"a variable set for the {side} side's runs only (repeatable)")
     a = ap.parse_args(own)
+    envs = {side: _env_pairs(ap, getattr(a, f"{side}_env")) for side in ("new", "old")}
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
     for tree in (a.new, a.old):
@@ -113,12 +130,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.rounds):
             for label, tree in (("new", a.new), ("old", a.old)):
-                runs[label].append(run_tree(tree.resolve(), bench_args, Path(tmp) / f"{label}{i}.json", a.run_timeout_s))
+                runs[label].append(run_tree(tree.resolve(), bench_args, Path(tmp) / f"{label}{i}.json", a.run_timeout_s,
+                                            envs[label]))
                 print(f"[ab] {label} round {i + 1} done", flush=True)
     cmp = compare(runs["new"], runs["old"])
     print(render(cmp))
     if a.out:
-        a.out.write_text(json.dumps({"args": bench_args, "rounds": a.rounds, "compare": cmp, "runs": runs}, indent=1))
+        a.out.write_text(json.dumps({"args": bench_args, "rounds": a.rounds, "env": envs, "compare": cmp, "runs": runs},
+                                    indent=1))
     return 0
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.transfer.pair import pair_device, service_gil_switch
-from bench.transfer.published_rooms import PublishedRooms
+from bench.transfer.published_rooms import PublishedRooms, QueuedScatters
 from bench.transfer.xfer_cases import phase_offsets
 from sglang_p2p_backend.engine.config import EngineConfig
 from sglang_p2p_backend.engine.wire import messages
@@ -33,6 +33,7 @@ from sglang_p2p_backend.engine.copy.copier import PageCopier
 from sglang_p2p_backend.engine.pair.pipeline import PairReceiver, PairSender
 from sglang_p2p_backend.engine.pair.staging import StagingPool
 from sglang_p2p_backend.engine.transport import two_sided_transport
+from sglang_p2p_backend.engine.transport.base import TransportError
 
 SENTINEL = 0x5A
 WARMUP_ROOM = 7000  # rep 0's room; rep k sends room WARMUP_ROOM + k
@@ -46,6 +47,9 @@ class Case:
     reps: int = 1
     slot_mb: int = 128
     first_mb: int = 0  # the sender's first-chunk cap (SGLANG_P2P_FIRST_CHUNK_MB; 0: every chunk a whole slot)
+    #: a fault (tests): on the last repetition the prefill's sends after this many raise, as a send on a dead
+    #: channel does, after its chunk's header went out: the decode's receive for it never completes (0: none)
+    fail_send_at: int = 0
 
     @property
     def regions(self) -> int:
@@ -75,6 +79,20 @@ def _pool(case: Case, device: torch.device, seed: int | None) -> list[torch.Tens
     return [torch.randint(0, 256, (case.pool_pages, case.item_len), dtype=torch.uint8, device=device, generator=g) for _ in range(case.regions)]
 
 
+def _fail_sends_after(sender: PairSender, n: int) -> None:
+    """The sender's channel from its (n+1)th send on raises, as a send on a channel the peer left does."""
+    comm, count = sender.comm, [0]
+    real = comm.send
+
+    def send(buf, *args, **kwargs):
+        count[0] += 1
+        if count[0] > n:
+            raise TransportError("the prefill stops sending (test fault)")
+        return real(buf, *args, **kwargs)
+
+    comm.send = send
+
+
 def _transport(device: torch.device):
     return two_sided_transport("auto", device, "127.0.0.1", EngineConfig.from_env())
 
@@ -96,9 +114,17 @@ def _prefill(device, cases, ctrl, results, io_timeout, trace=False):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.monotonic()
-            sender.send(WARMUP_ROOM + rep, 0, [src], [dst])
+            faulty = bool(case.fail_send_at) and rep == case.reps
+            if faulty:
+                _fail_sends_after(sender, case.fail_send_at)
+            try:
+                sender.send(WARMUP_ROOM + rep, 0, [src], [dst])
+            except TransportError:
+                if not faulty:
+                    raise
             ctrl.put(("mark", ci, rep))
-            landed = results.get(timeout=io_timeout)
+            # a faulty repetition lands once the decode's receive passed its deadline and the channel settled
+            landed = results.get(timeout=io_timeout * (3 if faulty else 1))
             if rep:
                 times.append(landed - t0)
         sender.close()
@@ -116,10 +142,12 @@ def _decode(device, cases, ctrl, results, io_timeout, trace=False):
         staging = StagingPool(transport.alloc_staging, case.slot_mb << 20, EngineConfig.staging_slots)
         errors: list[str] = []
         copier, rooms = PageCopier([pool]), PublishedRooms(_ids(case, 2))  # every room: the case's destinations
+        counted = QueuedScatters()
         receiver = PairReceiver(transport=transport, staging=staging, copier=copier, peer_session="prefill:0",
                                 wanted=lambda room: True, on_chunk=lambda room, rank, err: err and errors.append(err),
                                 connect_timeout=60, io_timeout=io_timeout,
-                                check=lambda h, c=copier, s=staging, r=rooms: r.check(h, c.item_lens, s.slot_bytes))
+                                check=lambda h, c=copier, s=staging, r=rooms: r.check(h, c.item_lens, s.slot_bytes),
+                                **counted.receiver_args())
         events: list = []
         if trace:
             receiver.trace = lambda step, room: events.append(("decode", step, room, time.monotonic()))
@@ -135,18 +163,20 @@ def _decode(device, cases, ctrl, results, io_timeout, trace=False):
         done.wait(io_timeout)
         src_pool = _pool(case, device, seed=1000 + ci)
         src, dst = _ids(case, 1), _ids(case, 2)
-        bad = 0
+        bad = bad_others = 0
         others = torch.ones(case.pool_pages, dtype=torch.bool, device=device)
         others[torch.from_numpy(dst.astype(np.int64)).to(device)] = False
         for s_t, d_t in zip(src_pool, pool):
             want = s_t[torch.from_numpy(src.astype(np.int64)).to(device)]
             got = d_t[torch.from_numpy(dst.astype(np.int64)).to(device)]
             bad += int((want != got).any(dim=1).sum())
-            bad += int((d_t[others] != SENTINEL).any(dim=1).sum())
-        # how many rooms' destination lists went to the device (once a room where the scatter takes device ids)
-        verdicts.append({"bad_pages": bad, "errors": errors[:3], "events": events, "rooms": rooms.published,
-                         "room_uploads": receiver.room_ids.uploads})
+            bad_others += int((d_t[others] != SENTINEL).any(dim=1).sum())
         receiver.close()
+        # how many rooms' destination lists went to the device (once a room where the scatter takes device ids);
+        # `bad_others`: pages outside every room's destinations that changed (must never happen, faults included)
+        verdicts.append({"bad_pages": bad + bad_others, "bad_others": bad_others, "errors": errors[:3],
+                         "events": events, "rooms": rooms.published, "room_uploads": receiver.room_ids.uploads,
+                         "queued": counted.queued, "ended": counted.ended, "slots_in_use": staging.in_use})
         staging.close()
     transport.close()
     return verdicts

@@ -3,7 +3,7 @@
 Every room publishes the same destinations (one request's pages, sent again and again), each in a list of its own,
 as every room the decode adapter publishes has: the receiver keys its device copy of a room's ids by that list
 (engine/copy/room_ids.py), so rooms sharing one array would find each other's upload. Used by xfer_bench.py's and
-engine_pair.py's decodes.
+engine_pair.py's decodes, with `QueuedScatters` for SGLANG_P2P_DEVICE_SCATTER's counts.
 """
 
 from __future__ import annotations
@@ -34,3 +34,25 @@ class PublishedRooms:
             while len(self._rooms) > self.keep:
                 self._rooms.pop(next(iter(self._rooms)))
         return checks.chunk_header(header, item_lens, slot_bytes, room)
+
+
+class QueuedScatters:
+    """SGLANG_P2P_DEVICE_SCATTER's counts of one benchmark receiver, told on its thread: what the decode adapter
+    keeps per room (adapter/scatter_gate.py), here in all (every room is wanted). `receiver_args()`: the
+    receiver's arguments for the mode the environment names."""
+
+    def __init__(self) -> None:
+        self.queued = self.ended = 0
+
+    def on_queued(self, room: int) -> bool:
+        self.queued += 1
+        return True
+
+    def on_ended(self, room: int) -> None:
+        self.ended += 1
+
+    def receiver_args(self) -> dict:
+        from sglang_p2p_backend.engine.config import EngineConfig
+
+        return {"device_scatter": EngineConfig.from_env().device_scatter, "on_queued": self.on_queued,
+                "on_ended": self.on_ended}

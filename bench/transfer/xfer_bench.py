@@ -368,6 +368,7 @@ class Decode:
     def nccl_start(self, slot_bytes: int, slots: int, overlap: bool = True):
         from sglang_p2p_backend.engine.config import EngineConfig
         from sglang_p2p_backend.engine.copy.copier import PageCopier
+        from bench.transfer.published_rooms import QueuedScatters
         from sglang_p2p_backend.engine.pair.pipeline import PairReceiver
         from sglang_p2p_backend.engine.pair.staging import StagingPool
         from sglang_p2p_backend.engine.transport import two_sided_transport
@@ -378,11 +379,13 @@ class Decode:
         staging = StagingPool(self.transport.alloc_staging, slot_bytes, slots)
         errors: list[str] = []
         copier = PageCopier([self.pool])
+        # SGLANG_P2P_DEVICE_SCATTER as the decode adapter runs it (every room wanted here)
         receiver = PairReceiver(transport=self.transport, staging=staging, copier=copier,
                                 peer_session="prefill:0", wanted=lambda room: True,
                                 on_chunk=lambda room, rank, err: errors.append(err) if err else None,
                                 connect_timeout=IO_TIMEOUT, io_timeout=IO_TIMEOUT, overlap=overlap,
-                                check=lambda header: self.check(header, copier.item_lens, slot_bytes))
+                                check=lambda header: self.check(header, copier.item_lens, slot_bytes),
+                                **QueuedScatters().receiver_args())
         self.nccl = (staging, receiver, errors)
         return ("ok",)
 
@@ -1278,7 +1281,7 @@ def meta(torch, quick: bool) -> dict:
          "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": quick,
          "cpus": os.cpu_count(), "argv": sys.argv[1:],
          "env": {k: os.environ.get(k) for k in (*SAFE_ENV, "SGLANG_P2P_STAGING_MB", "SGLANG_P2P_STAGING_SLOTS",
-                                                "NCCL_CUMEM_ENABLE")}}
+                                                "SGLANG_P2P_DEVICE_SCATTER", "NCCL_CUMEM_ENABLE")}}
     if torch.cuda.is_available():
         m["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         try:

@@ -258,9 +258,10 @@ class P2pNcclKVReceiver(CommonKVReceiver):
         return _latched_poll(self, KVPoll.WaitingForInput, self._check_waiting_timeout)
 
     def _check_waiting_timeout(self) -> Optional[KVPoll]:
-        """Common's waiting timeout, except for a room whose failure is held (decode.py `_hold`): it turns Failed
-        once its prefill ranks answered or the hold's bound passed, not while a write into its pages may run."""
-        if self.kv_mgr.end_expired_hold(self.bootstrap_room):
+        """Common's waiting timeout, except for a room whose failure is held (decode.py `_hold`), or with a scatter
+        of its chunks queued on the GPU (`scatters_pending`): it turns Failed once its prefill ranks answered, its
+        scatters ended or the bound passed, not while a write into its pages may run."""
+        if self.kv_mgr.end_expired_hold(self.bootstrap_room) or self.kv_mgr.scatters_pending(self.bootstrap_room):
             return None
         timed_out = super()._check_waiting_timeout()
         return None if self.kv_mgr.holds.held(self.bootstrap_room) else timed_out
@@ -278,7 +279,8 @@ class P2pNcclKVReceiver(CommonKVReceiver):
         # failures (its prefill ranks told, Failed once they answered after their last write)
         if self.conclude_state is None and self.kv_mgr.hold_abort(self.bootstrap_room, "Aborted by AbortReq."):
             return
-        # forgotten first: nothing to hold (with deferred release SGLang holds the pages itself)
+        # forgotten first (hold_abort forgot an open room already): nothing to hold (with deferred release SGLang
+        # holds the pages itself)
         self.kv_mgr.forget_room(self.bootstrap_room)
         super().abort()
 

@@ -53,6 +53,7 @@ from sglang_p2p_backend.engine.transport.base import TransportError
 from sglang_p2p_backend.adapter.bounded import Bounded
 from sglang_p2p_backend.adapter.failure_hold import FailureHolds, process_gone
 from sglang_p2p_backend.adapter.kv_fault import KVCorruption
+from sglang_p2p_backend.adapter.scatter_gate import ScatterGate
 from sglang_p2p_backend.adapter.manager import P2pNcclKVManagerBase
 from sglang_p2p_backend.adapter.server_ranks import rank_endpoints
 
@@ -118,10 +119,14 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         #: prefill ranks declared dead whose process may still run (a frozen one), as long as a hold may wait
         self._maybe_writing: Dict[str, float] = {}
         self.arrivals = ArrivalTracker(self._apply_prefill_final)
+        #: SGLANG_P2P_DEVICE_SCATTER: a room's failure waits while a scatter of its chunks is queued on the GPU
+        #: (scatter_gate.py); bounded by the wait for its receive and for the channel's work after an abort
+        self.scatter_gate = ScatterGate(self.config.failure_hold_s + 2 * self.config.io_timeout)
         self.kv_fault = KVCorruption(self.config.test_corrupt_kv_file, self.views[0], self.device)
         self.channels = PairReceivers(
             self.two_sided, self.staging, self.copier, self.session, self.config, send=self._control_send,
             wanted=self.room_wanted, on_chunk=self.arrivals.landed, check=self._check_chunk,
+            on_queued=self._scatter_queued, on_ended=self._scatter_ended,
         ) if self.two_sided else None
         self.comm_budget = self.channels.budget if self.channels else None
         if self.ipc is not None:
@@ -301,12 +306,14 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         return f"prefill rank {endpoint} refused this decode rank: {peer.reason}" if peer and peer.state == "refused" else None
 
     def room_wanted(self, room: int) -> bool:
-        return room in self.live_rooms and self.request_status.get(room) not in (None, KVPoll.Failed)
+        return (room in self.live_rooms and self.request_status.get(room) not in (None, KVPoll.Failed)
+                and not self.scatter_gate.waiting(room))
 
     def forget_room(self, room: int, succeeded: bool = False) -> None:
         """SGLang has the room's pages now (cleared or aborted). `succeeded`: it concluded Success, so no abort
         of it can follow and nobody ACKs it."""
         self.holds.forget(room)
+        self.scatter_gate.forget(room)
         self.live_rooms.pop(room, None)
         self._room_frames.pop(room, None)
         self.arrivals.forget(room)
@@ -531,8 +538,8 @@ class DecodeKVManager(P2pNcclKVManagerBase):
 
     # ------------------------------------------------------------------ status
     def _apply_prefill_final(self, room: int, prefill_rank: int, success: bool, reason: str) -> None:
-        if self.request_status.get(room) in (None, KVPoll.Failed):
-            return  # concluded; a failed room never turns Success (SGLang 0.5.17's update_status would let it)
+        if self.request_status.get(room) in (None, KVPoll.Failed) or self.scatter_gate.waiting(room):
+            return  # concluded (or failing); a failed room never turns Success (SGLang 0.5.17's update_status would let it)
         senders = self._sessions_of(room, prefill_rank)
         if self.holds.held(room):  # a final status comes after that rank's last write of the room
             if self.holds.answered(room, senders):
@@ -574,24 +581,49 @@ class DecodeKVManager(P2pNcclKVManagerBase):
 
     # ------------------------------------------------------------------ failures held (failure_hold.py)
     def update_status(self, bootstrap_room: int, status: int) -> None:
-        """SGLang's and this role's status updates; a failure waits while a prefill may still write one-sided."""
-        if status == KVPoll.Failed and (self.holds.held(bootstrap_room) or self._hold(bootstrap_room)):
+        """SGLang's and this role's status updates; a failure waits while a prefill may still write one-sided, or
+        a scatter of the room is queued on the GPU (`_set_failed`), and a room whose failure waits changes no more."""
+        if status == KVPoll.Failed:
+            if not (self.holds.held(bootstrap_room) or self._hold(bootstrap_room)):
+                self._set_failed(bootstrap_room)
+            return
+        if self.scatter_gate.waiting(bootstrap_room):
             return
         super().update_status(bootstrap_room, status)
 
     def room_failed(self, room: int, reason: str, drained: Iterable[str] = ()) -> None:
         """Fail an open room; `drained`: prefill ranks known to write it no more (they failed it after their
         writes). The first reason of a held room stays."""
-        if self.request_status.get(room) in (None, KVPoll.Failed, KVPoll.Success) or self.holds.held(room):
+        if (self.request_status.get(room) in (None, KVPoll.Failed, KVPoll.Success) or self.holds.held(room)
+                or self.scatter_gate.waiting(room)):
             return
         self.record_failure(room, reason)
         if not self._hold(room, drained):
-            super().update_status(room, KVPoll.Failed)
+            self._set_failed(room)
 
     def hold_abort(self, room: int, reason: str) -> bool:
         """SGLang aborts an open `room` (AbortReq): whether its failure is held as the decode's own failures are
-        (`_hold`), its status kept until no prefill rank may still write its pages."""
-        if not self.hold_failures or self.request_status.get(room) in (None, KVPoll.Failed, KVPoll.Success):
+        (`_hold`, `_set_failed`), its status kept until no prefill rank may still write its pages and none of its
+        scatters is queued on the GPU. With SGLang's deferred release its pages wait for the ABORT_ACKs instead,
+        which count once the receivers drained (`_on_abort_ack`). A room not held is forgotten before the gate's
+        lock is let go: SGLang's own abort follows, and no scatter of the room may be counted between this look
+        and that (`_scatter_queued` asks whether it is still wanted)."""
+        with self.scatter_gate.lock:
+            held = self._hold_abort(room, reason)
+            if not held:
+                self.forget_room(room)
+            return held
+
+    def _hold_abort(self, room: int, reason: str) -> bool:
+        if self.request_status.get(room) in (None, KVPoll.Failed, KVPoll.Success):
+            return False
+        if self.scatter_gate.waiting(room):
+            return True
+        if not getattr(self, "enable_deferred_decode_kv_release", False) and self.scatter_gate.pending(room):
+            self.room_failed(room, reason)  # held for one-sided writers first, then for the scatters
+            self._tell_two_sided(room, reason)
+            return True
+        if not self.hold_failures:
             return False
         if self.holds.held(room):
             return True
@@ -627,8 +659,48 @@ class DecodeKVManager(P2pNcclKVManagerBase):
         return True
 
     def _fail_now(self, room: int) -> None:
-        """A held room's wait ended: SGLang may take its pages back."""
-        super().update_status(room, KVPoll.Failed)
+        """A held room's wait ended: SGLang may take its pages back (once its queued scatters ended too)."""
+        self._set_failed(room)
+
+    # ------------------------------------------------------------------ scatters queued on the GPU (scatter_gate.py)
+    def _set_failed(self, room: int) -> None:
+        """Every Failed of this role goes through here: it waits while a scatter of the room is queued on the GPU
+        (`_scatter_ended` applies it), else SGLang sees it now. Under the gate's lock: a scatter is counted only
+        for a room still wanted (`_scatter_queued`), so either it is counted first and the failure waits, or the
+        failure comes first and it is never queued."""
+        with self.scatter_gate.lock:
+            if self.scatter_gate.defer(room):
+                return
+            super().update_status(room, KVPoll.Failed)
+
+    def _scatter_queued(self, room: int) -> bool:
+        """A receiver queues a scatter of `room` on the GPU: counted if the room still wants its chunks."""
+        with self.scatter_gate.lock:
+            if not self.room_wanted(room):
+                return False
+            self.scatter_gate.queued(room)
+            return True
+
+    def _scatter_ended(self, room: int) -> None:
+        """A receiver saw a queued scatter of `room` end: the room's waiting failure applies after its last."""
+        if self.scatter_gate.ended(room):
+            with self.scatter_gate.lock:
+                super().update_status(room, KVPoll.Failed)
+
+    def scatters_pending(self, room: int) -> bool:
+        """Whether a scatter of `room` queued on the GPU may still write its pages (SGLang's waiting timeout
+        waits for it: conn.py)."""
+        return self.scatter_gate.pending(room)
+
+    def _tell_two_sided(self, room: int, reason: str) -> None:
+        """Tell the room's prefill ranks it failed here (RoomFailed), so their senders stop sending its chunks."""
+        published = self.live_rooms.get(room)
+        frames = wire.encode(wire.RoomFailed(self.session, room, reason))
+        for session in (published.prefills if published is not None else ()):
+            try:
+                self.send_to_prefill(session, frames, block=False)
+            except ControlError as e:
+                logger.warning("p2pnccl: %s", e)
 
     def _writer_gone(self, session: str) -> None:
         self._maybe_writing.pop(session, None)
@@ -649,6 +721,11 @@ class DecodeKVManager(P2pNcclKVManagerBase):
     def _sweep(self) -> None:
         for room in self.holds.expired():
             self._end_at_bound(room)
+        for room in self.scatter_gate.expired():
+            logger.error("p2pnccl: room %s failed after %.0fs although a scatter of its chunks queued on the GPU was "
+                         "not seen to end (a stalled GPU stream?); its pages may still be written", room,
+                         self.scatter_gate.bound_s)
+            super().update_status(room, KVPoll.Failed)
         now = time.monotonic()
         for session, since in list(self._maybe_writing.items()):
             if now - since > self.holds.hold_s:

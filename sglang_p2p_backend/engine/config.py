@@ -111,6 +111,11 @@ class EngineConfig:
     #: of the next one on NCCL channels (engine/pair/pipeline.py); on, a pair end takes a second staging slot
     #: when one is free
     overlap: bool = True
+    #: SGLANG_P2P_DEVICE_SCATTER=1: with the overlap, the decode queues each chunk's scatter on the GPU behind its
+    #: receive when it readies it, instead of launching it once its thread sees the bytes landed; a room failed
+    #: meanwhile turns Failed only once its queued scatters ended (engine/pair/pipeline.py, adapter/decode.py).
+    #: Off until measured across GPUs
+    device_scatter: bool = False
     #: SGLANG_P2P_FIRST_CHUNK_MB: a two-sided transfer of more than one staging slot starts with a chunk of at most
     #: this many MiB and doubles up to a slot (engine/copy/plan.py's `ramp_caps`), so the link starts after a short
     #: gather; 0 (the default): every chunk a whole slot. Off because it lost on 2 x H200 at every cap tried (16-64
@@ -201,6 +206,7 @@ class EngineConfig:
             nccl_split=_choice("SGLANG_P2P_NCCL_SPLIT", ("1", "0")) == "1",
             nccl_high_priority=_choice("SGLANG_P2P_NCCL_STREAM_PRIORITY", ("normal", "high")) == "high",
             overlap=_choice("SGLANG_P2P_OVERLAP", ("1", "0")) == "1",
+            device_scatter=_choice("SGLANG_P2P_DEVICE_SCATTER", ("0", "1")) == "1",
             first_chunk_mb=_non_negative("SGLANG_P2P_FIRST_CHUNK_MB", cls.first_chunk_mb, int),
             copy_engine=_choice("SGLANG_P2P_COPY_ENGINE", COPY_ENGINE_MODES),
             ce_min_span_kib=_number("SGLANG_P2P_CE_MIN_SPAN_KIB", cls.ce_min_span_kib, int),

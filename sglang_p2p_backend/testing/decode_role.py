@@ -204,4 +204,5 @@ class DecodeRole(Role):
             "prefills": {k: p.state for k, p in m.prefills.items()},
             "receivers": sorted(m.channels.receivers) if m.channels else [],
             "deferred_abort_rooms": sorted(getattr(m, "_deferred_abort_ack_tracker", {})),
+            "scatter_gate": m.scatter_gate.state(),  # SGLANG_P2P_DEVICE_SCATTER's counts (adapter/scatter_gate.py)
         }

@@ -50,3 +50,25 @@ def test_the_same_tree_twice_in_turn_compares_every_nccl_case(tmp_path: Path):
     p50 = saved["compare"]["nccl"]["p50"]
     assert len(p50["cases"]) == len(saved["runs"]["new"][0]["nccl"]) > 0
     assert all(x > 0 for x in p50["new_over_old"] + p50["old_over_old"] + p50["new_over_new"])
+
+
+def test_a_variable_set_for_one_side_reaches_only_that_sides_runs(tmp_path: Path, monkeypatch, capsys):
+    """One tree against itself under two settings: --new-env goes to the new side's runs, nowhere else."""
+    repo = Path(ab.__file__).resolve().parents[2]
+    seen = []
+
+    def run_tree(tree, args, out, timeout, extra_env=None):
+        seen.append(dict(extra_env or {}))
+        return {"nccl": [{"case": "c", "overlap": True, "send_us": {"p50": 2.0 if extra_env else 4.0, "min": 1.0}}]}
+
+    monkeypatch.setattr(ab, "run_tree", run_tree)
+    out = tmp_path / "ab.json"
+    assert ab.main(["--old", str(repo), "--new-env", "SGLANG_P2P_DEVICE_SCATTER=1", "--rounds", "2",
+                    "--out", str(out)]) == 0
+    assert seen == [{"SGLANG_P2P_DEVICE_SCATTER": "1"}, {}] * 2
+    saved = json.loads(out.read_text())
+    assert saved["env"] == {"new": {"SGLANG_P2P_DEVICE_SCATTER": "1"}, "old": {}}
+    assert saved["compare"]["nccl"]["p50"]["new_over_old"] == [0.5, 0.5]
+    with pytest.raises(SystemExit):
+        ab.main(["--old", str(repo), "--old-env", "NOEQUALS"])
+    assert "'NOEQUALS' is not KEY=VALUE" in capsys.readouterr().err

@@ -7,9 +7,20 @@ def test_two_process_pipeline_over_tcp_is_byte_exact():
     cases = [Case("mla", 1, 90, reps=2, slot_mb=1), Case("mha", 16, 200, reps=1, slot_mb=1)]
     times, verdicts = run_cases(cases, io_timeout=30)
     # every room checked against its published pages as the decode does; on CPU no ids go to a device
-    assert verdicts == [{"bad_pages": 0, "errors": [], "rooms": 3, "room_uploads": 0},
-                        {"bad_pages": 0, "errors": [], "rooms": 2, "room_uploads": 0}]
+    # (no side stream on tcp: nothing is queued on a device, SGLANG_P2P_DEVICE_SCATTER or not)
+    clean = {"bad_pages": 0, "bad_others": 0, "errors": [], "room_uploads": 0, "queued": 0, "ended": 0,
+             "slots_in_use": 0}
+    assert verdicts == [{**clean, "rooms": 3}, {**clean, "rooms": 2}]
     assert [len(t) for t in times] == [2, 1]
+
+
+def test_a_prefill_that_stops_sending_after_a_header_fails_the_room_and_nothing_else():
+    """The fault the GPU test puts under a scatter queued on the device: the prefill's fourth send raises after
+    its chunk's header went out. The decode fails the room at the receive's deadline, no page outside the room's
+    destinations changes, and every staging slot comes back."""
+    (v,) = run_cases([Case("mla", 16, 200, reps=1, slot_mb=1, fail_send_at=3)], io_timeout=5.0)[1]
+    assert v["errors"] and all("broke" in e for e in v["errors"]), v
+    assert v["bad_others"] == 0 and v["slots_in_use"] == 0, v
 
 
 def test_the_trace_gives_each_step_of_each_chunk_in_order_without_the_warm_up():

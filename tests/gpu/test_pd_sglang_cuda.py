@@ -52,6 +52,8 @@ LAYOUTS = {
 }
 TRANSPORTS = [
     pytest.param({"SGLANG_P2P_TRANSPORT": "nccl"}, id="nccl"),
+    # each chunk's scatter queued on the GPU behind its receive, counted for its room by the decode's gate
+    pytest.param({"SGLANG_P2P_TRANSPORT": "nccl", "SGLANG_P2P_DEVICE_SCATTER": "1"}, id="nccl-device-scatter"),
     # the same-host path: the decode's pools mapped into the prefill (CUDA IPC; two processes on one GPU work too)
     pytest.param({"SGLANG_P2P_TRANSPORT": "cudaipc"}, id="cudaipc"),
     pytest.param(
@@ -85,6 +87,8 @@ def assert_landed(result: dict, rooms: list[int]) -> None:
         assert r["status"] == "Success" and r["num_bad_pages"] == 0, r
         assert r["aux_room_ok"] and r["first_token_ok"], r
     assert d["untouched_violations"] == [], d["untouched_violations"]
+    gate = d["leftovers"]["scatter_gate"]  # no scatter queued on the GPU left uncounted, no failure left waiting
+    assert gate["pending"] == [] and gate["waiting"] == [], gate
     for side in (p, d):
         left = side["leftovers"]
         assert left["request_status"] == [] and left["staging_in_use"] == 0, left
@@ -106,7 +110,10 @@ def test_cuda_pools_land_byte_exact(layout, page_size, transport_env):
     plan = gpu_plan({**LAYOUTS[layout], "page_size": ps, "num_pages": 3 * pages + 8}, requests)
     # 8 MiB staging in 2 slots: the larger requests take several chunks of the engine's pipeline too
     env = {**transport_env, "SGLANG_P2P_STAGING_MB": "8"}
-    assert_landed(run_pair(plan, env=env, timeout=240), [51, 52, 53])
+    result = run_pair(plan, env=env, timeout=240)
+    assert_landed(result, [51, 52, 53])
+    queued = result["decode"]["leftovers"]["scatter_gate"]["total"]
+    assert (queued > 0) == (transport_env.get("SGLANG_P2P_DEVICE_SCATTER") == "1"), queued
 
 
 @pytest.mark.parametrize("layout", ["mla", "mha"])

@@ -8,16 +8,9 @@ from test_pd_transfer import IPC_ENV, assert_clean, failed_reason
 
 from sglang_p2p_backend.adapter.failure_hold import FailureHolds, process_gone
 from sglang_p2p_backend.testing.launch import PairRun
+from support.clock import Clock
 
 ROOM = 7
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_hold_ends_with_the_last_answer_or_the_last_writer_gone():

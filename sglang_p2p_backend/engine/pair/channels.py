@@ -231,6 +231,8 @@ class PairReceivers:
         wanted: Callable[[int], bool],
         on_chunk: ChunkDone,
         check: Callable[[wire.ChunkHeader], ChunkVerdict],
+        on_queued: Optional[Callable[[int], bool]] = None,
+        on_ended: Callable[[int], None] = lambda room: None,
     ):
         self.transport = transport
         self.staging = staging
@@ -244,6 +246,10 @@ class PairReceivers:
         self.on_chunk = on_chunk
         #: a chunk header's checks against the room's published pages, on the receiver's thread
         self.check = check
+        #: SGLANG_P2P_DEVICE_SCATTER: scatters queued on the GPU behind their receives, each counted for its room
+        #: (`on_queued`, which refuses a room no longer wanted) until seen ended (`on_ended`); only where the
+        #: caller counts them, since a room must not fail while one may still write its pages
+        self.on_queued, self.on_ended = on_queued, on_ended
         self.receivers: Dict[str, PairReceiver] = {}
         self.budget = CommBudget.from_config(config, "decode")
 
@@ -324,6 +330,9 @@ class PairReceivers:
                     s, wire.ChunkRefused(self.session, h.generation, h.room, reason), False),
                 check=self.check,
                 overlap=self.config.overlap,
+                device_scatter=self.config.device_scatter and self.on_queued is not None,
+                on_queued=self.on_queued or (lambda room: True),
+                on_ended=self.on_ended,
             )
         return receiver
 

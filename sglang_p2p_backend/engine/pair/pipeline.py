@@ -14,7 +14,9 @@ new one (a higher `generation`).
 On channels with a side stream (NCCL) the ends overlap (`overlap`, SGLANG_P2P_OVERLAP): the sender gathers chunk
 i+1 into a second staging slot while chunk i moves, the receiver posts chunk i+1's receive before it scatters
 chunk i and reports a chunk once its scatter is seen done, without waiting for it while it can post. A spare
-slot is only ever taken when free and nobody waits for one (docs/design.md, two-sided path).
+slot is only ever taken when free and nobody waits for one (docs/design.md, two-sided path). With
+`device_scatter` (SGLANG_P2P_DEVICE_SCATTER) the receiver queues a readied scatter on the GPU behind its receive,
+counted for its room until seen ended (`on_queued`, `on_ended`: the decode holds the room's failure meanwhile).
 """
 
 from __future__ import annotations
@@ -66,6 +68,19 @@ def _at_once() -> bool:
     return True
 
 
+def _queue_after(stream: "torch.cuda.Stream", received: Completion, run: Callable[[], object]) -> Callable[[], bool]:
+    """Queue a readied scatter on `stream` behind a posted receive (a wait on the receive's event, then the launch),
+    so the GPU starts it as the bytes land, with no host step between; returns its end, to poll."""
+    with on_stream(stream):
+        stream.wait_event(received.event)
+        run()
+    return _queued_end(stream)
+
+
+def _never() -> bool:
+    return False
+
+
 def _settled(comm: PairComm, timeout: float) -> bool:
     """After an abort of `comm`: whether the work queued on its streams (sends, receives, and the gathers or
     scatters of its staging slots) has ended within `timeout`. A slot goes back to the pool only then: one
@@ -86,6 +101,9 @@ class _Posted(NamedTuple):
     deadline: float
     scatter: Optional["torch.cuda.Stream"] = None
     prepared: Optional[Callable[[], object]] = None
+    #: its scatter queued on the GPU behind the receive (`device_scatter`): its end; None: launched at landing
+    queued: Optional[Callable[[], bool]] = None
+    queue_error: Optional[Exception] = None  # queueing it raised: landing fails the chunk
 
 
 def _landing_wait(posted: _Posted) -> Deadline:
@@ -119,16 +137,17 @@ class _PairEnd:
         if self.trace is not None:
             self.trace(event, room)
 
-    def _give_back(self, comm: PairComm, bufs: Sequence[torch.Tensor], peer: str) -> None:
+    def _give_back(self, comm: PairComm, bufs: Sequence[torch.Tensor], peer: str) -> bool:
         """Slots used on an aborted channel back to the pool once the channel's work ended (gathers into them,
         sends out of them, receives and scatters); else kept out of use, logged, rather than carry one room's
-        bytes into another room's chunk."""
+        bytes into another room's chunk. Whether the work ended."""
         if _settled(comm, self.io_timeout):
             for buf in bufs:
                 self.staging.release(buf)
-        else:
-            logger.error("p2pnccl: work on the pair channel of %s not finished %.0fs after it was aborted; %d "
-                         "staging slot(s) kept out of use", peer, self.io_timeout, len(bufs))
+            return True
+        logger.error("p2pnccl: work on the pair channel of %s not finished %.0fs after it was aborted; %d "
+                     "staging slot(s) kept out of use", peer, self.io_timeout, len(bufs))
+        return False
 
 
 class PairSender(_PairEnd):
@@ -351,9 +370,20 @@ class PairReceiver(_PairEnd):
         on_refused: Callable[[ChunkHeader, str], None] = lambda header, reason: None,
         check: Optional[Callable[[ChunkHeader], ChunkVerdict]] = None,
         overlap: bool = True,
+        device_scatter: bool = False,
+        on_queued: Callable[[int], bool] = lambda room: True,
+        on_ended: Callable[[int], None] = lambda room: None,
     ):
         super().__init__(transport, staging, copier, connect_timeout, io_timeout, overlap)
         self.peer_session = peer_session
+        #: queue each readied scatter on the GPU behind its receive (overlapped chunks only). `on_queued(room)` is
+        #: asked first and counts it where the room is still wanted (False: not queued, landing drops the chunk);
+        #: `on_ended(room)` is told once it is seen ended, or its channel's work settled after an abort: never
+        #: while it may still write the room's pages
+        self.device_scatter = device_scatter
+        self._queued_any = False  # logged once a receiver: the first scatter queued that way
+        self.on_queued = on_queued
+        self.on_ended = on_ended
         #: told the CommInit of a channel once joined, None once it is dropped (the decode's comm pool)
         self.on_channel = on_channel
         self.wanted = wanted
@@ -558,7 +588,8 @@ class PairReceiver(_PairEnd):
         # readies the scatters (a readying is needed only by its chunk's landing)
         for k in range(first, len(self._posted)):
             p = self._posted[k]
-            self._posted[k] = p._replace(prepared=self._prepare(p.header, p.verdict, p.buf, p.scatter))
+            p = p._replace(prepared=self._prepare(p.header, p.verdict, p.buf, p.scatter))
+            self._posted[k] = self._queue_early(p) if self._queues_early(p) else p
         if overlaps:
             self._progress()
         else:
@@ -651,6 +682,31 @@ class PairReceiver(_PairEnd):
                          header.room, exc_info=True)
             return None
 
+    def _queues_early(self, p: _Posted) -> bool:
+        """Whether `p`'s readied scatter goes on the GPU now (`device_scatter`): an overlapped chunk (the side
+        stream, its kernel loaded) whose receive has an event to wait on."""
+        return (self.device_scatter and p.prepared is not None and p.scatter is not None
+                and p.scatter is p.comm.side_stream and getattr(p.done, "event", None) is not None)
+
+    def _queue_early(self, p: _Posted) -> _Posted:
+        """Queue `p`'s readied scatter behind its receive. Counted for its room first: from here on a failure of
+        the room waits for this scatter's end, which `_report` (or an abort's settled streams) tells. A room no
+        longer wanted is not counted, and its chunk is dropped at landing as without `device_scatter`."""
+        if not self.on_queued(p.header.room):
+            return p._replace(prepared=None)
+        try:
+            ended = _queue_after(p.scatter, p.done, p.prepared)
+        except Exception as e:  # noqa: BLE001 - what reached the stream ends on its own; landing fails the chunk
+            logger.error("p2p receiver for %s: queueing the scatter of room %d failed", self.peer_session,
+                         p.header.room, exc_info=e)
+            return p._replace(queued=_never, queue_error=e)
+        self._mark("launched", p.header.room)
+        if not self._queued_any:
+            self._queued_any = True
+            logger.info("p2pnccl: scatters of prefill %s are queued on the GPU behind their receives "
+                        "(SGLANG_P2P_DEVICE_SCATTER=1)", self.peer_session)
+        return p._replace(queued=ended)
+
     def _device_ids(self, verdict: ChunkVerdict, stream: Optional["torch.cuda.Stream"]) -> Optional[list]:
         """The chunk's ids by group with its KV run as a slice of the room's ids on the device (uploaded once a
         room, on `stream`, the current one), or None (each chunk uploads its own): for a chunk whose KV ids are
@@ -680,8 +736,12 @@ class PairReceiver(_PairEnd):
         try:
             p.done.wait(max(0.0, p.deadline - time.monotonic()))
             self._mark("landed", p.header.room)
+            if p.queue_error is not None:
+                raise p.queue_error
             ended, scattered = _at_once, False
-            if p.verdict.chunk is not None and self.wanted(p.header.room):
+            if p.queued is not None:  # queued behind the receive when readied: it runs since the bytes landed
+                ended, scattered = p.queued, True
+            elif p.verdict.chunk is not None and self.wanted(p.header.room):
                 with on_stream(p.scatter):
                     if p.prepared is not None:
                         p.prepared()
@@ -702,6 +762,8 @@ class PairReceiver(_PairEnd):
             self._failed(p, TransportError(f"scatter not done after {self.io_timeout:.1f}s (GPU stalled)"),
                          earlier=False)
             return
+        if p.queued is not None:
+            self.on_ended(p.header.room)
         if landed.scattered:
             self._mark("scattered", p.header.room)
         self.staging.release(p.buf)
@@ -722,7 +784,14 @@ class PairReceiver(_PairEnd):
         p.comm.abort()
         if p.comm is self.comm:
             self._broken(reason)
-        self._give_back(p.comm, [p.buf], self.peer_session)
+        self._gave_back(p)
+
+    def _gave_back(self, p: _Posted) -> None:
+        """`p`'s slot back once its aborted channel's work ended (`_give_back`); its scatter queued on the GPU
+        (`device_scatter`) ended then too, whatever the receive left in the slot: its room is told. Work that
+        does not end keeps the room counted (the decode's bound ends its wait, logged)."""
+        if self._give_back(p.comm, [p.buf], self.peer_session) and p.queued is not None:
+            self.on_ended(p.header.room)
 
     def _broken(self, reason: str) -> None:
         """Drop the channel: the chunks landed before report (their scatters are local work), the chunks posted
@@ -733,4 +802,4 @@ class PairReceiver(_PairEnd):
         while self._posted:
             posted = self._posted.popleft()
             self.on_chunk(posted.header.room, posted.header.prefill_rank, reason)
-            self._give_back(posted.comm, [posted.buf], self.peer_session)
+            self._gave_back(posted)
