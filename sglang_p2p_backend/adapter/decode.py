@@ -587,9 +587,9 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             if not (self.holds.held(bootstrap_room) or self._hold(bootstrap_room)):
                 self._set_failed(bootstrap_room)
             return
-        if self.scatter_gate.waiting(bootstrap_room):
-            return
-        super().update_status(bootstrap_room, status)
+        with self.scatter_gate.lock:  # not between a failure's deferral and its check here
+            if not self.scatter_gate.waiting(bootstrap_room):
+                super().update_status(bootstrap_room, status)
 
     def room_failed(self, room: int, reason: str, drained: Iterable[str] = ()) -> None:
         """Fail an open room; `drained`: prefill ranks known to write it no more (they failed it after their
