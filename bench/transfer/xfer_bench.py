@@ -366,9 +366,9 @@ class Decode:
         return ("ok",)
 
     def nccl_start(self, slot_bytes: int, slots: int, overlap: bool = True):
+        from bench.transfer.published_rooms import QueuedScatters
         from sglang_p2p_backend.engine.config import EngineConfig
         from sglang_p2p_backend.engine.copy.copier import PageCopier
-        from bench.transfer.published_rooms import QueuedScatters
         from sglang_p2p_backend.engine.pair.pipeline import PairReceiver
         from sglang_p2p_backend.engine.pair.staging import StagingPool
         from sglang_p2p_backend.engine.transport import two_sided_transport

@@ -621,7 +621,8 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             return True
         if not getattr(self, "enable_deferred_decode_kv_release", False) and self.scatter_gate.pending(room):
             self.room_failed(room, reason)  # held for one-sided writers first, then for the scatters
-            self._tell_two_sided(room, reason)
+            published = self.live_rooms.get(room)
+            self._tell_failed(room, reason, published.prefills if published is not None else ())
             return True
         if not self.hold_failures:
             return False
@@ -650,13 +651,18 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             return True  # held by another thread's failure of it, which tells the prefill ranks
         with self.failure_lock:
             reason = self.failure_records.get(room, "")
+        self._tell_failed(room, reason, writers)
+        return True
+
+    def _tell_failed(self, room: int, reason: str, sessions: Iterable[str]) -> None:
+        """Tell prefill ranks `room` failed here (RoomFailed), so their senders stop writing or sending it; one that
+        cannot be told fails the room by liveness (a hold's bound ends the wait for its answer)."""
         frames = wire.encode(wire.RoomFailed(self.session, room, reason))
-        for session in writers:
+        for session in sessions:
             try:
                 self.send_to_prefill(session, frames, block=False)
             except ControlError as e:
-                logger.warning("p2pnccl: %s", e)  # it fails the room by liveness; the bound ends the hold
-        return True
+                logger.warning("p2pnccl: %s", e)
 
     def _fail_now(self, room: int) -> None:
         """A held room's wait ended: SGLang may take its pages back (once its queued scatters ended too)."""
@@ -684,23 +690,13 @@ class DecodeKVManager(P2pNcclKVManagerBase):
     def _scatter_ended(self, room: int) -> None:
         """A receiver saw a queued scatter of `room` end: the room's waiting failure applies after its last."""
         if self.scatter_gate.ended(room):
-            with self.scatter_gate.lock:
-                super().update_status(room, KVPoll.Failed)
+            self._set_failed(room)  # nothing of it is counted any more: Failed now
 
     def scatters_pending(self, room: int) -> bool:
         """Whether a scatter of `room` queued on the GPU may still write its pages (SGLang's waiting timeout
         waits for it: conn.py)."""
         return self.scatter_gate.pending(room)
 
-    def _tell_two_sided(self, room: int, reason: str) -> None:
-        """Tell the room's prefill ranks it failed here (RoomFailed), so their senders stop sending its chunks."""
-        published = self.live_rooms.get(room)
-        frames = wire.encode(wire.RoomFailed(self.session, room, reason))
-        for session in (published.prefills if published is not None else ()):
-            try:
-                self.send_to_prefill(session, frames, block=False)
-            except ControlError as e:
-                logger.warning("p2pnccl: %s", e)
 
     def _writer_gone(self, session: str) -> None:
         self._maybe_writing.pop(session, None)
@@ -725,7 +721,7 @@ class DecodeKVManager(P2pNcclKVManagerBase):
             logger.error("p2pnccl: room %s failed after %.0fs although a scatter of its chunks queued on the GPU was "
                          "not seen to end (a stalled GPU stream?); its pages may still be written", room,
                          self.scatter_gate.bound_s)
-            super().update_status(room, KVPoll.Failed)
+            self._set_failed(room)  # its counts were dropped with the wait: Failed now
         now = time.monotonic()
         for session, since in list(self._maybe_writing.items()):
             if now - since > self.holds.hold_s:
